@@ -1,0 +1,1 @@
+"""Pure attention functions on (batch, heads, seq, dim) tensors: one method per module."""
