@@ -1,1 +1,33 @@
-"""Pure attention functions on (batch, heads, seq, dim) tensors: one method per module."""
+"""Pure attention functions on (batch, heads, seq, dim) tensors: one method per module.
+
+    softmax    exact reference (SDPA when no weights are needed)
+    linformer  keys/values projected along the sequence (Wang et al.)
+    kernel     phi(Q)(phi(K)^T V) normalised; elu / relu / favor / taylor / callable feature maps
+    efficient  softmax(Q over features) (softmax(K over sequence)^T V) (Shen et al.)
+    taylor     first-order Taylor of exp on L2-normalised Q, K
+    causal_linear_product / causal_linear_step  the chunked causal product and its recurrent form
+"""
+from .causal import causal_linear_product, causal_linear_state, causal_linear_step
+from .efficient import efficient
+from .feature_maps import (
+    FEATURE_MAPS,
+    apply_feature_map,
+    default_num_favor_features,
+    elu_feature_map,
+    favor_feature_map,
+    orthogonal_random_features,
+    relu_feature_map,
+    resolve_feature_map,
+    taylor_feature_map,
+)
+from .kernel import kernel, kernel_state, kernel_step
+from .linformer import linformer
+from .softmax import softmax
+from .taylor import taylor
+
+__all__ = [
+    "softmax", "linformer", "kernel", "kernel_state", "kernel_step", "efficient", "taylor",
+    "causal_linear_product", "causal_linear_state", "causal_linear_step",
+    "FEATURE_MAPS", "apply_feature_map", "resolve_feature_map", "default_num_favor_features",
+    "elu_feature_map", "relu_feature_map", "taylor_feature_map", "favor_feature_map", "orthogonal_random_features",
+]

@@ -1,0 +1,80 @@
+"""Small helpers shared by the attention functions: masking, key dropout, safe division.
+
+All functions take ``key_padding_mask`` as a bool tensor of shape ``(B, S)`` where ``True`` marks a key to
+IGNORE (torch's convention). Masking is done with ``masked_fill`` rather than multiplication so that masked
+garbage (even inf/NaN) can neither leak into results nor receive gradient.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def key_mask_4d(key_padding_mask: Optional[Tensor]) -> Optional[Tensor]:
+    """(B, S) -> (B, 1, S, 1), broadcastable against (B, H, S, D)."""
+    if key_padding_mask is None:
+        return None
+    return key_padding_mask[:, None, :, None]
+
+
+def mask_keys(x: Tensor, key_padding_mask: Optional[Tensor]) -> Tensor:
+    """Zero the rows of ``x`` (B, H, S, D) whose key is masked."""
+    if key_padding_mask is None:
+        return x
+    return x.masked_fill(key_mask_4d(key_padding_mask), 0.0)
+
+
+def drop_keys(v: Tensor, dropout_p: float) -> Tensor:
+    """Attention dropout for the linear modes, which have no probability matrix to drop from.
+
+    Each key (its value row) is dropped with probability ``p`` from the numerator only, independently per
+    batch element and head, and survivors are scaled by 1/(1-p). The normaliser is left untouched, so the
+    expectation of the output equals the output without dropout, as with dropout on softmax probabilities.
+    """
+    if dropout_p <= 0.0:
+        return v
+    if dropout_p >= 1.0:
+        return torch.zeros_like(v)
+    keep = torch.empty(v.shape[:-1] + (1,), device=v.device, dtype=v.dtype).bernoulli_(1.0 - dropout_p)
+    return v * keep / (1.0 - dropout_p)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Low-precision inputs accumulate states and normalisers in float32; float32/64 stay as they are."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def append_ones(v: Tensor) -> Tensor:
+    """(..., S, Dv) -> (..., S, Dv + 1): one product then yields numerator and normaliser together."""
+    return torch.cat([v, v.new_ones(v.shape[:-1] + (1,))], dim=-1)
+
+
+def split_normalise(num_den: Tensor) -> Tensor:
+    """Divide the numerator columns by the last (normaliser) column.
+
+    A zero normaliser only occurs when every key a query can see is masked (or a non-negative feature map is
+    zero on the query); the numerator is then zero too, and the output is defined as 0 rather than NaN.
+    """
+    num, den = num_den[..., :-1], num_den[..., -1:]
+    den = torch.where(den > 0, den, torch.ones_like(den))
+    return num / den
+
+
+def check_qkv(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor] = None) -> None:
+    """Shape checks shared by every method; messages name the argument at fault."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"q, k, v must be 4-D (batch, heads, seq, dim); got q{tuple(q.shape)}, k{tuple(k.shape)}, v{tuple(v.shape)}"
+        )
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k{tuple(k.shape)} and v{tuple(v.shape)} must agree in (batch, heads, seq)")
+    if q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q{tuple(q.shape)} and k{tuple(k.shape)} must agree in batch, heads and head dim")
+    if key_padding_mask is not None:
+        if key_padding_mask.dtype != torch.bool:
+            raise TypeError(f"key_padding_mask must be a bool tensor (True = ignore), got {key_padding_mask.dtype}")
+        if tuple(key_padding_mask.shape) != (k.shape[0], k.shape[2]):
+            raise ValueError(
+                f"key_padding_mask must have shape (batch, S) = {(k.shape[0], k.shape[2])}, "
+                f"got {tuple(key_padding_mask.shape)}"
+            )

@@ -1,0 +1,36 @@
+"""Efficient Attention (Shen et al., 2021): softmax over features for each query, softmax over the sequence for
+each key feature, then Q (K^T V). The rows of the implied matrix softmax(Q) softmax(K)^T sum to one, so no
+separate normaliser is needed. Non-causal only: the softmax over the sequence needs every key.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ._common import check_qkv, compute_dtype, drop_keys, key_mask_4d, mask_keys
+
+
+def efficient(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    key_padding_mask: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+) -> Tensor:
+    """q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv) -> (B, H, L, Dv).
+
+    key_padding_mask: bool (B, S), True = ignore: masked keys are excluded from the softmax over the sequence
+    (a sample with every key masked returns 0). dropout_p: key dropout as in the other linear modes.
+    """
+    check_qkv(q, k, v, key_padding_mask)
+    out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
+    q_soft = torch.softmax(q.to(dtype), dim=-1)
+    k_logits = k.to(dtype)
+    if key_padding_mask is not None:
+        # A finite fill (not -inf) keeps a fully masked sample free of NaN; its keys are zeroed just below.
+        k_logits = k_logits.masked_fill(key_mask_4d(key_padding_mask), torch.finfo(dtype).min)
+    k_soft = mask_keys(torch.softmax(k_logits, dim=-2), key_padding_mask)
+    v = drop_keys(mask_keys(v.to(dtype), key_padding_mask), dropout_p)
+    context = torch.matmul(k_soft.transpose(-2, -1), v)
+    return torch.matmul(q_soft, context).to(out_dtype)

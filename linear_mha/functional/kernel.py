@@ -1,0 +1,107 @@
+"""Kernel (linear) attention, "Transformers are RNNs" (Katharopoulos et al., 2020):
+
+    out_i = phi(q_i) . sum_j phi(k_j) v_j^T  /  phi(q_i) . sum_j phi(k_j)
+
+computed right-to-left in O(N F Dv) instead of O(N^2). Numerator and normaliser come from ONE product by
+appending a ones column to v; the state therefore has shape (F, Dv + 1). Causal attention restricts the sums to
+j <= i and runs the chunked product in ``causal.py``.
+"""
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ._common import append_ones, check_qkv, compute_dtype, drop_keys, mask_keys, split_normalise
+from .causal import causal_linear_product, causal_linear_step
+from .feature_maps import FeatureMap, apply_feature_map
+
+
+def kernel(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    feature_map: FeatureMap = "elu",
+    *,
+    causal: bool = False,
+    key_padding_mask: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    projection: Optional[Tensor] = None,
+    initial_state: Optional[Tensor] = None,
+    chunk_size: Optional[int] = None,
+) -> Tensor:
+    """Normalised kernel attention.
+
+    Shapes: q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv) -> (B, H, L, Dv), in q's dtype (float16/bfloat16
+    inputs accumulate in float32).
+    feature_map: "elu" | "relu" | "favor" (needs ``projection`` (m, D)) | "taylor" | callable psi.
+    key_padding_mask: bool (B, S), True = ignore; masked keys add nothing to numerator or normaliser.
+    causal: query i sees keys j <= i (requires L == S).
+    dropout_p: key dropout on the numerator (see ``_common.drop_keys``); pass 0 in eval.
+    initial_state: (B, H, F, Dv + 1) state of extra keys every query sees (e.g. from ``kernel_state``).
+    """
+    check_qkv(q, k, v, key_padding_mask)
+    if causal and q.shape[-2] != k.shape[-2]:
+        raise ValueError(f"causal kernel attention needs as many queries as keys, got L={q.shape[-2]}, S={k.shape[-2]}")
+    out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
+    phi_q, phi_k = apply_feature_map(
+        feature_map, q.to(dtype), k.to(dtype), key_padding_mask=key_padding_mask, causal=causal, projection=projection
+    )
+    v1 = append_ones(drop_keys(mask_keys(v.to(dtype), key_padding_mask), dropout_p))
+    if initial_state is not None:
+        initial_state = initial_state.to(phi_k.dtype)
+    if causal:
+        kwargs = {} if chunk_size is None else {"chunk_size": chunk_size}
+        num_den = causal_linear_product(phi_q, phi_k, v1, initial_state=initial_state, **kwargs)
+    else:
+        state = torch.matmul(phi_k.transpose(-2, -1), v1)
+        if initial_state is not None:
+            state = state + initial_state
+        num_den = torch.matmul(phi_q, state)
+    return split_normalise(num_den).to(out_dtype)
+
+
+def kernel_state(
+    k: Tensor,
+    v: Tensor,
+    feature_map: FeatureMap = "elu",
+    *,
+    key_padding_mask: Optional[Tensor] = None,
+    projection: Optional[Tensor] = None,
+) -> Tensor:
+    """State sum_j phi(k_j) [v_j, 1]^T of a set of keys: k (B, H, S, D), v (B, H, S, Dv) -> (B, H, F, Dv + 1).
+
+    Causal feature statistics are used (no data-dependent key stabiliser), so the state can seed causal
+    attention or recurrent decoding (``kernel_step``)."""
+    dtype = compute_dtype(k.dtype)
+    # apply_feature_map wants a query too; keys stand in for it since only phi(k) is used.
+    _, phi_k = apply_feature_map(
+        feature_map, k[..., :1, :].to(dtype), k.to(dtype), key_padding_mask=key_padding_mask, causal=True,
+        projection=projection,
+    )
+    v1 = append_ones(mask_keys(v.to(dtype), key_padding_mask))
+    return torch.matmul(phi_k.transpose(-2, -1), v1)
+
+
+def kernel_step(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    state: Optional[Tensor],
+    feature_map: FeatureMap = "elu",
+    *,
+    projection: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor]:
+    """One recurrent decoding step of causal kernel attention, O(F Dv) whatever the context length.
+
+    q, k: (B, H, D); v: (B, H, Dv); state: (B, H, F, Dv + 1) or None for an empty context.
+    Returns (out (B, H, Dv), new_state). Feeding tokens one by one equals ``kernel(..., causal=True)``.
+    """
+    out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
+    phi_q, phi_k = apply_feature_map(
+        feature_map, q[:, :, None].to(dtype), k[:, :, None].to(dtype), causal=True, projection=projection
+    )
+    v1 = append_ones(v.to(dtype))
+    if state is not None:
+        state = state.to(dtype)
+    num_den, new_state = causal_linear_step(phi_q[:, :, 0], phi_k[:, :, 0], v1, state)
+    return split_normalise(num_den).to(out_dtype), new_state

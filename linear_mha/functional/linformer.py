@@ -1,0 +1,50 @@
+"""Linformer (Wang et al., 2020): keys and values are projected along the sequence to a fixed length k by
+E, F (k x seq_len), then exact softmax attention runs over the k projected positions: O(N k).
+
+Sequences shorter than seq_len use the first S columns of E and F. Masked keys are zeroed before the
+projection, so they add nothing to it, and padding a sequence with masked garbage changes nothing.
+"""
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ._common import check_qkv, mask_keys
+from .softmax import softmax
+
+
+def linformer(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    e_proj: Tensor,
+    f_proj: Optional[Tensor] = None,
+    *,
+    key_padding_mask: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    need_weights: bool = False,
+    scale: Optional[float] = None,
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv); e_proj, f_proj: (k, seq_len) shared by the heads or
+    (H, k, seq_len) one per head; f_proj defaults to e_proj (shared key/value projection).
+    Returns out (B, H, L, Dv) and, if need_weights, the weights over the k projected keys (B, H, L, k).
+    Raises ValueError if S > seq_len.
+    """
+    check_qkv(q, k, v, key_padding_mask)
+    f_proj = e_proj if f_proj is None else f_proj
+    S, seq_len = k.shape[-2], e_proj.shape[-1]
+    if S > seq_len:
+        raise ValueError(
+            f"Linformer got a key sequence of length S={S} but its projections cover seq_len={seq_len}; "
+            f"build the module with seq_len >= {S}"
+        )
+    if f_proj.shape[-1] != seq_len:
+        raise ValueError(f"e_proj covers seq_len={seq_len} but f_proj covers {f_proj.shape[-1]}")
+    for name, proj in (("e_proj", e_proj), ("f_proj", f_proj)):
+        if proj.dim() == 3 and proj.shape[0] != q.shape[1]:
+            raise ValueError(f"{name} has {proj.shape[0]} per-head projections but there are {q.shape[1]} heads")
+    e, f = e_proj[..., :S].to(k.dtype), f_proj[..., :S].to(v.dtype)
+    # (k, S) @ (B, H, S, D) and (H, k, S) @ (B, H, S, D) both broadcast to (B, H, k, D).
+    k_proj = torch.matmul(e, mask_keys(k, key_padding_mask))
+    v_proj = torch.matmul(f, mask_keys(v, key_padding_mask))
+    return softmax(q, k_proj, v_proj, dropout_p=dropout_p, need_weights=need_weights, scale=scale)

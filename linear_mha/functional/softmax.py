@@ -1,0 +1,66 @@
+"""Exact softmax attention: the reference every linear method is measured against."""
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ._common import check_qkv
+
+
+def softmax(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attn_bias: Optional[Tensor] = None,
+    key_padding_mask: Optional[Tensor] = None,
+    causal: bool = False,
+    dropout_p: float = 0.0,
+    need_weights: bool = False,
+    scale: Optional[float] = None,
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """softmax(q k^T * scale + bias) v.
+
+    Shapes: q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv) -> out (B, H, L, Dv), weights (B, H, L, S) or None.
+    attn_bias: float, additive, broadcastable to (B, H, L, S) (use -inf to forbid a pair).
+    key_padding_mask: bool (B, S), True = ignore that key. causal: query i sees keys j <= i (top-left aligned,
+    as in ``scaled_dot_product_attention``). scale defaults to 1/sqrt(D).
+    Queries that can see no key at all return 0 (and zero weights), not NaN.
+    Weights are returned after dropout, as ``nn.MultiheadAttention`` returns them.
+    """
+    check_qkv(q, k, v, key_padding_mask)
+    L, S = q.shape[-2], k.shape[-2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+
+    bias = attn_bias.to(q.dtype) if attn_bias is not None else None
+    forbidden = None  # bool, True = the pair may not attend; broadcastable to (B, H, L, S)
+    if key_padding_mask is not None:
+        forbidden = key_padding_mask[:, None, None, :]
+    if causal:
+        future = torch.ones(L, S, dtype=torch.bool, device=q.device).triu(1)
+        forbidden = future if forbidden is None else forbidden | future
+    if forbidden is not None:
+        neg_inf = torch.tensor(float("-inf"), dtype=q.dtype, device=q.device)
+        bias = torch.where(forbidden, neg_inf, bias if bias is not None else torch.zeros_like(neg_inf))
+
+    dead = None  # queries that see no key: their softmax would be 0/0
+    if bias is not None:
+        dead = torch.isneginf(bias).all(-1, keepdim=True)
+        # A finite row keeps softmax and its gradient free of NaN; the row's output is zeroed afterwards.
+        bias = bias.masked_fill(dead, 0.0)
+
+    if not need_weights:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
+        return (out if dead is None else out.masked_fill(dead, 0.0)), None
+
+    scores = torch.matmul(q * scale, k.transpose(-2, -1))
+    if bias is not None:
+        scores = scores + bias
+    weights = torch.softmax(scores, dim=-1)
+    if dead is not None:
+        weights = weights.masked_fill(dead, 0.0)
+    if dropout_p > 0.0:
+        weights = F.dropout(weights, p=dropout_p)
+    return torch.matmul(weights, v), weights
