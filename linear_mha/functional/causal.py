@@ -1,0 +1,234 @@
+"""Causal linear attention product: chunked parallel form, custom backward, recurrent decoding step.
+
+For feature-mapped queries/keys ``phi_q, phi_k`` (B, H, N, Dk) and values ``v`` (B, H, N, Dv)::
+
+    out[b, h, i] = phi_q[b, h, i] @ (S0[b, h] + sum_{j <= i} outer(phi_k[b, h, j], v[b, h, j]))
+
+No normalisation happens here: callers append a ones column to ``v`` so the numerator and the
+denominator come out of the same product.
+
+The sequence is split into chunks of ``C`` positions. Inside a chunk the product is the masked
+quadratic form ``tril(q k^T) v`` (C x C scores); across chunks it is ``q @ S_prev`` where ``S_prev``
+is an exclusive prefix sum of the per-chunk states ``k_c^T v_c`` (Dk x Dv each). Memory is
+O(N * (C + d)) plus O(N / C * Dk * Dv) transient; a per-position Dk x Dv state is never built.
+The backward recomputes the chunk states from the saved inputs instead of keeping them.
+"""
+from typing import Optional, Tuple
+
+import torch
+
+__all__ = ["causal_linear_product", "causal_linear_state", "causal_linear_step"]
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _state_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Prefix sums over tens of thousands of positions lose all precision in 8-bit mantissas.
+    return torch.float32 if dtype in _HALF_DTYPES else dtype
+
+
+def _check_same_batch(name: str, t: torch.Tensor, ref: torch.Tensor, dims: int) -> None:
+    if t.shape[:dims] != ref.shape[:dims]:
+        raise ValueError(
+            f"{name} has shape {tuple(t.shape)} but phi_q has shape {tuple(ref.shape)}: the leading "
+            f"{dims} dimensions must match; reshape {name} to match phi_q."
+        )
+
+
+def _check_inputs(phi_q, phi_k, v, initial_state, seq_dims: int) -> None:
+    """seq_dims = 4 for (B, H, N, D) sequence inputs, 3 for (B, H, D) single-step inputs."""
+    layout = "(B, H, N, D)" if seq_dims == 4 else "(B, H, D)"
+    for name, t in (("phi_q", phi_q), ("phi_k", phi_k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
+        if t.dim() != seq_dims:
+            raise ValueError(f"{name} must be {seq_dims}-D {layout}, got shape {tuple(t.shape)}.")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}; cast it with .float().")
+        if t.device != phi_q.device:
+            raise ValueError(f"{name} is on {t.device} but phi_q is on {phi_q.device}; move it with .to(phi_q.device).")
+        if t.dtype != phi_q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but phi_q has {phi_q.dtype}; cast it with .to(phi_q.dtype).")
+    if phi_k.shape != phi_q.shape:
+        raise ValueError(
+            f"phi_k has shape {tuple(phi_k.shape)} but phi_q has {tuple(phi_q.shape)}; they must be equal."
+        )
+    _check_same_batch("v", v, phi_q, seq_dims - 1)
+    if initial_state is not None:
+        expected = (*phi_q.shape[:2], phi_q.shape[-1], v.shape[-1])
+        if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != expected:
+            got = tuple(initial_state.shape) if isinstance(initial_state, torch.Tensor) else type(initial_state).__name__
+            raise ValueError(f"initial_state must have shape (B, H, Dk, Dv) = {expected}, got {got}.")
+        if not initial_state.is_floating_point():
+            raise TypeError(f"initial_state must be floating-point, got {initial_state.dtype}.")
+        if initial_state.device != phi_q.device:
+            raise ValueError(
+                f"initial_state is on {initial_state.device} but phi_q is on {phi_q.device}; "
+                "move it with .to(phi_q.device)."
+            )
+
+
+def _to_chunks(x: torch.Tensor, n_chunks: int, chunk: int, dtype: torch.dtype) -> torch.Tensor:
+    """(B, H, N, D) -> (B, H, n_chunks, chunk, D); zero rows pad the tail, which adds nothing to any state."""
+    b, h, n, d = x.shape
+    x = x.to(dtype)
+    pad = n_chunks * chunk - n
+    if pad:
+        x = torch.cat([x, x.new_zeros(b, h, pad, d)], dim=2)
+    return x.reshape(b, h, n_chunks, chunk, d)
+
+
+def _exclusive_prefix(per_chunk: torch.Tensor, first: Optional[torch.Tensor]) -> torch.Tensor:
+    """S_prev[c] = first + sum_{c' < c} per_chunk[c'] along dim 2."""
+    prev = torch.zeros_like(per_chunk)
+    if per_chunk.shape[2] > 1:
+        prev[:, :, 1:] = per_chunk[:, :, :-1].cumsum(dim=2)
+    if first is not None:
+        prev += first.unsqueeze(2)
+    return prev
+
+
+def _reverse_exclusive_prefix(per_chunk: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(R_next[c] = sum_{c' > c} per_chunk[c'], total over all chunks)."""
+    inclusive = per_chunk.flip(2).cumsum(dim=2).flip(2)
+    later = torch.zeros_like(per_chunk)
+    later[:, :, :-1] = inclusive[:, :, 1:]
+    return later, inclusive[:, :, 0]
+
+
+def _causal_scores(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """tril(a b^T) per chunk, diagonal kept."""
+    return torch.matmul(a, b.transpose(-1, -2)).tril_()
+
+
+def _no_autocast(device: torch.device):
+    # Autocast would round the float32 states back to half precision inside the matmuls.
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
+def _forward(phi_q, phi_k, v, initial_state, chunk_size):
+    with _no_autocast(phi_q.device):
+        return _forward_impl(phi_q, phi_k, v, initial_state, chunk_size)
+
+
+def _forward_impl(phi_q, phi_k, v, initial_state, chunk_size):
+    b, h, n, _ = phi_q.shape
+    dtype = _state_dtype(phi_q.dtype)
+    chunk = min(chunk_size, n)
+    n_chunks = -(-n // chunk)
+    q = _to_chunks(phi_q, n_chunks, chunk, dtype)
+    k = _to_chunks(phi_k, n_chunks, chunk, dtype)
+    vc = _to_chunks(v, n_chunks, chunk, dtype)
+    init = None if initial_state is None else initial_state.to(dtype)
+
+    out = torch.matmul(_causal_scores(q, k), vc)
+    states_prev = _exclusive_prefix(torch.matmul(k.transpose(-1, -2), vc), init)
+    out += torch.matmul(q, states_prev)
+    return out.reshape(b, h, n_chunks * chunk, -1)[:, :, :n].to(phi_q.dtype)
+
+
+def _backward(phi_q, phi_k, v, initial_state, grad_out, chunk_size, needs):
+    with _no_autocast(phi_q.device):
+        return _backward_impl(phi_q, phi_k, v, initial_state, grad_out, chunk_size, needs)
+
+
+def _backward_impl(phi_q, phi_k, v, initial_state, grad_out, chunk_size, needs):
+    need_q, need_k, need_v, need_init = needs
+    b, h, n, _ = phi_q.shape
+    dtype = _state_dtype(phi_q.dtype)
+    chunk = min(chunk_size, n)
+    n_chunks = -(-n // chunk)
+    q = _to_chunks(phi_q, n_chunks, chunk, dtype)
+    k = _to_chunks(phi_k, n_chunks, chunk, dtype)
+    vc = _to_chunks(v, n_chunks, chunk, dtype)
+    do = _to_chunks(grad_out, n_chunks, chunk, dtype)
+
+    def unchunk(x, like):
+        return x.reshape(b, h, n_chunks * chunk, -1)[:, :, :n].to(like.dtype)
+
+    grad_q = grad_k = grad_v = grad_init = None
+    if need_q:
+        init = None if initial_state is None else initial_state.to(dtype)
+        states_prev = _exclusive_prefix(torch.matmul(k.transpose(-1, -2), vc), init)
+        gq = torch.matmul(_causal_scores(do, vc), k)
+        gq += torch.matmul(do, states_prev.transpose(-1, -2))
+        grad_q = unchunk(gq, phi_q)
+    if need_k or need_v or need_init:
+        later, total = _reverse_exclusive_prefix(torch.matmul(q.transpose(-1, -2), do))
+        if need_init:
+            grad_init = total.to(initial_state.dtype)
+        if need_k:
+            gk = torch.matmul(_causal_scores(do, vc).transpose(-1, -2), q)
+            gk += torch.matmul(vc, later.transpose(-1, -2))
+            grad_k = unchunk(gk, phi_k)
+        if need_v:
+            gv = torch.matmul(_causal_scores(q, k).transpose(-1, -2), do)
+            gv += torch.matmul(k, later)
+            grad_v = unchunk(gv, v)
+    return grad_q, grad_k, grad_v, grad_init
+
+
+class _CausalLinearProduct(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, phi_q, phi_k, v, initial_state, chunk_size):
+        # Only the inputs are kept; chunk states are rebuilt in backward so memory stays O(N * d).
+        ctx.save_for_backward(phi_q, phi_k, v, initial_state)
+        ctx.chunk_size = chunk_size
+        return _forward(phi_q, phi_k, v, initial_state, chunk_size)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        phi_q, phi_k, v, initial_state = ctx.saved_tensors
+        needs = ctx.needs_input_grad[:4]
+        grads = _backward(phi_q, phi_k, v, initial_state, grad_out, ctx.chunk_size, needs)
+        return (*grads, None)
+
+
+def causal_linear_product(phi_q, phi_k, v, initial_state=None, chunk_size=64):
+    """Causal linear attention numerator, chunked.
+
+    phi_q, phi_k: (B, H, N, Dk); v: (B, H, N, Dv); initial_state: (B, H, Dk, Dv) or None.
+    Returns (B, H, N, Dv) in the dtype of phi_q, with
+    out[b,h,i] = phi_q[b,h,i] @ (initial_state[b,h] + sum_{j<=i} outer(phi_k[b,h,j], v[b,h,j])).
+    float16/bfloat16 inputs are computed in float32 internally.
+    """
+    _check_inputs(phi_q, phi_k, v, initial_state, seq_dims=4)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}.")
+    if phi_q.shape[2] == 0:
+        raise ValueError("phi_q has sequence length 0; pass at least one position (N >= 1).")
+    tensors = (phi_q, phi_k, v) if initial_state is None else (phi_q, phi_k, v, initial_state)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _CausalLinearProduct.apply(phi_q, phi_k, v, initial_state, chunk_size)
+    return _forward(phi_q, phi_k, v, initial_state, chunk_size)
+
+
+def causal_linear_state(phi_k, v, initial_state=None):
+    """Final state initial_state + sum_j outer(phi_k[j], v[j]) -> (B, H, Dk, Dv).
+
+    phi_k: (B, H, N, Dk); v: (B, H, N, Dv). Used to prefill before decoding with
+    causal_linear_step. The state is float32 for float16/bfloat16 inputs (else the input dtype),
+    because it accumulates over the whole sequence.
+    """
+    _check_inputs(phi_k, phi_k, v, initial_state, seq_dims=4)
+    dtype = _state_dtype(phi_k.dtype)
+    state = torch.matmul(phi_k.to(dtype).transpose(-1, -2), v.to(dtype))
+    if initial_state is not None:
+        state = state + initial_state.to(dtype)
+    return state
+
+
+def causal_linear_step(phi_q, phi_k, v, state):
+    """One decoding step of the causal linear product.
+
+    phi_q, phi_k: (B, H, Dk); v: (B, H, Dv); state: (B, H, Dk, Dv) or None (zeros).
+    new_state = state + outer(phi_k, v); out = phi_q @ new_state.
+    Returns (out (B, H, Dv) in the dtype of phi_q, new_state (float32 for half inputs)).
+    Applied token by token it equals causal_linear_product.
+    """
+    _check_inputs(phi_q, phi_k, v, state, seq_dims=3)
+    dtype = _state_dtype(phi_q.dtype)
+    update = phi_k.to(dtype).unsqueeze(-1) * v.to(dtype).unsqueeze(-2)
+    new_state = update if state is None else state.to(dtype) + update
+    out = torch.matmul(phi_q.to(dtype).unsqueeze(-2), new_state).squeeze(-2)
+    return out.to(phi_q.dtype), new_state
