@@ -1,0 +1,100 @@
+"""The mask half of nn.MultiheadAttention's contract, turned into what the functional layer expects.
+
+nn.MultiheadAttention accepts ``key_padding_mask`` (B, S) and ``attn_mask`` (L, S) or (B * H, L, S), each bool
+(True = may NOT attend) or float (added to the scores; -inf forbids). The linear modes cannot add an arbitrary
+bias to scores they never form, so this module sorts masks into what every mode can honour exactly:
+padding (a bool per key) and causality. Anything else is reported, naming the modes that support it.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+LINEAR_CAUSAL_MODES = ("kernel", "taylor")
+
+
+def _check_dtype(mask: Tensor, name: str) -> None:
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(
+            f"{name} must be a bool tensor (True = masked) or a float tensor (additive), got {mask.dtype}; "
+            f"convert it with {name}.bool()"
+        )
+
+
+def check_key_padding_mask(mask: Optional[Tensor], batch: int, src_len: int, unbatched: bool) -> Optional[Tensor]:
+    """Validate shape and dtype; returns the mask as (B, S)."""
+    if mask is None:
+        return None
+    _check_dtype(mask, "key_padding_mask")
+    expected = (src_len,) if unbatched else (batch, src_len)
+    if tuple(mask.shape) != expected:
+        raise ValueError(f"key_padding_mask must have shape {expected} (batch, source length), got {tuple(mask.shape)}")
+    return mask.reshape(batch, src_len)
+
+
+def check_attn_mask(mask: Optional[Tensor], batch: int, heads: int, tgt_len: int, src_len: int,
+                    unbatched: bool) -> Optional[Tensor]:
+    """Validate shape and dtype; returns the mask as (L, S) or (B, H, L, S)."""
+    if mask is None:
+        return None
+    _check_dtype(mask, "attn_mask")
+    per_sample = (heads, tgt_len, src_len) if unbatched else (batch * heads, tgt_len, src_len)
+    if tuple(mask.shape) == (tgt_len, src_len):
+        return mask
+    if tuple(mask.shape) == per_sample:
+        return mask.reshape(batch, heads, tgt_len, src_len)
+    raise ValueError(
+        f"attn_mask must have shape {(tgt_len, src_len)} or {per_sample}, got {tuple(mask.shape)}"
+    )
+
+
+def to_additive(mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
+    """bool (True = forbidden) -> float 0/-inf; float masks are used as they are, as nn.MultiheadAttention does."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
+    return mask.to(dtype)
+
+
+def to_forbidden(mask: Tensor, name: str, mode: str) -> Tensor:
+    """bool or 0/-inf float -> bool (True = forbidden). A float mask with other values is a score bias, which
+    only exact softmax can apply."""
+    if mask.dtype == torch.bool:
+        return mask
+    forbidden = torch.isneginf(mask)
+    if not bool(((mask == 0) | forbidden).all()):
+        raise ValueError(
+            f"{name} holds additive float values other than 0 and -inf; mode={mode!r} can only honour masks that "
+            f"remove keys entirely. Use mode='softmax' for score biases, or pass a bool mask."
+        )
+    return forbidden
+
+
+def is_causal_pattern(forbidden: Tensor) -> bool:
+    """True if a bool (..., L, S) mask with L == S forbids exactly the future (j > i) in every slice."""
+    L, S = forbidden.shape[-2:]
+    if L != S:
+        return False
+    future = torch.ones(L, S, dtype=torch.bool, device=forbidden.device).triu(1)
+    return bool((forbidden == future).all())
+
+
+def classify_attn_mask_for_linear(attn_mask: Optional[Tensor], is_causal: bool, mode: str) -> bool:
+    """Decide whether a linear mode runs causally, or raise if the mask cannot be honoured exactly.
+
+    Returns True for causal attention, False for none. A mask that forbids nothing is no mask."""
+    if attn_mask is None:
+        return is_causal
+    forbidden = to_forbidden(attn_mask, "attn_mask", mode)
+    if not bool(forbidden.any()):
+        if is_causal:
+            raise ValueError("is_causal=True, but attn_mask forbids nothing; pass the causal mask or drop is_causal")
+        return False
+    if is_causal_pattern(forbidden):
+        return True
+    raise ValueError(
+        f"attn_mask has a pattern (not causal, not padding) that mode={mode!r} cannot apply without forming the "
+        f"L x S score matrix. Supported: key padding in every mode; causal masks in modes "
+        f"{LINEAR_CAUSAL_MODES + ('softmax',)}; any mask in mode='softmax'. For padding use key_padding_mask."
+    )
