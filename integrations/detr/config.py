@@ -1,0 +1,111 @@
+"""Command-line options of `python -m integrations.detr.train`, with two presets of defaults.
+
+`coco`: the official DETR-R50 recipe. `synthetic` (used when no dataset is given): a tiny model and
+small images, so a fresh machine trains and evaluates in a few minutes on 2 CPU cores. Any option
+given explicitly overrides the preset.
+"""
+import argparse
+
+ATTENTIONS = ("softmax", "linformer", "kernel", "efficient", "taylor")
+
+PRESETS = {
+    "coco": dict(backbone="resnet50", hidden_dim=256, enc_layers=6, dec_layers=6, dim_feedforward=2048, nheads=8,
+                 num_queries=100, epochs=300, lr_drop=200, lr=1e-4, lr_backbone=1e-5, batch_size=2,
+                 scales=list(range(480, 801, 32)), max_size=1333, crop_sizes=[400, 500, 600], crop_min=384,
+                 crop_max=600, val_size=800, dropout=0.1),
+    "synthetic": dict(backbone="tiny", hidden_dim=64, enc_layers=2, dec_layers=2, dim_feedforward=128, nheads=4,
+                      num_queries=12, epochs=30, lr_drop=25, lr=3e-4, lr_backbone=3e-4, batch_size=8,
+                      scales=[96, 112, 128, 144, 160], max_size=192, crop_sizes=[96, 112, 128], crop_min=64,
+                      crop_max=128, val_size=128, dropout=0.0),
+}
+
+
+def _int_list(text):
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 480,512,544; got {text!r}")
+
+
+def get_args_parser():
+    p = argparse.ArgumentParser("DETR / Linear-DETR training and evaluation", add_help=True)
+    a = p.add_argument
+    g = "preset default"
+    # optimisation
+    a("--lr", type=float, help=g)
+    a("--lr-backbone", type=float, help=f"{g}; 0 freezes the backbone")
+    a("--batch-size", type=int, help=f"{g}; per process")
+    a("--weight-decay", type=float, default=1e-4)
+    a("--epochs", type=int, help=g)
+    a("--lr-drop", type=int, help=f"{g}; StepLR step in epochs")
+    a("--clip-max-norm", type=float, default=0.1, help="gradient clipping max norm (0 disables)")
+    a("--max-iters", type=int, default=0, help="cap on iterations per epoch (0 = whole epoch), for quick runs")
+    # model
+    a("--backbone", help=f"{g}; resnet18|resnet34|resnet50|resnet101|tiny")
+    a("--backbone-weights", help="local torchvision ResNet state_dict to start from (never downloaded)")
+    a("--pretrained", help="DETR checkpoint (file with 'model') loaded strictly before training/eval")
+    a("--dilation", action="store_true", help="DC5: dilate layer4 instead of striding (stride 16)")
+    a("--position-embedding", default="sine", choices=("sine", "learned"))
+    a("--enc-layers", type=int, help=g)
+    a("--dec-layers", type=int, help=g)
+    a("--dim-feedforward", type=int, help=g)
+    a("--hidden-dim", type=int, help=g)
+    a("--dropout", type=float, help=g)
+    a("--nheads", type=int, help=g)
+    a("--num-queries", type=int, help=g)
+    a("--pre-norm", action="store_true")
+    a("--no-aux-loss", dest="aux_loss", action="store_false")
+    a("--num-classes", type=int, help="largest category id + 1 (default: from the training annotations)")
+    # attention (applied through linear_mha.patch)
+    a("--attention", default="softmax", choices=ATTENTIONS)
+    a("--attention-on", default="encoder", help="comma list of encoder,decoder,cross or all")
+    a("--proj-k", type=int, default=256, help="linformer projected length")
+    a("--param-sharing", default="layerwise", choices=("none", "headwise", "kv", "layerwise"),
+      help="linformer projection sharing (layerwise = one projection for all layers)")
+    a("--feature-map", default="elu", choices=("elu", "relu", "favor"), help="kernel attention feature map")
+    # matcher and loss
+    a("--set-cost-class", type=float, default=1.0)
+    a("--set-cost-bbox", type=float, default=5.0)
+    a("--set-cost-giou", type=float, default=2.0)
+    a("--bbox-loss-coef", type=float, default=5.0)
+    a("--giou-loss-coef", type=float, default=2.0)
+    a("--eos-coef", type=float, default=0.1, help="weight of the no-object class in the CE loss")
+    # data
+    a("--coco-path", help="COCO root with train2017/, val2017/, annotations/instances_{train,val}2017.json")
+    a("--train-images", help="images dir of any COCO-format training set (with --train-ann)")
+    a("--train-ann", help="instances json of the training set")
+    a("--val-images", help="images dir of the validation set (with --val-ann)")
+    a("--val-ann", help="instances json of the validation set")
+    a("--synthetic-train", type=int, default=240, help="images in the generated synthetic training set")
+    a("--synthetic-val", type=int, default=48, help="images in the generated synthetic validation set")
+    a("--scales", type=_int_list, help=f"{g}; training shorter-side sizes, comma list")
+    a("--max-size", type=int, help=f"{g}; longest side after resizing")
+    a("--crop-sizes", type=_int_list, help=f"{g}; pre-crop resize sizes of the random-crop branch")
+    a("--crop-min", type=int, help=g)
+    a("--crop-max", type=int, help=g)
+    a("--no-crop", dest="crop", action="store_false", help="disable the random-size-crop branch")
+    a("--val-size", type=int, help=f"{g}; evaluation shorter-side size")
+    a("--num-workers", type=int, default=2)
+    # run
+    a("--output-dir", default="runs/detr", help="checkpoints, log.jsonl and curves.png go here")
+    a("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    a("--seed", type=int, default=42)
+    a("--resume", help="checkpoint to continue from exactly (model, optimizer, scheduler, epoch, RNG)")
+    a("--eval", action="store_true", help="only evaluate (with --resume or --pretrained)")
+    a("--no-amp", dest="amp", action="store_false", help="disable mixed precision on CUDA")
+    a("--no-progress", dest="progress", action="store_false", help="disable tqdm bars")
+    return p
+
+
+def resolve_preset(args):
+    """Fills every option left unset from the preset matching the data source; returns args."""
+    has_data = bool(args.coco_path or args.train_ann or args.val_ann)
+    args.preset = "coco" if has_data else "synthetic"
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    return args
+
+
+def parse_args(argv=None):
+    return resolve_preset(get_args_parser().parse_args(argv))
