@@ -1,0 +1,94 @@
+"""Global linear-attention heads of the linear-attention transformer.
+
+Non-causal: Efficient Attention (softmax of q over features, of k over the sequence), as in the original.
+
+Causal: the original used phi_q = softmax(q over features), phi_k = exp(k) and a cumulative sum that kept a
+d x d state per position (O(N d^2) memory). Here phi_q = phi_k = softmax over the feature dimension, and the
+product runs through the core's chunked causal kernel (memory linear in N). softmax(k) equals exp(k) re-weighted
+per key by 1 / sum(exp(k)); we use it because exp(k) overflows float32 once a key logit passes ~88 and makes the
+weights depend on the raw scale of k, while softmax is positive and bounded.
+
+``blindspot_size`` keeps its documented meaning: with b > 1 the positions are grouped in buckets of b and a query
+sees only the keys of earlier buckets (none of its own bucket); b = 1 is ordinary causal attention. The original
+grew its state per bucket (memory falling as b grew); here memory is linear in N for every b, computed by
+interleaving each bucket's queries before its keys in one causal product (2N positions): the blind spot now costs
+nothing and saves nothing. Queries with no visible key (the first bucket) output 0.
+"""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..functional import causal_linear_product, causal_linear_step, efficient
+
+
+def _features(x: Tensor) -> Tensor:
+    return torch.softmax(x, dim=-1)
+
+
+def _normalise(num_den: Tensor) -> Tensor:
+    den = num_den[..., -1:]
+    return num_den[..., :-1] / torch.where(den > 0, den, torch.ones_like(den))
+
+
+def _with_ones(v: Tensor) -> Tensor:
+    return torch.cat([v, v.new_ones(v.shape[:-1] + (1,))], dim=-1)
+
+
+def global_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor] = None) -> Tensor:
+    """Non-causal: q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv); key_mask (B, S) True = keep."""
+    return efficient(q, k, v, key_padding_mask=None if key_mask is None else ~key_mask)
+
+
+def causal_global_attention(
+    q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor] = None, blindspot_size: int = 1
+) -> Tensor:
+    """q, k (B, H, N, D), v (B, H, N, Dv) -> (B, H, N, Dv); key_mask (B, N) True = keep."""
+    phi_q, phi_k = _features(q), _features(k)
+    if key_mask is not None:
+        phi_k = phi_k * key_mask[:, None, :, None].to(phi_k.dtype)
+    v1 = _with_ones(v)
+    b = blindspot_size
+    if b == 1:
+        return _normalise(causal_linear_product(phi_q, phi_k, v1))
+    bsz, h, n, d = phi_q.shape
+    n_buckets = -(-n // b)
+    pad = n_buckets * b - n
+    # Zero-padded tail positions have phi_k = 0 and cannot change any earlier output.
+    phi_q, phi_k, v1 = (F.pad(t, (0, 0, 0, pad)) for t in (phi_q, phi_k, v1))
+
+    def buckets(t: Tensor) -> Tensor:
+        return t.reshape(bsz, h, n_buckets, 1, b, t.shape[-1])
+
+    def interleave(first: Tensor, second: Tensor) -> Tensor:  # -> (B, H, 2 * N_pad, D)
+        return torch.cat([first, second], dim=3).reshape(bsz, h, 2 * n_buckets * b, first.shape[-1])
+
+    zq, zv = torch.zeros_like(buckets(phi_q)), torch.zeros_like(buckets(v1))
+    num_den = causal_linear_product(
+        interleave(buckets(phi_q), zq), interleave(zq, buckets(phi_k)), interleave(zv, buckets(v1))
+    )
+    num_den = num_den.reshape(bsz, h, n_buckets, 2, b, -1)[:, :, :, 0].reshape(bsz, h, n_buckets * b, -1)
+    return _normalise(num_den[:, :, :n])
+
+
+def causal_global_step(
+    q: Tensor, k: Tensor, v: Tensor, cache: dict, t: int, keep_t: Optional[Tensor] = None, blindspot_size: int = 1
+) -> Tensor:
+    """Recurrent form of ``causal_global_attention`` at position t: q, k (B, H, D), v (B, H, Dv) -> (B, H, Dv).
+    The state is (B, H, D, Dv + 1) (numerator and normaliser) whatever t is."""
+    phi_q, phi_k = _features(q), _features(k)
+    if keep_t is not None:
+        phi_k = phi_k * keep_t[:, None, None].to(phi_k.dtype)
+    v1 = _with_ones(v)
+    if blindspot_size == 1:
+        out, cache["state"] = causal_linear_step(phi_q, phi_k, v1, cache.get("state"))
+        return _normalise(out)
+    update = phi_k[..., :, None] * v1[..., None, :]
+    done = cache.get("done", torch.zeros_like(update))
+    out = torch.matmul(phi_q[..., None, :], done)[..., 0, :]
+    current = cache.get("current", torch.zeros_like(update)) + update
+    if (t + 1) % blindspot_size == 0:
+        done, current = done + current, torch.zeros_like(current)
+    cache["done"], cache["current"] = done, current
+    return _normalise(out)

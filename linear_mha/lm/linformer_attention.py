@@ -1,0 +1,72 @@
+"""LinformerSelfAttention: keys and values projected along the sequence to k positions (Wang et al., 2020).
+
+API of the ``linformer`` package: (dim, seq_len, k, heads, dim_head, one_kv_head, share_kv, dropout), plus padding
+masks (True = keep) and sequences of any length <= seq_len (the first S columns of the projections are used).
+Keys come from ``context`` when one is given. Non-causal by construction: every projected key mixes all positions.
+"""
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..functional import linformer as linformer_attention
+
+
+class LinformerSelfAttention(nn.Module):
+    def __init__(
+        self,
+        dim: int,
+        seq_len: int,
+        k: int = 256,
+        heads: int = 8,
+        dim_head: Optional[int] = None,
+        one_kv_head: bool = False,
+        share_kv: bool = False,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        if dim_head is None:
+            if dim % heads:
+                raise ValueError(f"dim ({dim}) must be divisible by heads ({heads}), or pass dim_head")
+            dim_head = dim // heads
+        if k < 1 or seq_len < 1:
+            raise ValueError(f"k and seq_len must be >= 1, got k={k}, seq_len={seq_len}")
+        self.seq_len, self.k, self.heads, self.dim_head = seq_len, k, heads, dim_head
+        self.kv_heads = 1 if one_kv_head else heads
+        self.dropout = dropout
+        self.to_q = nn.Linear(dim, dim_head * heads, bias=False)
+        self.to_k = nn.Linear(dim, dim_head * self.kv_heads, bias=False)
+        self.to_v = None if share_kv else nn.Linear(dim, dim_head * self.kv_heads, bias=False)
+        bound = k ** -0.5
+        self.proj_k = nn.Parameter(torch.empty(k, seq_len).uniform_(-bound, bound))
+        self.proj_v = None if share_kv else nn.Parameter(torch.empty(k, seq_len).uniform_(-bound, bound))
+        self.to_out = nn.Linear(dim_head * heads, dim)
+
+    def _heads(self, t, n_heads):
+        t = t.reshape(*t.shape[:-1], n_heads, self.dim_head).transpose(1, 2)
+        return t.expand(t.shape[0], self.heads, *t.shape[2:]) if n_heads == 1 else t
+
+    def forward(self, x, context=None, input_mask=None, context_mask=None, **_):
+        """x (B, N, dim); context (B, S, dim) or None; masks bool, True = keep."""
+        src, mask = (x, input_mask) if context is None else (context, context_mask)
+        if src.shape[1] > self.seq_len:
+            raise ValueError(
+                f"the {'context' if context is not None else 'input'} has length {src.shape[1]} but this "
+                f"LinformerSelfAttention was built for seq_len={self.seq_len}; build it with a larger seq_len"
+            )
+        q = self._heads(self.to_q(x), self.heads)
+        k = self._heads(self.to_k(src), self.kv_heads)
+        v = k if self.to_v is None else self._heads(self.to_v(src), self.kv_heads)
+        out, _ = linformer_attention(
+            q, k, v, self.proj_k, self.proj_v,
+            key_padding_mask=None if mask is None else ~mask,
+            dropout_p=self.dropout if self.training else 0.0,
+        )
+        return self.to_out(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+
+    def step(self, x, cache, t, mask_t=None, context=None, context_mask=None, **_):
+        """Decoding against a fixed context (a causal decoder's context layer): x (B, dim) -> (B, dim)."""
+        if context is None:
+            raise ValueError("Linformer self-attention is non-causal and cannot decode token by token; "
+                             "only its context-attention form (context=...) has a step")
+        return self.forward(x[:, None], context=context, context_mask=context_mask)[:, 0]

@@ -1,0 +1,95 @@
+"""Local windowed softmax attention (the ``n_local_attn_heads`` of the original) and its rolling decode cache.
+
+The sequence is cut into windows of ``window_size``; a query in window u sees the keys of windows u-1 and u
+(and u+1 when not causal), causal queries only keys at positions <= their own. Cost O(N * window).
+
+Masks: ``key_mask`` (B, N) bool, True = keep. A token always sees itself, so no query is ever left without a
+key (a fully masked softmax row would otherwise produce NaN or spread over future keys).
+
+Decoding keeps the last 2 * window_size keys/values: exactly what a causal query can see, so the work per token
+is constant however long the context grows.
+"""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..functional import softmax as softmax_attention
+
+
+def _look_around(x: Tensor, n_win: int, window: int, causal: bool) -> Tensor:
+    """(B, H, n_win * window, D) -> (B, H, n_win, K, D) with K = 2 or 3 windows: previous, own[, next]."""
+    b, h, _, d = x.shape
+    xw = x.reshape(b, h, n_win, window, d)
+    prev = F.pad(xw, (0, 0, 0, 0, 1, 0))[:, :, :-1]
+    parts = [prev, xw]
+    if not causal:
+        parts.append(F.pad(xw, (0, 0, 0, 0, 0, 1))[:, :, 1:])
+    return torch.cat(parts, dim=3)
+
+
+def local_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    window_size: int,
+    *,
+    causal: bool,
+    key_mask: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+) -> Tensor:
+    """q, k (B, H, N, D), v (B, H, N, Dv) -> (B, H, N, Dv)."""
+    b, h, n, d = q.shape
+    w = window_size
+    n_win = -(-n // w)
+    pad = n_win * w - n
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    device = q.device
+    starts = torch.arange(n_win, device=device)[:, None] * w
+    qpos = starts + torch.arange(w, device=device)  # (n_win, w)
+    kpos = starts + torch.arange(-w, (1 if causal else 2) * w, device=device)  # (n_win, K)
+    in_range = (kpos >= 0) & (kpos < n)
+    if key_mask is not None:
+        keep = F.pad(key_mask, (0, pad), value=False)
+        key_ok = keep[:, kpos.clamp(0, n_win * w - 1)] & in_range  # (B, n_win, K)
+    else:
+        key_ok = in_range.expand(b, -1, -1)
+    allowed = key_ok[:, :, None, :] | (kpos[None, :, None, :] == qpos[None, :, :, None])
+    if causal:
+        allowed = allowed & (kpos[None, :, None, :] <= qpos[None, :, :, None])
+    bias = torch.zeros(allowed.shape, dtype=q.dtype, device=device).masked_fill(~allowed, float("-inf"))
+
+    def fold(t: Tensor) -> Tensor:  # (B, H, n_win, L, D) -> (B * n_win, H, L, D)
+        return t.transpose(1, 2).reshape(b * n_win, h, t.shape[3], t.shape[4])
+
+    qf = fold(q.reshape(b, h, n_win, w, d))
+    kf = fold(_look_around(k, n_win, w, causal))
+    vf = fold(_look_around(v, n_win, w, causal))
+    out, _ = softmax_attention(qf, kf, vf, attn_bias=bias.reshape(b * n_win, 1, w, -1), dropout_p=dropout_p)
+    out = out.reshape(b, n_win, h, w, -1).transpose(1, 2).reshape(b, h, n_win * w, -1)
+    return out[:, :, :n]
+
+
+def local_attention_step(
+    q: Tensor, k: Tensor, v: Tensor, cache: dict, t: int, window_size: int, keep_t: Optional[Tensor] = None
+) -> Tensor:
+    """Causal decoding at position t: q, k (B, H, D), v (B, H, Dv) -> (B, H, Dv); ``cache`` is updated in place."""
+    b, h, d = k.shape
+    span = 2 * window_size
+    if "k" not in cache:
+        cache["k"] = k.new_zeros(b, h, span, d)
+        cache["v"] = v.new_zeros(b, h, span, v.shape[-1])
+        cache["pos"] = torch.full((span,), -1, dtype=torch.long, device=k.device)
+        cache["keep"] = torch.zeros(b, span, dtype=torch.bool, device=k.device)
+    keep_t = torch.ones(b, dtype=torch.bool, device=k.device) if keep_t is None else keep_t
+    cache["k"] = torch.cat([cache["k"][:, :, 1:], k[:, :, None]], dim=2)
+    cache["v"] = torch.cat([cache["v"][:, :, 1:], v[:, :, None]], dim=2)
+    cache["pos"] = torch.cat([cache["pos"][1:], cache["pos"].new_tensor([t])])
+    cache["keep"] = torch.cat([cache["keep"][:, 1:], keep_t[:, None]], dim=1)
+    pos = cache["pos"]
+    visible = (pos >= 0) & (pos >= (t // window_size - 1) * window_size)
+    allowed = (cache["keep"] | (pos == t)) & visible
+    out, _ = softmax_attention(q[:, :, None], cache["k"], cache["v"], key_padding_mask=~allowed)
+    return out[:, :, 0]

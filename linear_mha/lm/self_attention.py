@@ -1,0 +1,161 @@
+"""The attention layer of the linear-attention transformer: local heads + global linear heads.
+
+The first ``n_local_attn_heads`` heads attend within local windows (softmax), the others globally (linear).
+Two optional improvements on the output, both before ``to_out``:
+
+- ``local_conv``: a depthwise 3-tap convolution over the values added to the attention output (as in the
+  "local enhancement" of linear-attention vision models), restoring the sharp local mixing linear attention
+  lacks. Causal models pad it on the left only, so it never reads a later token. Self-attention only: in a
+  context layer queries and values belong to different sequences.
+- ``attn_gate``: the output is multiplied feature-wise by sigmoid(W_g x).
+"""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .global_attention import causal_global_attention, causal_global_step, global_attention
+from .local_attention import local_attention, local_attention_step
+from .positional import apply_rotary, rotary_cos_sin
+
+
+class SelfAttention(nn.Module):
+    def __init__(
+        self,
+        dim: int,
+        heads: int = 8,
+        causal: bool = False,
+        dim_head: Optional[int] = None,
+        blindspot_size: int = 1,
+        n_local_attn_heads: int = 0,
+        local_attn_window_size: int = 128,
+        receives_context: bool = False,
+        dropout: float = 0.0,
+        attn_dropout: float = 0.0,
+        one_kv_head: bool = False,
+        rotary: bool = False,
+        attn_gate: bool = False,
+        local_conv: bool = False,
+    ):
+        super().__init__()
+        if dim_head is None:
+            if dim % heads:
+                raise ValueError(f"dim ({dim}) must be divisible by heads ({heads}), or pass dim_head")
+            dim_head = dim // heads
+        if not 0 <= n_local_attn_heads <= heads:
+            raise ValueError(f"n_local_attn_heads must be in [0, heads={heads}], got {n_local_attn_heads}")
+        if not isinstance(blindspot_size, int) or blindspot_size < 1:
+            raise ValueError(f"blindspot_size must be a positive int, got {blindspot_size!r}")
+        if blindspot_size > 1 and not causal:
+            raise ValueError("blindspot_size only applies to causal global heads; set causal=True or blindspot_size=1")
+        if n_local_attn_heads and local_attn_window_size < 1:
+            raise ValueError(f"local_attn_window_size must be >= 1, got {local_attn_window_size}")
+        if receives_context and (n_local_attn_heads or local_conv or causal):
+            raise ValueError("a context-attention layer is non-causal, global only and has no local_conv")
+        if rotary and dim_head % 2:
+            raise ValueError(f"rotary embeddings need an even dim_head, got {dim_head}")
+        self.heads, self.dim_head, self.causal = heads, dim_head, causal
+        self.kv_heads = 1 if one_kv_head else heads
+        self.n_local, self.window = n_local_attn_heads, local_attn_window_size
+        self.blindspot_size, self.receives_context, self.rotary = blindspot_size, receives_context, rotary
+        self.attn_dropout = attn_dropout
+        inner = dim_head * heads
+        self.to_q = nn.Linear(dim, inner, bias=False)
+        self.to_k = nn.Linear(dim, dim_head * self.kv_heads, bias=False)
+        self.to_v = nn.Linear(dim, dim_head * self.kv_heads, bias=False)
+        self.to_out = nn.Linear(inner, dim)
+        self.dropout = nn.Dropout(dropout)
+        self.gate = nn.Linear(dim, inner) if attn_gate else None
+        self.conv = nn.Conv1d(inner, inner, 3, groups=inner, bias=False) if local_conv else None
+
+    def _heads(self, t: Tensor, n_heads: int) -> Tensor:  # (B, N, n_heads * D) -> (B, H, N, D)
+        t = t.reshape(*t.shape[:-1], n_heads, self.dim_head).transpose(-2, -3)
+        return t.expand(t.shape[0], self.heads, *t.shape[2:]) if n_heads == 1 else t
+
+    def forward(self, x, input_mask=None, context=None, context_mask=None, positions=None, **_):
+        """x (B, N, dim); input_mask (B, N), context_mask (B, S) bool, True = keep."""
+        if self.receives_context and context is None:
+            raise ValueError("this layer attends to a context: pass context=(B, S, dim) encoder output")
+        b, n, _ = x.shape
+        q = self._heads(self.to_q(x), self.heads)
+        src = context if self.receives_context else x
+        k, v = self._heads(self.to_k(src), self.kv_heads), self._heads(self.to_v(src), self.kv_heads)
+        if self.rotary and not self.receives_context:
+            positions = torch.arange(n, device=x.device) if positions is None else positions
+            cos, sin = rotary_cos_sin(positions, self.dim_head, q.dtype)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        kv_mask = context_mask if self.receives_context else input_mask
+        outs = []
+        p = self.attn_dropout if self.training else 0.0
+        if self.n_local:
+            l = self.n_local
+            outs.append(local_attention(q[:, :l], k[:, :l], v[:, :l], self.window, causal=self.causal,
+                                        key_mask=input_mask, dropout_p=p))
+        if self.n_local < self.heads:
+            g = slice(self.n_local, None)
+            if self.causal:
+                outs.append(causal_global_attention(q[:, g], k[:, g], v[:, g], input_mask, self.blindspot_size))
+            else:
+                outs.append(global_attention(q[:, g], k[:, g], v[:, g], kv_mask))
+        attn = torch.cat(outs, dim=1)
+        if self.conv is not None:
+            attn = attn + self._conv(v, input_mask)
+        attn = attn.transpose(1, 2).reshape(b, n, -1)
+        if self.gate is not None:
+            attn = attn * torch.sigmoid(self.gate(x))
+        return self.dropout(self.to_out(attn))
+
+    def _conv(self, v: Tensor, mask: Optional[Tensor]) -> Tensor:
+        b, h, n, d = v.shape
+        if mask is not None:
+            v = v * mask[:, None, :, None].to(v.dtype)
+        flat = v.permute(0, 1, 3, 2).reshape(b, h * d, n)
+        flat = F.pad(flat, (2, 0) if self.causal else (1, 1))
+        return self.conv(flat).reshape(b, h, d, n).permute(0, 1, 3, 2)
+
+    def step(self, x, cache, t, mask_t=None, context=None, context_mask=None, **_):
+        """Decode position t: x (B, dim) -> (B, dim); ``cache`` (a dict) carries this layer's state."""
+        if not (self.causal or self.receives_context):
+            raise ValueError("step() decodes causal models; build the model with causal=True")
+        b = x.shape[0]
+        q = self._heads(self.to_q(x)[:, None], self.heads)
+        if self.receives_context:
+            if context is None:
+                raise ValueError("this layer attends to a context: pass context=(B, S, dim) to step()/generate()")
+            if "ctx_k" not in cache:  # the context is fixed while decoding: project it once
+                cache["ctx_k"] = self._heads(self.to_k(context), self.kv_heads)
+                cache["ctx_v"] = self._heads(self.to_v(context), self.kv_heads)
+            attn = global_attention(q, cache["ctx_k"], cache["ctx_v"], context_mask)
+        else:
+            k, v = self._heads(self.to_k(x)[:, None], self.kv_heads), self._heads(self.to_v(x)[:, None], self.kv_heads)
+            if self.rotary:
+                cos, sin = rotary_cos_sin(torch.tensor([t], device=x.device), self.dim_head, q.dtype)
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q1, k1, v1 = q[:, :, 0], k[:, :, 0], v[:, :, 0]
+            outs = []
+            if self.n_local:
+                l = self.n_local
+                outs.append(local_attention_step(q1[:, :l], k1[:, :l], v1[:, :l], cache.setdefault("local", {}), t,
+                                                 self.window, mask_t))
+            if self.n_local < self.heads:
+                g = slice(self.n_local, None)
+                outs.append(causal_global_step(q1[:, g], k1[:, g], v1[:, g], cache.setdefault("global", {}), t,
+                                               mask_t, self.blindspot_size))
+            attn = torch.cat(outs, dim=1)[:, :, None]
+            if self.conv is not None:
+                attn = attn + self._conv_step(v, mask_t, cache)
+        attn = attn.transpose(1, 2).reshape(b, -1)
+        if self.gate is not None:
+            attn = attn * torch.sigmoid(self.gate(x))
+        return self.dropout(self.to_out(attn))
+
+    def _conv_step(self, v: Tensor, mask_t: Optional[Tensor], cache: dict) -> Tensor:
+        b, h, _, d = v.shape
+        if mask_t is not None:
+            v = v * mask_t[:, None, None, None].to(v.dtype)
+        flat = v.permute(0, 1, 3, 2).reshape(b, h * d, 1)
+        history = cache.get("conv", flat.new_zeros(b, h * d, 2))
+        window = torch.cat([history, flat], dim=-1)
+        cache["conv"] = window[..., 1:]
+        return self.conv(window).reshape(b, h, d, 1).permute(0, 1, 3, 2)

@@ -1,0 +1,138 @@
+"""LinearAttentionTransformer: the layer stack of the linear-attention transformer, every option wired.
+
+Per depth: [self-attention, feed-forward], then with ``attend_axially`` an [axially folded attention,
+feed-forward] pair (fold size = ``local_attn_window_size``), then with ``receives_context`` a [context attention,
+feed-forward] pair. All feed-forwards are ``Chunk(ff_chunks, FeedForward(dim, glu=ff_glu, dropout=ff_dropout))``
+(the original built the main one without glu/dropout). Token shift (``shift_tokens``) applies to the main pair.
+"""
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from .blocks import FoldAxially, PreNorm
+from .feedforward import Chunk, FeedForward
+from .linformer_attention import LinformerSelfAttention
+from .reversible import LayerStack
+from .self_attention import SelfAttention
+
+
+def check_mask(name: str, mask, batch: int, length: int):
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise TypeError(f"{name} must be a bool tensor (True = keep), got {getattr(mask, 'dtype', type(mask))}")
+    if tuple(mask.shape) != (batch, length):
+        raise ValueError(f"{name} must have shape (batch, seq) = {(batch, length)}, got {tuple(mask.shape)}")
+
+
+class LinearAttentionTransformer(nn.Module):
+    def __init__(
+        self,
+        dim: int,
+        depth: int,
+        max_seq_len: int,
+        heads: int = 8,
+        dim_head: Optional[int] = None,
+        causal: bool = False,
+        ff_chunks: int = 1,
+        ff_glu: bool = False,
+        ff_dropout: float = 0.0,
+        attn_layer_dropout: float = 0.0,
+        attn_dropout: float = 0.0,
+        reversible: bool = False,
+        blindspot_size: int = 1,
+        n_local_attn_heads: Union[int, Sequence[int]] = 0,
+        local_attn_window_size: int = 128,
+        receives_context: bool = False,
+        attend_axially: bool = False,
+        linformer_settings=None,
+        context_linformer_settings=None,
+        shift_tokens: bool = False,
+        use_rotary_emb: bool = False,
+        attn_gate: bool = False,
+        local_conv: bool = False,
+        one_kv_head: bool = False,
+    ):
+        super().__init__()
+        local_heads = (n_local_attn_heads,) * depth if isinstance(n_local_attn_heads, int) else tuple(n_local_attn_heads)
+        if len(local_heads) != depth:
+            raise ValueError(f"n_local_attn_heads must be an int or a tuple of length depth={depth}, got {n_local_attn_heads}")
+        if linformer_settings is not None:
+            if causal:
+                raise ValueError("Linformer self-attention mixes all positions; use linformer_settings only with causal=False")
+            if any(local_heads) or attn_gate or local_conv or use_rotary_emb:
+                raise ValueError("linformer_settings replaces SelfAttention: n_local_attn_heads, attn_gate, local_conv "
+                                 "and use_rotary_emb do not apply to it; drop them or linformer_settings")
+        self.max_seq_len, self.causal, self.receives_context = max_seq_len, causal, receives_context
+        shifts = ((0, 1) if causal else (-1, 0, 1)) if shift_tokens else None
+
+        def ff():
+            return Chunk(ff_chunks, FeedForward(dim, glu=ff_glu, dropout=ff_dropout), along_dim=1)
+
+        common = dict(heads=heads, dim_head=dim_head, dropout=attn_layer_dropout, attn_dropout=attn_dropout,
+                      one_kv_head=one_kv_head)
+        layers, kinds = [], []
+        for n_local in local_heads:
+            if linformer_settings is None:
+                attn = SelfAttention(dim, causal=causal, blindspot_size=blindspot_size, n_local_attn_heads=n_local,
+                                     local_attn_window_size=local_attn_window_size, rotary=use_rotary_emb,
+                                     attn_gate=attn_gate, local_conv=local_conv, **common)
+            else:
+                attn = LinformerSelfAttention(dim, max_seq_len, linformer_settings.k, heads=heads, dim_head=dim_head,
+                                              one_kv_head=one_kv_head, dropout=attn_dropout)
+            layers.append([PreNorm(dim, attn, shifts), PreNorm(dim, ff(), shifts)])
+            kinds.append("self")
+            if attend_axially:
+                axial = SelfAttention(dim, causal=causal, rotary=use_rotary_emb, attn_gate=attn_gate,
+                                      local_conv=local_conv, **common)
+                layers.append([PreNorm(dim, FoldAxially(local_attn_window_size, axial)), PreNorm(dim, ff())])
+                kinds.append("self")
+            if receives_context:
+                if context_linformer_settings is None:
+                    ctx_attn = SelfAttention(dim, receives_context=True, attn_gate=attn_gate, **common)
+                else:
+                    s = context_linformer_settings
+                    ctx_attn = LinformerSelfAttention(dim, s.seq_len, s.k, heads=heads, dim_head=dim_head,
+                                                      one_kv_head=one_kv_head, dropout=attn_dropout)
+                layers.append([PreNorm(dim, ctx_attn), PreNorm(dim, ff())])
+                kinds.append("context")
+        self.layers = LayerStack(layers, kinds, reversible=reversible)
+
+    def forward(self, x, input_mask=None, context=None, context_mask=None):
+        """x (B, N, dim) -> (B, N, dim); input_mask (B, N), context (B, S, dim), context_mask (B, S)."""
+        b, n, _ = x.shape
+        if n > self.max_seq_len:
+            raise ValueError(f"sequence length {n} exceeds max_seq_len={self.max_seq_len}; build with a larger max_seq_len")
+        check_mask("input_mask", input_mask, b, n)
+        if self.receives_context:
+            if context is None:
+                raise ValueError("this transformer has receives_context=True: pass context=(B, S, dim)")
+            check_mask("context_mask", context_mask, b, context.shape[1])
+        elif context is not None or context_mask is not None:
+            raise ValueError("context was given but the transformer was built with receives_context=False")
+
+        def kwargs_for(kind, ctx):
+            if kind == "context":
+                return dict(input_mask=input_mask, context=ctx, context_mask=context_mask), dict(input_mask=input_mask)
+            return dict(input_mask=input_mask), dict(input_mask=input_mask)
+
+        return self.layers(x, kwargs_for, context)
+
+    def step(self, x, cache: dict, mask_t=None, context=None, context_mask=None):
+        """Decode one position of a causal model: x (B, dim) -> (B, dim). ``cache`` starts as {} and carries
+        the recurrent state (global heads), rolling windows (local heads), shift and conv histories."""
+        if not self.causal:
+            raise ValueError("step() decodes causal models; build the model with causal=True")
+        t = cache.get("t", 0)
+        if self.receives_context and context is None:
+            raise ValueError("this transformer has receives_context=True: pass context=(B, S, dim)")
+
+        def kwargs_for(kind, ctx):
+            if kind == "context":
+                return dict(mask_t=mask_t, context=ctx, context_mask=context_mask), dict(mask_t=mask_t)
+            return dict(mask_t=mask_t), dict(mask_t=mask_t)
+
+        out = self.layers.step(x, cache.setdefault("layers", []), t, kwargs_for, context)
+        cache["t"] = t + 1
+        return out
