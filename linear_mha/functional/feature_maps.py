@@ -52,8 +52,10 @@ def orthogonal_random_features(
     blocks = []
     for _ in range(math.ceil(num_features / head_dim)):
         gaussian = torch.randn(head_dim, head_dim, generator=generator, dtype=torch.float64)
-        q, _ = torch.linalg.qr(gaussian)
-        blocks.append(q.T)
+        q, r = torch.linalg.qr(gaussian)
+        # Householder QR fixes signs so that Q is not uniformly distributed (its columns lean away from the
+        # axes); correcting by sign(diag(R)) makes Q Haar, which the unbiased estimator relies on.
+        blocks.append((q * torch.sign(torch.diagonal(r))).T)
     rows = torch.cat(blocks, dim=0)[:num_features]
     norms = torch.randn(num_features, head_dim, generator=generator, dtype=torch.float64).norm(dim=1, keepdim=True)
     return (rows * norms).to(device=device, dtype=dtype)

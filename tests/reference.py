@@ -1,0 +1,63 @@
+"""Naive float64 references: explicit L x S weight matrices, written independently of linear_mha."""
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def _visible(L, S, key_padding_mask, causal, device):
+    """bool (B or 1, 1, L, S): True where query i may see key j."""
+    vis = torch.ones(1, 1, L, S, dtype=torch.bool, device=device)
+    if key_padding_mask is not None:
+        vis = vis & ~key_padding_mask[:, None, None, :]
+    if causal:
+        vis = vis & torch.ones(L, S, dtype=torch.bool, device=device).tril()
+    return vis
+
+
+def normalised(weights, vis):
+    w = weights.masked_fill(~vis, 0.0)
+    den = w.sum(-1, keepdim=True)
+    return torch.where(den > 0, w / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(w))
+
+
+def kernel_weights(phi, q, k, key_padding_mask=None, causal=False):
+    w = phi(q) @ phi(k).transpose(-1, -2)
+    return normalised(w, _visible(q.shape[-2], k.shape[-2], key_padding_mask, causal, q.device))
+
+
+def elu1(x):
+    return F.elu(x) + 1
+
+
+def taylor_weights(q, k, key_padding_mask=None, causal=False):
+    w = 1 + F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-1, -2)
+    return normalised(w, _visible(q.shape[-2], k.shape[-2], key_padding_mask, causal, q.device))
+
+
+def softmax_weights(q, k, key_padding_mask=None, causal=False):
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    vis = _visible(q.shape[-2], k.shape[-2], key_padding_mask, causal, q.device)
+    w = torch.exp(s - s.masked_fill(~vis, -1e300).amax(-1, keepdim=True))
+    return normalised(w, vis)
+
+
+def efficient_weights(q, k, key_padding_mask=None):
+    qs = torch.softmax(q, dim=-1)
+    logits = k if key_padding_mask is None else k.masked_fill(key_padding_mask[:, None, :, None], -1e300)
+    ks = torch.softmax(logits, dim=-2)
+    if key_padding_mask is not None:
+        ks = ks.masked_fill(key_padding_mask[:, None, :, None], 0.0)
+    return qs @ ks.transpose(-1, -2)
+
+
+def linformer_weights(q, k, e, f, key_padding_mask=None):
+    """Implied (L, S) matrix of Linformer: softmax(q (E k)^T / sqrt d) F, masked keys' columns zero."""
+    S = k.shape[-2]
+    e, f = e[..., :S], f[..., :S]
+    if key_padding_mask is not None:
+        keep = (~key_padding_mask)[:, None, None, :].to(q.dtype)  # (B, 1, 1, S)
+        e, f = e * keep, f * keep
+    kp = e @ k
+    p = torch.softmax(q @ kp.transpose(-1, -2) / math.sqrt(q.shape[-1]), dim=-1)
+    return p @ f

@@ -1,0 +1,185 @@
+"""Every attention function against an independent float64 reference (explicit L x S weights)."""
+import pytest
+import torch
+
+import linear_mha.functional as LF
+from reference import (efficient_weights, elu1, kernel_weights, linformer_weights, softmax_weights,
+                       taylor_weights)
+
+B, H, L, S, D = 2, 3, 5, 7, 4
+
+
+@pytest.fixture
+def qkv():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, n, D, generator=g, dtype=torch.float64) for n in (L, S, S))
+    kpm = torch.zeros(B, S, dtype=torch.bool)
+    kpm[1, 4:] = True
+    return q, k, v, kpm
+
+
+def close(a, b, tol=1e-10):
+    torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_softmax_matches_reference_both_paths(qkv, masked):
+    q, k, v, kpm = qkv
+    kpm = kpm if masked else None
+    w_ref = softmax_weights(q, k, kpm)
+    out_w, w = LF.softmax(q, k, v, key_padding_mask=kpm, need_weights=True)
+    out_fast, none = LF.softmax(q, k, v, key_padding_mask=kpm)
+    assert none is None
+    close(w, w_ref)
+    close(out_w, w_ref @ v)
+    close(out_fast, w_ref @ v)
+
+
+def test_softmax_causal_and_bias(qkv):
+    q, k, v, kpm = qkv
+    q = q[:, :, :S] if L >= S else torch.cat([q, q], 2)[:, :, :S]
+    w_ref = softmax_weights(q, k, kpm, causal=True)
+    close(LF.softmax(q, k, v, key_padding_mask=kpm, causal=True)[0], w_ref @ v)
+    bias = torch.randn(S, S, dtype=torch.float64)
+    out, w = LF.softmax(q, k, v, attn_bias=bias, need_weights=True)
+    close(w, torch.softmax(q @ k.transpose(-1, -2) / D ** 0.5 + bias, -1))
+
+
+def test_softmax_fully_masked_rows_are_zero_without_nan_gradients(qkv):
+    q, k, v, kpm = qkv
+    kpm = torch.ones(B, S, dtype=torch.bool)
+    kpm[0, 0] = False
+    q.requires_grad_(True)
+    for need_weights in (True, False):
+        out, _ = LF.softmax(q, k, v, key_padding_mask=kpm, need_weights=need_weights)
+        assert torch.all(out[1] == 0) and torch.isfinite(out).all()
+        out.sum().backward()
+        assert torch.isfinite(q.grad).all()
+        q.grad = None
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("name,phi", [("elu", elu1), ("relu", torch.relu), ("callable", lambda x: x * x)])
+def test_kernel_matches_reference(qkv, causal, name, phi):
+    q, k, v, kpm = qkv
+    if causal:
+        q = torch.cat([q, q], 2)[:, :, :S]
+    fmap = phi if name == "callable" else name
+    out = LF.kernel(q, k, v, fmap, causal=causal, key_padding_mask=kpm, chunk_size=3)
+    close(out, kernel_weights(phi, q, k, kpm, causal) @ v)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_taylor_matches_reference(qkv, causal):
+    q, k, v, kpm = qkv
+    if causal:
+        q = torch.cat([q, q], 2)[:, :, :S]
+    close(LF.taylor(q, k, v, causal=causal, key_padding_mask=kpm), taylor_weights(q, k, kpm, causal) @ v)
+
+
+def test_taylor_is_the_documented_formula(qkv):
+    """(sum v + q'(K'^T V)) / (N + q'(K'^T 1)) with N the number of valid keys."""
+    q, k, v, kpm = qkv
+    qn, kn = torch.nn.functional.normalize(q, dim=-1), torch.nn.functional.normalize(k, dim=-1)
+    keep = (~kpm)[:, None, :, None].double()
+    kn, vm = kn * keep, v * keep
+    num = vm.sum(2, keepdim=True) + qn @ (kn.transpose(-1, -2) @ vm)
+    den = keep.sum(2, keepdim=True) + qn @ kn.sum(2, keepdim=True).transpose(-1, -2)
+    close(LF.taylor(q, k, v, key_padding_mask=kpm), num / den)
+
+
+def test_efficient_matches_reference(qkv):
+    q, k, v, kpm = qkv
+    close(LF.efficient(q, k, v, key_padding_mask=kpm), efficient_weights(q, k, kpm) @ v)
+    # The implied rows sum to one: it is a proper averaging of values.
+    close(efficient_weights(q, k, kpm).sum(-1), torch.ones(B, H, L, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_linformer_matches_reference(qkv, per_head):
+    q, k, v, kpm = qkv
+    g = torch.Generator().manual_seed(1)
+    shape = (H, 3, 10) if per_head else (3, 10)
+    e, f = torch.randn(shape, generator=g, dtype=torch.float64), torch.randn(shape, generator=g, dtype=torch.float64)
+    out, w = LF.linformer(q, k, v, e, f, key_padding_mask=kpm, need_weights=True)
+    close(out, linformer_weights(q, k, e, f, kpm) @ v)
+    assert w.shape == (B, H, L, 3)
+
+
+def test_favor_estimates_softmax_attention(qkv):
+    """FAVOR+ is a Monte-Carlo estimate: with many features it must approach exact softmax attention."""
+    q, k, v, kpm = qkv
+    proj = LF.orthogonal_random_features(4096, D, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    out = LF.kernel(q * 0.5, k * 0.5, v, "favor", projection=proj, key_padding_mask=kpm)
+    ref = softmax_weights(q * 0.5, k * 0.5, kpm) @ v
+    assert (out - ref).abs().max() < 0.05
+    # and it is exactly kernel attention with its own (positive) features
+    phi_q, phi_k = LF.apply_feature_map("favor", q, k, key_padding_mask=kpm, projection=proj)
+    assert (phi_q > 0).all() and (phi_k[1, :, 4:] == 0).all()
+
+
+def test_orthogonal_random_features_rows_are_orthogonal_within_a_block():
+    w = LF.orthogonal_random_features(8, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    unit = w / w.norm(dim=1, keepdim=True)
+    close(unit @ unit.T, torch.eye(8, dtype=torch.float64))
+
+
+def test_kernel_step_equals_causal_kernel_token_by_token(qkv):
+    q, k, v, _ = qkv
+    q = torch.cat([q, q], 2)[:, :, :S]
+    for fmap, proj in (("elu", None), ("taylor", None),
+                       ("favor", LF.orthogonal_random_features(16, D, dtype=torch.float64))):
+        full = LF.kernel(q, k, v, fmap, causal=True, projection=proj)
+        state, outs = None, []
+        for t in range(S):
+            o, state = LF.kernel_step(q[:, :, t], k[:, :, t], v[:, :, t], state, fmap, projection=proj)
+            outs.append(o)
+        close(torch.stack(outs, 2), full)
+        close(state, LF.kernel_state(k, v, fmap, projection=proj))
+
+
+def test_initial_state_equals_prepending_keys(qkv):
+    q, k, v, _ = qkv
+    q = torch.cat([q, q], 2)[:, :, :S]
+    extra_k, extra_v = k[:, :, :2], v[:, :, :2]
+    state = LF.kernel_state(extra_k, extra_v, "elu")
+    out = LF.kernel(q, k, v, "elu", causal=True, initial_state=state)
+    w = kernel_weights(elu1, q, torch.cat([k, extra_k], 2), causal=False)
+    vis = torch.cat([torch.ones(S, S).tril(), torch.ones(S, 2)], 1).bool()
+    from reference import normalised
+    w = normalised(elu1(q) @ elu1(torch.cat([k, extra_k], 2)).transpose(-1, -2), vis[None, None])
+    close(out, w @ torch.cat([v, extra_v], 2))
+
+
+@pytest.mark.parametrize("fn", [
+    lambda q, k, v, m: LF.kernel(q, k, v, "elu", key_padding_mask=m),
+    lambda q, k, v, m: LF.kernel(q, k, v, "elu", causal=True, key_padding_mask=m, chunk_size=2),
+    lambda q, k, v, m: LF.taylor(q, k, v, key_padding_mask=m),
+    lambda q, k, v, m: LF.efficient(q, k, v, key_padding_mask=m),
+    lambda q, k, v, m: LF.linformer(q, k, v, torch.randn(3, 6, dtype=torch.float64,
+                                                          generator=torch.Generator().manual_seed(0)),
+                                    key_padding_mask=m)[0],
+    lambda q, k, v, m: LF.softmax(q, k, v, key_padding_mask=m, causal=True)[0],
+], ids=["kernel", "kernel_causal", "taylor", "efficient", "linformer", "softmax_causal"])
+def test_gradcheck(fn):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 6, 3, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    m = torch.zeros(1, 6, dtype=torch.bool)
+    m[0, 5] = True
+    assert torch.autograd.gradcheck(lambda q, k, v: fn(q, k, v, m), (q, k, v))
+
+
+def test_functional_errors(qkv):
+    q, k, v, kpm = qkv
+    with pytest.raises(ValueError, match="seq_len"):
+        LF.linformer(q, k, v, torch.randn(3, S - 1, dtype=torch.float64))
+    with pytest.raises(ValueError, match="feature_map"):
+        LF.kernel(q, k, v, "softplus")
+    with pytest.raises(ValueError, match="projection"):
+        LF.kernel(q, k, v, "favor")
+    with pytest.raises(ValueError, match="causal"):
+        LF.kernel(q, k, v, causal=True)
+    with pytest.raises(TypeError, match="key_padding_mask"):
+        LF.kernel(q, k, v, key_padding_mask=kpm.to(torch.uint8))
+    with pytest.raises(ValueError, match="4-D"):
+        LF.efficient(q[0], k[0], v[0])
