@@ -1,0 +1,203 @@
+"""Every LinearAttentionTransformerLM option changes behaviour, and the attention pieces match float64 references."""
+import pytest
+import torch
+
+from linear_mha.lm import FeedForward, LinearAttentionTransformerLM, LinformerSelfAttention, SelfAttention
+from linear_mha.lm.global_attention import causal_global_attention
+from linear_mha.lm.local_attention import local_attention
+
+V, N = 16, 24
+
+
+def lm(seed=0, **kw):
+    torch.manual_seed(seed)
+    kw.setdefault("heads", 4)
+    kw.setdefault("dim_head", 8)
+    return LinearAttentionTransformerLM(V, 32, 2, 64, **kw).double().eval()
+
+
+def tokens(seed=1, n=N):
+    return torch.randint(0, V, (2, n), generator=torch.Generator().manual_seed(seed))
+
+
+def differs(a, b):
+    return (a - b).abs().max().item() > 1e-6
+
+
+# Options without parameters of their own: same weights, the option alone must change the output.
+@pytest.mark.parametrize("option", [
+    dict(causal=True), dict(n_local_attn_heads=2, local_attn_window_size=4), dict(shift_tokens=True),
+    dict(reversible=True), dict(causal=True, blindspot_size=4), dict(one_kv_head=False),
+])
+def test_parameter_free_option_changes_output(option):
+    base_kw = {"causal": True} if "blindspot_size" in option else {}
+    base = lm(**base_kw)
+    other = lm(**{**base_kw, **option})
+    if option == dict(one_kv_head=False):  # compare one shared kv head with per-head kv instead
+        base, other = lm(one_kv_head=True), lm()
+        assert other.transformer.layers.layers[0][0].fn.to_k.out_features == 4 * 8
+        assert base.transformer.layers.layers[0][0].fn.to_k.out_features == 8
+        return
+    other.load_state_dict(base.state_dict())
+    x = tokens()
+    assert differs(base(x), other(x))
+
+
+def test_window_size_and_per_layer_local_heads():
+    x = tokens(n=40)
+    a, b = lm(n_local_attn_heads=2, local_attn_window_size=4), lm(n_local_attn_heads=2, local_attn_window_size=16)
+    b.load_state_dict(a.state_dict())
+    assert differs(a(x), b(x))
+    c = lm(n_local_attn_heads=(4, 0))
+    assert [blk[0].fn.n_local for blk in c.transformer.layers.layers] == [4, 0]
+    with pytest.raises(ValueError, match="n_local_attn_heads"):
+        lm(n_local_attn_heads=(1, 2, 3))
+
+
+def test_rotary_replaces_absolute_positions_and_is_used():
+    m = lm(use_rotary_emb=True)
+    assert m.pos_emb is None
+    x = tokens()
+    out = m(x)
+    for blk in m.transformer.layers.layers:
+        blk[0].fn.rotary = False
+    assert differs(out, m(x))
+
+
+@pytest.mark.parametrize("option,param", [("attn_gate", "gate"), ("local_conv", "conv")])
+def test_gate_and_conv_parameters_reach_the_output(option, param):
+    m = lm(causal=True, **{option: True})
+    x = tokens()
+    out = m(x)
+    with torch.no_grad():
+        getattr(m.transformer.layers.layers[0][0].fn, param).weight.mul_(3.0)
+    assert differs(out, m(x))
+
+
+def test_glu_and_ff_dropout_reach_every_feed_forward():
+    m = lm(ff_glu=True, ff_dropout=0.5, attend_axially=True, local_attn_window_size=4, receives_context=True)
+    ffs = [mod for mod in m.modules() if isinstance(mod, FeedForward)]
+    assert len(ffs) == 6 and all(f.glu and f.dropout.p == 0.5 for f in ffs)
+    m.train()
+    x, ctx = tokens(), torch.randn(2, 5, 32, dtype=torch.float64)
+    assert differs(m(x, context=ctx), m(x, context=ctx))
+
+
+@pytest.mark.parametrize("kw", [dict(attn_layer_dropout=0.5), dict(attn_dropout=0.5, n_local_attn_heads=4,
+                                                                      local_attn_window_size=4)])
+def test_attention_dropouts_are_active_in_training_only(kw):
+    m = lm(**kw)
+    x = tokens()
+    assert not differs(m(x), m(x))
+    m.train()
+    assert differs(m(x), m(x))
+
+
+def test_ff_chunks_equal_unchunked():
+    a, b = lm(ff_chunks=1), lm(ff_chunks=5)
+    b.load_state_dict(a.state_dict())
+    x = tokens()
+    torch.testing.assert_close(a(x), b(x), rtol=0, atol=1e-12)
+    assert b.transformer.layers.layers[0][1].fn.chunks == 5
+
+
+def test_emb_dim_and_return_embeddings():
+    m = lm(emb_dim=8)
+    assert m.token_emb.embedding_dim == 8 and m(tokens()).shape == (2, N, V)
+    e = lm(emb_dim=8, return_embeddings=True)
+    assert e(tokens()).shape == (2, N, 32)
+
+
+def test_attend_axially_adds_folded_layers():
+    m = lm(causal=True, attend_axially=True, local_attn_window_size=4)
+    assert len(m.transformer.layers.layers) == 4
+    x = tokens()
+    out = m(x)
+    with torch.no_grad():
+        m.transformer.layers.layers[1][0].fn.fn.to_out.weight.mul_(2.0)
+    assert differs(out, m(x))
+
+
+def test_linformer_settings_switch_self_attention():
+    from linear_mha.lm import LinformerSettings
+    m = lm(linformer_settings=LinformerSettings(k=8))
+    assert isinstance(m.transformer.layers.layers[0][0].fn, LinformerSelfAttention)
+    x, mask = tokens(), torch.ones(2, N, dtype=torch.bool)
+    mask[:, -5:] = False
+    y = x.clone()
+    y[:, -5:] = (y[:, -5:] + 3) % V
+    torch.testing.assert_close(m(x, input_mask=mask)[:, :-5], m(y, input_mask=mask)[:, :-5], rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="causal"):
+        lm(causal=True, linformer_settings=LinformerSettings(k=8))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kw", [dict(), dict(n_local_attn_heads=2, local_attn_window_size=4), dict(shift_tokens=True),
+                                dict(local_conv=True), dict(attend_axially=True, local_attn_window_size=4)])
+def test_input_mask_hides_masked_tokens(causal, kw):
+    m = lm(causal=causal, **kw)
+    x = tokens()
+    mask = torch.ones(2, N, dtype=torch.bool)
+    hidden = [3, 4, 11, 17]
+    mask[:, hidden] = False
+    y = x.clone()
+    y[:, hidden] = (y[:, hidden] + 5) % V
+    a, b = m(x, input_mask=mask), m(y, input_mask=mask)
+    keep = mask[0]
+    torch.testing.assert_close(a[:, keep], b[:, keep], rtol=0, atol=1e-12)
+    assert differs(m(x), m(y))  # without the mask the changed tokens are seen
+
+
+def test_causal_global_matches_quadratic_reference():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 10, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    keep = torch.rand(2, 10, generator=g) > 0.3
+    for b in (1, 3):
+        out = causal_global_attention(q, k, v, keep, blindspot_size=b)
+        w = torch.softmax(q, -1) @ torch.softmax(k, -1).transpose(-1, -2)
+        i, j = torch.arange(10)[:, None], torch.arange(10)[None, :]
+        visible = (j <= i) if b == 1 else (j // b < i // b)
+        w = w * visible * keep[:, None, None, :]
+        den = w.sum(-1, keepdim=True)
+        ref = (w @ v) / torch.where(den > 0, den, torch.ones_like(den))
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_local_attention_matches_banded_softmax_reference(causal):
+    g = torch.Generator().manual_seed(0)
+    n, w = 11, 4
+    q, k, v = (torch.randn(2, 2, n, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    keep = torch.rand(2, n, generator=g) > 0.3
+    out = local_attention(q, k, v, w, causal=causal, key_mask=keep)
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    band = (j // w >= i // w - 1) & (j // w <= i // w + (0 if causal else 1))
+    if causal:
+        band = band & (j <= i)
+    allowed = band & (keep[:, None, None, :] | (i == j))
+    scores = (q @ k.transpose(-1, -2)) / 2.0
+    ref = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_blindspot_hides_own_bucket():
+    torch.manual_seed(0)
+    attn = SelfAttention(16, heads=2, causal=True, blindspot_size=4).double()
+    x = torch.randn(1, 12, 16, dtype=torch.float64)
+    y = x.clone()
+    y[:, 4] += 1.0  # bucket 1 = positions 4..7; positions 5..7 must not see key 4
+    a, b = attn(x), attn(y)
+    torch.testing.assert_close(a[:, 5:8], b[:, 5:8], rtol=0, atol=1e-12)
+    assert differs(a[:, 8:], b[:, 8:])
+
+
+def test_bad_inputs_raise_clear_errors():
+    m = lm()
+    with pytest.raises(ValueError, match="max_seq_len"):
+        m(torch.zeros(1, 65, dtype=torch.long))
+    with pytest.raises(TypeError, match="input_mask"):
+        m(tokens(), input_mask=torch.ones(2, N))
+    with pytest.raises(ValueError, match="blindspot_size"):
+        lm(blindspot_size=2)
+    with pytest.raises(ValueError, match="num_tokens"):
+        m(torch.full((1, 3), V))
