@@ -1,0 +1,13 @@
+"""Model surgery: swap linear attention into existing models, keeping their weights.
+
+    patch(model, mode, ...)   in place; nn.MultiheadAttention (+ subclasses) and timm.layers.Attention
+    unpatch(model)            back to the original modules, with the current weights
+    patched(mode, ...)        context manager: nn.MultiheadAttention(...) builds LinearMultiheadAttention
+    PatchReport               what was replaced, skipped (and why), parameters added
+"""
+from .context import patched
+from .patcher import patch, unpatch
+from .report import PatchReport
+from .timm_attention import LinearTimmAttention
+
+__all__ = ["patch", "unpatch", "patched", "PatchReport", "LinearTimmAttention"]

@@ -1,0 +1,67 @@
+"""patched(): while active, code that constructs torch.nn.MultiheadAttention gets a LinearMultiheadAttention,
+for model code you cannot edit. Not thread-safe: it rebinds module attributes process-wide."""
+import contextlib
+import inspect
+import sys
+
+from torch import nn
+
+from ..attention import LinearMultiheadAttention
+
+_TORCH_MHA = nn.MultiheadAttention
+_KEYWORD_OPTIONS = {name: p.default for name, p in inspect.signature(LinearMultiheadAttention.__init__).parameters.items()
+                    if p.kind is p.KEYWORD_ONLY}
+# The argument order of LinearMultiheadAttention._check_options.
+_CHECKED = ("mode", "seq_len", "proj_k", "param_sharing", "feature_map", "num_features", "shared_projection",
+            "redraw_interval")
+
+
+class _ActsAsTorchMHA(type):
+    # isinstance/issubclass against the stand-in keep meaning "is an nn.MultiheadAttention", so torch code that
+    # checks types while the context is active is not fooled.
+    def __instancecheck__(cls, obj):
+        return isinstance(obj, _TORCH_MHA)
+
+    def __subclasscheck__(cls, sub):
+        return issubclass(sub, _TORCH_MHA)
+
+
+def _stand_in(options: dict):
+    class MultiheadAttention(metaclass=_ActsAsTorchMHA):
+        """Stand-in for torch.nn.MultiheadAttention inside linear_mha.patched(): builds LinearMultiheadAttention."""
+        _linear_mha_stand_in = True
+
+        def __new__(cls, *args, **kwargs):
+            return LinearMultiheadAttention(*args, **{**options, **kwargs})
+
+    return MultiheadAttention
+
+
+@contextlib.contextmanager
+def patched(mode: str = "linformer", **options):
+    """Inside ``with linear_mha.patched(mode=...):`` every ``nn.MultiheadAttention(...)`` (also spelled
+    ``torch.nn.modules.activation.MultiheadAttention``, inside nn.TransformerEncoderLayer / DecoderLayer /
+    nn.Transformer, or imported earlier as ``from torch.nn import MultiheadAttention`` by a loaded module) builds a
+    ``LinearMultiheadAttention(..., mode=mode, **options)``. Restored on exit, also when the block raises.
+    Modules built inside keep being linear after the block."""
+    unknown = {k: v for k, v in options.items() if k not in _KEYWORD_OPTIONS}
+    if unknown:
+        raise ValueError(LinearMultiheadAttention._unknown_options_message(unknown))
+    opts = {**_KEYWORD_OPTIONS, "mode": mode, **options}
+    LinearMultiheadAttention._check_options(*(opts[k] for k in _CHECKED))
+    stand_in = _stand_in({"mode": mode, **options})
+    # Every loaded module that bound the name to torch's class at import time (torch.nn, torch.nn.modules.
+    # activation, torch.nn.modules.transformer, user code doing `from torch.nn import MultiheadAttention`), or to
+    # the stand-in of an enclosing patched() block.
+    previous = {}
+    for module in list(sys.modules.values()):
+        bound = getattr(module, "__dict__", {}).get("MultiheadAttention")
+        if bound is _TORCH_MHA or getattr(bound, "_linear_mha_stand_in", False):
+            previous[module] = bound
+    for module in previous:
+        module.MultiheadAttention = stand_in
+    try:
+        yield
+    finally:
+        for module, bound in previous.items():
+            module.MultiheadAttention = bound

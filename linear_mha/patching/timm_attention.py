@@ -1,0 +1,152 @@
+"""Linear attention for timm ViTs: ``timm.layers.Attention`` (and the older
+``timm.models.vision_transformer.Attention``) swapped for an adapter that REUSES the original qkv / q_norm /
+k_norm / norm / gate / proj / dropout submodules, so state_dict keys and tensors are unchanged and timm
+checkpoints load strictly. Only the softmax(q k^T) v step changes; it runs through LinearMultiheadAttention's own
+attention path (the methods are shared, not copied), so both classes approximate attention identically.
+"""
+import sys
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from .. import masks as M
+from ..attention import LinearMultiheadAttention
+from ..functional import resolve_feature_map
+
+_LMHA = LinearMultiheadAttention
+_REUSED = ("qkv", "q_norm", "k_norm", "attn_drop", "norm", "gate", "proj", "proj_drop")
+_OPTION_DEFAULTS = dict(mode="linformer", seq_len=100, proj_k=128, param_sharing="none", feature_map=None,
+                        num_features=None, shared_projection=None, chunk_size=None, redraw_interval=None)
+
+
+def supported_timm_classes() -> tuple:
+    """timm's plain ViT attention classes, looked up only if timm is already imported (a timm model implies it),
+    so patching a non-timm model never pays timm's import time."""
+    classes = []
+    for module_name in ("timm.layers.attention", "timm.models.vision_transformer"):
+        cls = getattr(sys.modules.get(module_name), "Attention", None)
+        if isinstance(cls, type) and issubclass(cls, nn.Module) and cls not in classes:
+            classes.append(cls)
+    return tuple(classes)
+
+
+def timm_token_count(model: nn.Module) -> Optional[int]:
+    """Tokens a timm ViT feeds its attention (patch grid + class/register tokens), or None if the model does not
+    say or its token count varies (dynamic_img_size)."""
+    patch_embed = getattr(model, "patch_embed", None)
+    num_patches = getattr(patch_embed, "num_patches", None)
+    if getattr(model, "dynamic_img_size", False) or not isinstance(num_patches, int):
+        return None
+    return num_patches + int(getattr(model, "num_prefix_tokens", 0))
+
+
+def _timm_mask_to_nn(attn_mask: Tensor, batch: int, heads: int, n: int, mode: str):
+    """timm passes SDPA masks (bool True = MAY attend, or additive float), broadcastable to (B, H, N, N).
+    Returns (key_padding_mask (B, N) or None, attn_mask (B, H, N, N) or None) in nn.MultiheadAttention's
+    convention (True = masked). A mask that is the same for every query and head is key padding, which every
+    mode honours; anything else goes to the shared path (softmax: any mask; kernel/taylor: causal; else error)."""
+    if attn_mask.dim() > 4:
+        raise ValueError(f"attn_mask must be broadcastable to (B, H, N, N) = {(batch, heads, n, n)}, "
+                         f"got shape {tuple(attn_mask.shape)}")
+    mask = attn_mask.reshape((1,) * (4 - attn_mask.dim()) + tuple(attn_mask.shape))
+    mask = (~mask) if mask.dtype == torch.bool else mask
+    try:
+        mask = mask.expand(batch, heads, n, n)
+    except RuntimeError:
+        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, H, N, N) = "
+                         f"{(batch, heads, n, n)}") from None
+    if mode == "softmax":
+        return None, mask
+    forbidden = M.to_forbidden(mask, "attn_mask", mode)
+    if bool((forbidden == forbidden[:, :1, :1, :]).all()):
+        return forbidden[:, 0, 0, :], None
+    return None, forbidden
+
+
+class LinearTimmAttention(nn.Module):
+    """timm ``Attention`` with linear attention. Options are LinearMultiheadAttention's keyword options
+    (mode, seq_len, proj_k, param_sharing, feature_map, num_features, shared_projection, chunk_size,
+    redraw_interval). Build it with :meth:`from_timm`; :meth:`to_timm` gives the timm module back."""
+
+    # LinearMultiheadAttention's mode machinery, used as is: same state layout, same attention maths.
+    _build_mode_state = _LMHA._build_mode_state
+    _new_projection = _LMHA._new_projection
+    _attend = _LMHA._attend
+    _attend_softmax = _LMHA._attend_softmax
+    redraw_features = _LMHA.redraw_features
+    extra_repr = _LMHA.extra_repr
+
+    def __init__(self, attn: nn.Module, **options):
+        unknown = {k: v for k, v in options.items() if k not in _OPTION_DEFAULTS}
+        if unknown:
+            raise ValueError(_LMHA._unknown_options_message(unknown))
+        opts = {**_OPTION_DEFAULTS, **options}
+        _LMHA._check_options(opts["mode"], opts["seq_len"], opts["proj_k"], opts["param_sharing"],
+                             opts["feature_map"], opts["num_features"], opts["shared_projection"],
+                             opts["redraw_interval"])
+        super().__init__()
+        self.num_heads = attn.num_heads
+        self.head_dim = getattr(attn, "head_dim", None) or attn.qkv.in_features // attn.num_heads
+        self.attn_dim = getattr(attn, "attn_dim", self.num_heads * self.head_dim)
+        self.embed_dim = self.attn_dim  # read by the shared extra_repr
+        self.batch_first = True
+        for name in _REUSED:
+            module = getattr(attn, name, None)
+            if name in ("q_norm", "k_norm", "norm") and module is None:
+                module = nn.Identity()  # older timm: no such step
+            setattr(self, name, module)
+        self.mode = opts["mode"]
+        self.seq_len, self.proj_k, self.param_sharing = opts["seq_len"], opts["proj_k"], opts["param_sharing"]
+        self.feature_map = resolve_feature_map(opts["feature_map"] or "elu") if self.mode == "kernel" else None
+        self.chunk_size, self.redraw_interval = opts["chunk_size"], opts["redraw_interval"]
+        self._forwards_since_redraw = 0
+        self._extra_state_names = []
+        weight = attn.qkv.weight
+        self._build_mode_state(opts["shared_projection"], opts["num_features"],
+                               {"device": weight.device, "dtype": weight.dtype})
+        # Kept unregistered (not in state_dict or parameters()) so to_timm() returns the user's module itself.
+        self.__dict__["_timm_original"] = attn
+        self.train(attn.training)
+
+    @classmethod
+    def from_timm(cls, attn: nn.Module, **options) -> "LinearTimmAttention":
+        if type(attn) not in supported_timm_classes():
+            raise TypeError(f"from_timm expects timm.layers.Attention (exact class), got {type(attn).__name__}")
+        return cls(attn, **options)
+
+    def to_timm(self) -> nn.Module:
+        """The original timm module, holding this adapter's current submodules (and so its trained weights)."""
+        original = self.__dict__["_timm_original"]
+        for name in _REUSED:
+            if name in original._modules:
+                original._modules[name] = getattr(self, name)
+        return original.train(self.training)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        extra = [prefix + name for name in self._extra_state_names]
+        if extra and not any(key in state_dict for key in extra):
+            # A timm checkpoint: the mode's extra tensors keep their initialisation.
+            missing_keys[:] = [key for key in missing_keys if key not in extra]
+
+    def forward(self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False) -> Tensor:
+        """x (B, N, C) -> (B, N, C_out), as timm's Attention.forward (attn_mask in SDPA's convention)."""
+        if self.training and self.redraw_interval is not None:
+            self._forwards_since_redraw += 1
+            if self._forwards_since_redraw >= self.redraw_interval:
+                self.redraw_features()
+        B, N, _ = x.shape
+        gate = self.gate(x).sigmoid() if self.gate is not None else None
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k = self.q_norm(q), self.k_norm(k)
+        kpm, mask = (None, None) if attn_mask is None else _timm_mask_to_nn(attn_mask, B, self.num_heads, N,
+                                                                           self.mode)
+        dropout_p = self.attn_drop.p if self.training else 0.0
+        out, _ = self._attend(q, k, v, kpm, mask, is_causal, 0, False, dropout_p)
+        out = self.norm(out.transpose(1, 2).reshape(B, N, self.attn_dim))
+        if gate is not None:
+            out = out * gate
+        return self.proj_drop(self.proj(out))

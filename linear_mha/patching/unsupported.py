@@ -1,0 +1,39 @@
+"""Attention modules patch() recognises but will not touch, each with the reason: their forward computes more
+than softmax(q k^T) v on plain projections, so a linear drop-in would silently change the model."""
+import re
+from typing import Optional
+
+from torch import nn
+
+_SUPPORTED = "patch() replaces nn.MultiheadAttention (and subclasses) and timm.layers.Attention"
+
+# (class name, module path fragment or None) -> reason
+_KNOWN = {
+    ("EvaAttention", None): "applies rotary position embeddings (RoPE) to q and k inside forward (EVA)",
+    ("AttentionRope", None): "applies rotary position embeddings (RoPE) to q and k inside forward",
+    ("Attention", "beit"): "adds a learned relative position bias to the attention scores (BEiT)",
+    ("RelPosAttention", None): "adds a relative position bias to the attention scores",
+    ("WindowAttention", None): "windowed attention with a relative position bias (Swin); already linear in the "
+                               "image size",
+    ("WindowAttention3D", None): "windowed attention with a relative position bias; already linear in the size",
+    ("Attention", "pvt_v2"): "spatial-reduction attention: keys/values come from a downsampled map (PVT)",
+    ("TalkingHeadAttn", None): "talking heads: mixes attention maps across heads before and after the softmax "
+                               "(CaiT)",
+    ("ClassAttn", None): "class attention: only the class token queries (CaiT); already linear in the tokens",
+    ("DiffAttention", None): "differential attention: the difference of two softmax maps",
+    ("AttentionPoolLatent", None): "attention pooling with learned latent queries; already linear in the tokens",
+}
+
+
+def unsupported_reason(module: nn.Module, timm_classes: tuple) -> Optional[str]:
+    """The reason an attention-like module is left alone, or None if it does not look like attention."""
+    cls = type(module)
+    if any(issubclass(cls, c) for c in timm_classes):
+        return (f"subclass of {timm_classes[0].__module__}.Attention: matched by exact class only, since a "
+                f"subclass may change forward")
+    if not re.search(r"attention|attn", cls.__name__, re.IGNORECASE):
+        return None
+    for (name, where), reason in _KNOWN.items():
+        if cls.__name__ == name and (where is None or where in cls.__module__):
+            return reason
+    return f"unsupported attention class; {_SUPPORTED}, whose computation it reproduces exactly"
