@@ -1,0 +1,97 @@
+"""One training epoch and one evaluation pass (tqdm progress, AMP on CUDA, gradient clipping)."""
+import math
+from collections import defaultdict
+
+import torch
+from tqdm import tqdm
+
+from .coco_eval import STAT_NAMES, CocoEvaluator
+from .distributed import is_main_process, reduce_dict
+
+
+def _targets_to(targets, device):
+    return [{k: v.to(device) for k, v in t.items()} for t in targets]
+
+
+def _weighted_total(loss_dict, weight_dict):
+    return sum(loss_dict[k] * weight_dict[k] for k in loss_dict if k in weight_dict)
+
+
+class _Meter:
+    def __init__(self):
+        self.sums, self.counts = defaultdict(float), defaultdict(int)
+
+    def update(self, **values):
+        for k, v in values.items():
+            self.sums[k] += float(v)
+            self.counts[k] += 1
+
+    def averages(self):
+        return {k: self.sums[k] / self.counts[k] for k in self.sums}
+
+
+def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, max_norm=0.0, scaler=None,
+                    amp=False, max_iters=0, progress=True):
+    """Returns the epoch's mean of every (process-averaged) loss; `loss` is the weighted total."""
+    model.train()
+    criterion.train()
+    meter = _Meter()
+    weight_dict = criterion.weight_dict
+    total = min(len(data_loader), max_iters) if max_iters else len(data_loader)
+    bar = tqdm(data_loader, total=total, desc=f"epoch {epoch}", disable=not (progress and is_main_process()),
+               leave=False)
+    for it, (samples, targets) in enumerate(bar):
+        if max_iters and it >= max_iters:
+            break
+        samples, targets = samples.to(device), _targets_to(targets, device)
+        with torch.autocast(device_type="cuda", dtype=torch.float16, enabled=amp):
+            outputs = model(samples)
+        loss_dict = criterion(outputs, targets)  # the criterion upcasts half-precision outputs itself
+        losses = _weighted_total(loss_dict, weight_dict)
+        logged = reduce_dict(loss_dict)
+        loss_value = float(_weighted_total(logged, weight_dict))
+        if not math.isfinite(loss_value):
+            raise FloatingPointError(f"loss is {loss_value} at epoch {epoch} iteration {it} ({logged}); "
+                                     "lower --lr or keep --clip-max-norm > 0")
+        optimizer.zero_grad()
+        if scaler is not None:
+            scaler.scale(losses).backward()
+            scaler.unscale_(optimizer)
+        else:
+            losses.backward()
+        if max_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        meter.update(loss=loss_value, lr=optimizer.param_groups[0]["lr"],
+                     **{k: v for k, v in logged.items() if k in weight_dict or "error" in k})
+        bar.set_postfix(loss=f"{loss_value:.3f}")
+    return meter.averages()
+
+
+@torch.no_grad()
+def evaluate(model, criterion, postprocessors, data_loader, coco_gt, device, amp=False, progress=True):
+    """Returns (mean losses, COCO stats as a dict of the 12 names plus `coco_eval_bbox` list)."""
+    model.eval()
+    criterion.eval()
+    meter = _Meter()
+    evaluator = CocoEvaluator(coco_gt)
+    for samples, targets in tqdm(data_loader, desc="eval", disable=not (progress and is_main_process()), leave=False):
+        samples, targets = samples.to(device), _targets_to(targets, device)
+        with torch.autocast(device_type="cuda", dtype=torch.float16, enabled=amp):
+            outputs = model(samples)
+        logged = reduce_dict(criterion(outputs, targets))
+        meter.update(loss=float(_weighted_total(logged, criterion.weight_dict)),
+                     **{k: v for k, v in logged.items() if k in criterion.weight_dict or "error" in k})
+        orig_sizes = torch.stack([t["orig_size"] for t in targets])
+        results = postprocessors["bbox"](outputs, orig_sizes)
+        evaluator.update({int(t["image_id"]): r for t, r in zip(targets, results)})
+    stats = evaluator.summarize()
+    if is_main_process() and progress:
+        print(evaluator.summary)
+    coco = dict(zip(STAT_NAMES, stats))
+    coco["coco_eval_bbox"] = stats
+    return meter.averages(), coco

@@ -1,0 +1,180 @@
+"""Train or evaluate DETR / Linear-DETR.
+
+    python -m integrations.detr.train                                   # synthetic set, tiny model, CPU minutes
+    python -m integrations.detr.train --coco-path /data/coco --attention linformer
+    torchrun --nproc_per_node=2 -m integrations.detr.train --coco-path /data/coco
+    python -m integrations.detr.train --resume runs/detr/checkpoint.pth   # continue exactly
+    python -m integrations.detr.train --eval --pretrained detr-r50-e632da11.pth --coco-path /data/coco
+"""
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from . import distributed as dist_utils
+from .attention import apply_attention
+from .backbone import backbone_stride
+from .checkpoint import load_checkpoint, load_pretrained, rng_state, save_atomic, set_rng_state
+from .config import parse_args
+from .datasets import build_dataset
+from .detr import build_model
+from .engine import evaluate, train_one_epoch
+from .misc import collate_fn
+from .plots import append_log, plot_curves, truncate_log
+from .synthetic import make_synthetic_coco
+from .transforms import feature_tokens, max_padded_hw
+
+
+def seed_everything(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def prepare_data_args(args):
+    """With no dataset given, points --{train,val}-{images,ann} at a (cached) generated synthetic set."""
+    if args.coco_path or args.train_ann or args.val_ann:
+        return
+    root = Path(args.output_dir) / "synthetic-coco"
+    if dist_utils.is_main_process():
+        make_synthetic_coco(root, args.synthetic_train, args.synthetic_val, seed=args.seed)
+    if dist_utils.is_dist_avail_and_initialized():
+        torch.distributed.barrier()
+    paths = make_synthetic_coco(root, args.synthetic_train, args.synthetic_val, seed=args.seed)  # cached: no rewrite
+    args.train_images, args.train_ann = paths["train"]["images"], paths["train"]["annotations"]
+    args.val_images, args.val_ann = paths["val"]["images"], paths["val"]["annotations"]
+
+
+def max_tokens_for(args, datasets):
+    """Largest encoder sequence any padded batch of these datasets can produce (sets Linformer's seq_len)."""
+    stride = backbone_stride(args.dilation)
+    return max(feature_tokens(max_padded_hw(ds.image_sizes(), args, split), stride) for split, ds in datasets.items())
+
+
+def param_groups(model, args):
+    backbone = [p for n, p in model.named_parameters() if "backbone" in n and p.requires_grad]
+    rest = [p for n, p in model.named_parameters() if "backbone" not in n and p.requires_grad]
+    groups = [{"params": rest, "lr": args.lr}]
+    if backbone:
+        groups.append({"params": backbone, "lr": args.lr_backbone})
+    return groups
+
+
+def make_loaders(args, datasets, rank, world):
+    train_sampler = DistributedSampler(datasets["train"], num_replicas=world, rank=rank, shuffle=True,
+                                       seed=args.seed, drop_last=False)
+    val_sampler = DistributedSampler(datasets["val"], num_replicas=world, rank=rank, shuffle=False)
+    if len(datasets["train"]) // world < args.batch_size:
+        raise ValueError(f"--batch-size {args.batch_size} exceeds the {len(datasets['train']) // world} training "
+                         "images per process; lower --batch-size")
+    common = dict(collate_fn=collate_fn, num_workers=args.num_workers, persistent_workers=False)
+    train = DataLoader(datasets["train"], batch_size=args.batch_size, sampler=train_sampler, drop_last=True, **common)
+    val = DataLoader(datasets["val"], batch_size=args.batch_size, sampler=val_sampler, drop_last=False, **common)
+    return train, val, train_sampler
+
+
+def main(argv=None):
+    """Runs training (or --eval); returns {'log': [...epoch entries], 'coco': last stats, 'model': model}."""
+    args = parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    rank, world, local = dist_utils.init_distributed_mode(device.type)
+    if device.type == "cuda" and world > 1:
+        device = torch.device("cuda", local)
+    amp = args.amp and device.type == "cuda"
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    seed_everything(args.seed + rank)
+
+    prepare_data_args(args)
+    datasets = {"train": build_dataset("train", args), "val": build_dataset("val", args)}
+    if args.num_classes is None:
+        args.num_classes = max(c["id"] for c in datasets["train"].coco.dataset["categories"]) + 1
+
+    model, criterion, postprocessors = build_model(args)
+    max_tokens = max_tokens_for(args, datasets)
+    attention_report = apply_attention(model, args, max_tokens=max_tokens)
+    if args.pretrained:
+        load_pretrained(model, args.pretrained)
+    model.to(device)
+    criterion.to(device)
+    model_without_ddp = model
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local] if device.type == "cuda" else None)
+    n_parameters = sum(p.numel() for p in model_without_ddp.parameters() if p.requires_grad)
+
+    optimizer = torch.optim.AdamW(param_groups(model_without_ddp, args), lr=args.lr, weight_decay=args.weight_decay)
+    lr_scheduler = torch.optim.lr_scheduler.StepLR(optimizer, args.lr_drop)
+    scaler = torch.amp.GradScaler("cuda") if amp else None
+    train_loader, val_loader, train_sampler = make_loaders(args, datasets, rank, world)
+    coco_gt = datasets["val"].coco
+
+    start_epoch = 0
+    if args.resume:
+        ckpt = load_checkpoint(args.resume)
+        model_without_ddp.load_state_dict(ckpt["model"], strict=True)
+        if not args.eval:
+            optimizer.load_state_dict(ckpt["optimizer"])
+            lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
+            if scaler is not None and ckpt.get("scaler"):
+                scaler.load_state_dict(ckpt["scaler"])
+            start_epoch = ckpt["epoch"] + 1
+            states = ckpt.get("rng", [])
+            if len(states) == world:
+                set_rng_state(states[rank])
+            else:
+                print(f"warning: checkpoint has RNG states for {len(states)} processes, running {world}; "
+                      "reseeding (the run continues but is not bit-identical)", file=sys.stderr)
+                seed_everything(args.seed + rank + 1000 * start_epoch)
+
+    log_path = out_dir / "log.jsonl"
+    if dist_utils.is_main_process():
+        (out_dir / "args.json").write_text(json.dumps({**vars(args), "max_tokens": max_tokens,
+                                                       "attention_report": str(attention_report)}, indent=1))
+    if args.eval:
+        test_stats, coco = evaluate(model, criterion, postprocessors, val_loader, coco_gt, device, amp, args.progress)
+        if dist_utils.is_main_process():
+            (out_dir / "eval.json").write_text(json.dumps({**{f"test_{k}": v for k, v in test_stats.items()},
+                                                           **coco}, indent=1))
+        return {"log": [], "coco": coco, "model": model_without_ddp}
+
+    if dist_utils.is_main_process():
+        truncate_log(log_path, start_epoch)
+    entries, coco = [], None
+    for epoch in range(start_epoch, args.epochs):
+        train_sampler.set_epoch(epoch)
+        t0 = time.time()
+        train_stats = train_one_epoch(model, criterion, train_loader, optimizer, device, epoch, args.clip_max_norm,
+                                      scaler, amp, args.max_iters, args.progress)
+        lr_scheduler.step()
+        train_time = time.time() - t0
+        test_stats, coco = evaluate(model, criterion, postprocessors, val_loader, coco_gt, device, amp, args.progress)
+        entry = {"epoch": epoch, **{f"train_{k}": v for k, v in train_stats.items()},
+                 **{f"test_{k}": v for k, v in test_stats.items()},
+                 **{f"test_{k}": v for k, v in coco.items()}, "n_parameters": n_parameters,
+                 "epoch_train_seconds": train_time}
+        states = dist_utils.all_gather_object(rng_state())
+        if dist_utils.is_main_process():
+            # Checkpoint before the log line: a crash in between re-runs the epoch, and truncate_log
+            # drops its stale line; the reverse order could lose a finished epoch's record.
+            save_atomic({"model": model_without_ddp.state_dict(), "optimizer": optimizer.state_dict(),
+                         "lr_scheduler": lr_scheduler.state_dict(), "epoch": epoch, "args": vars(args),
+                         "rng": states, "scaler": scaler.state_dict() if scaler else None},
+                        out_dir / "checkpoint.pth")
+            append_log(log_path, entry)
+            plot_curves(log_path, out_dir / "curves.png")
+            print(f"epoch {epoch}: train loss {train_stats.get('loss', float('nan')):.4f} "
+                  f"val loss {test_stats.get('loss', float('nan')):.4f} AP {coco['AP']:.4f} AP50 {coco['AP50']:.4f} "
+                  f"({train_time:.1f}s)")
+        entries.append(entry)
+    return {"log": entries, "coco": coco, "model": model_without_ddp}
+
+
+if __name__ == "__main__":
+    main()
+    if dist_utils.is_dist_avail_and_initialized():
+        dist_utils.torch.distributed.destroy_process_group()
