@@ -69,41 +69,67 @@ def _check_inputs(phi_q, phi_k, v, initial_state, seq_dims: int) -> None:
 
 
 def _to_chunks(x: torch.Tensor, n_chunks: int, chunk: int, dtype: torch.dtype) -> torch.Tensor:
-    """(B, H, N, D) -> (B, H, n_chunks, chunk, D); zero rows pad the tail, which adds nothing to any state."""
+    """(B, H, N, D) -> (B * H * n_chunks, chunk, D); zero rows pad the tail and add nothing to any state.
+
+    A flat 3-D batch lets every product be one bmm and keeps chunk c of head h at index h * n_chunks + c.
+    """
     b, h, n, d = x.shape
     x = x.to(dtype)
     pad = n_chunks * chunk - n
     if pad:
         x = torch.cat([x, x.new_zeros(b, h, pad, d)], dim=2)
-    return x.reshape(b, h, n_chunks, chunk, d)
+    return x.reshape(b * h * n_chunks, chunk, d)
 
 
-def _exclusive_prefix(per_chunk: torch.Tensor, first: Optional[torch.Tensor]) -> torch.Tensor:
-    """S_prev[c] = first + sum_{c' < c} per_chunk[c'] along dim 2."""
-    prev = torch.zeros_like(per_chunk)
-    if per_chunk.shape[2] > 1:
-        prev[:, :, 1:] = per_chunk[:, :, :-1].cumsum(dim=2)
-    if first is not None:
-        prev += first.unsqueeze(2)
-    return prev
+def _exclusive_states(k: torch.Tensor, v: torch.Tensor, init: Optional[torch.Tensor], n_chunks: int):
+    """S_prev[c] = init + sum_{c' < c} k_c'^T v_c' for every chunk, as (B*H*n_chunks, Dk, Dv).
+
+    The per-chunk products are written one slot late into a buffer with one spare slot, so each
+    head's chunk c already holds chunk c - 1's product. Slot 0 of each head would hold the previous
+    head's last product, which no exclusive prefix needs, so it is overwritten with init; an
+    in-place cumsum then finishes the job without any shifted copy.
+    """
+    dk, dv = k.shape[-1], v.shape[-1]
+    buf = k.new_empty(k.shape[0] + 1, dk, dv)
+    torch.bmm(k.transpose(1, 2), v, out=buf[1:])
+    states = buf[:-1].view(-1, n_chunks, dk, dv)
+    if init is None:
+        states[:, 0].zero_()
+    else:
+        states[:, 0] = init.reshape(-1, dk, dv)
+    states.cumsum_(dim=1)
+    return buf[:-1]
 
 
-def _reverse_exclusive_prefix(per_chunk: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(R_next[c] = sum_{c' > c} per_chunk[c'], total over all chunks)."""
-    inclusive = per_chunk.flip(2).cumsum(dim=2).flip(2)
+def _later_states(q: torch.Tensor, do: torch.Tensor, n_chunks: int, need_total: bool):
+    """(R_next[c] = sum_{c' > c} q_c'^T do_c' as (B*H*n_chunks, Dk, Dv), per-head total or None)."""
+    dk, dv = q.shape[-1], do.shape[-1]
+    per_chunk = torch.bmm(q.transpose(1, 2), do).view(-1, n_chunks, dk, dv)
+    total = per_chunk.sum(dim=1) if need_total else None
     later = torch.zeros_like(per_chunk)
-    later[:, :, :-1] = inclusive[:, :, 1:]
-    return later, inclusive[:, :, 0]
+    if n_chunks > 1:
+        later[:, :-1] = per_chunk[:, 1:].flip(1).cumsum(dim=1).flip(1)
+    return later.view(-1, dk, dv), total
 
 
 def _causal_scores(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """tril(a b^T) per chunk, diagonal kept."""
-    return torch.matmul(a, b.transpose(-1, -2)).tril_()
+    return torch.bmm(a, b.transpose(1, 2)).tril_()
 
 
 def _no_autocast(device: torch.device):
     # Autocast would round the float32 states back to half precision inside the matmuls.
     return torch.autocast(device_type=device.type, enabled=False)
+
+
+def _layout(phi_q: torch.Tensor, chunk_size: int):
+    b, h, n, _ = phi_q.shape
+    chunk = min(chunk_size, n)
+    return b, h, n, chunk, -(-n // chunk), _state_dtype(phi_q.dtype)
+
+
+def _unchunk(x: torch.Tensor, b: int, h: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    return x.view(b, h, -1, x.shape[-1])[:, :, :n].to(dtype)
 
 
 def _forward(phi_q, phi_k, v, initial_state, chunk_size):
@@ -112,19 +138,15 @@ def _forward(phi_q, phi_k, v, initial_state, chunk_size):
 
 
 def _forward_impl(phi_q, phi_k, v, initial_state, chunk_size):
-    b, h, n, _ = phi_q.shape
-    dtype = _state_dtype(phi_q.dtype)
-    chunk = min(chunk_size, n)
-    n_chunks = -(-n // chunk)
+    b, h, n, chunk, n_chunks, dtype = _layout(phi_q, chunk_size)
     q = _to_chunks(phi_q, n_chunks, chunk, dtype)
     k = _to_chunks(phi_k, n_chunks, chunk, dtype)
     vc = _to_chunks(v, n_chunks, chunk, dtype)
     init = None if initial_state is None else initial_state.to(dtype)
 
-    out = torch.matmul(_causal_scores(q, k), vc)
-    states_prev = _exclusive_prefix(torch.matmul(k.transpose(-1, -2), vc), init)
-    out += torch.matmul(q, states_prev)
-    return out.reshape(b, h, n_chunks * chunk, -1)[:, :, :n].to(phi_q.dtype)
+    out = torch.bmm(q, _exclusive_states(k, vc, init, n_chunks))
+    out.baddbmm_(_causal_scores(q, k), vc)
+    return _unchunk(out, b, h, n, phi_q.dtype)
 
 
 def _backward(phi_q, phi_k, v, initial_state, grad_out, chunk_size, needs):
@@ -134,37 +156,32 @@ def _backward(phi_q, phi_k, v, initial_state, grad_out, chunk_size, needs):
 
 def _backward_impl(phi_q, phi_k, v, initial_state, grad_out, chunk_size, needs):
     need_q, need_k, need_v, need_init = needs
-    b, h, n, _ = phi_q.shape
-    dtype = _state_dtype(phi_q.dtype)
-    chunk = min(chunk_size, n)
-    n_chunks = -(-n // chunk)
+    b, h, n, chunk, n_chunks, dtype = _layout(phi_q, chunk_size)
     q = _to_chunks(phi_q, n_chunks, chunk, dtype)
     k = _to_chunks(phi_k, n_chunks, chunk, dtype)
     vc = _to_chunks(v, n_chunks, chunk, dtype)
     do = _to_chunks(grad_out, n_chunks, chunk, dtype)
 
-    def unchunk(x, like):
-        return x.reshape(b, h, n_chunks * chunk, -1)[:, :, :n].to(like.dtype)
-
     grad_q = grad_k = grad_v = grad_init = None
+    # tril(do v^T) feeds both dq and dk, so it is built once when either needs it.
+    do_v = _causal_scores(do, vc) if (need_q or need_k) else None
     if need_q:
         init = None if initial_state is None else initial_state.to(dtype)
-        states_prev = _exclusive_prefix(torch.matmul(k.transpose(-1, -2), vc), init)
-        gq = torch.matmul(_causal_scores(do, vc), k)
-        gq += torch.matmul(do, states_prev.transpose(-1, -2))
-        grad_q = unchunk(gq, phi_q)
+        gq = torch.bmm(do, _exclusive_states(k, vc, init, n_chunks).transpose(1, 2))
+        gq.baddbmm_(do_v, k)
+        grad_q = _unchunk(gq, b, h, n, phi_q.dtype)
     if need_k or need_v or need_init:
-        later, total = _reverse_exclusive_prefix(torch.matmul(q.transpose(-1, -2), do))
+        later, total = _later_states(q, do, n_chunks, need_init)
         if need_init:
-            grad_init = total.to(initial_state.dtype)
+            grad_init = total.view_as(initial_state).to(initial_state.dtype)
         if need_k:
-            gk = torch.matmul(_causal_scores(do, vc).transpose(-1, -2), q)
-            gk += torch.matmul(vc, later.transpose(-1, -2))
-            grad_k = unchunk(gk, phi_k)
+            gk = torch.bmm(vc, later.transpose(1, 2))
+            gk.baddbmm_(do_v.transpose(1, 2), q)
+            grad_k = _unchunk(gk, b, h, n, phi_k.dtype)
         if need_v:
-            gv = torch.matmul(_causal_scores(q, k).transpose(-1, -2), do)
-            gv += torch.matmul(k, later)
-            grad_v = unchunk(gv, v)
+            gv = torch.bmm(k, later)
+            gv.baddbmm_(_causal_scores(q, k).transpose(1, 2), do)
+            grad_v = _unchunk(gv, b, h, n, v.dtype)
     return grad_q, grad_k, grad_v, grad_init
 
 
