@@ -43,7 +43,8 @@ def patched(mode: str = "linformer", **options):
     ``torch.nn.modules.activation.MultiheadAttention``, inside nn.TransformerEncoderLayer / DecoderLayer /
     nn.Transformer, or imported earlier as ``from torch.nn import MultiheadAttention`` by a loaded module) builds a
     ``LinearMultiheadAttention(..., mode=mode, **options)``. Restored on exit, also when the block raises.
-    Modules built inside keep being linear after the block."""
+    Modules built inside keep being linear after the block. Only the name ``MultiheadAttention`` is rebound: a
+    module that imported it under another name (``import ... as MHA``) keeps torch's class."""
     unknown = {k: v for k, v in options.items() if k not in _KEYWORD_OPTIONS}
     if unknown:
         raise ValueError(LinearMultiheadAttention._unknown_options_message(unknown))
