@@ -1,0 +1,112 @@
+"""AutoregressiveWrapper: next-token loss and fast sampling.
+
+``generate`` decodes with the model's ``step``: global heads carry a recurrent state, local heads a rolling
+window of 2 * window keys, token shift and the causal conv a few previous inputs. The work per new token is
+therefore constant, instead of re-running the whole window per token as the original did. Every step's logits
+equal those of a full forward pass over the same tokens.
+"""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def top_k_filter(logits: Tensor, k: int) -> Tensor:
+    """Keep the k largest logits per row; the rest become -inf."""
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"top_k must be a positive int, got {k!r}")
+    k = min(k, logits.shape[-1])
+    kth = logits.topk(k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: Tensor, p: float) -> Tensor:
+    """Nucleus filtering: keep the smallest set of most likely tokens whose probability sums to >= p
+    (the top token is always kept). The original removed tokens once the mass passed 1 - p: inverted."""
+    if not 0.0 < p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {p}")
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    remove_sorted = mass_before >= p
+    remove = remove_sorted.scatter(-1, order, remove_sorted)
+    return logits.masked_fill(remove, float("-inf"))
+
+
+class AutoregressiveWrapper(nn.Module):
+    def __init__(self, net: nn.Module, ignore_index: Optional[int] = None, pad_value: int = 0):
+        super().__init__()
+        if not hasattr(net, "step") or not getattr(net, "causal", False):
+            raise ValueError("AutoregressiveWrapper needs a causal model with a step() method, e.g. "
+                             "LinearAttentionTransformerLM(..., causal=True)")
+        self.net, self.pad_value = net, pad_value
+        self.ignore_index = pad_value if ignore_index is None else ignore_index
+        self.max_seq_len = net.max_seq_len
+
+    def forward(self, x: Tensor, return_loss: bool = False, **kwargs):
+        """With return_loss: mean cross-entropy of predicting x[:, 1:] from x[:, :-1] (pad_value ignored)."""
+        if not return_loss:
+            return self.net(x, **kwargs)
+        mask = kwargs.pop("input_mask", None)
+        if mask is not None and mask.shape[1] == x.shape[1]:
+            mask = mask[:, :-1]
+        logits = self.net(x[:, :-1], input_mask=mask, **kwargs)
+        return F.cross_entropy(logits.transpose(1, 2), x[:, 1:], ignore_index=self.ignore_index)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt: Tensor,
+        length: int,
+        temperature: float = 1.0,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
+        eos_token: Optional[int] = None,
+        input_mask: Optional[Tensor] = None,
+        context: Optional[Tensor] = None,
+        context_mask: Optional[Tensor] = None,
+        generator: Optional[torch.Generator] = None,
+    ) -> Tensor:
+        """prompt (B, P) or (P,) -> the ``length`` new tokens (B, length). temperature 0 = greedy.
+        After a row emits ``eos_token`` its later tokens are ``pad_value``; decoding stops when all rows have."""
+        squeeze = prompt.dim() == 1
+        prompt = prompt[None] if squeeze else prompt
+        if prompt.shape[1] < 1:
+            raise ValueError("prompt must hold at least one token")
+        if prompt.shape[1] + length > self.max_seq_len + 1:
+            raise ValueError(f"prompt ({prompt.shape[1]}) + length ({length}) - 1 exceeds max_seq_len={self.max_seq_len}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        was_training = self.net.training
+        self.net.eval()
+        cache: dict = {}
+        kw = dict(context=context, context_mask=context_mask)
+        for t in range(prompt.shape[1]):
+            logits = self.net.step(prompt[:, t], cache, None if input_mask is None else input_mask[:, t], **kw)
+        out = []
+        done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
+        for i in range(length):
+            sample = self._sample(logits, temperature, top_k, top_p, generator)
+            sample = torch.where(done, torch.full_like(sample, self.pad_value), sample)
+            out.append(sample)
+            if eos_token is not None:
+                done = done | (sample == eos_token)
+                if bool(done.all()):
+                    break
+            if i + 1 < length:
+                logits = self.net.step(sample, cache, None, **kw)
+        self.net.train(was_training)
+        result = torch.stack(out, dim=1)
+        return result[0] if squeeze else result
+
+    @staticmethod
+    def _sample(logits, temperature, top_k, top_p, generator):
+        if temperature == 0:
+            return logits.argmax(dim=-1)
+        logits = logits.float() / temperature
+        if top_k is not None:
+            logits = top_k_filter(logits, top_k)
+        if top_p is not None:
+            logits = top_p_filter(logits, top_p)
+        return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[:, 0]
