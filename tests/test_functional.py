@@ -183,3 +183,11 @@ def test_functional_errors(qkv):
         LF.kernel(q, k, v, key_padding_mask=kpm.to(torch.uint8))
     with pytest.raises(ValueError, match="4-D"):
         LF.efficient(q[0], k[0], v[0])
+
+
+def test_gradcheck_linformer_projections():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 3, generator=g, dtype=torch.float64) for _ in range(3))
+    e, f = (torch.randn(2, 3, 6, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    m = torch.tensor([[False, False, False, False, True]])
+    assert torch.autograd.gradcheck(lambda e, f: LF.linformer(q, k, v, e, f, key_padding_mask=m)[0], (e, f))

@@ -1,0 +1,241 @@
+"""The linear modes inside LinearMultiheadAttention: float64 references through the module, masks exact in every
+mode, causality, dropout semantics, no L x S matrix on the default need_weights path, and every documented error."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from linear_mha import LinearMultiheadAttention
+from reference import efficient_weights, elu1, kernel_weights, linformer_weights, softmax_weights, taylor_weights
+
+E, HEADS, B = 8, 2, 3
+MODES = {
+    "linformer": dict(mode="linformer", seq_len=16, proj_k=5),
+    "linformer_headwise": dict(mode="linformer", seq_len=16, proj_k=5, param_sharing="headwise"),
+    "linformer_kv": dict(mode="linformer", seq_len=16, proj_k=5, param_sharing="kv"),
+    "kernel_elu": dict(mode="kernel"),
+    "kernel_relu": dict(mode="kernel", feature_map="relu"),
+    "kernel_favor": dict(mode="kernel", feature_map="favor", num_features=12),
+    "efficient": dict(mode="efficient"),
+    "taylor": dict(mode="taylor"),
+    "softmax": dict(mode="softmax"),
+}
+CAUSAL = ["kernel_elu", "kernel_relu", "kernel_favor", "taylor", "softmax"]
+
+
+def module(name, dtype=torch.float64, **kw):
+    torch.manual_seed(0)
+    return LinearMultiheadAttention(E, HEADS, **MODES[name], **kw).to(dtype)
+
+
+def project(m, x, which):
+    E_ = m.embed_dim
+    w = m.in_proj_weight[which * E_:(which + 1) * E_]
+    b = m.in_proj_bias[which * E_:(which + 1) * E_]
+    y = F.linear(x, w, b)  # (L, B, E) -> (B, H, L, d)
+    return y.reshape(y.shape[0], y.shape[1], m.num_heads, m.head_dim).permute(1, 2, 0, 3)
+
+
+def reference_weights(m, q, k, kpm, causal):
+    if m.mode == "linformer":
+        f = m.e_proj if m.f_proj is None else m.f_proj
+        return linformer_weights(q, k, m.e_proj, f, kpm)
+    if m.mode == "efficient":
+        return efficient_weights(q, k, kpm)
+    if m.mode == "taylor":
+        return taylor_weights(q, k, kpm, causal)
+    if m.mode == "softmax":
+        return softmax_weights(q, k, kpm, causal)
+    if m.feature_map == "favor":
+        from linear_mha.functional import favor_feature_map
+        proj = m.favor_projection.double()
+        w = favor_feature_map(q, proj, is_query=True) @ favor_feature_map(k, proj, is_query=False, causal=True).transpose(-1, -2)
+        from reference import _visible, normalised
+        return normalised(w, _visible(q.shape[-2], k.shape[-2], kpm, causal, q.device))
+    return kernel_weights({"elu": elu1, "relu": torch.relu}[m.feature_map], q, k, kpm, causal)
+
+
+@pytest.mark.parametrize("name,causal", [(n, False) for n in MODES] + [(n, True) for n in CAUSAL])
+def test_module_matches_float64_reference(name, causal):
+    m = module(name)
+    g = torch.Generator().manual_seed(1)
+    L = S = 7
+    x = torch.randn(L, B, E, generator=g, dtype=torch.float64)
+    mem = x if causal else torch.randn(S, B, E, generator=g, dtype=torch.float64)
+    kpm = torch.zeros(B, S, dtype=torch.bool)
+    kpm[1, 5:] = True
+    out, w = m(x, mem, mem, key_padding_mask=kpm, is_causal=causal)
+    q, k, v = project(m, x, 0), project(m, mem, 1), project(m, mem, 2)
+    ref_w = reference_weights(m, q, k, kpm, causal)
+    attn = (ref_w @ v).permute(2, 0, 1, 3).reshape(L, B, E)
+    torch.testing.assert_close(out, m.out_proj(attn), rtol=1e-9, atol=1e-9)
+    implied = m.attention_matrix(x, mem, key_padding_mask=kpm, is_causal=causal, average_attn_weights=False)
+    torch.testing.assert_close(implied, ref_w, rtol=1e-9, atol=1e-9)
+    assert (w is None) == (name != "softmax")
+
+
+@pytest.mark.parametrize("name", list(MODES))
+def test_padding_with_masked_garbage_changes_nothing_and_gets_no_gradient(name):
+    m = module(name)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, B, E, generator=g, dtype=torch.float64)
+    mem = torch.randn(6, B, E, generator=g, dtype=torch.float64)
+    kpm = torch.zeros(B, 6, dtype=torch.bool)
+    kpm[0, 4:] = True
+    base, _ = m(x, mem, mem, key_padding_mask=kpm, need_weights=False)
+    garbage = torch.randn(3, B, E, generator=g, dtype=torch.float64) * 1e3
+    padded = torch.cat([mem, garbage]).requires_grad_(True)
+    kpm_padded = torch.cat([kpm, torch.ones(B, 3, dtype=torch.bool)], dim=1)
+    out, _ = m(x, padded, padded, key_padding_mask=kpm_padded, need_weights=False)
+    torch.testing.assert_close(out, base, rtol=1e-9, atol=1e-9)
+    out.sum().backward()
+    assert torch.all(padded.grad[6:] == 0)
+    assert torch.all(padded.grad[4:6, 0] == 0)
+    assert padded.grad[:4].abs().sum() > 0
+
+
+@pytest.mark.parametrize("name", list(MODES))
+def test_samples_in_a_batch_do_not_mix(name):
+    m = module(name)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, B, E, generator=g, dtype=torch.float64)
+    out, _ = m(x, x, x)
+    x2 = x.clone()
+    x2[:, 2] += torch.randn(6, E, generator=g, dtype=torch.float64)
+    out2, _ = m(x2, x2, x2)
+    torch.testing.assert_close(out2[:, :2], out[:, :2], rtol=0, atol=0)
+    assert not torch.allclose(out2[:, 2], out[:, 2])
+
+
+@pytest.mark.parametrize("name", CAUSAL)
+@pytest.mark.parametrize("how", ["is_causal", "bool_mask", "float_mask"])
+def test_causal_paths_never_see_the_future(name, how):
+    m = module(name)
+    N = 9
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(N, B, E, generator=g, dtype=torch.float64)
+    future = torch.ones(N, N, dtype=torch.bool).triu(1)
+    kwargs = {"is_causal": {"is_causal": True}, "bool_mask": {"attn_mask": future},
+              "float_mask": {"attn_mask": torch.zeros(N, N, dtype=torch.float64).masked_fill(future, float("-inf"))}}[how]
+    out, _ = m(x, x, x, need_weights=False, **kwargs)
+    for t in (0, 4, 8):
+        x2 = x.clone()
+        x2[t] += 10 * torch.randn(B, E, generator=g, dtype=torch.float64)
+        out2, _ = m(x2, x2, x2, need_weights=False, **kwargs)
+        torch.testing.assert_close(out2[:t], out[:t], rtol=0, atol=1e-12)
+        assert not torch.allclose(out2[t], out[t])
+
+
+@pytest.mark.parametrize("name", ["kernel_elu", "taylor", "softmax"])
+def test_causal_with_bias_kv_and_zero_attn_sees_them_everywhere(name):
+    m = module(name, add_bias_kv=True, add_zero_attn=True)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, B, E, generator=g, dtype=torch.float64)
+    out, _ = m(x, x, x, is_causal=True)
+    implied = m.attention_matrix(x, x, is_causal=True, average_attn_weights=False)
+    assert implied.shape == (B, HEADS, 6, 8)
+    assert torch.all(implied[..., :6].triu(1) == 0)
+    assert torch.all(implied[..., 6] > 0)  # the bias key is visible to the first query too
+    if name == "softmax":
+        ref = nn.MultiheadAttention(E, HEADS, add_bias_kv=True, add_zero_attn=True).double()
+        ref.load_state_dict(m.state_dict())
+        expected, _ = ref(x, x, x, attn_mask=torch.ones(6, 6, dtype=torch.bool).triu(1))
+        torch.testing.assert_close(out, expected)
+
+
+def test_key_dropout_keeps_the_expectation_and_is_off_in_eval():
+    m = module("kernel_elu", dropout=0.5)
+    x = torch.randn(4, 1, E, dtype=torch.float64)
+    m.eval()
+    eval_out, _ = m(x, x, x)
+    assert torch.equal(m(x, x, x)[0], eval_out)
+    m.train()
+    torch.manual_seed(0)
+    many = x.expand(4, 4000, E)  # masks are drawn per sample, so the batch gives independent draws
+    out, _ = m(many, many, many)
+    assert not torch.equal(out[:, 0], out[:, 1])
+    torch.testing.assert_close(out.mean(1, keepdim=True), eval_out, rtol=0, atol=0.05)
+
+
+class _LargestTensor(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+LINEAR = ["linformer", "kernel_elu", "kernel_favor", "efficient", "taylor"]
+
+
+@pytest.mark.parametrize("name,causal", [(n, False) for n in LINEAR] + [(n, True) for n in LINEAR if n in CAUSAL])
+def test_default_need_weights_never_forms_an_l_by_s_matrix(name, causal):
+    N = 1024
+    m = LinearMultiheadAttention(E, HEADS, **{**MODES[name], "seq_len": N} if "linformer" in name else MODES[name])
+    x = torch.randn(N, 1, E)
+    with _LargestTensor() as spy:
+        out, w = m(x, x, x, is_causal=causal)  # need_weights defaults to True, as DETR calls it
+    assert w is None
+    assert spy.largest < N * N // 4, f"a tensor of {spy.largest} elements appeared (N^2 = {N * N})"
+
+
+LINEAR_LAYOUTS = {
+    "batch_first": dict(batch_first=True),
+    "kdim_vdim": dict(kdim=6, vdim=5),
+    "bias_kv_zero_attn": dict(add_bias_kv=True, add_zero_attn=True),
+    "no_bias": dict(bias=False),
+}
+
+
+@pytest.mark.parametrize("name", ["linformer", "kernel_elu", "efficient", "taylor"])
+@pytest.mark.parametrize("layout", list(LINEAR_LAYOUTS))
+def test_layouts_and_unbatched_agree_with_the_batched_call(name, layout):
+    kw = LINEAR_LAYOUTS[layout]
+    m = module(name, **kw)
+    bf = kw.get("batch_first", False)
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(B, 5, E, generator=g, dtype=torch.float64)
+    k = torch.randn(B, 7, kw.get("kdim", E), generator=g, dtype=torch.float64)
+    v = torch.randn(B, 7, kw.get("vdim", E), generator=g, dtype=torch.float64)
+    args = (q, k, v) if bf else tuple(t.transpose(0, 1) for t in (q, k, v))
+    out, _ = m(*args)
+    assert out.shape == ((B, 5, E) if bf else (5, B, E))
+    single, _ = m(q[1], k[1], v[1])
+    torch.testing.assert_close(single, out[1] if bf else out[:, 1])
+
+
+def test_linformer_accepts_any_length_up_to_seq_len():
+    m = module("linformer")
+    for n in (1, 9, 16):
+        x = torch.randn(n, 2, E, dtype=torch.float64)
+        assert m(x, x, x)[0].shape == (n, 2, E)
+    x = torch.randn(17, 2, E, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"S=17.*seq_len=16"):
+        m(x, x, x)
+
+
+def test_fully_masked_sample_gives_zero_attention_not_nan():
+    for name in MODES:
+        m = module(name)
+        x = torch.randn(4, 2, E, dtype=torch.float64)
+        kpm = torch.zeros(2, 4, dtype=torch.bool)
+        kpm[1] = True
+        out, _ = m(x, x, x, key_padding_mask=kpm)
+        torch.testing.assert_close(out[:, 1], m.out_proj.bias.expand(4, E).detach())
+
+
+@pytest.mark.parametrize("name", ["linformer", "kernel_elu", "efficient", "taylor", "softmax"])
+def test_gradcheck_through_the_module(name):
+    m = LinearMultiheadAttention(4, 2, **{**MODES[name], "seq_len": 5, "proj_k": 3} if "linformer" in name
+                                 else MODES[name]).double()
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 2, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    mem = torch.randn(5, 2, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    kpm = torch.tensor([[False] * 5, [False, False, False, True, True]])
+    assert torch.autograd.gradcheck(lambda a, b: m(a, b, b, key_padding_mask=kpm)[0], (x, mem))
