@@ -1,0 +1,207 @@
+#!/usr/bin/env python
+"""Train a byte-level causal LinearAttentionTransformerLM; report bits per character (BPC).
+
+Data:
+  --enwik8 PATH   the first 100M bytes of enwik8, split 90M / 5M / 5M (train / val / test), the standard split.
+  default         a deterministic corpus of --corpus-bytes bytes (default 12,000,000) made of the Python standard
+                  library's own .py sources (``sysconfig.get_paths()["stdlib"]``, walked in sorted order, skipping
+                  site-packages and __pycache__), concatenated in that order and split 90% / 5% / 5%. Every Python
+                  install has them and nothing is downloaded; the bytes (so the numbers) depend on the Python version.
+
+Outputs in --out: log.jsonl (one JSON object per eval), checkpoint.pt (resumed with --resume), curves.png,
+results.json (final val/test BPC, parameter count, config).
+
+Variants (--variant) for the attention ablation: baseline (plain global linear heads), conv (local_conv), gate
+(attn_gate), full (gate + conv), softmax (every head local with window = seq_len, i.e. exact causal softmax
+attention with the same parameters).
+
+Example:  python tools/train_lm.py --steps 2000 --out runs/lm_baseline
+"""
+import argparse
+import json
+import math
+import os
+import sys
+import sysconfig
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from linear_mha.lm import AutoregressiveWrapper, LinearAttentionTransformerLM  # noqa: E402
+
+VARIANTS = {
+    "baseline": {},
+    "conv": {"local_conv": True},
+    "gate": {"attn_gate": True},
+    "full": {"attn_gate": True, "local_conv": True},
+    "softmax": {"softmax": True},
+}
+
+
+def stdlib_corpus(n_bytes: int) -> bytes:
+    root = sysconfig.get_paths()["stdlib"]
+    chunks, total = [], 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
+        for name in sorted(filenames):
+            if name.endswith(".py"):
+                with open(os.path.join(dirpath, name), "rb") as f:
+                    chunks.append(f.read())
+                total += len(chunks[-1])
+                if total >= n_bytes:
+                    return b"".join(chunks)[:n_bytes]
+    raise RuntimeError(f"the standard library at {root} holds only {total} bytes of .py files; "
+                       f"lower --corpus-bytes or pass --enwik8 PATH")
+
+
+def load_splits(args):
+    if args.enwik8:
+        with open(args.enwik8, "rb") as f:
+            data = f.read(100_000_000)
+        if len(data) < 100_000_000:
+            raise ValueError(f"--enwik8 {args.enwik8} has {len(data)} bytes; enwik8 has 100,000,000")
+        cut = (90_000_000, 95_000_000)
+    else:
+        data = stdlib_corpus(args.corpus_bytes)
+        cut = (int(len(data) * 0.9), int(len(data) * 0.95))
+    arr = np.frombuffer(data, dtype=np.uint8)
+    return {"train": arr[:cut[0]], "val": arr[cut[0]:cut[1]], "test": arr[cut[1]:]}
+
+
+def build_model(args):
+    kw = dict(VARIANTS[args.variant])
+    if kw.pop("softmax", False):
+        kw.update(n_local_attn_heads=args.heads, local_attn_window_size=args.seq_len)
+    return LinearAttentionTransformerLM(256, args.dim, args.depth, args.seq_len, heads=args.heads,
+                                        dim_head=args.dim // args.heads, causal=True, **kw)
+
+
+def random_batch(split, args, gen):
+    starts = torch.randint(0, len(split) - args.seq_len - 1, (args.batch_size,), generator=gen).numpy()
+    return torch.from_numpy(np.stack([split[s:s + args.seq_len + 1] for s in starts]).astype(np.int64))
+
+
+@torch.no_grad()
+def evaluate(wrapper, split, args, max_bytes):
+    """BPC over consecutive non-overlapping windows covering the first max_bytes of the split (all if None)."""
+    wrapper.eval()
+    n = len(split) if max_bytes is None else min(len(split), max_bytes)
+    windows = (n - 1) // args.seq_len
+    starts = np.arange(windows) * args.seq_len
+    total, count = 0.0, 0
+    for i in range(0, windows, args.batch_size):
+        batch = np.stack([split[s:s + args.seq_len + 1] for s in starts[i:i + args.batch_size]])
+        x = torch.from_numpy(batch.astype(np.int64)).to(args.device)
+        loss = wrapper(x, return_loss=True)
+        total += loss.item() * x.shape[0] * args.seq_len
+        count += x.shape[0] * args.seq_len
+    wrapper.train()
+    return total / max(count, 1) / math.log(2)
+
+
+def plot(log, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    steps = [r["step"] for r in log]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(steps, [r["train_bpc"] for r in log], label="train")
+    ax.plot(steps, [r["val_bpc"] for r in log], label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("bits per character")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--enwik8", help="path to enwik8 (else the standard-library corpus)")
+    p.add_argument("--corpus-bytes", type=int, default=12_000_000)
+    p.add_argument("--variant", choices=sorted(VARIANTS), default="baseline")
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--eval-every", type=int, default=200)
+    p.add_argument("--val-bytes", type=int, default=262_144, help="bytes of validation scored at each eval")
+    p.add_argument("--test-bytes", type=int, default=None, help="bytes of test scored at the end (default: all)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", default="runs/lm")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.dim % args.heads:
+        raise ValueError(f"--dim ({args.dim}) must be divisible by --heads ({args.heads})")
+    os.makedirs(args.out, exist_ok=True)
+    torch.manual_seed(args.seed)
+    splits = load_splits(args)
+    model = build_model(args).to(args.device)
+    wrapper = AutoregressiveWrapper(model)
+    wrapper.ignore_index = -100  # byte 0 is a real token, not padding
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    gen = torch.Generator().manual_seed(args.seed)
+    step, log = 0, []
+    ckpt_path = os.path.join(args.out, "checkpoint.pt")
+    if args.resume and os.path.exists(ckpt_path):
+        ckpt = torch.load(ckpt_path, map_location=args.device, weights_only=False)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        gen.set_state(ckpt["generator"])
+        step, log = ckpt["step"], ckpt["log"]
+    n_params = sum(p.numel() for p in model.parameters())
+    from tqdm import tqdm
+    bar = tqdm(total=args.steps, initial=step, disable=args.no_progress, desc=f"{args.variant} seed {args.seed}")
+    train_losses = []
+    start = time.time()
+    while step < args.steps:
+        x = random_batch(splits["train"], args, gen).to(args.device)
+        lr = args.lr * min(1.0, (step + 1) / 100)  # short warm-up
+        for group in opt.param_groups:
+            group["lr"] = lr
+        loss = wrapper(x, return_loss=True)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        step += 1
+        train_losses.append(loss.item())
+        bar.update(1)
+        if step % args.eval_every == 0 or step == args.steps:
+            record = {"step": step, "train_bpc": float(np.mean(train_losses)) / math.log(2),
+                      "val_bpc": evaluate(wrapper, splits["val"], args, args.val_bytes),
+                      "seconds": time.time() - start}
+            train_losses = []
+            log.append(record)
+            bar.set_postfix(val_bpc=f"{record['val_bpc']:.3f}")
+            with open(os.path.join(args.out, "log.jsonl"), "a") as f:
+                f.write(json.dumps(record) + "\n")
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
+                        "step": step, "log": log, "args": vars(args)}, ckpt_path)
+    bar.close()
+    results = {"variant": args.variant, "seed": args.seed, "params": n_params, "steps": step,
+               "tokens_seen": step * args.batch_size * args.seq_len,
+               "val_bpc": evaluate(wrapper, splits["val"], args, None if args.test_bytes is None else args.test_bytes),
+               "test_bpc": evaluate(wrapper, splits["test"], args, args.test_bytes),
+               "data": args.enwik8 or f"stdlib corpus, {args.corpus_bytes} bytes", "config": vars(args)}
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    if log:
+        plot(log, os.path.join(args.out, "curves.png"))
+    print(json.dumps({k: results[k] for k in ("variant", "seed", "params", "val_bpc", "test_bpc")}))
+    return results
+
+
+if __name__ == "__main__":
+    main()
