@@ -1,0 +1,124 @@
+"""Every bad input the docs list raises an error that names the argument (and, where there is one, the fix)."""
+import pytest
+import torch
+
+from linear_mha import LinearMultiheadAttention
+
+E, H = 8, 2
+
+
+def x(n=5, b=2, e=E):
+    return torch.randn(n, b, e)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(mode="performer"), "mode must be one of"),
+    (dict(param_sharing="global"), "param_sharing must be one of"),
+    (dict(mode="kernel", param_sharing="kv"), "only applies to mode='linformer'"),
+    (dict(mode="softmax", feature_map="elu"), "feature_map only applies to mode='kernel'"),
+    (dict(mode="kernel", feature_map="softplus"), "feature_map must be one of"),
+    (dict(mode="kernel", num_features=8), "num_features only applies"),
+    (dict(mode="kernel", feature_map="favor", num_features=0), "num_features must be a positive int"),
+    (dict(mode="kernel", redraw_interval=3), "redraw_interval only applies"),
+    (dict(seq_len=0), "seq_len must be a positive int"),
+    (dict(proj_k=-1), "proj_k must be a positive int"),
+    (dict(shared_projection=torch.nn.Parameter(torch.zeros(128, 100))), "only used with param_sharing='layerwise'"),
+    (dict(param_sharing="layerwise", shared_projection=torch.nn.Parameter(torch.zeros(3, 4))), "shape"),
+    (dict(seqlen=10), "did you mean 'seq_len'"),
+])
+def test_constructor_rejects_unknown_and_contradictory_options(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LinearMultiheadAttention(E, H, **kwargs)
+
+
+def test_constructor_rejects_bad_dimensions():
+    with pytest.raises(ValueError, match="divisible by num_heads"):
+        LinearMultiheadAttention(10, 3)
+    with pytest.raises(ValueError, match="dropout must be in"):
+        LinearMultiheadAttention(E, H, dropout=1.5)
+
+
+@pytest.mark.parametrize("mode", ["softmax", "kernel", "linformer"])
+def test_uint8_masks_are_rejected_as_torch_does(mode):
+    m = LinearMultiheadAttention(E, H, mode=mode, seq_len=8)
+    q = x()
+    with pytest.raises(TypeError, match=r"key_padding_mask must be a bool.*\.bool\(\)"):
+        m(q, q, q, key_padding_mask=torch.zeros(2, 5, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="attn_mask must be a bool"):
+        m(q, q, q, attn_mask=torch.zeros(5, 5, dtype=torch.uint8))
+
+
+def test_mask_shapes_are_checked():
+    m = LinearMultiheadAttention(E, H, mode="kernel")
+    q = x()
+    with pytest.raises(ValueError, match=r"key_padding_mask must have shape \(2, 5\)"):
+        m(q, q, q, key_padding_mask=torch.zeros(5, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"attn_mask must have shape \(5, 5\) or \(4, 5, 5\)"):
+        m(q, q, q, attn_mask=torch.zeros(3, 5, 5, dtype=torch.bool))
+
+
+def test_inputs_are_checked():
+    m = LinearMultiheadAttention(E, H, mode="kernel")
+    with pytest.raises(ValueError, match="all be batched"):
+        m(x(), x()[:, 0], x())
+    with pytest.raises(ValueError, match="key has feature size 6, expected 8"):
+        m(x(), x(e=6), x())
+    with pytest.raises(ValueError, match="same batch and sequence"):
+        m(x(), x(n=5), x(n=4))
+
+
+@pytest.mark.parametrize("mode", ["linformer", "kernel", "efficient", "taylor"])
+def test_masks_a_linear_mode_cannot_apply_are_refused_naming_the_modes(mode):
+    m = LinearMultiheadAttention(E, H, mode=mode, seq_len=8)
+    q = x()
+    arbitrary = torch.zeros(5, 5, dtype=torch.bool)
+    arbitrary[0, 3] = True
+    with pytest.raises(ValueError, match=r"cannot apply.*mode='softmax'"):
+        m(q, q, q, attn_mask=arbitrary)
+    with pytest.raises(ValueError, match="additive float values other than 0 and -inf"):
+        m(q, q, q, attn_mask=torch.randn(5, 5))
+    with pytest.raises(ValueError, match="additive float values other than 0 and -inf"):
+        m(q, q, q, key_padding_mask=torch.randn(2, 5))
+
+
+@pytest.mark.parametrize("mode", ["linformer", "efficient"])
+def test_causal_is_refused_by_modes_without_a_causal_form(mode):
+    m = LinearMultiheadAttention(E, H, mode=mode, seq_len=8)
+    q = x()
+    with pytest.raises(ValueError, match=r"has no causal form.*supported by modes"):
+        m(q, q, q, is_causal=True)
+    with pytest.raises(ValueError, match="has no causal form"):
+        m(q, q, q, attn_mask=torch.ones(5, 5, dtype=torch.bool).triu(1))
+
+
+def test_is_causal_must_agree_with_the_mask():
+    m = LinearMultiheadAttention(E, H, mode="kernel")
+    q = x()
+    wrong = torch.ones(5, 5, dtype=torch.bool).triu(2)
+    with pytest.raises(ValueError, match="is_causal=True, but attn_mask is not the causal"):
+        m(q, q, q, attn_mask=wrong, is_causal=True)
+
+
+def test_causal_cross_attention_with_different_lengths_is_refused():
+    m = LinearMultiheadAttention(E, H, mode="kernel")
+    with pytest.raises(ValueError, match="as many queries as keys"):
+        m(x(4), x(5), x(5), is_causal=True)
+
+
+def test_linformer_length_error_names_seq_len_and_s():
+    m = LinearMultiheadAttention(E, H, seq_len=4, proj_k=2)
+    with pytest.raises(ValueError, match=r"S=5.*seq_len=4.*seq_len >= 5"):
+        m(x(), x(), x())
+    m = LinearMultiheadAttention(E, H, seq_len=5, proj_k=2, add_bias_kv=True)
+    with pytest.raises(ValueError, match=r"5 \+ 1 from add_bias_kv"):
+        m(x(), x(), x())
+
+
+def test_redraw_features_only_for_favor():
+    with pytest.raises(RuntimeError, match="feature_map='favor'"):
+        LinearMultiheadAttention(E, H, mode="kernel").redraw_features()
+
+
+def test_from_torch_needs_an_mha():
+    with pytest.raises(TypeError, match="nn.MultiheadAttention"):
+        LinearMultiheadAttention.from_torch(torch.nn.Linear(2, 2))
