@@ -1,0 +1,34 @@
+"""tools/patch_model.py end to end on a tiny timm ViT: softmax patching reproduces the model, JSON and PNG are
+written, linear modes give finite outputs."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("timm")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import patch_model  # noqa: E402
+
+TINY = ["vit_tiny_patch16_224", "--model-arg", "depth=1", "--model-arg", "img_size=32", "--batch-sizes", "1", "2",
+        "--repeats", "1", "--threads", "1"]
+
+
+def test_softmax_reproduces_and_files_are_written(tmp_path, capsys):
+    result = patch_model.main(TINY + ["--mode", "softmax", "--json", str(tmp_path / "r.json"),
+                                      "--png", str(tmp_path / "r.png")])
+    assert [r["batch"] for r in result["rows"]] == [1, 2] and all(r["tokens"] == 5 for r in result["rows"])
+    assert all(r["max_rel_dev"] < 1e-5 and r["cosine"] > 0.99999 for r in result["rows"])
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["report"]["replaced"] == ["blocks.0.attn"] and len(saved["rows"]) == 2
+    assert (tmp_path / "r.png").stat().st_size > 0
+    assert "blocks.0.attn" in capsys.readouterr().out
+
+
+def test_linear_mode_and_dynamic_sizes():
+    result = patch_model.main(TINY[:5] + ["--model-arg", "dynamic_img_size=True", "--img-sizes", "32", "48",
+                                          "--batch-sizes", "1", "--repeats", "1", "--mode", "linformer",
+                                          "--option", "proj_k=4"])
+    assert result["options"]["seq_len"] == (48 // 16) ** 2 + 1  # the largest input's token count
+    assert [r["tokens"] for r in result["rows"]] == [5, 10]
+    assert all(r["finite"] and r["max_rel_dev"] > 0 for r in result["rows"])

@@ -1,0 +1,281 @@
+"""Patch a timm or torchvision model (random init, nothing downloaded) with linear attention and compare it with
+the original: the patch report, then per input size the output deviation, forward time and peak memory before
+and after, as a table (optionally JSON and a PNG).
+
+    python tools/patch_model.py vit_tiny_patch16_224 --mode linformer --option proj_k=64 --batch-sizes 1 8
+    python tools/patch_model.py vit_small_patch16_224 --model-arg dynamic_img_size=True --img-sizes 224 448 \\
+        --mode kernel --option feature_map='"favor"' --png vit_favor.png --json vit_favor.json
+    python tools/patch_model.py torchvision:vit_b_16 --mode efficient
+
+Names: a timm model name, or a torchvision one (prefix ``torchvision:`` when both libraries know the name).
+Deviation: max |patched - original| / max |original| on the model output (logits) and the cosine similarity of
+the two outputs; random weights make the linear approximation look worse than after fine-tuning.
+Peak memory: on CUDA, torch.cuda.max_memory_allocated growth during the forward; on CPU, the growth of the
+process RSS sampled every 0.2 ms with glibc's mmap threshold pinned low, so large tensors come from mmap and are
+returned to the OS when freed (approximate: spikes shorter than the sampling period can be missed).
+"""
+import argparse
+import ast
+import copy
+import ctypes
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from linear_mha.patching import patch  # noqa: E402
+
+
+def _literal(text):
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text  # a bare word such as relu
+
+
+def _key_values(items, flag):
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"{flag} expects key=value, got {item!r}")
+        out[key] = _literal(value)
+    return out
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="timm model name, or torchvision:<name>")
+    p.add_argument("--mode", default="linformer", help="linformer, kernel, efficient, taylor or softmax")
+    p.add_argument("--option", action="append", metavar="KEY=VALUE",
+                   help="LinearMultiheadAttention option, repeatable (e.g. proj_k=64, feature_map=favor)")
+    p.add_argument("--model-arg", action="append", metavar="KEY=VALUE",
+                   help="keyword for timm.create_model / torchvision.models.get_model (e.g. depth=4)")
+    p.add_argument("--img-sizes", type=int, nargs="+", default=None,
+                   help="square input sizes (default: the model's own; more than one needs a model that accepts "
+                        "them, e.g. timm with dynamic_img_size=True)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--repeats", type=int, default=3, help="timed forwards per point; the median is reported")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"], default="float32")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None, help="write the report and measurements here")
+    p.add_argument("--png", type=Path, default=None, help="plot time and memory vs tokens here (matplotlib)")
+    return p.parse_args(argv)
+
+
+def build_model(name: str, kwargs: dict):
+    """Random init only: pretrained=False / weights=None, so nothing is downloaded."""
+    if name.startswith("torchvision:"):
+        import torchvision
+        return torchvision.models.get_model(name.split(":", 1)[1], weights=None, **kwargs), "torchvision"
+    try:
+        import timm
+    except ImportError:
+        timm = None
+    if timm is not None and timm.is_model(name):
+        return timm.create_model(name, pretrained=False, **kwargs), "timm"
+    import torchvision
+    if name in torchvision.models.list_models():
+        return torchvision.models.get_model(name, weights=None, **kwargs), "torchvision"
+    raise SystemExit(f"unknown model {name!r}: not a timm model{'' if timm else ' (timm not installed)'} and not "
+                     f"in torchvision.models.list_models()")
+
+
+def native_img_size(model) -> int:
+    size = getattr(getattr(model, "patch_embed", None), "img_size", None) or getattr(model, "image_size", None)
+    if isinstance(size, (tuple, list)):
+        size = size[0]
+    return int(size or 224)
+
+
+def token_count(model, img: int):
+    """Tokens the attention sees at this image size, for ViT-style models (None when unknown)."""
+    pe = getattr(model, "patch_embed", None)
+    if pe is not None and hasattr(pe, "patch_size") and hasattr(model, "num_prefix_tokens"):
+        ps = pe.patch_size[0] if isinstance(pe.patch_size, (tuple, list)) else pe.patch_size
+        if type(pe).__name__ == "PatchEmbed":
+            return (img // ps) ** 2 + model.num_prefix_tokens
+    if hasattr(model, "patch_size") and hasattr(model, "seq_length"):  # torchvision VisionTransformer
+        return (img // model.patch_size) ** 2 + 1
+    return None
+
+
+class _RssPeak:
+    """Peak RSS growth (bytes) of this process while the block runs, sampled by a thread (Linux only)."""
+
+    M_MMAP_THRESHOLD = -3
+
+    @classmethod
+    def available(cls) -> bool:
+        if not os.path.exists("/proc/self/statm"):
+            return False
+        try:  # fixed, low threshold: large tensors are mmapped and unmapped on free, so RSS tracks live memory
+            return bool(ctypes.CDLL("libc.so.6").mallopt(cls.M_MMAP_THRESHOLD, 64 * 1024))
+        except OSError:
+            return False
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def __enter__(self):
+        self.base = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._rss())
+            time.sleep(0.0002)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+        self.bytes = self.peak - self.base
+        return False
+
+
+def measure(model, x, repeats: int, device: torch.device, rss_ok: bool):
+    """(output, median forward ms, peak memory MiB or None)."""
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    with torch.no_grad():
+        out = model(x)  # warm-up, and the output to compare
+        out = out[0] if isinstance(out, tuple) else out
+        sync()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model(x)
+            sync()
+            times.append((time.perf_counter() - start) * 1e3)
+        peak = None
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            model(x)
+            sync()
+            peak = (torch.cuda.max_memory_allocated(device) - base) / 2 ** 20
+        elif rss_ok:
+            with _RssPeak() as rss:
+                model(x)
+            peak = rss.bytes / 2 ** 20
+    return out.float(), statistics.median(times), peak
+
+
+def compare(args):
+    torch.manual_seed(args.seed)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    options = _key_values(args.option, "--option")
+    original, library = build_model(args.model, _key_values(args.model_arg, "--model-arg"))
+    original = original.to(device=device, dtype=dtype).eval()
+    img_sizes = args.img_sizes or [native_img_size(original)]
+    if args.mode == "linformer" and "seq_len" not in options and len(img_sizes) > 1:
+        longest = token_count(original, max(img_sizes))
+        if longest is not None:  # dynamic image size: cover the largest input
+            options["seq_len"] = longest
+    patched = copy.deepcopy(original)
+    report = patch(patched, args.mode, **options)
+    rss_ok = device.type == "cpu" and _RssPeak.available()
+    rows = []
+    for img in img_sizes:
+        for batch in args.batch_sizes:
+            x = torch.randn(batch, 3, img, img, device=device, dtype=dtype)
+            ref, t0, m0 = measure(original, x, args.repeats, device, rss_ok)
+            out, t1, m1 = measure(patched, x, args.repeats, device, rss_ok)
+            scale = ref.abs().max().clamp_min(1e-12)
+            cos = torch.nn.functional.cosine_similarity(out.flatten(1), ref.flatten(1), dim=1).mean()
+            rows.append({"img_size": img, "batch": batch, "tokens": token_count(original, img),
+                         "max_rel_dev": float((out - ref).abs().max() / scale), "cosine": float(cos),
+                         "finite": bool(torch.isfinite(out).all()), "ms_before": t0, "ms_after": t1,
+                         "peak_mib_before": m0, "peak_mib_after": m1})
+    return {"model": args.model, "library": library, "mode": args.mode, "options": options,
+            "device": str(device), "dtype": args.dtype, "threads": torch.get_num_threads(),
+            "memory": "cuda max_memory_allocated" if device.type == "cuda" else
+            ("cpu sampled RSS growth" if rss_ok else "unavailable"),
+            "report": report, "rows": rows}
+
+
+def _fmt(v, spec):
+    return "n/a" if v is None else format(v, spec)
+
+
+def table(result) -> str:
+    head = ("img", "batch", "tokens", "max rel dev", "cosine", "ms before", "ms after", "MiB before", "MiB after")
+    lines = [f"{result['model']} ({result['library']}), mode={result['mode']!r} {result['options']}, "
+             f"{result['device']} {result['dtype']}, {result['threads']} threads, memory: {result['memory']}",
+             "  ".join(f"{h:>11}" for h in head)]
+    for r in result["rows"]:
+        cells = (r["img_size"], r["batch"], _fmt(r["tokens"], "d"), _fmt(r["max_rel_dev"], ".3e"),
+                 _fmt(r["cosine"], ".4f"), _fmt(r["ms_before"], ".2f"), _fmt(r["ms_after"], ".2f"),
+                 _fmt(r["peak_mib_before"], ".1f"), _fmt(r["peak_mib_after"], ".1f"))
+        lines.append("  ".join(f"{str(c):>11}" for c in cells) + ("" if r["finite"] else "  NON-FINITE OUTPUT"))
+    return "\n".join(lines)
+
+
+def to_json(result) -> dict:
+    report = result["report"]
+    return {**{k: v for k, v in result.items() if k != "report"},
+            "options": {k: repr(v) for k, v in result["options"].items()},
+            "report": {"replaced": [n for n, _, _ in report.replaced],
+                       "skipped": [{"name": n, "class": c.__name__, "reason": r} for n, c, r in report.skipped],
+                       "parameters_added": report.parameters_added, "buffers_added": report.buffers_added,
+                       "notes": report.notes}}
+
+
+def plot(result, path: Path) -> None:
+    import matplotlib
+    import matplotlib.ticker
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(result["rows"], key=lambda r: r["batch"] * (r["tokens"] or 1))
+    x = [r["batch"] * (r["tokens"] or 1) for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, label in ((axes[0], "ms", "forward time (ms)"), (axes[1], "peak_mib", "peak memory (MiB)")):
+        for when, style in (("before", "o-"), ("after", "s--")):
+            ys = [r[f"{key}_{when}"] for r in rows]
+            if all(y is not None for y in ys):
+                ax.plot(x, ys, style, label=f"{when} ({'softmax' if when == 'before' else result['mode']})")
+        ax.set_xlabel("batch x tokens" if rows and rows[0]["tokens"] else "batch")
+        ax.set_ylabel(label)
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.legend()
+    fig.suptitle(f"{result['model']}: patched with mode={result['mode']!r} on {result['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    result = compare(args)
+    print(result["report"].table())
+    print()
+    print(table(result))
+    if args.json:
+        args.json.write_text(json.dumps(to_json(result), indent=2))
+    if args.png:
+        plot(result, args.png)
+    return result
+
+
+if __name__ == "__main__":
+    main()
