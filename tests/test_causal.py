@@ -273,3 +273,27 @@ def test_bad_dtype_mix_raises():
         causal_linear_product(q, k, v.float())
     with pytest.raises(ValueError, match="phi_q must be 3-D"):
         causal_linear_step(q, k, v, None)
+
+
+def test_float32_state_with_bfloat16_inputs_keeps_each_dtype():
+    q, k, v, s0 = make_inputs(n=12, seed=5)
+    q, k, v = (t.to(torch.bfloat16).requires_grad_() for t in (q, k, v))
+    s0 = s0.float().requires_grad_()
+    out = causal_linear_product(q, k, v, s0, chunk_size=4)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert s0.grad.dtype == torch.float32 and q.grad.dtype == torch.bfloat16
+    # d initial_state = sum_i q_i^T do_i with do = ones.
+    expected = q.detach().float().transpose(-1, -2) @ torch.ones(2, 3, 12, 5)
+    torch.testing.assert_close(s0.grad, expected, rtol=1e-5, atol=1e-4)
+    step_out, state = causal_linear_step(q[:, :, 0].detach(), k[:, :, 0].detach(), v[:, :, 0].detach(), s0.detach())
+    assert step_out.dtype == torch.bfloat16 and state.dtype == torch.float32
+
+
+def test_double_backward_is_refused_clearly():
+    q, k, v, _ = (t.requires_grad_() if t is not None else t for t in make_inputs(n=6, with_state=False))
+    out = causal_linear_product(q, k, v, chunk_size=4)
+    grad_out = torch.ones_like(out).requires_grad_()
+    (grad_q,) = torch.autograd.grad(out, q, grad_outputs=grad_out, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad_q.sum().backward()

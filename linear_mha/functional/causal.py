@@ -16,6 +16,7 @@ The backward recomputes the chunk states from the saved inputs instead of keepin
 from typing import Optional, Tuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 __all__ = ["causal_linear_product", "causal_linear_state", "causal_linear_step"]
 
@@ -194,6 +195,7 @@ class _CausalLinearProduct(torch.autograd.Function):
         return _forward(phi_q, phi_k, v, initial_state, chunk_size)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         phi_q, phi_k, v, initial_state = ctx.saved_tensors
         needs = ctx.needs_input_grad[:4]
