@@ -83,8 +83,9 @@ def test_glu_and_ff_dropout_reach_every_feed_forward():
     assert differs(m(x, context=ctx), m(x, context=ctx))
 
 
-@pytest.mark.parametrize("kw", [dict(attn_layer_dropout=0.5), dict(attn_dropout=0.5, n_local_attn_heads=4,
-                                                                      local_attn_window_size=4)])
+@pytest.mark.parametrize("kw", [dict(attn_layer_dropout=0.5),
+                                dict(attn_dropout=0.5, n_local_attn_heads=4, local_attn_window_size=4),
+                                dict(attn_dropout=0.5), dict(attn_dropout=0.5, causal=True)])
 def test_attention_dropouts_are_active_in_training_only(kw):
     m = lm(**kw)
     x = tokens()

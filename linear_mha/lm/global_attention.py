@@ -36,19 +36,31 @@ def _with_ones(v: Tensor) -> Tensor:
     return torch.cat([v, v.new_ones(v.shape[:-1] + (1,))], dim=-1)
 
 
-def global_attention(q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor] = None) -> Tensor:
-    """Non-causal: q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv); key_mask (B, S) True = keep."""
-    return efficient(q, k, v, key_padding_mask=None if key_mask is None else ~key_mask)
+def global_attention(
+    q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor] = None, dropout_p: float = 0.0
+) -> Tensor:
+    """Non-causal: q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv); key_mask (B, S) True = keep.
+    dropout_p: key dropout (the linear heads have no weight matrix to drop from)."""
+    return efficient(q, k, v, key_padding_mask=None if key_mask is None else ~key_mask, dropout_p=dropout_p)
+
+
+def _drop_keys(v: Tensor, p: float) -> Tensor:
+    """Drop whole keys from the numerator only (survivors scaled by 1/(1-p)), as the core's linear modes do."""
+    if p <= 0.0:
+        return v
+    keep = torch.empty(v.shape[:-1] + (1,), dtype=v.dtype, device=v.device).bernoulli_(1.0 - p)
+    return v * keep / (1.0 - p)
 
 
 def causal_global_attention(
-    q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor] = None, blindspot_size: int = 1
+    q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor] = None, blindspot_size: int = 1,
+    dropout_p: float = 0.0,
 ) -> Tensor:
-    """q, k (B, H, N, D), v (B, H, N, Dv) -> (B, H, N, Dv); key_mask (B, N) True = keep."""
+    """q, k (B, H, N, D), v (B, H, N, Dv) -> (B, H, N, Dv); key_mask (B, N) True = keep; dropout_p: key dropout."""
     phi_q, phi_k = _features(q), _features(k)
     if key_mask is not None:
         phi_k = phi_k * key_mask[:, None, :, None].to(phi_k.dtype)
-    v1 = _with_ones(v)
+    v1 = _with_ones(_drop_keys(v, dropout_p))
     b = blindspot_size
     if b == 1:
         return _normalise(causal_linear_product(phi_q, phi_k, v1))

@@ -8,6 +8,9 @@ Two optional improvements on the output, both before ``to_out``:
   lacks. Causal models pad it on the left only, so it never reads a later token. Self-attention only: in a
   context layer queries and values belong to different sequences.
 - ``attn_gate``: the output is multiplied feature-wise by sigmoid(W_g x).
+
+``attn_dropout`` drops attention weights in local heads and whole keys (numerator only) in global heads;
+``dropout`` (the transformer's ``attn_layer_dropout``) acts on the layer output.
 """
 from typing import Optional
 
@@ -95,9 +98,9 @@ class SelfAttention(nn.Module):
         if self.n_local < self.heads:
             g = slice(self.n_local, None)
             if self.causal:
-                outs.append(causal_global_attention(q[:, g], k[:, g], v[:, g], input_mask, self.blindspot_size))
+                outs.append(causal_global_attention(q[:, g], k[:, g], v[:, g], input_mask, self.blindspot_size, p))
             else:
-                outs.append(global_attention(q[:, g], k[:, g], v[:, g], kv_mask))
+                outs.append(global_attention(q[:, g], k[:, g], v[:, g], kv_mask, p))
         attn = torch.cat(outs, dim=1)
         if self.conv is not None:
             attn = attn + self._conv(v, input_mask)
