@@ -16,6 +16,17 @@ TARGETS = {"encoder": "transformer.encoder.layers.*.self_attn",
 MODES = ("softmax", "linformer", "kernel", "efficient", "taylor")
 
 
+def patch_function():
+    """linear_mha.patch (also reachable as linear_mha.patching.patch), or None when the patcher is absent."""
+    fn = getattr(linear_mha, "patch", None)
+    if fn is None:
+        try:
+            from linear_mha.patching import patch as fn
+        except ImportError:
+            return None
+    return fn
+
+
 def parse_targets(text):
     """'encoder,cross' or 'all' -> ordered list of target names; unknown names raise naming the option."""
     names = [t.strip() for t in (text.split(",") if isinstance(text, str) else text) if t.strip()]
@@ -56,7 +67,8 @@ def apply_attention(model, args_or_kwargs=None, max_tokens=None, **kwargs):
     if cfg.attention == "softmax":
         return [{"target": t, "include": [TARGETS[t]], "mode": "softmax", "options": {}, "patch_report": None}
                 for t in targets]
-    if not hasattr(linear_mha, "patch"):
+    patch = patch_function()
+    if patch is None:
         raise RuntimeError("--attention other than softmax needs linear_mha.patch (the model patcher), which this "
                            "installation lacks; update linear_mha or use --attention softmax")
     inner = getattr(model, "module", model)  # DDP-wrapped or not
@@ -64,7 +76,7 @@ def apply_attention(model, args_or_kwargs=None, max_tokens=None, **kwargs):
     report = []
     for target in targets:
         options = _options(cfg.attention, target, cfg, max_tokens, num_queries)
-        result = linear_mha.patch(inner, mode=cfg.attention, include=[TARGETS[target]], **options)
+        result = patch(inner, mode=cfg.attention, include=[TARGETS[target]], **options)
         report.append({"target": target, "include": [TARGETS[target]], "mode": cfg.attention, "options": options,
                        "patch_report": result})
     return report

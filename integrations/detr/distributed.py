@@ -47,7 +47,7 @@ def all_reduce_mean_(tensor):
 def reduce_dict(values, average=True):
     """Reduces a dict of scalar tensors over processes so every rank logs the same numbers."""
     if get_world_size() < 2:
-        return values
+        return {k: v.detach() for k, v in values.items()}
     with torch.no_grad():
         names = sorted(values.keys())
         stacked = torch.stack([values[k].detach().float() for k in names])

@@ -147,6 +147,9 @@ def make_coco_transforms(image_set, args):
     if image_set == "train":
         scale = RandomResize(args.scales, max_size=args.max_size)
         if args.crop:
+            if min(args.crop_sizes) < args.crop_min:
+                raise ValueError(f"--crop-sizes {args.crop_sizes} must all be >= --crop-min {args.crop_min}, so every "
+                                 "crop is at least crop_min (the Linformer length bound relies on it)")
             crop_branch = Compose([RandomResize(args.crop_sizes), RandomSizeCrop(args.crop_min, args.crop_max),
                                    RandomResize(args.scales, max_size=args.max_size)])
             scale = RandomSelect(scale, crop_branch)
@@ -168,8 +171,12 @@ def max_padded_hw(image_sizes, args, image_set):
     size = args.val_size if image_set == "val" else max(args.scales)
     outs = [resized_hw(hw, size, args.max_size) for hw in image_sizes]
     if image_set == "train" and args.crop:
-        lo, hi = args.crop_min, args.crop_max
-        outs += [resized_hw(hw, size, args.max_size) for hw in ((hi, lo), (lo, hi), (hi, hi))]
+        # Either side of a crop can be the long one, and flooring under the max_size cap makes the
+        # extreme aspect ratio not always the largest output, so bound by the cap when it can bind.
+        long_side = int(size * args.crop_max / args.crop_min)
+        if args.max_size is not None:
+            long_side = min(long_side, args.max_size)
+        outs.append((long_side, long_side))
     return max(h for h, _ in outs), max(w for _, w in outs)
 
 

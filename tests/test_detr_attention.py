@@ -1,0 +1,65 @@
+"""The --attention choice applied to DETR through linear_mha's patcher."""
+import pytest
+import torch
+from torch import nn
+
+from integrations.detr.attention import apply_attention, parse_targets, patch_function
+from integrations.detr.config import parse_args
+from integrations.detr.detr import build_model
+from integrations.detr.misc import NestedTensor
+from integrations.detr.position_encoding import PositionEmbeddingSine
+from integrations.detr.transformer import Transformer
+
+needs_patcher = pytest.mark.skipif(patch_function() is None, reason="patcher not landed")
+
+ARGS = ["--backbone", "tiny", "--hidden-dim", "32", "--nheads", "4", "--enc-layers", "2", "--dec-layers", "2",
+        "--dim-feedforward", "64", "--num-queries", "5", "--num-classes", "4"]
+
+
+def test_softmax_leaves_multihead_attention_untouched_and_targets_parse():
+    model, _, _ = build_model(parse_args(ARGS))
+    report = apply_attention(model, {"attention": "softmax", "attention_on": "all"})
+    assert [r["target"] for r in report] == ["encoder", "decoder", "cross"]
+    assert all(type(m) is nn.MultiheadAttention for m in model.modules() if isinstance(m, nn.MultiheadAttention))
+    assert parse_targets("cross,encoder") == ["encoder", "cross"]
+    with pytest.raises(ValueError, match="--attention-on"):
+        parse_targets("encoder,memory")
+
+
+@needs_patcher
+def test_linformer_on_encoder_uses_the_data_bound_and_one_shared_projection():
+    model, _, _ = build_model(parse_args(ARGS))
+    report = apply_attention(model, parse_args(ARGS + ["--attention", "linformer", "--proj-k", "4"]), max_tokens=20)
+    assert report[0]["options"] == {"seq_len": 20, "proj_k": 4, "param_sharing": "layerwise"}
+    enc = [layer.self_attn for layer in model.transformer.encoder.layers]
+    assert all(type(m).__name__ == "LinearMultiheadAttention" for m in enc)
+    assert enc[0].e_proj is enc[1].e_proj
+    assert all(type(layer.self_attn) is nn.MultiheadAttention for layer in model.transformer.decoder.layers)
+    out = model([torch.rand(3, 160, 128), torch.rand(3, 100, 96)])  # 5 x 4 = 20 tokens: the bound itself
+    assert out["pred_boxes"].shape == (2, 5, 4)
+    with pytest.raises(ValueError, match="max_tokens"):
+        apply_attention(build_model(parse_args(ARGS))[0], {"attention": "linformer"})
+
+
+@needs_patcher
+@pytest.mark.parametrize("mode", ["linformer", "kernel", "efficient", "taylor"])
+def test_padding_stays_exact_with_linear_attention(mode):
+    torch.manual_seed(0)
+    model = Transformer(d_model=16, nhead=4, num_encoder_layers=2, num_decoder_layers=1, dim_feedforward=32,
+                        dropout=0.0, return_intermediate_dec=True)
+    wrapper = nn.Module()
+    wrapper.transformer, wrapper.num_queries = model, 3  # the module paths apply_attention targets
+    apply_attention(wrapper, {"attention": mode, "attention_on": "encoder,cross", "proj_k": 8}, max_tokens=30)
+    model = model.double().eval()
+    g = torch.Generator().manual_seed(1)
+    src = torch.randn(2, 16, 5, 6, generator=g, dtype=torch.float64)
+    mask = torch.zeros(2, 5, 6, dtype=torch.bool)
+    mask[0, 3:, :] = True
+    mask[1, :, 4:] = True
+    pos = PositionEmbeddingSine(8, normalize=True)(NestedTensor(src, mask)).double()
+    query = torch.randn(3, 16, generator=g, dtype=torch.float64)
+    hs, _ = model(src, mask, query, pos)
+    other = src.masked_fill(mask.unsqueeze(1), 0.0) + 50 * mask.unsqueeze(1) * torch.randn(
+        src.shape, generator=g, dtype=torch.float64)
+    hs2, _ = model(other, mask, query, pos)
+    torch.testing.assert_close(hs2, hs, rtol=0, atol=1e-10)
