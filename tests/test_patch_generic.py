@@ -1,5 +1,7 @@
 """patch()/unpatch() on nn.MultiheadAttention models: nn.TransformerEncoder, nn.Transformer, torchvision's
 VisionTransformer and a user model with a subclass and kdim/vdim; selection, layerwise sharing, nested tensors."""
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -193,6 +195,11 @@ def test_selection_errors():
     model, _ = _build("encoder")
     with pytest.warns(UserWarning, match="matched no attention module"):
         assert patch(model, "kernel", include=["encoder.layer.*"]).num_replaced == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # patterns naming modules that are already linear are not typos
+        patch(model, "kernel", include=["layers.0.*"])
+        assert patch(model, "kernel", include=["layers.0.*"], filter=lambda n, m: m.kdim > 0).num_replaced == 0
+    unpatch(model)
     with pytest.raises(TypeError, match="include"):
         patch(model, "kernel", include=[3])
     with pytest.raises(TypeError, match="options_for"):

@@ -134,6 +134,7 @@ def patch(model: nn.Module, mode: str = "linformer", *, include=None, exclude=No
     plans = []
     for name, module in model.named_modules():
         if _is_linear(module):
+            selection.why_not(name, module, use_filter=False)  # a pattern naming it is not a typo
             report.skipped.append((name, type(module), f"already linear (mode={module.mode!r}); call "
                                                        f"unpatch(model) first to change it"))
             continue
@@ -142,6 +143,7 @@ def patch(model: nn.Module, mode: str = "linformer", *, include=None, exclude=No
         if kind is None:
             reason = unsupported_reason(module, timm_classes)
             if reason:
+                selection.why_not(name, module, use_filter=False)
                 report.skipped.append((name, type(module), reason))
             continue
         why = selection.why_not(name, module)

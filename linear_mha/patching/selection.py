@@ -38,8 +38,9 @@ class Selection:
         self.options_for = options_for
         self._used = set()
 
-    def why_not(self, name: str, module) -> Optional[str]:
-        """None if the module is selected, else the reason it is not."""
+    def why_not(self, name: str, module, use_filter: bool = True) -> Optional[str]:
+        """None if the module is selected, else the reason it is not. use_filter=False only matches patterns
+        (for modules the filter was not written for: already linear or unsupported)."""
         if self.include is not None:
             hits = [p for p in self.include if fnmatchcase(name, p)]
             if not hits:
@@ -49,7 +50,7 @@ class Selection:
         if hits:
             self._used.update(hits)
             return f"excluded by {hits[0]!r}"
-        if self.filter is not None and not self.filter(name, module):
+        if use_filter and self.filter is not None and not self.filter(name, module):
             return "filter returned False"
         return None
 
