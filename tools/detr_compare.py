@@ -1,0 +1,134 @@
+"""DETR (softmax) vs Linear-DETR on the synthetic set with the same budget and seeds, plus an encoder
+memory/time table at growing image sizes through DETR's real call path.
+
+    python tools/detr_compare.py --out runs/detr_compare --epochs 30            # training table + plots
+    python tools/detr_compare.py --out runs/detr_compare --encoder-only --sizes 256,512,800 --dc5
+
+Peak memory is CUDA's max_memory_allocated; on CPU it is reported as n/a.
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from integrations.detr.attention import apply_attention  # noqa: E402
+from integrations.detr.config import parse_args  # noqa: E402
+from integrations.detr.detr import build_model  # noqa: E402
+from integrations.detr.train import main as train_main  # noqa: E402
+from integrations.detr.transforms import feature_tokens, resized_hw  # noqa: E402
+
+VARIANTS = {"softmax": ["--attention", "softmax"],
+            "linformer-shared": ["--attention", "linformer", "--param-sharing", "layerwise", "--proj-k", "64"],
+            "kernel": ["--attention", "kernel", "--feature-map", "elu"],
+            "efficient": ["--attention", "efficient"]}
+
+
+def _peak_reset(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_mib(device):
+    return torch.cuda.max_memory_allocated() / 2 ** 20 if device.type == "cuda" else float("nan")
+
+
+def training_table(a, device):
+    rows = []
+    for name, extra in VARIANTS.items():
+        _peak_reset(device)
+        argv = ["--epochs", str(a.epochs), "--seed", str(a.seed), "--output-dir", str(Path(a.out) / name),
+                "--device", str(device), "--no-progress", "--num-workers", str(a.num_workers)] + extra
+        if a.max_iters:
+            argv += ["--max-iters", str(a.max_iters)]
+        run = train_main(argv)
+        last = run["log"][-1]
+        iters = a.max_iters or None
+        per_iter = sum(e["epoch_train_seconds"] for e in run["log"]) / (len(run["log"]) * (iters or 1))
+        rows.append({"variant": name, "AP": last["test_AP"], "AP50": last["test_AP50"],
+                     "train_s_per_iter" if iters else "train_s_per_epoch": per_iter,
+                     "peak_MiB": _peak_mib(device), "log": [e["test_AP"] for e in run["log"]]})
+    return rows
+
+
+@torch.no_grad()
+def encoder_table(a, device):
+    """Encoder forward (DETR-R50 width: 6 layers, d=256) on feature maps of real image sizes."""
+    rows = []
+    stride = 16 if a.dc5 else 32
+    for size in a.sizes:
+        h, w = resized_hw((size, int(size * 1333 / 800)), size, 1333)
+        tokens = feature_tokens((h, w), stride)
+        for name, extra in VARIANTS.items():
+            args = parse_args(["--coco-path", "unused", "--num-classes", "91", "--backbone", "resnet18"] + extra)
+            model, _, _ = build_model(args)
+            apply_attention(model, args, max_tokens=tokens)
+            enc = model.transformer.encoder.to(device).eval()
+            hf, wf = -(-h // stride), -(-w // stride)
+            src = torch.randn(hf * wf, a.batch, 256, device=device)
+            pos = torch.randn_like(src)
+            mask = torch.zeros(a.batch, hf * wf, dtype=torch.bool, device=device)
+            enc(src, src_key_padding_mask=mask, pos=pos)  # warm-up
+            _peak_reset(device)
+            t0 = time.perf_counter()
+            for _ in range(a.repeats):
+                enc(src, src_key_padding_mask=mask, pos=pos)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            rows.append({"image": f"{h}x{w}", "tokens": tokens, "variant": name,
+                         "ms": 1000 * (time.perf_counter() - t0) / a.repeats, "peak_MiB": _peak_mib(device)})
+    return rows
+
+
+def _print(rows, keys):
+    print(" | ".join(keys))
+    print(" | ".join("---" for _ in keys))
+    for r in rows:
+        print(" | ".join(f"{r[k]:.4g}" if isinstance(r[k], float) else str(r[k]) for k in keys))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/detr_compare")
+    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--max-iters", type=int, default=0)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--num-workers", type=int, default=2)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--encoder-only", action="store_true")
+    p.add_argument("--skip-encoder", action="store_true")
+    p.add_argument("--sizes", type=lambda s: [int(v) for v in s.split(",")], default=[256, 480, 800])
+    p.add_argument("--dc5", action="store_true", help="stride-16 feature maps (800x1333 -> 4200 tokens)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
+    a = p.parse_args(argv)
+    device = torch.device(a.device)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"device": str(device), "torch": torch.__version__}
+    if not a.encoder_only:
+        result["training"] = training_table(a, device)
+        _print(result["training"], [k for k in result["training"][0] if k != "log"])
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for r in result["training"]:
+            ax.plot(range(len(r["log"])), r["log"], marker="o", label=r["variant"])
+        ax.set(xlabel="epoch", ylabel="val AP", title="synthetic set, same budget and seed")
+        ax.legend()
+        fig.savefig(out / "ap_curves.png", dpi=100)
+    if not a.skip_encoder:
+        result["encoder"] = encoder_table(a, device)
+        _print(result["encoder"], ["image", "tokens", "variant", "ms", "peak_MiB"])
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
