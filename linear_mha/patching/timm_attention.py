@@ -1,8 +1,8 @@
 """Linear attention for timm ViTs: ``timm.layers.Attention`` (and the older
 ``timm.models.vision_transformer.Attention``) swapped for an adapter that REUSES the original qkv / q_norm /
 k_norm / norm / gate / proj / dropout submodules, so state_dict keys and tensors are unchanged and timm
-checkpoints load strictly. Only the softmax(q k^T) v step changes; it runs through LinearMultiheadAttention's own
-attention path (the methods are shared, not copied), so both classes approximate attention identically.
+checkpoints load strictly. Only the softmax(q k^T) v step changes; it runs through ``ModeAttention``, the base class
+LinearMultiheadAttention also derives from, so both classes approximate attention identically.
 """
 import sys
 from typing import Optional
@@ -11,13 +11,9 @@ import torch
 from torch import Tensor, nn
 
 from .. import masks as M
-from ..attention import LinearMultiheadAttention
-from ..functional import resolve_feature_map
+from ..mode_attention import ModeAttention
 
-_LMHA = LinearMultiheadAttention
 _REUSED = ("qkv", "q_norm", "k_norm", "attn_drop", "norm", "gate", "proj", "proj_drop")
-_OPTION_DEFAULTS = dict(mode="linformer", seq_len=100, proj_k=128, param_sharing="none", feature_map=None,
-                        num_features=None, shared_projection=None, chunk_size=None, redraw_interval=None)
 
 
 def supported_timm_classes() -> tuple:
@@ -64,47 +60,24 @@ def _timm_mask_to_nn(attn_mask: Tensor, batch: int, heads: int, n: int, mode: st
     return None, forbidden
 
 
-class LinearTimmAttention(nn.Module):
+class LinearTimmAttention(ModeAttention):
     """timm ``Attention`` with linear attention. Options are LinearMultiheadAttention's keyword options
     (mode, seq_len, proj_k, param_sharing, feature_map, num_features, shared_projection, chunk_size,
     redraw_interval). Build it with :meth:`from_timm`; :meth:`to_timm` gives the timm module back."""
 
-    # LinearMultiheadAttention's mode machinery, used as is: same state layout, same attention maths.
-    _build_mode_state = _LMHA._build_mode_state
-    _new_projection = _LMHA._new_projection
-    _attend = _LMHA._attend
-    _attend_softmax = _LMHA._attend_softmax
-    redraw_features = _LMHA.redraw_features
-    extra_repr = _LMHA.extra_repr
-
     def __init__(self, attn: nn.Module, **options):
-        unknown = {k: v for k, v in options.items() if k not in _OPTION_DEFAULTS}
-        if unknown:
-            raise ValueError(_LMHA._unknown_options_message(unknown))
-        opts = {**_OPTION_DEFAULTS, **options}
-        _LMHA._check_options(opts["mode"], opts["seq_len"], opts["proj_k"], opts["param_sharing"],
-                             opts["feature_map"], opts["num_features"], opts["shared_projection"],
-                             opts["redraw_interval"])
         super().__init__()
         self.num_heads = attn.num_heads
         self.head_dim = getattr(attn, "head_dim", None) or attn.qkv.in_features // attn.num_heads
         self.attn_dim = getattr(attn, "attn_dim", self.num_heads * self.head_dim)
-        self.embed_dim = self.attn_dim  # read by the shared extra_repr
         self.batch_first = True
         for name in _REUSED:
             module = getattr(attn, name, None)
             if name in ("q_norm", "k_norm", "norm") and module is None:
                 module = nn.Identity()  # older timm: no such step
             setattr(self, name, module)
-        self.mode = opts["mode"]
-        self.seq_len, self.proj_k, self.param_sharing = opts["seq_len"], opts["proj_k"], opts["param_sharing"]
-        self.feature_map = resolve_feature_map(opts["feature_map"] or "elu") if self.mode == "kernel" else None
-        self.chunk_size, self.redraw_interval = opts["chunk_size"], opts["redraw_interval"]
-        self._forwards_since_redraw = 0
-        self._extra_state_names = []
         weight = attn.qkv.weight
-        self._build_mode_state(opts["shared_projection"], opts["num_features"],
-                               {"device": weight.device, "dtype": weight.dtype})
+        self._init_mode(options, {"device": weight.device, "dtype": weight.dtype})
         # Kept unregistered (not in state_dict or parameters()) so to_timm() returns the user's module itself.
         self.__dict__["_timm_original"] = attn
         self.train(attn.training)
@@ -115,6 +88,9 @@ class LinearTimmAttention(nn.Module):
             raise TypeError(f"from_timm expects timm.layers.Attention (exact class), got {type(attn).__name__}")
         return cls(attn, **options)
 
+    def extra_repr(self) -> str:
+        return f"attn_dim={self.attn_dim}, num_heads={self.num_heads}, {self.mode_repr()}"
+
     def to_timm(self) -> nn.Module:
         """The original timm module, holding this adapter's current submodules (and so its trained weights)."""
         original = self.__dict__["_timm_original"]
@@ -123,21 +99,9 @@ class LinearTimmAttention(nn.Module):
                 original._modules[name] = getattr(self, name)
         return original.train(self.training)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
-        extra = [prefix + name for name in self._extra_state_names]
-        if extra and not any(key in state_dict for key in extra):
-            # A timm checkpoint: the mode's extra tensors keep their initialisation.
-            missing_keys[:] = [key for key in missing_keys if key not in extra]
-
     def forward(self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False) -> Tensor:
         """x (B, N, C) -> (B, N, C_out), as timm's Attention.forward (attn_mask in SDPA's convention)."""
-        if self.training and self.redraw_interval is not None:
-            self._forwards_since_redraw += 1
-            if self._forwards_since_redraw >= self.redraw_interval:
-                self.redraw_features()
+        self._count_forward_for_redraw()
         B, N, _ = x.shape
         gate = self.gate(x).sigmoid() if self.gate is not None else None
         q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
