@@ -3,14 +3,12 @@ import pytest
 import torch
 from torch import nn
 
-from integrations.detr.attention import apply_attention, parse_targets, patch_function
+from integrations.detr.attention import apply_attention, parse_targets
 from integrations.detr.config import parse_args
 from integrations.detr.detr import build_model
 from integrations.detr.misc import NestedTensor
 from integrations.detr.position_encoding import PositionEmbeddingSine
 from integrations.detr.transformer import Transformer
-
-needs_patcher = pytest.mark.skipif(patch_function() is None, reason="patcher not landed")
 
 ARGS = ["--backbone", "tiny", "--hidden-dim", "32", "--nheads", "4", "--enc-layers", "2", "--dec-layers", "2",
         "--dim-feedforward", "64", "--num-queries", "5", "--num-classes", "4"]
@@ -26,7 +24,6 @@ def test_softmax_leaves_multihead_attention_untouched_and_targets_parse():
         parse_targets("encoder,memory")
 
 
-@needs_patcher
 def test_linformer_on_encoder_uses_the_data_bound_and_one_shared_projection():
     model, _, _ = build_model(parse_args(ARGS))
     report = apply_attention(model, parse_args(ARGS + ["--attention", "linformer", "--proj-k", "4"]), max_tokens=20)
@@ -41,7 +38,6 @@ def test_linformer_on_encoder_uses_the_data_bound_and_one_shared_projection():
         apply_attention(build_model(parse_args(ARGS))[0], {"attention": "linformer"})
 
 
-@needs_patcher
 @pytest.mark.parametrize("mode", ["linformer", "kernel", "efficient", "taylor"])
 def test_padding_stays_exact_with_linear_attention(mode):
     torch.manual_seed(0)

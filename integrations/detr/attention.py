@@ -8,23 +8,12 @@ the number of object queries for decoder self-attention.
 """
 from types import SimpleNamespace
 
-import linear_mha
+from linear_mha import patch
 
 TARGETS = {"encoder": "transformer.encoder.layers.*.self_attn",
            "decoder": "transformer.decoder.layers.*.self_attn",
            "cross": "transformer.decoder.layers.*.multihead_attn"}
 MODES = ("softmax", "linformer", "kernel", "efficient", "taylor")
-
-
-def patch_function():
-    """linear_mha.patch (also reachable as linear_mha.patching.patch), or None when the patcher is absent."""
-    fn = getattr(linear_mha, "patch", None)
-    if fn is None:
-        try:
-            from linear_mha.patching import patch as fn
-        except ImportError:
-            return None
-    return fn
 
 
 def parse_targets(text):
@@ -67,10 +56,6 @@ def apply_attention(model, args_or_kwargs=None, max_tokens=None, **kwargs):
     if cfg.attention == "softmax":
         return [{"target": t, "include": [TARGETS[t]], "mode": "softmax", "options": {}, "patch_report": None}
                 for t in targets]
-    patch = patch_function()
-    if patch is None:
-        raise RuntimeError("--attention other than softmax needs linear_mha.patch (the model patcher), which this "
-                           "installation lacks; update linear_mha or use --attention softmax")
     inner = getattr(model, "module", model)  # DDP-wrapped or not
     num_queries = getattr(inner, "num_queries", None)
     report = []
