@@ -273,6 +273,10 @@ def test_bad_dtype_mix_raises():
         causal_linear_product(q, k, v.float())
     with pytest.raises(ValueError, match="phi_q must be 3-D"):
         causal_linear_step(q, k, v, None)
+    with pytest.raises(ValueError, match="v has shape .* but phi_k has shape"):
+        causal_linear_state(k, v[:, :, :3])
+    with pytest.raises(ValueError, match="initial_state must have shape"):
+        causal_linear_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], torch.zeros(2, 3, 5, 4, dtype=F64))
 
 
 def test_float32_state_with_bfloat16_inputs_keeps_each_dtype():

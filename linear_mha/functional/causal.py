@@ -13,7 +13,7 @@ is an exclusive prefix sum of the per-chunk states ``k_c^T v_c`` (Dk x Dv each).
 O(N * (C + d)) plus O(N / C * Dk * Dv) transient; a per-position Dk x Dv state is never built.
 The backward recomputes the chunk states from the saved inputs instead of keeping them.
 """
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -28,18 +28,13 @@ def _state_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in _HALF_DTYPES else dtype
 
 
-def _check_same_batch(name: str, t: torch.Tensor, ref: torch.Tensor, dims: int) -> None:
-    if t.shape[:dims] != ref.shape[:dims]:
-        raise ValueError(
-            f"{name} has shape {tuple(t.shape)} but phi_q has shape {tuple(ref.shape)}: the leading "
-            f"{dims} dimensions must match; reshape {name} to match phi_q."
-        )
+def _check_inputs(phi_q, phi_k, v, initial_state, seq_dims: int, q_name: str = "phi_q") -> None:
+    """seq_dims = 4 for (B, H, N, D) sequence inputs, 3 for (B, H, D) single-step inputs.
 
-
-def _check_inputs(phi_q, phi_k, v, initial_state, seq_dims: int) -> None:
-    """seq_dims = 4 for (B, H, N, D) sequence inputs, 3 for (B, H, D) single-step inputs."""
+    q_name is what phi_q is called in the caller's signature (causal_linear_state has no queries).
+    """
     layout = "(B, H, N, D)" if seq_dims == 4 else "(B, H, D)"
-    for name, t in (("phi_q", phi_q), ("phi_k", phi_k), ("v", v)):
+    for name, t in ((q_name, phi_q), ("phi_k", phi_k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
         if t.dim() != seq_dims:
@@ -47,14 +42,20 @@ def _check_inputs(phi_q, phi_k, v, initial_state, seq_dims: int) -> None:
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}; cast it with .float().")
         if t.device != phi_q.device:
-            raise ValueError(f"{name} is on {t.device} but phi_q is on {phi_q.device}; move it with .to(phi_q.device).")
+            raise ValueError(f"{name} is on {t.device} but {q_name} is on {phi_q.device}; "
+                             f"move it with .to({q_name}.device).")
         if t.dtype != phi_q.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but phi_q has {phi_q.dtype}; cast it with .to(phi_q.dtype).")
+            raise TypeError(f"{name} has dtype {t.dtype} but {q_name} has {phi_q.dtype}; "
+                            f"cast it with .to({q_name}.dtype).")
     if phi_k.shape != phi_q.shape:
         raise ValueError(
             f"phi_k has shape {tuple(phi_k.shape)} but phi_q has {tuple(phi_q.shape)}; they must be equal."
         )
-    _check_same_batch("v", v, phi_q, seq_dims - 1)
+    if v.shape[:-1] != phi_q.shape[:-1]:
+        raise ValueError(
+            f"v has shape {tuple(v.shape)} but {q_name} has shape {tuple(phi_q.shape)}: all but the last "
+            f"dimension must match; reshape v to match {q_name}."
+        )
     if initial_state is not None:
         expected = (*phi_q.shape[:2], phi_q.shape[-1], v.shape[-1])
         if not isinstance(initial_state, torch.Tensor) or tuple(initial_state.shape) != expected:
@@ -64,8 +65,8 @@ def _check_inputs(phi_q, phi_k, v, initial_state, seq_dims: int) -> None:
             raise TypeError(f"initial_state must be floating-point, got {initial_state.dtype}.")
         if initial_state.device != phi_q.device:
             raise ValueError(
-                f"initial_state is on {initial_state.device} but phi_q is on {phi_q.device}; "
-                "move it with .to(phi_q.device)."
+                f"initial_state is on {initial_state.device} but {q_name} is on {phi_q.device}; "
+                f"move it with .to({q_name}.device)."
             )
 
 
@@ -229,7 +230,7 @@ def causal_linear_state(phi_k, v, initial_state=None):
     causal_linear_step. The state is float32 for float16/bfloat16 inputs (else the input dtype),
     because it accumulates over the whole sequence.
     """
-    _check_inputs(phi_k, phi_k, v, initial_state, seq_dims=4)
+    _check_inputs(phi_k, phi_k, v, initial_state, seq_dims=4, q_name="phi_k")
     dtype = _state_dtype(phi_k.dtype)
     state = torch.matmul(phi_k.to(dtype).transpose(-1, -2), v.to(dtype))
     if initial_state is not None:
