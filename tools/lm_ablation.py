@@ -25,6 +25,22 @@ def load_trainer():
     return module
 
 
+def run_once(trainer, extra, variant, seed, out):
+    """One training run; re-running the ablation after an interruption reuses finished runs and resumes the
+    interrupted one from its checkpoint, as long as the training arguments are the same."""
+    argv = extra + ["--variant", variant, "--seed", str(seed), "--no-progress", "--out", out]
+    done, marker = os.path.join(out, "results.json"), os.path.join(out, "ablation_argv.json")
+    if os.path.exists(done) and os.path.exists(marker):
+        with open(marker) as f:
+            if json.load(f) == argv:
+                with open(done) as g:
+                    return json.load(g)
+    results = trainer.main(argv + ["--resume"])
+    with open(marker, "w") as f:
+        json.dump(argv, f)
+    return results
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -36,8 +52,7 @@ def main(argv=None):
     trainer = load_trainer()
     rows = []
     for variant in args.variants:
-        runs = [trainer.main(extra + ["--variant", variant, "--seed", str(seed), "--no-progress",
-                                      "--out", os.path.join(args.out, f"{variant}_seed{seed}")])
+        runs = [run_once(trainer, extra, variant, seed, os.path.join(args.out, f"{variant}_seed{seed}"))
                 for seed in args.seeds]
         bpc = [r["test_bpc"] for r in runs]
         rows.append({"variant": LABELS[variant], "params": runs[0]["params"], "test_bpc": bpc,

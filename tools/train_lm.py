@@ -187,8 +187,10 @@ def main(argv=None):
             bar.set_postfix(val_bpc=f"{record['val_bpc']:.3f}")
             with open(os.path.join(args.out, "log.jsonl"), "a") as f:
                 f.write(json.dumps(record) + "\n")
+            # Written to a temporary file and renamed, so an interruption never leaves a torn checkpoint.
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
-                        "step": step, "log": log, "args": vars(args)}, ckpt_path)
+                        "step": step, "log": log, "args": vars(args)}, ckpt_path + ".tmp")
+            os.replace(ckpt_path + ".tmp", ckpt_path)
     bar.close()
     results = {"variant": args.variant, "seed": args.seed, "params": n_params, "steps": step,
                "tokens_seen": step * args.batch_size * args.seq_len,
