@@ -1,0 +1,258 @@
+"""Measurement utilities shared by the tools/ benchmarks: thread pinning, the matmul peak, interleaved timing,
+peak extra memory of one case (fresh subprocess on CPU, CUDA's peak counters on GPU), log-log slopes and float64
+relative errors.
+
+Peak memory on CPU is measured in a FRESH Python process so that nothing an earlier case allocated (or a cached
+free block) can hide or inflate it. The case is described by a small JSON-able spec,
+
+    {"builder": "module:function", "kwargs": {...}, "paths": ["dir to put on sys.path", ...]}
+
+and ``builder(**kwargs)`` must build its inputs and return a zero-argument callable that runs the case once.
+The child runs it once (warm-up: lazy initialisation, one-off caches), then takes the current RSS as the
+baseline, resets the kernel's high-water mark (``/proc/self/clear_refs``), runs it again and reports
+``VmHWM - baseline``: the extra memory of one call, with the inputs (and anything the case keeps between calls)
+in the baseline. glibc is told to serve every allocation above 64 KiB with mmap, so freed tensors go back to the
+system at once and a cached free block cannot absorb the second call's allocations unseen. Where clear_refs is
+not writable the child falls back to ``ru_maxrss`` (which then also covers the input build: an upper bound).
+
+    python tools/measure.py --memory-spec '{"builder": "measure:allocation_case", "kwargs": {"mib": 200}}'
+"""
+import argparse
+import gc
+import importlib
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, Iterable, Optional, Sequence
+
+import torch
+
+TOOLS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TOOLS_DIR.parent
+MIB = 2 ** 20
+
+
+# ----------------------------------------------------------------------------------------------- threads, peak
+def pin_threads(threads: Optional[int] = None) -> int:
+    """Pin torch's intra-op thread count (None keeps the current one) and return the count now in force."""
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
+def sync(device) -> None:
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_peak_gflops(device="cpu", dtype=torch.float32, size: int = 2048, repeats: int = 5) -> float:
+    """Best GFLOP/s of a square ``size`` GEMM (2 size^3 FLOPs) at the current thread count.
+
+    The best run is the peak: on a shared machine other work only ever slows a run down."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    c = torch.empty(size, size, device=device, dtype=dtype)
+    torch.mm(a, b, out=c)
+    sync(device)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b, out=c)
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * size ** 3 / best / 1e9
+
+
+# ---------------------------------------------------------------------------------------------------- timing
+def round_robin(callables: Dict[str, Callable[[], object]], *, repeats: int = 5, warmup: int = 1, device="cpu",
+                budget_s: Optional[float] = None, min_repeats: int = 2) -> Dict[str, dict]:
+    """Time several callables interleaved: round r runs every callable once, starting at a rotating position, so
+    a slow phase of the machine (another process, thermal state) is shared by all of them instead of one.
+
+    Returns name -> {"median_ms", "min_ms", "runs"} or name -> {"error": "..."} for a callable that raised (it
+    is dropped from later rounds; the others go on). Rounds stop after ``repeats``, or earlier once ``budget_s``
+    seconds have passed and ``min_repeats`` rounds are done (large cases at a few seconds a call)."""
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    times = {name: [] for name in callables}
+    errors = {}
+
+    def timed(name):
+        start = time.perf_counter()
+        try:
+            callables[name]()
+            sync(device)
+        except Exception as exc:  # noqa: BLE001 - a failing peer or an OOM must not end the whole run
+            errors[name] = f"{type(exc).__name__}: {exc}"[:300]
+            return None
+        return (time.perf_counter() - start) * 1e3
+
+    for name in callables:
+        for _ in range(warmup):
+            if name not in errors:
+                timed(name)
+    names = list(callables)
+    start = time.perf_counter()
+    for r in range(repeats):
+        for i in range(len(names)):
+            name = names[(r + i) % len(names)]
+            if name not in errors:
+                ms = timed(name)
+                if ms is not None:
+                    times[name].append(ms)
+        if budget_s is not None and r + 1 >= min_repeats and time.perf_counter() - start > budget_s:
+            break
+    out = {}
+    for name in callables:
+        if name in errors:
+            out[name] = {"error": errors[name]}
+        else:
+            ts = sorted(times[name])
+            mid = len(ts) // 2
+            median = ts[mid] if len(ts) % 2 else 0.5 * (ts[mid - 1] + ts[mid])
+            out[name] = {"median_ms": median, "min_ms": ts[0], "runs": len(ts)}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- memory
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_high_water_mark() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def load_builder(spec: dict) -> Callable:
+    """Import ``spec['builder']`` ("module:function") with ``spec['paths']`` and the tools dir on sys.path."""
+    if not isinstance(spec, dict) or ":" not in str(spec.get("builder", "")):
+        raise ValueError(f"memory spec needs 'builder': 'module:function', got {spec!r}")
+    for path in [str(TOOLS_DIR), str(REPO_ROOT), *spec.get("paths", [])]:
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    module, function = spec["builder"].split(":", 1)
+    return getattr(importlib.import_module(module), function)
+
+
+def measure_in_this_process(spec: dict) -> dict:
+    """The child side of :func:`peak_extra_memory` on CPU (also usable for a quick in-process look)."""
+    run = load_builder(spec)(**spec.get("kwargs", {}))
+    run()
+    gc.collect()
+    baseline = _status_bytes("VmRSS")
+    if _reset_high_water_mark():
+        run()
+        peak, how = _status_bytes("VmHWM"), "VmHWM after clear_refs reset (fresh process)"
+    else:
+        run()
+        peak, how = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "ru_maxrss (includes input build)"
+    return {"extra_bytes": max(peak - baseline, 0), "baseline_bytes": baseline, "peak_bytes": peak, "how": how}
+
+
+def cuda_peak_extra(run: Callable[[], object], device) -> dict:
+    """Extra CUDA memory of one call of ``run`` beyond what is allocated before it (inputs, warm caches)."""
+    run()
+    sync(device)
+    gc.collect()
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    run()
+    sync(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    return {"extra_bytes": peak - base, "baseline_bytes": base, "peak_bytes": peak,
+            "how": "torch.cuda.max_memory_allocated - memory_allocated"}
+
+
+def peak_extra_memory(spec: dict, device="cpu", timeout_s: float = 1800.0) -> dict:
+    """Peak extra memory (bytes) of one run of the case ``spec`` describes; see the module docstring.
+
+    CPU: a fresh subprocess. CUDA: this process, with torch's peak counters. Returns the dict of
+    :func:`measure_in_this_process` (``extra_bytes`` ...) or {"error": "..."} when the case failed."""
+    json.dumps(spec)  # fail here, with the spec in the traceback, if it cannot reach a child process
+    if torch.device(device).type == "cuda":
+        try:
+            return cuda_peak_extra(load_builder(spec)(**spec.get("kwargs", {})), device)
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory: reported in the table, the run goes on
+            return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--memory-spec", json.dumps(spec)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"memory child timed out after {timeout_s:.0f} s"}
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+        return {"error": f"memory child failed: {tail}"[:300]}
+    return json.loads(lines[-1])
+
+
+def allocation_case(mib: float = 200.0) -> Callable[[], object]:
+    """A case with a known answer: each call fills ``mib`` MiB and frees it. Used to check the memory
+    measurement itself (tests, and the benchmark's calibration line)."""
+    numel = int(mib * MIB) // 4
+
+    def run():
+        block = torch.ones(numel, dtype=torch.float32)
+        return float(block[-1])
+    return run
+
+
+# ------------------------------------------------------------------------------------------- fits and errors
+def loglog_slope(xs: Sequence[float], ys: Sequence[float]) -> Optional[float]:
+    """Least-squares slope of log(y) against log(x): 1 for linear growth, 2 for quadratic.
+
+    None when fewer than two usable points (both coordinates positive and finite, at least two distinct x)."""
+    pts = [(math.log(x), math.log(y)) for x, y in zip(xs, ys)
+           if x is not None and y is not None and x > 0 and y > 0 and math.isfinite(x) and math.isfinite(y)]
+    if len({p[0] for p in pts}) < 2:
+        return None
+    mx = sum(p[0] for p in pts) / len(pts)
+    my = sum(p[1] for p in pts) / len(pts)
+    sxx = sum((p[0] - mx) ** 2 for p in pts)
+    return sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| (Frobenius), computed in float64 on ref's device."""
+    if out.shape != ref.shape:
+        raise ValueError(f"out has shape {tuple(out.shape)} but ref has {tuple(ref.shape)}")
+    ref64 = ref.detach().to(torch.float64)
+    diff = out.detach().to(device=ref64.device, dtype=torch.float64) - ref64
+    denom = torch.linalg.vector_norm(ref64)
+    if denom == 0:
+        return float(torch.linalg.vector_norm(diff))
+    return float(torch.linalg.vector_norm(diff) / denom)
+
+
+def to_float64(tensors: Iterable[torch.Tensor]):
+    """Detached float64 copies, e.g. of a case's inputs for its float64 reference."""
+    return [t.detach().to(torch.float64) for t in tensors]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--memory-spec", required=True, help="JSON spec of the case to measure in THIS process")
+    args = p.parse_args(argv)
+    print(json.dumps(measure_in_this_process(json.loads(args.memory_spec))))
+
+
+if __name__ == "__main__":
+    main()
