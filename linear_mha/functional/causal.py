@@ -83,40 +83,67 @@ def _to_chunks(x: torch.Tensor, n_chunks: int, chunk: int, dtype: torch.dtype) -
     return x.reshape(b * h * n_chunks, chunk, d)
 
 
-def _exclusive_states(k: torch.Tensor, v: torch.Tensor, init: Optional[torch.Tensor], n_chunks: int):
-    """S_prev[c] = init + sum_{c' < c} k_c'^T v_c' for every chunk, as (B*H*n_chunks, Dk, Dv).
+# Positions per block of work. Every temporary (scores, chunk states) is sized to one block and
+# reused, so it stays in cache and is not a fresh multi-megabyte allocation (page faults cost as
+# much as the matmuls on CPU); a few thousand positions still gives each bmm a large batch.
+_BLOCK_POSITIONS = 2048
 
-    The per-chunk products are written one slot late into a buffer with one spare slot, so each
-    head's chunk c already holds chunk c - 1's product. Slot 0 of each head would hold the previous
-    head's last product, which no exclusive prefix needs, so it is overwritten with init; an
-    in-place cumsum then finishes the job without any shifted copy.
+
+def _blocks(groups: int, n_chunks: int, target: int):
+    """Split the flat chunk axis (groups * n_chunks) into contiguous blocks [a, b).
+
+    Yields (a, b, n_groups, chunks_per_group, starts_group, ends_group): either several whole
+    groups (short sequences) or one segment of a single group (long sequences), whose state is
+    carried to the next segment by the caller.
     """
-    dk, dv = k.shape[-1], v.shape[-1]
-    buf = k.new_empty(k.shape[0] + 1, dk, dv)
-    torch.bmm(k.transpose(1, 2), v, out=buf[1:])
-    states = buf[:-1].view(-1, n_chunks, dk, dv)
-    if init is None:
-        states[:, 0].zero_()
+    if n_chunks > target:
+        for g in range(groups):
+            for c0 in range(0, n_chunks, target):
+                c1 = min(c0 + target, n_chunks)
+                yield g * n_chunks + c0, g * n_chunks + c1, 1, c1 - c0, c0 == 0, c1 == n_chunks
     else:
-        states[:, 0] = init.reshape(-1, dk, dv)
-    states.cumsum_(dim=1)
-    return buf[:-1]
+        per = max(1, target // n_chunks)
+        for g0 in range(0, groups, per):
+            g1 = min(g0 + per, groups)
+            yield g0 * n_chunks, g1 * n_chunks, g1 - g0, n_chunks, True, True
 
 
-def _later_states(q: torch.Tensor, do: torch.Tensor, n_chunks: int, need_total: bool):
-    """(R_next[c] = sum_{c' > c} q_c'^T do_c' as (B*H*n_chunks, Dk, Dv), per-head total or None)."""
-    dk, dv = q.shape[-1], do.shape[-1]
-    per_chunk = torch.bmm(q.transpose(1, 2), do).view(-1, n_chunks, dk, dv)
-    total = per_chunk.sum(dim=1) if need_total else None
-    later = torch.zeros_like(per_chunk)
-    if n_chunks > 1:
-        later[:, :-1] = per_chunk[:, 1:].flip(1).cumsum(dim=1).flip(1)
-    return later.view(-1, dk, dv), total
+class _PrefixStates:
+    """Exclusive prefix states S_prev[c] = init + sum_{c' < c} k_c'^T v_c', one block at a time, in order.
+
+    Each block's per-chunk products are written one slot late into a buffer with a spare slot, so
+    chunk c's slot already holds chunk c - 1's product; the first slot of every group (which holds
+    the previous group's last product, needed by no prefix) is overwritten with init or the carried
+    state, and an in-place cumsum finishes the job without a shifted copy.
+    """
+
+    def __init__(self, k, v, init, n_chunks, max_block):
+        self.k, self.v, self.init, self.n_chunks = k, v, init, n_chunks
+        self.buf = k.new_empty(max_block + 1, k.shape[-1], v.shape[-1])
+        self.carry = None
+
+    def block(self, a, b, n_groups, per_group, starts, ends):
+        length, dk, dv = b - a, self.k.shape[-1], self.v.shape[-1]
+        buf = self.buf[: length + 1]
+        torch.bmm(self.k[a:b].transpose(1, 2), self.v[a:b], out=buf[1:])
+        states = buf[:-1].view(n_groups, per_group, dk, dv)
+        if not starts:
+            states[:, 0] = self.carry
+        elif self.init is None:
+            states[:, 0].zero_()
+        else:
+            g0 = a // self.n_chunks
+            states[:, 0] = self.init[g0: g0 + n_groups]
+        states.cumsum_(dim=1)
+        if not ends:
+            # Inclusive state after this segment: last exclusive state plus the last chunk's product.
+            self.carry = states[0, -1] + buf[-1]
+        return buf[:-1]
 
 
-def _causal_scores(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """tril(a b^T) per chunk, diagonal kept."""
-    return torch.bmm(a, b.transpose(1, 2)).tril_()
+def _causal_scores_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """tril(a b^T) per chunk, diagonal kept, written into out."""
+    return torch.bmm(a, b.transpose(1, 2), out=out).tril_()
 
 
 def _no_autocast(device: torch.device):
@@ -127,7 +154,11 @@ def _no_autocast(device: torch.device):
 def _layout(phi_q: torch.Tensor, chunk_size: int):
     b, h, n, _ = phi_q.shape
     chunk = min(chunk_size, n)
-    return b, h, n, chunk, -(-n // chunk), _state_dtype(phi_q.dtype)
+    n_chunks = -(-n // chunk)
+    target = max(1, _BLOCK_POSITIONS // chunk)
+    max_block = min(b * h * n_chunks, target if n_chunks > target else max(1, target // n_chunks) * n_chunks)
+    blocks = list(_blocks(b * h, n_chunks, target))
+    return b, h, n, chunk, n_chunks, _state_dtype(phi_q.dtype), blocks, max_block
 
 
 def _unchunk(x: torch.Tensor, b: int, h: int, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -140,14 +171,18 @@ def _forward(phi_q, phi_k, v, initial_state, chunk_size):
 
 
 def _forward_impl(phi_q, phi_k, v, initial_state, chunk_size):
-    b, h, n, chunk, n_chunks, dtype = _layout(phi_q, chunk_size)
+    b, h, n, chunk, n_chunks, dtype, blocks, max_block = _layout(phi_q, chunk_size)
     q = _to_chunks(phi_q, n_chunks, chunk, dtype)
     k = _to_chunks(phi_k, n_chunks, chunk, dtype)
     vc = _to_chunks(v, n_chunks, chunk, dtype)
-    init = None if initial_state is None else initial_state.to(dtype)
+    init = None if initial_state is None else initial_state.to(dtype).reshape(b * h, *initial_state.shape[2:])
 
-    out = torch.bmm(q, _exclusive_states(k, vc, init, n_chunks))
-    out.baddbmm_(_causal_scores(q, k), vc)
+    out = q.new_empty(q.shape[0], chunk, vc.shape[-1])
+    prefix = _PrefixStates(k, vc, init, n_chunks, max_block)
+    scores = q.new_empty(max_block, chunk, chunk)
+    for a, z, *shape in blocks:
+        torch.bmm(q[a:z], prefix.block(a, z, *shape), out=out[a:z])
+        out[a:z].baddbmm_(_causal_scores_into(scores[: z - a], q[a:z], k[a:z]), vc[a:z])
     return _unchunk(out, b, h, n, phi_q.dtype)
 
 
@@ -158,32 +193,67 @@ def _backward(phi_q, phi_k, v, initial_state, grad_out, chunk_size, needs):
 
 def _backward_impl(phi_q, phi_k, v, initial_state, grad_out, chunk_size, needs):
     need_q, need_k, need_v, need_init = needs
-    b, h, n, chunk, n_chunks, dtype = _layout(phi_q, chunk_size)
+    b, h, n, chunk, n_chunks, dtype, blocks, max_block = _layout(phi_q, chunk_size)
     q = _to_chunks(phi_q, n_chunks, chunk, dtype)
     k = _to_chunks(phi_k, n_chunks, chunk, dtype)
     vc = _to_chunks(v, n_chunks, chunk, dtype)
     do = _to_chunks(grad_out, n_chunks, chunk, dtype)
+    dk, dv = q.shape[-1], vc.shape[-1]
+    scores = q.new_empty(max_block, chunk, chunk)
+    gq = q.new_empty(q.shape) if need_q else None
+    gk = k.new_empty(k.shape) if need_k else None
+    gv = vc.new_empty(vc.shape) if need_v else None
+    g_init = q.new_empty(b * h, dk, dv) if need_init else None
 
-    grad_q = grad_k = grad_v = grad_init = None
-    # tril(do v^T) feeds both dq and dk, so it is built once when either needs it.
-    do_v = _causal_scores(do, vc) if (need_q or need_k) else None
-    if need_q:
-        init = None if initial_state is None else initial_state.to(dtype)
-        gq = torch.bmm(do, _exclusive_states(k, vc, init, n_chunks).transpose(1, 2))
-        gq.baddbmm_(do_v, k)
-        grad_q = _unchunk(gq, b, h, n, phi_q.dtype)
+    # Pass 1, in sequence order: tril(do v^T) feeds dq (with the prefix states) and dk's in-chunk part.
+    if need_q or need_k:
+        if need_q:
+            init = None if initial_state is None else initial_state.to(dtype).reshape(b * h, dk, dv)
+            prefix = _PrefixStates(k, vc, init, n_chunks, max_block)
+        for a, z, *shape in blocks:
+            do_v = _causal_scores_into(scores[: z - a], do[a:z], vc[a:z])
+            if need_q:
+                torch.bmm(do[a:z], prefix.block(a, z, *shape).transpose(1, 2), out=gq[a:z])
+                gq[a:z].baddbmm_(do_v, k[a:z])
+            if need_k:
+                torch.bmm(do_v.transpose(1, 2), q[a:z], out=gk[a:z])
+
+    # Pass 2, in reverse order: R_next[c] = sum_{c' > c} q_c'^T do_c' feeds dk, dv and d initial_state.
     if need_k or need_v or need_init:
-        later, total = _later_states(q, do, n_chunks, need_init)
-        if need_init:
-            grad_init = total.view_as(initial_state).to(initial_state.dtype)
-        if need_k:
-            gk = torch.bmm(vc, later.transpose(1, 2))
-            gk.baddbmm_(do_v.transpose(1, 2), q)
-            grad_k = _unchunk(gk, b, h, n, phi_k.dtype)
-        if need_v:
-            gv = torch.bmm(k, later)
-            gv.baddbmm_(_causal_scores(q, k).transpose(1, 2), do)
-            grad_v = _unchunk(gv, b, h, n, v.dtype)
+        per_chunk = q.new_empty(max_block, dk, dv)
+        later = q.new_empty(max_block, dk, dv)
+        suffix = q.new_empty(max_block + b * h, dk, dv)
+        carry = None
+        for a, z, n_groups, per_group, starts, ends in reversed(blocks):
+            length = z - a
+            qdo = torch.bmm(q[a:z].transpose(1, 2), do[a:z], out=per_chunk[:length])
+            # suffix[:, j] = carry + sum of the last j chunks' products, built by a forward cumsum
+            # over the chunks in reverse order (torch has no reverse cumsum).
+            sfx = suffix[: length + n_groups].view(n_groups, per_group + 1, dk, dv)
+            if ends:
+                sfx[:, 0].zero_()
+            else:
+                sfx[:, 0] = carry
+            sfx[:, 1:] = qdo.view(n_groups, per_group, dk, dv).flip(1)
+            sfx.cumsum_(dim=1)
+            if not starts:
+                carry = sfx[0, -1].clone()
+            elif need_init:
+                g0 = a // n_chunks
+                g_init[g0: g0 + n_groups] = sfx[:, -1]
+            descending = torch.arange(per_group - 1, -1, -1, device=q.device)
+            nxt = torch.index_select(sfx, 1, descending, out=later[:length].view(n_groups, per_group, dk, dv))
+            nxt = nxt.view(length, dk, dv)
+            if need_k:
+                gk[a:z].baddbmm_(vc[a:z], nxt.transpose(1, 2))
+            if need_v:
+                torch.bmm(k[a:z], nxt, out=gv[a:z])
+                gv[a:z].baddbmm_(_causal_scores_into(scores[:length], q[a:z], k[a:z]).transpose(1, 2), do[a:z])
+
+    grad_q = None if gq is None else _unchunk(gq, b, h, n, phi_q.dtype)
+    grad_k = None if gk is None else _unchunk(gk, b, h, n, phi_k.dtype)
+    grad_v = None if gv is None else _unchunk(gv, b, h, n, v.dtype)
+    grad_init = None if g_init is None else g_init.view_as(initial_state).to(initial_state.dtype)
     return grad_q, grad_k, grad_v, grad_init
 
 
