@@ -1,0 +1,386 @@
+"""Speed, memory and accuracy of linear_mha's attention against SDPA and nn.MultiheadAttention (and, when they
+are installed, linear-attention-transformer / performer-pytorch / linformer), over sequence length N, in ONE
+process, round-robin, with the thread count pinned and reported.
+
+    python tools/benchmark.py --threads 2 --json runs/bench/cpu.json --png runs/bench/cpu.png --resume
+    python tools/benchmark.py --quick --json /tmp/quick.json --png /tmp/quick.png     # tiny smoke run
+
+Levels. core: the attention function on q, k, v (B, H, N, d): linear_mha.functional, raw SDPA, and exact softmax
+with materialised weights (what nn.MultiheadAttention(need_weights=True) computes inside). module:
+LinearMultiheadAttention(E = H d, H, mode=...) against nn.MultiheadAttention with need_weights=False (SDPA) and
+the default need_weights=True, batch_first self-attention on x (B, N, E), projections included.
+Passes. fwd: forward under torch.inference_mode, modules in eval(). fwdbwd: forward + backward of a fixed random
+output gradient, modules in train() (dropout 0), input and parameter gradients.
+
+FLOP formulas, inputs and references: tools/benchmark_cases.py. GB/s counts the bytes of q, k, v and out
+(x2 for fwdbwd: their gradients too).
+Quadratic methods are timed up to --sdpa-max-n (weight-materialising ones up to --weights-max-n) and extrapolated
+x4 per doubling beyond: '*' in the table, "extrapolated": true in the JSON (ratios against them: "~").
+Relative error (fwd output, N <= --err-max-n): exact attention in float64 for the core softmax methods, the same
+method (same weights, projections) in float64 otherwise. Peak extra memory: tools/measure.py (fresh subprocess per
+case on CPU, CUDA peak counters on GPU). Slopes: least squares in log-log over measured N >= --slope-min-n (the
+two largest N when fewer). The recurrent decode step (kernel_step, elu) is timed at several context lengths.
+"""
+import argparse
+import json
+import math
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import linear_mha.functional as LF  # noqa: E402  (benchmark_cases puts the repo root on sys.path)
+import measure as M  # noqa: E402
+from benchmark_cases import (BASELINE, METHODS, Method, available_peers, build_runner, case_key,  # noqa: E402
+                             chunk_size, reference_error)
+
+
+# -------------------------------------------------------------------------------------------------- report
+SERIES = ("level", "method", "B", "H", "d", "causal", "pass")
+
+
+def series_key(r):
+    return tuple(r[f] for f in SERIES)
+
+
+def _fit(rs, field, min_n):
+    pts = [(r["N"], r[field]) for r in rs if r.get(field) is not None]
+    use = [p for p in pts if p[0] >= min_n]
+    use = use if len(use) >= 2 else pts[-2:]
+    return M.loglog_slope([p[0] for p in use], [p[1] for p in use]), ([use[0][0], use[-1][0]] if use else None)
+
+
+def finalize(result, beyond):
+    """Extrapolated records, derived columns (FLOP/s, % of peak, GB/s, ratio to SDPA) and slopes, recomputed
+    from the measured records each time, so a resumed run and a straight run give the same file."""
+    meta = result["meta"]
+    records = [r for r in result["records"] if not r.get("extrapolated")]
+    for c in beyond:
+        src = [r for r in records if series_key(r) == series_key(c) and "median_ms" in r]
+        if src:
+            src = max(src, key=lambda r: r["N"])
+            grow = (c["N"] / src["N"]) ** 2  # x4 per doubling
+            records.append(dict(c, key=case_key(c), median_ms=src["median_ms"] * grow, min_ms=src["min_ms"] * grow,
+                                extrapolated=True, extrapolated_from_n=src["N"]))
+    itemsize = torch.empty(0, dtype=getattr(torch, meta["dtype"])).element_size()
+    index = {r["key"]: r for r in records}
+    for r in records:
+        if "median_ms" not in r:
+            continue
+        fwdbwd = r["pass"] == "fwdbwd"
+        r["flops"] = METHODS[(r["level"], r["method"])].flops(r) * (3 if fwdbwd else 1)
+        r["gflops"] = r["flops"] / r["median_ms"] / 1e6
+        r["pct_peak"] = 100.0 * r["gflops"] / meta["matmul_peak_gflops"]
+        r["bytes"] = 4 * r["B"] * r["H"] * r["N"] * r["d"] * itemsize * (2 if fwdbwd else 1)
+        r["gbps"] = r["bytes"] / r["median_ms"] / 1e6
+        base = index.get(case_key(dict(r, method=BASELINE[r["level"]])))
+        if base is not None and "median_ms" in base:
+            r["ratio_vs_sdpa"] = base["median_ms"] / r["median_ms"]
+            r["ratio_extrapolated"] = bool(base.get("extrapolated") or r.get("extrapolated"))
+    records.sort(key=lambda r: (r["level"], r["B"], r["d"], r["causal"], r["pass"], r["method"], r["N"]))
+    groups = {}
+    for r in records:
+        if "median_ms" in r and not r.get("extrapolated"):
+            groups.setdefault(series_key(r), []).append(r)
+    slopes = []
+    for key, rs in groups.items():
+        time_slope, time_n = _fit(rs, "median_ms", meta["slope_min_n"])
+        mem_slope, mem_n = _fit(rs, "mem_extra_mib", meta["slope_min_n"])
+        slopes.append(dict(zip(SERIES, key), time_slope=time_slope, time_fit_n=time_n, mem_slope=mem_slope,
+                           mem_fit_n=mem_n))
+    decode = result.get("decode") or []
+    meta["decode_slope"] = M.loglog_slope([r["context"] for r in decode], [r["us_median"] for r in decode])
+    return dict(result, records=records, slopes=slopes)
+
+
+def _num(x, fmt):
+    return "-" if x is None else format(x, fmt)
+
+
+def print_table(result):
+    meta = result["meta"]
+    print(f"\n{meta['device']} {meta.get('gpu', meta['cpu'])}, {meta['dtype']}, {meta['threads']} threads, "
+          f"matmul peak {meta['matmul_peak_gflops']:.1f} GFLOP/s, H={meta['heads']}, causal chunk "
+          f"{meta['chunk_size']}; * = extrapolated x4 per doubling, ~ = ratio against an extrapolated time")
+    print("| level | B | d | mask | pass | method | N | ms | min ms | GFLOP/s | % peak | GB/s | rel err | x SDPA "
+          "| extra MiB |")
+    print("|" + "---|" * 15)
+    for r in result["records"]:
+        head = (f"| {r['level']} | {r['B']} | {r['d']} | {'causal' if r['causal'] else 'full'} | {r['pass']} | "
+                f"{r['method']} | {r['N']} | ")
+        if "median_ms" not in r:
+            print(head + f"error: {r.get('error')} |")
+            continue
+        star = "*" if r.get("extrapolated") else ""
+        ratio = _num(r.get("ratio_vs_sdpa"), ".1f") + ("~" if r.get("ratio_extrapolated") else "")
+        mem = _num(r.get("mem_extra_mib"), ".1f") if "mem_error" not in r else "error"
+        print(head + f"{r['median_ms']:.3f}{star} | {r['min_ms']:.3f}{star} | {r['gflops']:.1f} | "
+              f"{r['pct_peak']:.1f} | {r['gbps']:.2f} | {_num(r.get('rel_err'), '.1e')} | {ratio} | {mem} |")
+    print("\n| level | B | d | mask | pass | method | time slope (N range) | memory slope (N range) |")
+    print("|" + "---|" * 8)
+    for s in result["slopes"]:
+        print(f"| {s['level']} | {s['B']} | {s['d']} | {'causal' if s['causal'] else 'full'} | {s['pass']} | "
+              f"{s['method']} | {_num(s['time_slope'], '.2f')} {s['time_fit_n']} | {_num(s['mem_slope'], '.2f')} "
+              f"{s['mem_fit_n'] or ''} |")
+    print("\n| decode step (kernel_step, elu) | context | us median | us min |")
+    print("|---|---|---|---|")
+    for r in result.get("decode", []):
+        print(f"| B={r['B']} H={r['H']} d={r['d']} | {r['context']} | {r['us_median']:.1f} | {r['us_min']:.1f} |")
+    print(f"decode time slope in context length: {_num(meta.get('decode_slope'), '.3f')} (0 = flat)")
+
+
+def plot(result, path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    recs = [r for r in result["records"] if "median_ms" in r]
+    cols = sorted({(r["causal"], r["pass"]) for r in recs})
+    panels = []  # (grid row, field): a memory panel only where memory was measured
+    for row in sorted({(r["level"], r["B"], r["d"]) for r in recs}):
+        of_row = [r for r in recs if (r["level"], r["B"], r["d"]) == row]
+        panels += [(row, field) for field in ("median_ms", "mem_extra_mib") if any(r.get(field) for r in of_row)]
+    fig, axes = plt.subplots(len(panels), len(cols), figsize=(4.5 * len(cols), 3.6 * len(panels)), squeeze=False)
+    for (row, field), ax_row in zip(panels, axes):
+        for col, ax in zip(cols, ax_row):
+            sub = [r for r in recs if (r["level"], r["B"], r["d"]) == row and (r["causal"], r["pass"]) == col]
+            for method in sorted({r["method"] for r in sub}):
+                pts = sorted((r["N"], r[field], bool(r.get("extrapolated"))) for r in sub
+                             if r["method"] == method and (r.get(field) or 0) > 0)
+                measured, tail = [p for p in pts if not p[2]], [p for p in pts if p[2]]
+                if measured:
+                    line, = ax.loglog([p[0] for p in measured], [p[1] for p in measured], marker="o", label=method)
+                    if tail:
+                        ax.loglog([p[0] for p in measured[-1:] + tail], [p[1] for p in measured[-1:] + tail],
+                                  linestyle="--", color=line.get_color())
+            ax.set_title(f"{row[0]} B={row[1]} d={row[2]} {'causal' if col[0] else 'full'} {col[1]}", fontsize=9)
+            ax.set_xlabel("N")
+            ax.set_ylabel("time [ms] (dashed: extrapolated)" if field == "median_ms" else "extra memory [MiB]")
+            ax.grid(True, which="both", alpha=0.3)
+            if ax.lines:
+                ax.legend(fontsize=6)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------------ planning
+def parse_row(text: str):
+    try:
+        level, shape = text.split(":")
+        b, d = (int(v) for v in shape.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--rows entries look like core:1x64 or module:4x64 (level:BxD), got {text!r}")
+    if level not in BASELINE or b < 1 or d < 1:
+        raise SystemExit(f"--rows: level must be core or module and B, D >= 1, got {text!r}")
+    return level, b, d
+
+
+def cap_for(method: Method, a) -> float:
+    return {"sdpa": a.sdpa_max_n, "weights": a.weights_max_n}.get(method.kind, math.inf)
+
+
+def plan(a, peers: dict):
+    """Groups of cases timed together (one row, N, mask, pass); beyond-cap quadratic cases are listed apart."""
+    groups, beyond = [], []
+    for row in a.rows:
+        level, b, d = parse_row(row)
+        for n in a.n:
+            for causal in a.causal:
+                for pss in a.passes:
+                    group = []
+                    for (lv, name), method in METHODS.items():
+                        if lv != level or (causal and not method.causal) or (a.methods and name not in a.methods):
+                            continue
+                        if method.peer and peers.get(method.peer) != "available":
+                            continue
+                        case = dict(level=level, method=name, B=b, H=a.heads, d=d, N=n, causal=causal, proj_k=a.proj_k,
+                                    seed=a.seed, **{"pass": pss})
+                        (beyond if n > cap_for(method, a) else group).append(case)
+                    groups.append(group)
+    return groups, beyond
+
+
+def needs_memory(c, a) -> bool:
+    return (not a.no_memory and c["N"] in a.memory_n and f"{c['level']}:{c['B']}x{c['d']}" in a.memory_rows
+            and (not a.memory_methods or c["method"] in a.memory_methods) and c["pass"] in a.memory_passes)
+
+
+# ------------------------------------------------------------------------------------------------- running
+def save(path: Optional[Path], result: dict) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, path)  # a crash mid-write never leaves a truncated file to resume from
+
+
+def time_group(group, a, device, dtype):
+    runners = {case_key(c): build_runner(c, device, dtype) for c in group}
+    return M.round_robin(runners, repeats=a.repeats, warmup=a.warmup, device=device, budget_s=a.budget_s,
+                         min_repeats=min(3, a.repeats))
+
+
+def time_decode(a, device, dtype):
+    """us per kernel_step (elu) at B=1, H=--heads, d=--decode-dim, from states of several context lengths."""
+    g = torch.Generator().manual_seed(a.seed)
+    h, d = a.heads, a.decode_dim
+    q, k, v = (torch.randn(1, h, d, generator=g).to(device, dtype) for _ in range(3))
+    runners = {}
+    for ctx in a.decode_contexts:
+        keys, values = (torch.randn(1, h, ctx, d, generator=g).to(device, dtype) for _ in range(2))
+        state = LF.kernel_state(keys, values, "elu")
+
+        def run(state=state):
+            with torch.inference_mode():
+                for _ in range(a.decode_steps):
+                    LF.kernel_step(q, k, v, state, "elu")
+        runners[str(ctx)] = run
+    timed = M.round_robin(runners, repeats=max(a.repeats, 5), warmup=2, device=device)
+    return [dict(context=int(ctx), B=1, H=h, d=d, us_median=t["median_ms"] * 1e3 / a.decode_steps,
+                 us_min=t["min_ms"] * 1e3 / a.decode_steps) for ctx, t in timed.items()]
+
+
+QUICK = dict(n=[64, 128, 256], rows=["core:1x16", "module:1x16"], heads=2, sdpa_max_n=128, weights_max_n=128,
+             err_max_n=256, proj_k=16, repeats=2, budget_s=5.0, memory_n=[64], memory_rows=["core:1x16"],
+             memory_methods=["kernel_elu"], memory_passes=["fwd"], decode_contexts=[16, 256], decode_dim=16,
+             decode_steps=10, slope_min_n=64, peak_size=256)
+FULL = dict(n=[256 * 2 ** i for i in range(9)], rows=["core:1x64", "core:4x64", "core:1x128", "module:1x64"],
+            heads=8, sdpa_max_n=8192, weights_max_n=4096, err_max_n=4096, proj_k=256, repeats=5, budget_s=20.0,
+            memory_n=[1024, 4096, 16384, 65536], memory_rows=["core:1x64", "module:1x64"], memory_methods=[],
+            memory_passes=["fwd", "fwdbwd"], decode_contexts=[256, 4096, 65536], decode_dim=64, decode_steps=100,
+            slope_min_n=4096, peak_size=2048)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny shapes (seconds); explicit options still win")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's current)")
+    p.add_argument("--n", type=int, nargs="+", help="sequence lengths (default 256 .. 65536, doubling)")
+    p.add_argument("--rows", nargs="+", help="level:BxD grid rows (default core:1x64 core:4x64 core:1x128 module:1x64)")
+    p.add_argument("--heads", type=int, help="H (default 8)")
+    p.add_argument("--methods", nargs="+", default=[], help="only these method names (default: all)")
+    p.add_argument("--passes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
+    p.add_argument("--causal", nargs="+", type=lambda s: {"full": False, "causal": True}[s], default=[False, True],
+                   metavar="{full,causal}", help="masks to run (default both)")
+    p.add_argument("--sdpa-max-n", type=int, help="time SDPA / nn.MHA(need_weights=False) up to this N (8192)")
+    p.add_argument("--weights-max-n", type=int, help="time the weight-materialising paths up to this N (4096)")
+    p.add_argument("--err-max-n", type=int, help="relative error against float64 up to this N (4096)")
+    p.add_argument("--proj-k", type=int, help="Linformer's projected length k (256)")
+    p.add_argument("--repeats", type=int, help="timed rounds per case (5)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--budget-s", type=float, help="stop a group's rounds after this many seconds, >= 3 rounds (20)")
+    p.add_argument("--no-memory", action="store_true", help="skip peak-memory measurements")
+    p.add_argument("--memory-n", type=int, nargs="+", help="N at which to measure memory (1024 4096 16384 65536)")
+    p.add_argument("--memory-rows", nargs="+", help="grid rows to measure memory for (core:1x64 module:1x64)")
+    p.add_argument("--memory-methods", nargs="+", help="methods to measure memory for (default: all)")
+    p.add_argument("--memory-passes", nargs="+", choices=["fwd", "fwdbwd"], help="(default: both)")
+    p.add_argument("--decode-contexts", type=int, nargs="+", help="context lengths for kernel_step (256 4096 65536)")
+    p.add_argument("--decode-dim", type=int, help="head dim of the decode step (64)")
+    p.add_argument("--decode-steps", type=int, help="steps per timed sample (100)")
+    p.add_argument("--slope-min-n", type=int, help="fit slopes over N >= this (4096)")
+    p.add_argument("--peak-size", type=int, help="matrix size of the matmul-peak GEMM (2048)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, help="results file, rewritten after every finished case")
+    p.add_argument("--png", type=Path, help="time and memory against N")
+    p.add_argument("--resume", action="store_true", help="keep the cases already in --json and run the rest")
+    a = p.parse_args(argv)
+    for name, value in (QUICK if a.quick else FULL).items():
+        if getattr(a, name) is None:
+            setattr(a, name, value)
+    for name in ("n", "memory_n", "decode_contexts"):
+        if min(getattr(a, name)) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} values must be >= 1")
+    if a.resume and a.json is None:
+        raise SystemExit("--resume needs --json PATH (the results file to continue)")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda, but torch.cuda.is_available() is False; use --device cpu")
+    return a
+
+
+def load_previous(a, meta):
+    if not (a.resume and a.json is not None and a.json.exists()):
+        return {}
+    old = json.loads(a.json.read_text())
+    for field in ("device", "dtype", "threads"):
+        if old["meta"].get(field) != meta[field]:
+            raise SystemExit(f"--resume: {a.json} was written with {field}={old['meta'].get(field)!r}, this run has "
+                             f"{meta[field]!r}; pass the same --{field} or write to a new --json")
+    meta["matmul_peak_gflops"] = old["meta"]["matmul_peak_gflops"]  # keep % of peak comparable across sessions
+    return old
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    device, dtype = torch.device(a.device), getattr(torch, a.dtype)
+    threads = M.pin_threads(a.threads)
+    peers = available_peers()
+    meta = dict(torch=torch.__version__, device=a.device, dtype=a.dtype, threads=threads, cpu=platform.processor()
+                or platform.machine(), cpu_count=os.cpu_count(), heads=a.heads, proj_k=a.proj_k, chunk_size=chunk_size(),
+                sdpa_max_n=a.sdpa_max_n, weights_max_n=a.weights_max_n, err_max_n=a.err_max_n, peers=peers,
+                slope_min_n=a.slope_min_n, command=" ".join(sys.argv[1:] if argv is None else argv))
+    if device.type == "cuda":
+        meta["gpu"] = torch.cuda.get_device_name(device)
+    old = load_previous(a, meta)
+    if "matmul_peak_gflops" not in meta:
+        meta["matmul_peak_gflops"] = M.matmul_peak_gflops(device, dtype, size=a.peak_size)
+    result = dict(meta=meta, records=[r for r in old.get("records", []) if not r.get("extrapolated")],
+                  decode=old.get("decode", []))
+    print(f"torch {meta['torch']} | {a.device} {meta.get('gpu', meta['cpu'])} | {a.dtype} | {threads} threads | "
+          f"matmul peak {meta['matmul_peak_gflops']:.1f} GFLOP/s | peers: {peers}", flush=True)
+    by_key = {r["key"]: r for r in result["records"]}
+    groups, beyond = plan(a, peers)
+    for group in groups:
+        todo = [c for c in group if case_key(c) not in by_key]
+        if todo:
+            timed = time_group(todo, a, device, dtype)
+            for c in todo:
+                rec = dict(c, key=case_key(c), **timed[case_key(c)])
+                result["records"].append(rec)
+                by_key[rec["key"]] = rec
+                print(f"  {rec['key']:<52} " + (f"{rec['median_ms']:10.3f} ms" if "median_ms" in rec else
+                                               f"ERROR {rec['error']}"), flush=True)
+            save(a.json, finalize(result, beyond))
+        for c in group:
+            rec = by_key[case_key(c)]
+            if "error" in rec:
+                continue
+            if c["pass"] == "fwd" and c["N"] <= a.err_max_n and "rel_err" not in rec:
+                try:
+                    rec["rel_err"] = reference_error(c, device, dtype)
+                except Exception as exc:  # noqa: BLE001 - e.g. a peer without float64 support
+                    rec["rel_err"], rec["rel_err_error"] = None, f"{type(exc).__name__}: {exc}"[:200]
+                save(a.json, finalize(result, beyond))
+            if needs_memory(c, a) and "mem_extra_mib" not in rec and "mem_error" not in rec:
+                spec = dict(builder="benchmark_cases:memory_case",
+                            kwargs=dict(case=c, device=a.device, dtype=a.dtype, threads=threads))
+                mem = M.peak_extra_memory(spec, device)
+                if "error" in mem:
+                    rec["mem_error"] = mem["error"]
+                else:
+                    rec["mem_extra_mib"], rec["mem_how"] = mem["extra_bytes"] / M.MIB, mem["how"]
+                print(f"  {rec['key']:<52} memory " + (f"{rec['mem_extra_mib']:.1f} MiB" if "mem_extra_mib" in rec
+                                                      else rec["mem_error"]), flush=True)
+                save(a.json, finalize(result, beyond))
+    if not result["decode"]:
+        result["decode"] = time_decode(a, device, dtype)
+    result = finalize(result, beyond)
+    save(a.json, result)
+    print_table(result)
+    if a.png:
+        plot(result, a.png)
+    return result
+
+
+if __name__ == "__main__":
+    main()

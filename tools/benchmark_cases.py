@@ -1,0 +1,276 @@
+"""Cases of tools/benchmark.py: the methods compared, their FLOP counts, inputs, runners (one call of a
+case, used for timing and for the fresh-process memory measurement) and float64 references.
+
+FLOPs per forward (fwdbwd counts 3x: the backward runs two products per forward product). BH = B H, F = feature
+size (elu d, taylor d + 1, favor m = d ln d), Dv = d + 1 (the ones column that yields the normaliser), C = the
+causal chunk size (causal_linear_product's default), N' = N rounded up to whole chunks, k = --proj-k:
+    kernel, non-causal   4 BH N F Dv                     phi(K)^T [V, 1], then phi(Q) S
+    kernel, causal       4 BH N' F Dv + 2 BH N' C (F+Dv) chunk states and inter-chunk product + C x C intra-chunk
+    favor features       + 4 BH N d m                    q and k times the random projection
+    efficient            4 BH N d^2                      (peer linear-attention-transformer: the same count)
+    linformer            8 BH N k d                      E K, F V, scores, weights V
+    softmax, SDPA        4 BH N^2 d, halved when causal
+    module level         + 8 B N E^2                     in-projection (3E) and out-projection (E)
+GB/s counts the bytes of q, k, v and out (x2 for fwdbwd: their gradients too).
+Relative error (fwd output, N <= --err-max-n): exact attention in float64 for the core softmax methods, the same
+method (same weights, projections) in float64 otherwise.
+"""
+import importlib
+import inspect
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import linear_mha.functional as LF  # noqa: E402
+import measure as M  # noqa: E402
+from linear_mha import LinearMultiheadAttention  # noqa: E402
+
+
+# ------------------------------------------------------------------------------------------------- methods
+@dataclass(frozen=True)
+class Method:
+    build: Callable          # (case, dtype, device) -> (fn(*inputs) -> out, [modules])
+    flops: Callable          # (case) -> FLOPs of one forward of the attention (module level adds projections)
+    causal: bool = True      # has a causal form
+    kind: str = "linear"     # "sdpa" / "weights": quadratic, timed up to a cap and extrapolated beyond
+    peer: Optional[str] = None  # import name of an optional third-party package
+
+
+def chunk_size() -> int:
+    default = inspect.signature(LF.causal_linear_product).parameters["chunk_size"].default
+    return default if isinstance(default, int) else 64
+
+
+def kernel_flops(c, features: int) -> float:
+    bh, n, dv = c["B"] * c["H"], c["N"], c["d"] + 1
+    if not c["causal"]:
+        return 4.0 * bh * n * features * dv
+    chunk = min(chunk_size(), n)
+    padded = -(-n // chunk) * chunk
+    return 4.0 * bh * padded * features * dv + 2.0 * bh * padded * chunk * (features + dv)
+
+
+def favor_features(d: int) -> int:
+    return LF.default_num_favor_features(d)
+
+
+def favor_flops(c, causal=None) -> float:
+    m = favor_features(c["d"])
+    case = c if causal is None else dict(c, causal=causal)
+    return kernel_flops(case, m) + 4.0 * c["B"] * c["H"] * c["N"] * c["d"] * m
+
+
+def softmax_flops(c) -> float:
+    full = 4.0 * c["B"] * c["H"] * c["N"] ** 2 * c["d"]
+    return full / 2 if c["causal"] else full
+
+
+def efficient_flops(c) -> float:
+    return 4.0 * c["B"] * c["H"] * c["N"] * c["d"] ** 2
+
+
+def linformer_flops(c) -> float:
+    return 8.0 * c["B"] * c["H"] * c["N"] * c["proj_k"] * c["d"]
+
+
+def projection_flops(c) -> float:
+    return 8.0 * c["B"] * c["N"] * (c["H"] * c["d"]) ** 2
+
+
+def favor_projection(c, dtype, device):
+    g = torch.Generator().manual_seed(c["seed"] + 1)
+    return LF.orthogonal_random_features(favor_features(c["d"]), c["d"], generator=g, device=device, dtype=dtype)
+
+
+def linformer_projection(c, dtype, device):
+    g = torch.Generator().manual_seed(c["seed"] + 2)
+    e = torch.randn(c["proj_k"], c["N"], generator=g, dtype=torch.float64) / math.sqrt(c["proj_k"])
+    return e.to(device, dtype)
+
+
+def _core(make):
+    """make(case, dtype, device) -> fn(q, k, v); core functions own no modules."""
+    return lambda c, dtype, device: (make(c, dtype, device), [])
+
+
+def _kernel_core(c, dtype, device):
+    return lambda q, k, v: LF.kernel(q, k, v, "elu", causal=c["causal"])
+
+
+def _favor_core(c, dtype, device):
+    proj = favor_projection(c, dtype, device)
+    return lambda q, k, v: LF.kernel(q, k, v, "favor", causal=c["causal"], projection=proj)
+
+
+def _linformer_core(c, dtype, device):
+    e = linformer_projection(c, dtype, device)
+    return lambda q, k, v: LF.linformer(q, k, v, e)[0]
+
+
+def _module(**options):
+    def build(c, dtype, device):
+        extra = dict(seq_len=c["N"], proj_k=c["proj_k"]) if options.get("mode") == "linformer" else {}
+        m = LinearMultiheadAttention(c["H"] * c["d"], c["H"], batch_first=True, **options, **extra)
+        m = m.to(device=device, dtype=dtype)
+        return (lambda x: m(x, x, x, is_causal=c["causal"])[0]), [m]
+    return build
+
+
+def _torch_mha(need_weights: bool):
+    def build(c, dtype, device):
+        m = nn.MultiheadAttention(c["H"] * c["d"], c["H"], batch_first=True).to(device=device, dtype=dtype)
+        mask = torch.ones(c["N"], c["N"], dtype=torch.bool, device=device).triu(1) if c["causal"] else None
+        return (lambda x: m(x, x, x, need_weights=need_weights, attn_mask=mask, is_causal=c["causal"])[0]), [m]
+    return build
+
+
+def _peer_lat(c, dtype, device):
+    lat = importlib.import_module("linear_attention_transformer.linear_attention_transformer")
+    fn = lat.causal_linear_attn if c["causal"] else lat.linear_attn
+    return (lambda q, k, v: fn(q, k, v)), []
+
+
+def _peer_performer(c, dtype, device):
+    performer = importlib.import_module("performer_pytorch")
+    m = performer.FastAttention(dim_heads=c["d"], nb_features=favor_features(c["d"]), causal=c["causal"])
+    m = m.to(device=device, dtype=dtype)
+    return (lambda q, k, v: m(q, k, v)), [m]
+
+
+def _peer_linformer(c, dtype, device):
+    linformer = importlib.import_module("linformer")
+    m = linformer.LinformerSelfAttention(dim=c["H"] * c["d"], seq_len=c["N"], heads=c["H"], k=c["proj_k"])
+    return (lambda x: m(x)), [m.to(device=device, dtype=dtype)]
+
+
+def _plus_projections(flops):
+    return lambda c: flops(c) + projection_flops(c)
+
+
+METHODS = {
+    ("core", "kernel_elu"): Method(_core(_kernel_core), lambda c: kernel_flops(c, c["d"])),
+    ("core", "kernel_favor"): Method(_core(_favor_core), favor_flops),
+    ("core", "taylor"): Method(_core(lambda c, t, d: lambda q, k, v: LF.taylor(q, k, v, causal=c["causal"])),
+                               lambda c: kernel_flops(c, c["d"] + 1)),
+    ("core", "efficient"): Method(_core(lambda c, t, d: LF.efficient), efficient_flops, causal=False),
+    ("core", "linformer"): Method(_core(_linformer_core), linformer_flops, causal=False),
+    ("core", "sdpa"): Method(_core(lambda c, t, d: lambda q, k, v: F.scaled_dot_product_attention(
+        q, k, v, is_causal=c["causal"])), softmax_flops, kind="sdpa"),
+    ("core", "softmax_weights"): Method(_core(lambda c, t, d: lambda q, k, v: LF.softmax(
+        q, k, v, causal=c["causal"], need_weights=True)[0]), softmax_flops, kind="weights"),
+    ("core", "peer_lat"): Method(_peer_lat, efficient_flops, peer="linear_attention_transformer"),
+    ("core", "peer_performer"): Method(_peer_performer, lambda c: favor_flops(c, causal=False),
+                                       peer="performer_pytorch"),
+    ("module", "kernel_elu"): Method(_module(mode="kernel"), _plus_projections(lambda c: kernel_flops(c, c["d"]))),
+    ("module", "kernel_favor"): Method(_module(mode="kernel", feature_map="favor"), _plus_projections(favor_flops)),
+    ("module", "taylor"): Method(_module(mode="taylor"), _plus_projections(lambda c: kernel_flops(c, c["d"] + 1))),
+    ("module", "efficient"): Method(_module(mode="efficient"), _plus_projections(efficient_flops), causal=False),
+    ("module", "linformer"): Method(_module(mode="linformer"), _plus_projections(linformer_flops), causal=False),
+    ("module", "mha_sdpa"): Method(_torch_mha(False), _plus_projections(softmax_flops), kind="sdpa"),
+    ("module", "mha_weights"): Method(_torch_mha(True), _plus_projections(softmax_flops), kind="weights"),
+    ("module", "peer_linformer"): Method(_peer_linformer, _plus_projections(linformer_flops), causal=False,
+                                         peer="linformer"),
+}
+BASELINE = {"core": "sdpa", "module": "mha_sdpa"}
+
+
+def available_peers() -> dict:
+    """Peer import name -> "available" or why not; a missing peer only removes its rows."""
+    status = {}
+    for peer in sorted({m.peer for m in METHODS.values() if m.peer}):
+        try:
+            importlib.import_module(peer)
+            status[peer] = "available"
+        except Exception as exc:  # noqa: BLE001 - a broken install is reported, never fatal
+            status[peer] = f"not importable ({type(exc).__name__})"
+    return status
+
+
+# --------------------------------------------------------------------------------------------------- cases
+def case_key(c) -> str:
+    return (f"{c['level']}/{c['method']}/B{c['B']}/H{c['H']}/d{c['d']}/N{c['N']}/"
+            f"{'causal' if c['causal'] else 'full'}/{c['pass']}")
+
+
+def make_inputs(c, dtype, device):
+    g = torch.Generator().manual_seed(c["seed"] * 1_000_003 + c["N"])
+    if c["level"] == "core":
+        return [torch.randn(c["B"], c["H"], c["N"], c["d"], generator=g).to(device, dtype) for _ in range(3)]
+    return [torch.randn(c["B"], c["N"], c["H"] * c["d"], generator=g).to(device, dtype)]
+
+
+def build_method(c, dtype, device):
+    torch.manual_seed(c["seed"])  # the same module weights / random features in every dtype
+    return METHODS[(c["level"], c["method"])].build(c, dtype, device)
+
+
+def build_runner(c, device, dtype):
+    """A zero-argument callable that runs the case once (its inputs built here, outside the timing)."""
+    fn, modules = build_method(c, dtype, device)
+    inputs = make_inputs(c, dtype, device)
+    if c["pass"] == "fwd":
+        for m in modules:
+            m.eval()
+
+        def run_forward():
+            with torch.inference_mode():
+                fn(*inputs)
+        return run_forward
+    for m in modules:
+        m.train()
+    leaves = [t.requires_grad_() for t in inputs]
+    grad = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(c["seed"] + 7)).to(device, dtype)
+
+    def run_forward_backward():
+        for t in leaves:
+            t.grad = None
+        for m in modules:
+            m.zero_grad(set_to_none=True)
+        fn(*leaves).backward(grad)
+    return run_forward_backward
+
+
+def memory_case(case: dict, device: str, dtype: str, threads: int):
+    """Builder for tools/measure.py's fresh-process memory measurement (see measure.peak_extra_memory)."""
+    M.pin_threads(threads)
+    return build_runner(case, torch.device(device), getattr(torch, dtype))
+
+
+def exact_softmax64(q, k, v, causal: bool, block: int = 256):
+    """Exact softmax attention in float64, a block of queries at a time so memory stays O(block N)."""
+    n, scale = q.shape[-2], q.shape[-1] ** -0.5
+    cols = torch.arange(n, device=q.device)
+    outs = []
+    for s in range(0, n, block):
+        scores = torch.matmul(q[..., s:s + block, :], k.transpose(-2, -1)) * scale
+        if causal:
+            rows = torch.arange(s, min(s + block, n), device=q.device)[:, None]
+            scores = scores.masked_fill(cols[None] > rows, float("-inf"))
+        outs.append(torch.matmul(torch.softmax(scores, dim=-1), v))
+    return torch.cat(outs, dim=-2)
+
+
+@torch.no_grad()
+def reference_error(c, device, dtype) -> float:
+    inputs = make_inputs(c, dtype, device)
+    fn, modules = build_method(c, dtype, device)
+    for m in modules:
+        m.eval()
+    out = fn(*inputs)
+    x64 = M.to_float64(inputs)
+    if c["level"] == "core" and METHODS[(c["level"], c["method"])].kind != "linear":
+        ref = exact_softmax64(*x64, causal=c["causal"])
+    else:
+        fn64, modules64 = build_method(c, torch.float64, device)
+        for m in modules64:
+            m.eval()
+        ref = fn64(*x64)
+    return M.relative_error(out, ref)
