@@ -25,7 +25,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import sys
 from pathlib import Path
 from typing import Optional
@@ -37,11 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import linear_mha.functional as LF  # noqa: E402  (benchmark_cases puts the repo root on sys.path)
 import measure as M  # noqa: E402
 from benchmark_cases import (BASELINE, METHODS, Method, available_peers, build_runner, case_key,  # noqa: E402
-                             chunk_size, reference_error)
+                             chunk_size, make_data, reference_error)
 
 
 # -------------------------------------------------------------------------------------------------- report
 SERIES = ("level", "method", "B", "H", "d", "causal", "pass")
+CASE_FIELDS = SERIES + ("N", "proj_k", "seed")
 
 
 def series_key(r):
@@ -173,14 +173,19 @@ def plot(result, path: Path):
 
 # ------------------------------------------------------------------------------------------------ planning
 def parse_row(text: str):
+    """'level:BxD' or 'level:BxD:maxN' (this row stops at N = maxN) -> (level, B, D, maxN or inf)."""
+    parts = text.split(":")
     try:
-        level, shape = text.split(":")
-        b, d = (int(v) for v in shape.lower().split("x"))
-    except ValueError:
-        raise SystemExit(f"--rows entries look like core:1x64 or module:4x64 (level:BxD), got {text!r}")
-    if level not in BASELINE or b < 1 or d < 1:
-        raise SystemExit(f"--rows: level must be core or module and B, D >= 1, got {text!r}")
-    return level, b, d
+        b, d = (int(v) for v in parts[1].lower().split("x"))
+        max_n = int(parts[2]) if len(parts) == 3 else math.inf
+        if len(parts) not in (2, 3):
+            raise ValueError
+    except (ValueError, IndexError):
+        raise SystemExit(f"--rows entries look like core:1x64, module:4x64 or core:1x128:16384 (level:BxD[:maxN]), "
+                         f"got {text!r}")
+    if parts[0] not in BASELINE or min(b, d, max_n) < 1:
+        raise SystemExit(f"--rows: level must be core or module and B, D, maxN >= 1, got {text!r}")
+    return parts[0], b, d, max_n
 
 
 def cap_for(method: Method, a) -> float:
@@ -191,8 +196,8 @@ def plan(a, peers: dict):
     """Groups of cases timed together (one row, N, mask, pass); beyond-cap quadratic cases are listed apart."""
     groups, beyond = [], []
     for row in a.rows:
-        level, b, d = parse_row(row)
-        for n in a.n:
+        level, b, d, max_n = parse_row(row)
+        for n in (n for n in a.n if n <= max_n):
             for causal in a.causal:
                 for pss in a.passes:
                     group = []
@@ -209,7 +214,8 @@ def plan(a, peers: dict):
 
 
 def needs_memory(c, a) -> bool:
-    return (not a.no_memory and c["N"] in a.memory_n and f"{c['level']}:{c['B']}x{c['d']}" in a.memory_rows
+    rows = {parse_row(r)[:3] for r in a.memory_rows}
+    return (not a.no_memory and c["N"] in a.memory_n and (c["level"], c["B"], c["d"]) in rows
             and (not a.memory_methods or c["method"] in a.memory_methods) and c["pass"] in a.memory_passes)
 
 
@@ -224,9 +230,18 @@ def save(path: Optional[Path], result: dict) -> None:
 
 
 def time_group(group, a, device, dtype):
-    runners = {case_key(c): build_runner(c, device, dtype) for c in group}
-    return M.round_robin(runners, repeats=a.repeats, warmup=a.warmup, device=device, budget_s=a.budget_s,
-                         min_repeats=min(3, a.repeats))
+    """Build every case of the group (a case that cannot be built, e.g. a broken peer, becomes an error row),
+    then time them round-robin."""
+    runners, failed = {}, {}
+    data = make_data(group[0], dtype, device)  # the cases of a group differ only in method and mask
+    for c in group:
+        try:
+            runners[case_key(c)] = build_runner(c, device, dtype, data)
+        except Exception as exc:  # noqa: BLE001 - reported in the table; the other cases still run
+            failed[case_key(c)] = {"error": f"build failed: {type(exc).__name__}: {exc}"[:300]}
+    timed = M.round_robin(runners, repeats=a.repeats, warmup=a.warmup, device=device, budget_s=a.budget_s,
+                          min_repeats=min(3, a.repeats))
+    return {**timed, **failed}
 
 
 def time_decode(a, device, dtype):
@@ -253,7 +268,7 @@ QUICK = dict(n=[64, 128, 256], rows=["core:1x16", "module:1x16"], heads=2, sdpa_
              err_max_n=256, proj_k=16, repeats=2, budget_s=5.0, memory_n=[64], memory_rows=["core:1x16"],
              memory_methods=["kernel_elu"], memory_passes=["fwd"], decode_contexts=[16, 256], decode_dim=16,
              decode_steps=10, slope_min_n=64, peak_size=256)
-FULL = dict(n=[256 * 2 ** i for i in range(9)], rows=["core:1x64", "core:4x64", "core:1x128", "module:1x64"],
+FULL = dict(n=[256 * 2 ** i for i in range(9)], rows=["core:1x64", "core:4x64", "core:1x128:16384", "module:1x64"],
             heads=8, sdpa_max_n=8192, weights_max_n=4096, err_max_n=4096, proj_k=256, repeats=5, budget_s=20.0,
             memory_n=[1024, 4096, 16384, 65536], memory_rows=["core:1x64", "module:1x64"], memory_methods=[],
             memory_passes=["fwd", "fwdbwd"], decode_contexts=[256, 4096, 65536], decode_dim=64, decode_steps=100,
@@ -267,7 +282,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's current)")
     p.add_argument("--n", type=int, nargs="+", help="sequence lengths (default 256 .. 65536, doubling)")
-    p.add_argument("--rows", nargs="+", help="level:BxD grid rows (default core:1x64 core:4x64 core:1x128 module:1x64)")
+    p.add_argument("--rows", nargs="+",
+                   help="level:BxD[:maxN] grid rows (default core:1x64 core:4x64 core:1x128:16384 module:1x64)")
     p.add_argument("--heads", type=int, help="H (default 8)")
     p.add_argument("--methods", nargs="+", default=[], help="only these method names (default: all)")
     p.add_argument("--passes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
@@ -312,11 +328,13 @@ def load_previous(a, meta):
     if not (a.resume and a.json is not None and a.json.exists()):
         return {}
     old = json.loads(a.json.read_text())
-    for field in ("device", "dtype", "threads"):
+    for field in ("device", "dtype", "threads", "proj_k"):
         if old["meta"].get(field) != meta[field]:
             raise SystemExit(f"--resume: {a.json} was written with {field}={old['meta'].get(field)!r}, this run has "
                              f"{meta[field]!r}; pass the same --{field} or write to a new --json")
-    meta["matmul_peak_gflops"] = old["meta"]["matmul_peak_gflops"]  # keep % of peak comparable across sessions
+    for field in ("matmul_peak_gflops", "matmul_peak_gflops_float32"):  # % of peak stays comparable across sessions
+        if field in old["meta"]:
+            meta[field] = old["meta"][field]
     return old
 
 
@@ -325,21 +343,26 @@ def main(argv=None):
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
     threads = M.pin_threads(a.threads)
     peers = available_peers()
-    meta = dict(torch=torch.__version__, device=a.device, dtype=a.dtype, threads=threads, cpu=platform.processor()
-                or platform.machine(), cpu_count=os.cpu_count(), heads=a.heads, proj_k=a.proj_k, chunk_size=chunk_size(),
+    meta = dict(torch=torch.__version__, device=a.device, dtype=a.dtype, threads=threads, cpu=M.cpu_name(),
+                cpu_count=os.cpu_count(), heads=a.heads, proj_k=a.proj_k, chunk_size=chunk_size(),
                 sdpa_max_n=a.sdpa_max_n, weights_max_n=a.weights_max_n, err_max_n=a.err_max_n, peers=peers,
                 slope_min_n=a.slope_min_n, command=" ".join(sys.argv[1:] if argv is None else argv))
     if device.type == "cuda":
         meta["gpu"] = torch.cuda.get_device_name(device)
     old = load_previous(a, meta)
-    if "matmul_peak_gflops" not in meta:
+    if "matmul_peak_gflops" not in meta:  # % of peak is against a GEMM in the run's dtype
         meta["matmul_peak_gflops"] = M.matmul_peak_gflops(device, dtype, size=a.peak_size)
+        if dtype != torch.float32:
+            meta["matmul_peak_gflops_float32"] = M.matmul_peak_gflops(device, torch.float32, size=a.peak_size)
     result = dict(meta=meta, records=[r for r in old.get("records", []) if not r.get("extrapolated")],
                   decode=old.get("decode", []))
     print(f"torch {meta['torch']} | {a.device} {meta.get('gpu', meta['cpu'])} | {a.dtype} | {threads} threads | "
           f"matmul peak {meta['matmul_peak_gflops']:.1f} GFLOP/s | peers: {peers}", flush=True)
     by_key = {r["key"]: r for r in result["records"]}
     groups, beyond = plan(a, peers)
+    planned = {case_key(c) for c in beyond}  # extrapolations of rows run by an earlier invocation stay in the file
+    beyond += [{f: r[f] for f in CASE_FIELDS} for r in old.get("records", [])
+               if r.get("extrapolated") and r["key"] not in planned]
     for group in groups:
         todo = [c for c in group if case_key(c) not in by_key]
         if todo:

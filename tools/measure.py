@@ -23,6 +23,7 @@ import importlib
 import json
 import math
 import os
+import platform
 import resource
 import subprocess
 import sys
@@ -45,6 +46,18 @@ def pin_threads(threads: Optional[int] = None) -> int:
             raise ValueError(f"threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
     return torch.get_num_threads()
+
+
+def cpu_name() -> str:
+    """The CPU model (Linux /proc/cpuinfo), else what platform knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def sync(device) -> None:

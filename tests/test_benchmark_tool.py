@@ -1,0 +1,203 @@
+"""tools/benchmark.py and tools/measure.py: a --quick run end to end (JSON keys, PNG, extrapolation, errors
+against float64), FLOP formulas against torch's FLOP counter, the slope fit, --resume, optional peers through
+fake modules, and the fresh-process memory measurement on a known allocation."""
+import json
+import math
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import benchmark  # noqa: E402
+import benchmark_cases  # noqa: E402
+import measure  # noqa: E402
+
+QUICK = ["--quick", "--threads", "1"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def keep_global_torch_state():
+    """The benchmark pins threads and seeds torch's RNG in-process; other test modules must not inherit that."""
+    threads = torch.get_num_threads()
+    with torch.random.fork_rng():
+        yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    argv = QUICK + ["--json", str(out / "r.json"), "--png", str(out / "r.png")]
+    return argv, benchmark.main(argv), out
+
+
+def _by_key(result):
+    return {r["key"]: r for r in result["records"]}
+
+
+def test_quick_run_writes_json_and_png(quick_run):
+    argv, result, out = quick_run
+    saved = json.loads((out / "r.json").read_text())
+    assert (out / "r.png").stat().st_size > 10_000
+    meta = saved["meta"]
+    assert meta["threads"] == 1 and meta["device"] == "cpu" and meta["dtype"] == "float32"
+    assert meta["matmul_peak_gflops"] > 0 and set(meta["peers"]) == {"linear_attention_transformer", "linformer",
+                                                                     "performer_pytorch"}
+    recs = _by_key(saved)
+    levels_methods = {(r["level"], r["method"]) for r in recs.values()}
+    assert {("core", m) for m in ("kernel_elu", "kernel_favor", "taylor", "efficient", "linformer", "sdpa",
+                                  "softmax_weights")} <= levels_methods
+    assert {("module", m) for m in ("kernel_elu", "mha_sdpa", "mha_weights")} <= levels_methods
+    assert not any("error" in r for r in recs.values())
+    assert not any(r["causal"] and r["method"] in ("efficient", "linformer") for r in recs.values())
+    for r in recs.values():
+        for field in ("median_ms", "min_ms", "flops", "gflops", "pct_peak", "bytes", "gbps", "ratio_vs_sdpa"):
+            assert r[field] > 0 and math.isfinite(r[field]), (r["key"], field)
+    # SDPA is capped at 128 in --quick: N=256 is the N=128 time x4, marked, and so is every ratio against it.
+    sdpa128, sdpa256 = recs["core/sdpa/B1/H2/d16/N128/full/fwd"], recs["core/sdpa/B1/H2/d16/N256/full/fwd"]
+    assert sdpa256["extrapolated"] and not sdpa128.get("extrapolated")
+    assert sdpa256["median_ms"] == pytest.approx(4 * sdpa128["median_ms"])
+    assert recs["core/kernel_elu/B1/H2/d16/N256/full/fwd"]["ratio_extrapolated"]
+    assert sdpa128["ratio_vs_sdpa"] == 1.0 and "mem_extra_mib" not in sdpa256
+    # float64 errors: forward only, every measured case up to --err-max-n; float32 is ~1e-7 off.
+    fwd = [r for r in recs.values() if r["pass"] == "fwd" and not r.get("extrapolated")]
+    assert fwd and all(0 <= r["rel_err"] < 1e-4 for r in fwd)
+    assert all("rel_err" not in r for r in recs.values() if r["pass"] == "fwdbwd")
+    # memory only where asked (--quick: kernel_elu, core, fwd, N=64): small inputs, small extra memory.
+    mem = [r for r in recs.values() if "mem_extra_mib" in r]
+    assert {(r["method"], r["N"], r["pass"], r["level"]) for r in mem} == {("kernel_elu", 64, "fwd", "core")}
+    assert len(mem) == 2 and all(0 <= r["mem_extra_mib"] < 50 for r in mem)
+    slope_keys = {(s["level"], s["method"], s["causal"], s["pass"]) for s in saved["slopes"]}
+    assert ("core", "kernel_elu", True, "fwdbwd") in slope_keys
+    assert all(s["time_slope"] is not None for s in saved["slopes"])
+    assert [d["context"] for d in saved["decode"]] == [16, 256] and all(d["us_median"] > 0 for d in saved["decode"])
+    assert saved["records"] == json.loads(json.dumps(result["records"]))
+
+
+def _raw_baddbmm_(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs):
+    # torch's counter has no entry for the in-place baddbmm_ the causal kernel uses.
+    return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[2]
+
+
+@pytest.mark.parametrize("key", [k for k, m in benchmark_cases.METHODS.items() if not m.peer])
+@pytest.mark.parametrize("causal", [False, True])
+def test_flop_formulas_match_torch_flop_counter(key, causal):
+    method = benchmark_cases.METHODS[key]
+    if causal and not method.causal:
+        pytest.skip("no causal form")
+    case = dict(level=key[0], method=key[1], B=2, H=2, d=8, N=128, proj_k=16, seed=0, causal=causal)
+    fn, modules = benchmark_cases.build_method(case, torch.float32, "cpu")
+    for m in modules:
+        m.train()  # nn.MultiheadAttention's eval fast path is one fused op the counter cannot see into
+    inputs = benchmark_cases.make_inputs(case, torch.float32, "cpu")
+    with torch.no_grad(), FlopCounterMode(display=False,
+                                          custom_mapping={torch.ops.aten.baddbmm_: _raw_baddbmm_}) as counter:
+        fn(*inputs)
+    counted = counter.get_total_flops()
+    if causal and method.kind != "linear":
+        # The softmax kernels compute (or mask) the whole N x N square; the useful count is half of its products.
+        counted -= 4 * 2 * 2 * 128 ** 2 * 8 // 2
+    assert method.flops(case) == counted
+
+
+def test_flop_formula_values_on_a_tiny_case():
+    c = dict(B=1, H=2, N=8, d=4, proj_k=3, causal=False)
+    assert benchmark_cases.kernel_flops(c, 4) == 4 * 2 * 8 * 4 * 5
+    assert benchmark_cases.softmax_flops(c) == 4 * 2 * 64 * 4 and benchmark_cases.softmax_flops(
+        dict(c, causal=True)) == 2 * 2 * 64 * 4
+    chunk = min(benchmark_cases.chunk_size(), 8)
+    padded = -(-8 // chunk) * chunk
+    assert benchmark_cases.kernel_flops(dict(c, causal=True), 4) == 4 * 2 * padded * 4 * 5 + 2 * 2 * padded * chunk * 9
+
+
+def test_loglog_slope():
+    xs = [256, 1024, 4096, 16384]
+    assert measure.loglog_slope(xs, [3 * x ** 1.5 for x in xs]) == pytest.approx(1.5, abs=1e-12)
+    assert measure.loglog_slope(xs, [7.0] * 4) == pytest.approx(0.0, abs=1e-12)
+    noisy = [x * (1.1 if i % 2 else 0.9) for i, x in enumerate(xs)]
+    assert measure.loglog_slope(xs, noisy) == pytest.approx(1, abs=0.1)
+    assert measure.loglog_slope([5, 5], [1, 2]) is None and measure.loglog_slope([1, 2], [0, 3]) is None
+
+
+def test_resume_skips_finished_cases(quick_run, monkeypatch):
+    argv, first, out = quick_run
+    path = out / "r.json"
+    saved = json.loads(path.read_text())
+    dropped = ["core/taylor/B1/H2/d16/N128/full/fwd", "module/kernel_elu/B1/H2/d16/N64/causal/fwdbwd"]
+    saved["records"] = [r for r in saved["records"] if r["key"] not in dropped]
+    path.write_text(json.dumps(saved))
+    timed = []
+    real_time_group = benchmark.time_group
+
+    def spy(group, *args):
+        timed.extend(benchmark.case_key(c) for c in group)
+        return real_time_group(group, *args)
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a finished case was measured again")
+    monkeypatch.setattr(benchmark, "time_group", spy)
+    monkeypatch.setattr(benchmark.M, "peak_extra_memory", must_not_run)
+    monkeypatch.setattr(benchmark, "time_decode", must_not_run)
+    resumed = benchmark.main([a for a in argv if a not in ("--png", str(out / "r.png"))] + ["--resume"])
+    assert sorted(timed) == sorted(dropped)
+    before, after = _by_key(first), _by_key(resumed)
+    assert set(before) == set(after)
+    kept = [k for k in before if k not in dropped and not before[k].get("extrapolated")]
+    assert all(after[k]["median_ms"] == before[k]["median_ms"] for k in kept)
+    assert "rel_err" in after[dropped[0]]
+    with pytest.raises(SystemExit, match="threads"):
+        benchmark.main(["--quick", "--threads", "2", "--json", str(path), "--resume"])
+
+
+def _fake_peers(monkeypatch):
+    lat = types.ModuleType("linear_attention_transformer")
+    sub = types.ModuleType("linear_attention_transformer.linear_attention_transformer")
+    sub.linear_attn = lambda q, k, v: torch.softmax(q, -1) @ (torch.softmax(k, -2).transpose(-2, -1) @ v)
+    sub.causal_linear_attn = lambda q, k, v: torch.cumsum(v, dim=-2) * torch.sigmoid(q)
+    lat.linear_attention_transformer = sub
+    performer = types.ModuleType("performer_pytorch")
+
+    class BrokenFastAttention:  # a peer whose API changed: cannot even be built
+        def __init__(self, **kwargs):
+            raise TypeError("unexpected keyword argument 'dim_heads'")
+    performer.FastAttention = BrokenFastAttention
+    linformer = types.ModuleType("linformer")
+
+    class FailingLinformer(nn.Module):  # builds, then fails when called
+        def __init__(self, dim, seq_len, heads, k):
+            super().__init__()
+            self.proj = nn.Linear(dim, dim)
+
+        def forward(self, x):
+            raise RuntimeError("fake peer failure")
+    linformer.LinformerSelfAttention = FailingLinformer
+    for name, module in ((lat.__name__, lat), (sub.__name__, sub), ("performer_pytorch", performer),
+                         ("linformer", linformer)):
+        monkeypatch.setitem(sys.modules, name, module)
+
+
+def test_optional_peers_are_benchmarked_and_their_failures_reported(monkeypatch, tmp_path):
+    _fake_peers(monkeypatch)
+    result = benchmark.main(QUICK + ["--n", "64", "128", "--passes", "fwd", "--no-memory", "--decode-contexts", "16",
+                                     "--methods", "peer_lat", "peer_performer", "peer_linformer", "sdpa",
+                                     "mha_sdpa", "--json", str(tmp_path / "p.json")])
+    assert set(result["meta"]["peers"].values()) == {"available"}
+    recs = _by_key(result)
+    lat = [r for r in recs.values() if r["method"] == "peer_lat"]
+    assert len(lat) == 4 and all(r["median_ms"] > 0 and r["ratio_vs_sdpa"] > 0 for r in lat)
+    assert all(r["rel_err"] < 1e-4 for r in lat)  # against the same (fake) peer in float64
+    assert all("build failed" in r["error"] for r in recs.values() if r["method"] == "peer_performer")
+    assert all("fake peer failure" in r["error"] for r in recs.values() if r["method"] == "peer_linformer")
+    assert recs["core/sdpa/B1/H2/d16/N64/full/fwd"]["median_ms"] > 0
+
+
+def test_fresh_process_memory_sees_a_known_allocation():
+    mem = measure.peak_extra_memory({"builder": "measure:allocation_case", "kwargs": {"mib": 200}})
+    assert "error" not in mem, mem
+    assert 150 * measure.MIB <= mem["extra_bytes"] <= 260 * measure.MIB, mem
+    assert measure.peak_extra_memory({"builder": "measure:no_such_case"})["error"].startswith("memory child failed")
