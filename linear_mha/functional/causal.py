@@ -83,10 +83,17 @@ def _to_chunks(x: torch.Tensor, n_chunks: int, chunk: int, dtype: torch.dtype) -
     return x.reshape(b * h * n_chunks, chunk, d)
 
 
-# Positions per block of work. Every temporary (scores, chunk states) is sized to one block and
-# reused, so it stays in cache and is not a fresh multi-megabyte allocation (page faults cost as
-# much as the matmuls on CPU); a few thousand positions still gives each bmm a large batch.
+# Positions per block of work on CPU. Every temporary (scores, chunk states) is sized to one block
+# and reused, so it stays in cache and is not a fresh multi-megabyte allocation (page faults cost
+# as much as the matmuls on CPU); a few thousand positions still gives each bmm a large batch.
 _BLOCK_POSITIONS = 2048
+
+
+def _single_block(device: torch.device) -> bool:
+    # Accelerators have caching allocators and want few, large launches; a traced graph should not
+    # unroll one copy of the loop body per block.
+    compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)()
+    return device.type != "cpu" or compiling
 
 
 def _blocks(groups: int, n_chunks: int, target: int):
@@ -155,7 +162,7 @@ def _layout(phi_q: torch.Tensor, chunk_size: int):
     b, h, n, _ = phi_q.shape
     chunk = min(chunk_size, n)
     n_chunks = -(-n // chunk)
-    target = max(1, _BLOCK_POSITIONS // chunk)
+    target = b * h * n_chunks if _single_block(phi_q.device) else max(1, _BLOCK_POSITIONS // chunk)
     max_block = min(b * h * n_chunks, target if n_chunks > target else max(1, target // n_chunks) * n_chunks)
     blocks = list(_blocks(b * h, n_chunks, target))
     return b, h, n, chunk, n_chunks, _state_dtype(phi_q.dtype), blocks, max_block
