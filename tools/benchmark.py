@@ -33,10 +33,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import linear_mha.functional as LF  # noqa: E402  (benchmark_cases puts the repo root on sys.path)
 import measure as M  # noqa: E402
 from benchmark_cases import (BASELINE, METHODS, Method, available_peers, build_runner, case_key,  # noqa: E402
-                             chunk_size, make_data, reference_error)
+                             chunk_size, decode_step_times, make_data, reference_error)
 
 
 # -------------------------------------------------------------------------------------------------- report
@@ -121,6 +120,7 @@ def print_table(result):
         mem = _num(r.get("mem_extra_mib"), ".1f") if "mem_error" not in r else "error"
         print(head + f"{r['median_ms']:.3f}{star} | {r['min_ms']:.3f}{star} | {r['gflops']:.1f} | "
               f"{r['pct_peak']:.1f} | {r['gbps']:.2f} | {_num(r.get('rel_err'), '.1e')} | {ratio} | {mem} |")
+    print_pivot(result)
     print("\n| level | B | d | mask | pass | method | time slope (N range) | memory slope (N range) |")
     print("|" + "---|" * 8)
     for s in result["slopes"]:
@@ -132,6 +132,24 @@ def print_table(result):
     for r in result.get("decode", []):
         print(f"| B={r['B']} H={r['H']} d={r['d']} | {r['context']} | {r['us_median']:.1f} | {r['us_min']:.1f} |")
     print(f"decode time slope in context length: {_num(meta.get('decode_slope'), '.3f')} (0 = flat)")
+
+
+def print_pivot(result):
+    """The same numbers in one line per series: 'ms (x SDPA)' at every N, for reading and for the README."""
+    ns = sorted({r["N"] for r in result["records"]})
+    series = {}
+    for r in result["records"]:
+        if "median_ms" in r:
+            star = "*" if r.get("extrapolated") else ""
+            ratio = r.get("ratio_vs_sdpa")
+            cell = f"{r['median_ms']:.4g}{star}" + ("" if ratio is None else f" ({ratio:.3g}x)")
+            series.setdefault(series_key(r), {})[r["N"]] = cell
+    print("\n| level | B | d | mask | pass | method | " + " | ".join(f"N={n}" for n in ns) + " |")
+    print("|" + "---|" * (6 + len(ns)))
+    for key, cells in series.items():
+        level, method, b, _, d, causal, pss = key
+        print(f"| {level} | {b} | {d} | {'causal' if causal else 'full'} | {pss} | {method} | "
+              + " | ".join(cells.get(n, "") for n in ns) + " |")
 
 
 def plot(result, path: Path):
@@ -245,23 +263,8 @@ def time_group(group, a, device, dtype):
 
 
 def time_decode(a, device, dtype):
-    """us per kernel_step (elu) at B=1, H=--heads, d=--decode-dim, from states of several context lengths."""
-    g = torch.Generator().manual_seed(a.seed)
-    h, d = a.heads, a.decode_dim
-    q, k, v = (torch.randn(1, h, d, generator=g).to(device, dtype) for _ in range(3))
-    runners = {}
-    for ctx in a.decode_contexts:
-        keys, values = (torch.randn(1, h, ctx, d, generator=g).to(device, dtype) for _ in range(2))
-        state = LF.kernel_state(keys, values, "elu")
-
-        def run(state=state):
-            with torch.inference_mode():
-                for _ in range(a.decode_steps):
-                    LF.kernel_step(q, k, v, state, "elu")
-        runners[str(ctx)] = run
-    timed = M.round_robin(runners, repeats=max(a.repeats, 5), warmup=2, device=device)
-    return [dict(context=int(ctx), B=1, H=h, d=d, us_median=t["median_ms"] * 1e3 / a.decode_steps,
-                 us_min=t["min_ms"] * 1e3 / a.decode_steps) for ctx, t in timed.items()]
+    return decode_step_times(a.heads, a.decode_dim, a.decode_contexts, a.decode_steps, max(a.repeats, 5), a.seed,
+                             device, dtype)
 
 
 QUICK = dict(n=[64, 128, 256], rows=["core:1x16", "module:1x16"], heads=2, sdpa_max_n=128, weights_max_n=128,
@@ -287,8 +290,8 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, help="H (default 8)")
     p.add_argument("--methods", nargs="+", default=[], help="only these method names (default: all)")
     p.add_argument("--passes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
-    p.add_argument("--causal", nargs="+", type=lambda s: {"full": False, "causal": True}[s], default=[False, True],
-                   metavar="{full,causal}", help="masks to run (default both)")
+    p.add_argument("--masks", nargs="+", choices=["full", "causal"], default=["full", "causal"],
+                   help="non-causal and/or causal attention (default both; causal only for the modes that have it)")
     p.add_argument("--sdpa-max-n", type=int, help="time SDPA / nn.MHA(need_weights=False) up to this N (8192)")
     p.add_argument("--weights-max-n", type=int, help="time the weight-materialising paths up to this N (4096)")
     p.add_argument("--err-max-n", type=int, help="relative error against float64 up to this N (4096)")
@@ -314,6 +317,14 @@ def parse_args(argv=None):
     for name, value in (QUICK if a.quick else FULL).items():
         if getattr(a, name) is None:
             setattr(a, name, value)
+    a.causal = [m == "causal" for m in dict.fromkeys(a.masks)]
+    for row in a.rows + a.memory_rows:
+        parse_row(row)  # exits with the expected format on a typo, before any measuring
+    known = sorted({name for _, name in METHODS})
+    for flag in ("methods", "memory_methods"):
+        unknown = sorted(set(getattr(a, flag)) - set(known))
+        if unknown:
+            raise SystemExit(f"--{flag.replace('_', '-')}: unknown method(s) {unknown}; choose from {known}")
     for name in ("n", "memory_n", "decode_contexts"):
         if min(getattr(a, name)) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} values must be >= 1")

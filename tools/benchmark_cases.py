@@ -238,11 +238,13 @@ def build_runner(c, device, dtype, data=None):
         m.train()
 
     def run_forward_backward():
+        fn(*inputs).backward(grad)
+        # Freed at the end, not the start, of a call: a memory baseline taken between calls then excludes the
+        # gradients, so the measured extra memory of a call includes them.
         for t in inputs:
             t.grad = None
         for m in modules:
             m.zero_grad(set_to_none=True)
-        fn(*inputs).backward(grad)
     return run_forward_backward
 
 
@@ -282,3 +284,23 @@ def reference_error(c, device, dtype) -> float:
             m.eval()
         ref = fn64(*x64)
     return M.relative_error(out, ref)
+
+
+def decode_step_times(heads, dim, contexts, steps, repeats, seed, device, dtype):
+    """us per recurrent decode step (kernel_step, elu, B=1) from the states of several context lengths, timed
+    round-robin; the step costs O(F Dv) whatever the context, so the times should not grow with it."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, heads, dim, generator=g).to(device, dtype) for _ in range(3))
+    runners = {}
+    for ctx in contexts:
+        keys, values = (torch.randn(1, heads, ctx, dim, generator=g).to(device, dtype) for _ in range(2))
+        state = LF.kernel_state(keys, values, "elu")
+
+        def run(state=state):
+            with torch.inference_mode():
+                for _ in range(steps):
+                    LF.kernel_step(q, k, v, state, "elu")
+        runners[str(ctx)] = run
+    timed = M.round_robin(runners, repeats=repeats, warmup=2, device=device)
+    return [dict(context=int(ctx), B=1, H=heads, d=dim, us_median=t["median_ms"] * 1e3 / steps,
+                 us_min=t["min_ms"] * 1e3 / steps) for ctx, t in timed.items()]
