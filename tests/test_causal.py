@@ -327,3 +327,23 @@ def test_double_backward_is_refused_clearly():
     (grad_q,) = torch.autograd.grad(out, q, grad_outputs=grad_out, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         grad_q.sum().backward()
+
+
+def test_autocast_does_not_round_the_states():
+    q, k, v, s0 = (t.float() for t in make_inputs(n=200, seed=8))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = causal_linear_product(q, k, v, s0, chunk_size=16)
+    assert out.dtype == torch.float32
+    ref = naive_causal_product(q.double(), k.double(), v.double(), s0.double())
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-3)
+
+
+def test_runs_on_a_non_cpu_device_single_block():
+    # The meta device stands in for an accelerator: same code path (one block), shapes only.
+    q = torch.empty(2, 3, 1000, 8, device="meta", requires_grad=True)
+    v = torch.empty(2, 3, 1000, 9, device="meta", requires_grad=True)
+    s0 = torch.empty(2, 3, 8, 9, device="meta", requires_grad=True)
+    out = causal_linear_product(q, q, v, s0)
+    assert out.shape == v.shape and out.device.type == "meta"
+    out.sum().backward()
+    assert q.grad.shape == q.shape and v.grad.shape == v.shape and s0.grad.shape == s0.shape

@@ -13,6 +13,7 @@ is an exclusive prefix sum of the per-chunk states ``k_c^T v_c`` (Dk x Dv each).
 O(N * (C + d)) plus O(N / C * Dk * Dv) transient; a per-position Dk x Dv state is never built.
 The backward recomputes the chunk states from the saved inputs instead of keeping them.
 """
+import contextlib
 from typing import Optional
 
 import torch
@@ -155,7 +156,11 @@ def _causal_scores_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> 
 
 def _no_autocast(device: torch.device):
     # Autocast would round the float32 states back to half precision inside the matmuls.
-    return torch.autocast(device_type=device.type, enabled=False)
+    try:
+        active = torch.is_autocast_enabled(device.type)
+    except (RuntimeError, TypeError):  # devices without autocast support (e.g. meta)
+        active = False
+    return torch.autocast(device_type=device.type, enabled=False) if active else contextlib.nullcontext()
 
 
 def _layout(phi_q: torch.Tensor, chunk_size: int):
