@@ -333,9 +333,15 @@ def test_autocast_does_not_round_the_states():
     q, k, v, s0 = (t.float() for t in make_inputs(n=200, seed=8))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = causal_linear_product(q, k, v, s0, chunk_size=16)
-    assert out.dtype == torch.float32
+        state = causal_linear_state(k, v, s0)
+        prefix = causal_linear_state(k[:, :, :-1], v[:, :, :-1], s0)
+        step_out, _ = causal_linear_step(q[:, :, -1], k[:, :, -1], v[:, :, -1], prefix)
+    assert out.dtype == state.dtype == step_out.dtype == torch.float32
     ref = naive_causal_product(q.double(), k.double(), v.double(), s0.double())
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(step_out.double(), ref[:, :, -1], rtol=1e-4, atol=1e-3)
+    expected_state = s0.double() + k.double().transpose(-1, -2) @ v.double()
+    torch.testing.assert_close(state.double(), expected_state, rtol=1e-4, atol=1e-3)
 
 
 def test_runs_on_a_non_cpu_device_single_block():

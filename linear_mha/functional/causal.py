@@ -314,7 +314,8 @@ def causal_linear_state(phi_k, v, initial_state=None):
     """
     _check_inputs(phi_k, phi_k, v, initial_state, seq_dims=4, q_name="phi_k")
     dtype = _state_dtype(phi_k.dtype)
-    state = torch.matmul(phi_k.to(dtype).transpose(-1, -2), v.to(dtype))
+    with _no_autocast(phi_k.device):
+        state = torch.matmul(phi_k.to(dtype).transpose(-1, -2), v.to(dtype))
     if initial_state is not None:
         state = state + initial_state.to(dtype)
     return state
@@ -332,5 +333,6 @@ def causal_linear_step(phi_q, phi_k, v, state):
     dtype = _state_dtype(phi_q.dtype)
     update = phi_k.to(dtype).unsqueeze(-1) * v.to(dtype).unsqueeze(-2)
     new_state = update if state is None else state.to(dtype) + update
-    out = torch.matmul(phi_q.to(dtype).unsqueeze(-2), new_state).squeeze(-2)
+    with _no_autocast(phi_q.device):
+        out = torch.matmul(phi_q.to(dtype).unsqueeze(-2), new_state).squeeze(-2)
     return out.to(phi_q.dtype), new_state
