@@ -4,17 +4,22 @@ memory/time table at growing image sizes through DETR's real call path.
     python tools/detr_compare.py --out runs/detr_compare --epochs 30            # training table + plots
     python tools/detr_compare.py --out runs/detr_compare --encoder-only --sizes 256,512,800 --dc5
 
-Peak memory is CUDA's max_memory_allocated; on CPU it is reported as n/a.
+Peak memory is CUDA's max_memory_allocated. On CPU it is the peak extra RSS measured by tools/measure.py in a
+fresh process: for the training table, of a short probe run of the same variant (1 epoch, 2 iterations, no data
+workers: model, optimizer state, activations and evaluation); for the encoder table, of one encoder forward.
 """
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import measure  # noqa: E402
 from integrations.detr.attention import apply_attention  # noqa: E402
 from integrations.detr.config import parse_args  # noqa: E402
 from integrations.detr.detr import build_model  # noqa: E402
@@ -37,6 +42,50 @@ def _peak_mib(device):
     return torch.cuda.max_memory_allocated() / 2 ** 20 if device.type == "cuda" else float("nan")
 
 
+def _cpu_peak_mib(builder, **kwargs):
+    """Peak extra RSS (MiB) of one call of a case of this file, in a fresh process (tools/measure.py)."""
+    mem = measure.peak_extra_memory({"builder": f"detr_compare:{builder}", "kwargs": kwargs})
+    if "error" in mem:
+        print(f"CPU memory measurement failed ({builder} {kwargs}): {mem['error']}", file=sys.stderr)
+        return float("nan")
+    return mem["extra_bytes"] / 2 ** 20
+
+
+def training_case(argv):
+    """Builder for the CPU memory probe: a short training run in a throwaway output directory."""
+    out = tempfile.TemporaryDirectory(prefix="detr_mem_")
+
+    def run():
+        train_main(argv + ["--output-dir", out.name])  # run holds `out`, so the directory lives as long as it
+    return run
+
+
+def _build_encoder(size, name, batch, dc5, device):
+    """DETR's encoder for one variant at one image size, with its inputs."""
+    stride = 16 if dc5 else 32
+    h, w = resized_hw((size, int(size * 1333 / 800)), size, 1333)
+    tokens = feature_tokens((h, w), stride)
+    args = parse_args(["--coco-path", "unused", "--num-classes", "91", "--backbone", "resnet18"] + VARIANTS[name])
+    model, _, _ = build_model(args)
+    apply_attention(model, args, max_tokens=tokens)
+    enc = model.transformer.encoder.to(device).eval()
+    hf, wf = -(-h // stride), -(-w // stride)
+    src = torch.randn(hf * wf, batch, 256, device=device)
+    pos = torch.randn_like(src)
+    mask = torch.zeros(batch, hf * wf, dtype=torch.bool, device=device)
+    return (h, w), tokens, enc, (src, mask, pos)
+
+
+def encoder_case(size, name, batch, dc5):
+    """Builder for the CPU memory probe: one encoder forward."""
+    _, _, enc, (src, mask, pos) = _build_encoder(size, name, batch, dc5, torch.device("cpu"))
+
+    def run():
+        with torch.no_grad():
+            enc(src, src_key_padding_mask=mask, pos=pos)
+    return run
+
+
 def training_table(a, device):
     rows = []
     for name, extra in VARIANTS.items():
@@ -46,12 +95,15 @@ def training_table(a, device):
         if a.max_iters:
             argv += ["--max-iters", str(a.max_iters)]
         run = train_main(argv)
+        peak = _peak_mib(device) if device.type == "cuda" else _cpu_peak_mib("training_case", argv=[
+            "--epochs", "1", "--max-iters", "2", "--seed", str(a.seed), "--device", "cpu", "--no-progress",
+            "--num-workers", "0"] + extra)
         last = run["log"][-1]
         iters = a.max_iters or None
         per_iter = sum(e["epoch_train_seconds"] for e in run["log"]) / (len(run["log"]) * (iters or 1))
         rows.append({"variant": name, "AP": last["test_AP"], "AP50": last["test_AP50"],
                      "train_s_per_iter" if iters else "train_s_per_epoch": per_iter,
-                     "peak_MiB": _peak_mib(device), "log": [e["test_AP"] for e in run["log"]]})
+                     "peak_MiB": peak, "log": [e["test_AP"] for e in run["log"]]})
     return rows
 
 
@@ -59,19 +111,9 @@ def training_table(a, device):
 def encoder_table(a, device):
     """Encoder forward (DETR-R50 width: 6 layers, d=256) on feature maps of real image sizes."""
     rows = []
-    stride = 16 if a.dc5 else 32
     for size in a.sizes:
-        h, w = resized_hw((size, int(size * 1333 / 800)), size, 1333)
-        tokens = feature_tokens((h, w), stride)
-        for name, extra in VARIANTS.items():
-            args = parse_args(["--coco-path", "unused", "--num-classes", "91", "--backbone", "resnet18"] + extra)
-            model, _, _ = build_model(args)
-            apply_attention(model, args, max_tokens=tokens)
-            enc = model.transformer.encoder.to(device).eval()
-            hf, wf = -(-h // stride), -(-w // stride)
-            src = torch.randn(hf * wf, a.batch, 256, device=device)
-            pos = torch.randn_like(src)
-            mask = torch.zeros(a.batch, hf * wf, dtype=torch.bool, device=device)
+        for name in VARIANTS:
+            (h, w), tokens, enc, (src, mask, pos) = _build_encoder(size, name, a.batch, a.dc5, device)
             enc(src, src_key_padding_mask=mask, pos=pos)  # warm-up
             _peak_reset(device)
             t0 = time.perf_counter()
@@ -79,8 +121,10 @@ def encoder_table(a, device):
                 enc(src, src_key_padding_mask=mask, pos=pos)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            rows.append({"image": f"{h}x{w}", "tokens": tokens, "variant": name,
-                         "ms": 1000 * (time.perf_counter() - t0) / a.repeats, "peak_MiB": _peak_mib(device)})
+            ms = 1000 * (time.perf_counter() - t0) / a.repeats
+            peak = _peak_mib(device) if device.type == "cuda" else _cpu_peak_mib(
+                "encoder_case", size=size, name=name, batch=a.batch, dc5=a.dc5)
+            rows.append({"image": f"{h}x{w}", "tokens": tokens, "variant": name, "ms": ms, "peak_MiB": peak})
     return rows
 
 
