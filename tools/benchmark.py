@@ -394,6 +394,7 @@ def main(argv=None):
                     rec["rel_err"] = reference_error(c, device, dtype)
                 except Exception as exc:  # noqa: BLE001 - e.g. a peer without float64 support
                     rec["rel_err"], rec["rel_err_error"] = None, f"{type(exc).__name__}: {exc}"[:200]
+                    print(f"  {rec['key']:<52} float64 reference failed: {rec['rel_err_error']}", flush=True)
                 save(a.json, finalize(result, beyond))
             if needs_memory(c, a) and "mem_extra_mib" not in rec and "mem_error" not in rec:
                 spec = dict(builder="benchmark_cases:memory_case",
