@@ -12,6 +12,8 @@ quadratic form ``tril(q k^T) v`` (C x C scores); across chunks it is ``q @ S_pre
 is an exclusive prefix sum of the per-chunk states ``k_c^T v_c`` (Dk x Dv each). Memory is
 O(N * (C + d)) plus O(N / C * Dk * Dv) transient; a per-position Dk x Dv state is never built.
 The backward recomputes the chunk states from the saved inputs instead of keeping them.
+On CPU the chunks are processed in blocks of a few thousand positions with reused buffers and the
+state carried between blocks; on accelerators and under torch.compile everything is one block.
 """
 import contextlib
 from typing import Optional
