@@ -56,8 +56,8 @@ def split_normalise(num_den: Tensor) -> Tensor:
     zero on the query); the numerator is then zero too, and the output is defined as 0 rather than NaN.
     """
     num, den = num_den[..., :-1], num_den[..., -1:]
-    den = torch.where(den > 0, den, torch.ones_like(den))
-    return num / den
+    # For den > 0 (every normal case) clamping changes nothing; for den == 0 the numerator is 0 too.
+    return num / den.clamp_min(torch.finfo(den.dtype).tiny)
 
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor] = None) -> None:

@@ -343,8 +343,9 @@ def causal_linear_step(phi_q, phi_k, v, state):
     """
     _check_inputs(phi_q, phi_k, v, state, seq_dims=3)
     dtype = _state_dtype(phi_q.dtype)
-    update = phi_k.to(dtype).unsqueeze(-1) * v.to(dtype).unsqueeze(-2)
-    new_state = update if state is None else state.to(dtype) + update
+    phi_k, v = phi_k.to(dtype).unsqueeze(-1), v.to(dtype).unsqueeze(-2)
+    # One fused op: decoding is bound by per-op overhead and by writing the new state, not by arithmetic.
+    new_state = phi_k * v if state is None else torch.addcmul(state.to(dtype), phi_k, v)
     with _no_autocast(phi_q.device):
         out = torch.matmul(phi_q.to(dtype).unsqueeze(-2), new_state).squeeze(-2)
     return out.to(phi_q.dtype), new_state

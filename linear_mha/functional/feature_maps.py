@@ -105,6 +105,14 @@ def resolve_feature_map(feature_map: FeatureMap) -> FeatureMap:
     return feature_map
 
 
+def elementwise_feature_map(feature_map: FeatureMap) -> Callable[[Tensor], Tensor]:
+    """The per-vector function of a map that treats queries and keys alike (all but "favor")."""
+    feature_map = resolve_feature_map(feature_map)
+    if feature_map == "favor":
+        raise ValueError("feature_map='favor' treats queries and keys differently; use apply_feature_map")
+    return {"elu": elu_feature_map, "relu": relu_feature_map, "taylor": taylor_feature_map}.get(feature_map, feature_map)
+
+
 def apply_feature_map(
     feature_map: FeatureMap,
     q: Tensor,
@@ -117,14 +125,13 @@ def apply_feature_map(
     """phi(q) (B, H, L, F), phi(k) (B, H, S, F) with masked keys' features exactly zero."""
     feature_map = resolve_feature_map(feature_map)
     k = mask_keys(k, key_padding_mask)
-    if feature_map == "favor":
-        if projection is None:
-            raise ValueError("feature_map='favor' needs projection=orthogonal_random_features(m, head_dim)")
-        if projection.shape[-1] != q.shape[-1]:
-            raise ValueError(f"favor projection has dim {projection.shape[-1]}, but the head dim is {q.shape[-1]}")
-        phi_q = favor_feature_map(q, projection, is_query=True)
-        phi_k = favor_feature_map(k, projection, is_query=False, key_padding_mask=key_padding_mask, causal=causal)
-    else:
-        fn = {"elu": elu_feature_map, "relu": relu_feature_map, "taylor": taylor_feature_map}.get(feature_map, feature_map)
-        phi_q, phi_k = fn(q), fn(k)
+    if feature_map != "favor":
+        fn = elementwise_feature_map(feature_map)
+        return fn(q), mask_keys(fn(k), key_padding_mask)
+    if projection is None:
+        raise ValueError("feature_map='favor' needs projection=orthogonal_random_features(m, head_dim)")
+    if projection.shape[-1] != q.shape[-1]:
+        raise ValueError(f"favor projection has dim {projection.shape[-1]}, but the head dim is {q.shape[-1]}")
+    phi_q = favor_feature_map(q, projection, is_query=True)
+    phi_k = favor_feature_map(k, projection, is_query=False, key_padding_mask=key_padding_mask, causal=causal)
     return phi_q, mask_keys(phi_k, key_padding_mask)

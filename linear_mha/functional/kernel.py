@@ -9,11 +9,12 @@ j <= i and runs the chunked product in ``causal.py``.
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ._common import append_ones, check_qkv, compute_dtype, drop_keys, mask_keys, split_normalise
 from .causal import causal_linear_product, causal_linear_step
-from .feature_maps import FeatureMap, apply_feature_map
+from .feature_maps import FeatureMap, apply_feature_map, elementwise_feature_map
 
 
 def kernel(
@@ -97,11 +98,15 @@ def kernel_step(
     Returns (out (B, H, Dv), new_state). Feeding tokens one by one equals ``kernel(..., causal=True)``.
     """
     out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
-    phi_q, phi_k = apply_feature_map(
-        feature_map, q[:, :, None].to(dtype), k[:, :, None].to(dtype), causal=True, projection=projection
-    )
-    v1 = append_ones(v.to(dtype))
+    if feature_map == "favor":
+        phi_q, phi_k = apply_feature_map(feature_map, q[:, :, None].to(dtype), k[:, :, None].to(dtype), causal=True,
+                                         projection=projection)
+        phi_q, phi_k = phi_q[:, :, 0], phi_k[:, :, 0]
+    else:
+        # Query and key through the map in one call: decoding is bound by per-op overhead, not arithmetic.
+        phi_q, phi_k = elementwise_feature_map(feature_map)(torch.stack((q, k)).to(dtype)).unbind(0)
+    v1 = F.pad(v.to(dtype), (0, 1), value=1.0)
     if state is not None:
         state = state.to(dtype)
-    num_den, new_state = causal_linear_step(phi_q[:, :, 0], phi_k[:, :, 0], v1, state)
+    num_den, new_state = causal_linear_step(phi_q, phi_k, v1, state)
     return split_normalise(num_den).to(out_dtype), new_state
