@@ -27,15 +27,20 @@ class ModeAttention(nn.Module):
     """Base class: subclasses set ``num_heads`` and ``head_dim``, call :meth:`_init_mode`, project their inputs to
     (B, H, N, head_dim) heads and call :meth:`_attend`."""
 
-    def _init_mode(self, options: dict, factory_kwargs: dict) -> None:
-        """Validate keyword options (unknown names and contradictions raise ValueError) and build the mode state."""
+    @classmethod
+    def validate_options(cls, options: dict) -> dict:
+        """Keyword options completed with their defaults; unknown names and contradictions raise ValueError."""
         unknown = {k: v for k, v in options.items() if k not in OPTION_DEFAULTS}
         if unknown:
-            raise ValueError(self._unknown_options_message(unknown))
+            raise ValueError(cls._unknown_options_message(unknown))
         opts = {**OPTION_DEFAULTS, **options}
-        self._check_options(opts["mode"], opts["seq_len"], opts["proj_k"], opts["param_sharing"],
-                            opts["feature_map"], opts["num_features"], opts["shared_projection"],
-                            opts["redraw_interval"])
+        cls._check_options(opts["mode"], opts["seq_len"], opts["proj_k"], opts["param_sharing"], opts["feature_map"],
+                           opts["num_features"], opts["shared_projection"], opts["redraw_interval"])
+        return opts
+
+    def _init_mode(self, options: dict, factory_kwargs: dict) -> None:
+        """Validate keyword options and build the mode state."""
+        opts = self.validate_options(options)
         self.mode = opts["mode"]
         self.seq_len, self.proj_k, self.param_sharing = opts["seq_len"], opts["proj_k"], opts["param_sharing"]
         self.feature_map = LF.resolve_feature_map(opts["feature_map"] or "elu") if self.mode == "kernel" else None

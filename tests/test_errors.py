@@ -122,3 +122,12 @@ def test_redraw_features_only_for_favor():
 def test_from_torch_needs_an_mha():
     with pytest.raises(TypeError, match="nn.MultiheadAttention"):
         LinearMultiheadAttention.from_torch(torch.nn.Linear(2, 2))
+
+
+def test_keyword_defaults_are_the_shared_option_defaults():
+    """The constructor's signature and the options every other entry point (patch, patched, timm) validates
+    against must not drift apart."""
+    import inspect
+    from linear_mha.mode_attention import OPTION_DEFAULTS
+    signature = inspect.signature(LinearMultiheadAttention.__init__).parameters.values()
+    assert {p.name: p.default for p in signature if p.kind is p.KEYWORD_ONLY} == OPTION_DEFAULTS

@@ -1,7 +1,6 @@
 """patched(): while active, code that constructs torch.nn.MultiheadAttention gets a LinearMultiheadAttention,
 for model code you cannot edit. Not thread-safe: it rebinds module attributes process-wide."""
 import contextlib
-import inspect
 import sys
 
 from torch import nn
@@ -9,11 +8,6 @@ from torch import nn
 from ..attention import LinearMultiheadAttention
 
 _TORCH_MHA = nn.MultiheadAttention
-_KEYWORD_OPTIONS = {name: p.default for name, p in inspect.signature(LinearMultiheadAttention.__init__).parameters.items()
-                    if p.kind is p.KEYWORD_ONLY}
-# The argument order of LinearMultiheadAttention._check_options.
-_CHECKED = ("mode", "seq_len", "proj_k", "param_sharing", "feature_map", "num_features", "shared_projection",
-            "redraw_interval")
 
 
 class _ActsAsTorchMHA(type):
@@ -45,11 +39,7 @@ def patched(mode: str = "linformer", **options):
     ``LinearMultiheadAttention(..., mode=mode, **options)``. Restored on exit, also when the block raises.
     Modules built inside keep being linear after the block. Only the name ``MultiheadAttention`` is rebound: a
     module that imported it under another name (``import ... as MHA``) keeps torch's class."""
-    unknown = {k: v for k, v in options.items() if k not in _KEYWORD_OPTIONS}
-    if unknown:
-        raise ValueError(LinearMultiheadAttention._unknown_options_message(unknown))
-    opts = {**_KEYWORD_OPTIONS, "mode": mode, **options}
-    LinearMultiheadAttention._check_options(*(opts[k] for k in _CHECKED))
+    LinearMultiheadAttention.validate_options({"mode": mode, **options})  # fail before anything is rebound
     stand_in = _stand_in({"mode": mode, **options})
     # Every loaded module that bound the name to torch's class at import time (torch.nn, torch.nn.modules.
     # activation, torch.nn.modules.transformer, user code doing `from torch.nn import MultiheadAttention`), or to

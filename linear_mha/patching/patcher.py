@@ -1,19 +1,17 @@
 """patch(model) / unpatch(model): swap attention modules for linear ones in place, and back."""
-import inspect
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 from torch import nn
 
 from ..attention import LinearMultiheadAttention
+from ..mode_attention import OPTION_DEFAULTS as _DEFAULTS
 from .generic import disable_nested_tensor, restore_nested_tensor, to_linear, to_torch
 from .report import PatchReport
 from .selection import Selection
 from .timm_attention import LinearTimmAttention, supported_timm_classes, timm_token_count
 from .unsupported import unsupported_reason
 
-_DEFAULTS = {name: p.default for name, p in inspect.signature(LinearMultiheadAttention.__init__).parameters.items()
-             if p.kind is p.KEYWORD_ONLY}
 _LINEAR_CLASSES = (LinearMultiheadAttention, LinearTimmAttention)
 
 
