@@ -2,7 +2,8 @@
 
 ``emb_dim`` < ``dim`` factorises the embedding (ALBERT): tokens live in emb_dim and are projected to dim and back.
 Positions: learned absolute embeddings, or rotary embeddings in every self-attention (``use_rotary_emb=True``,
-then no absolute embedding is added).
+then no absolute embedding is added), or an axial embedding (``use_axial_pos_emb=True``: two summed tables on an
+``axial_position_shape`` grid, default near-square; see ``axial.py``) in place of the absolute one.
 ``return_embeddings=True`` returns the normalised hidden states in ``dim`` (what a decoder's context layers take)
 instead of logits.
 """
@@ -11,6 +12,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .axial import AxialPositionalEmbedding
 from .positional import AbsolutePositionalEmbedding
 from .transformer import LinearAttentionTransformer
 
@@ -28,14 +30,25 @@ class LinearAttentionTransformerLM(nn.Module):
         emb_dim: Optional[int] = None,
         return_embeddings: bool = False,
         use_rotary_emb: bool = False,
+        use_axial_pos_emb: bool = False,
+        axial_position_shape=None,
         **transformer_kwargs,
     ):
         super().__init__()
+        if use_axial_pos_emb and use_rotary_emb:
+            raise ValueError("use_axial_pos_emb and use_rotary_emb are two ways to encode positions; set only one")
+        if axial_position_shape is not None and not use_axial_pos_emb:
+            raise ValueError("axial_position_shape is only used with use_axial_pos_emb=True; set it or drop the shape")
         emb_dim = dim if emb_dim is None else emb_dim
         self.num_tokens, self.max_seq_len, self.causal = num_tokens, max_seq_len, causal
         self.return_embeddings = return_embeddings
         self.token_emb = nn.Embedding(num_tokens, emb_dim)
-        self.pos_emb = None if use_rotary_emb else AbsolutePositionalEmbedding(emb_dim, max_seq_len)
+        if use_rotary_emb:
+            self.pos_emb = None
+        elif use_axial_pos_emb:
+            self.pos_emb = AxialPositionalEmbedding(emb_dim, max_seq_len, axial_position_shape)
+        else:
+            self.pos_emb = AbsolutePositionalEmbedding(emb_dim, max_seq_len)
         self.transformer = LinearAttentionTransformer(
             dim, depth, max_seq_len, heads=heads, dim_head=dim_head, causal=causal, use_rotary_emb=use_rotary_emb,
             **transformer_kwargs,
