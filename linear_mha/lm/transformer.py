@@ -4,6 +4,8 @@ Per depth: [self-attention, feed-forward], then with ``attend_axially`` an [axia
 feed-forward] pair (fold size = ``local_attn_window_size``), then with ``receives_context`` a [context attention,
 feed-forward] pair. All feed-forwards are ``Chunk(ff_chunks, FeedForward(dim, glu=ff_glu, dropout=ff_dropout))``
 (the original built the main one without glu/dropout). Token shift (``shift_tokens``) applies to the main pair.
+At the depths listed in ``pkm_layers`` (1-indexed, as the original) a product-key memory ``PKM(dim,
+num_keys=pkm_num_keys)`` replaces the main feed-forward.
 """
 from typing import Optional, Sequence, Union
 
@@ -13,6 +15,7 @@ from torch import nn
 from .blocks import FoldAxially, PreNorm
 from .feedforward import Chunk, FeedForward
 from .linformer_attention import LinformerSelfAttention
+from .pkm import PKM
 from .reversible import LayerStack
 from .self_attention import SelfAttention
 
@@ -53,8 +56,13 @@ class LinearAttentionTransformer(nn.Module):
         attn_gate: bool = False,
         local_conv: bool = False,
         one_kv_head: bool = False,
+        pkm_layers: Union[int, Sequence[int]] = (),
+        pkm_num_keys: int = 128,
     ):
         super().__init__()
+        pkm_layers = (pkm_layers,) if isinstance(pkm_layers, int) else tuple(pkm_layers)
+        if not all(isinstance(i, int) and 1 <= i <= depth for i in pkm_layers):
+            raise ValueError(f"pkm_layers lists 1-indexed depths in [1, depth={depth}], got {pkm_layers}")
         local_heads = (n_local_attn_heads,) * depth if isinstance(n_local_attn_heads, int) else tuple(n_local_attn_heads)
         if len(local_heads) != depth:
             raise ValueError(f"n_local_attn_heads must be an int or a tuple of length depth={depth}, got {n_local_attn_heads}")
@@ -67,13 +75,14 @@ class LinearAttentionTransformer(nn.Module):
         self.max_seq_len, self.causal, self.receives_context = max_seq_len, causal, receives_context
         shifts = ((0, 1) if causal else (-1, 0, 1)) if shift_tokens else None
 
-        def ff():
-            return Chunk(ff_chunks, FeedForward(dim, glu=ff_glu, dropout=ff_dropout), along_dim=1)
+        def ff(pkm=False):
+            inner = PKM(dim, num_keys=pkm_num_keys) if pkm else FeedForward(dim, glu=ff_glu, dropout=ff_dropout)
+            return Chunk(ff_chunks, inner, along_dim=1)
 
         common = dict(heads=heads, dim_head=dim_head, dropout=attn_layer_dropout, attn_dropout=attn_dropout,
                       one_kv_head=one_kv_head)
         layers, kinds = [], []
-        for n_local in local_heads:
+        for layer_num, n_local in enumerate(local_heads, start=1):
             if linformer_settings is None:
                 attn = SelfAttention(dim, causal=causal, blindspot_size=blindspot_size, n_local_attn_heads=n_local,
                                      local_attn_window_size=local_attn_window_size, rotary=use_rotary_emb,
@@ -81,7 +90,7 @@ class LinearAttentionTransformer(nn.Module):
             else:
                 attn = LinformerSelfAttention(dim, max_seq_len, linformer_settings.k, heads=heads, dim_head=dim_head,
                                               one_kv_head=one_kv_head, dropout=attn_dropout)
-            layers.append([PreNorm(dim, attn, shifts), PreNorm(dim, ff(), shifts)])
+            layers.append([PreNorm(dim, attn, shifts), PreNorm(dim, ff(layer_num in pkm_layers), shifts)])
             kinds.append("self")
             if attend_axially:
                 axial = SelfAttention(dim, causal=causal, rotary=use_rotary_emb, attn_gate=attn_gate,
