@@ -3,7 +3,8 @@
 ``generate`` decodes with the model's ``step``: global heads carry a recurrent state, local heads a rolling
 window of 2 * window keys, token shift and the causal conv a few previous inputs. The work per new token is
 therefore constant, instead of re-running the whole window per token as the original did. Every step's logits
-equal those of a full forward pass over the same tokens.
+equal those of a full forward pass over the same tokens. The prompt itself is run in one parallel pass
+(the model's ``prefill``) that returns its logits and builds that same state, instead of P sequential steps.
 """
 from typing import Optional
 
@@ -67,8 +68,11 @@ class AutoregressiveWrapper(nn.Module):
         context: Optional[Tensor] = None,
         context_mask: Optional[Tensor] = None,
         generator: Optional[torch.Generator] = None,
+        prefill: bool = True,
     ) -> Tensor:
         """prompt (B, P) or (P,) -> the ``length`` new tokens (B, length). temperature 0 = greedy.
+        ``prefill``: run the prompt through the model in one parallel pass that builds the decoding state
+        (when the model has ``prefill``); False feeds it token by token (same result, P sequential steps).
         After a row emits ``eos_token`` its later tokens are ``pad_value``; decoding stops when all rows have."""
         squeeze = prompt.dim() == 1
         prompt = prompt[None] if squeeze else prompt
@@ -82,8 +86,11 @@ class AutoregressiveWrapper(nn.Module):
         self.net.eval()
         cache: dict = {}
         kw = dict(context=context, context_mask=context_mask)
-        for t in range(prompt.shape[1]):
-            logits = self.net.step(prompt[:, t], cache, None if input_mask is None else input_mask[:, t], **kw)
+        if prefill and hasattr(self.net, "prefill"):
+            logits = self.net.prefill(prompt, cache, input_mask, **kw)[:, -1]
+        else:
+            for t in range(prompt.shape[1]):
+                logits = self.net.step(prompt[:, t], cache, None if input_mask is None else input_mask[:, t], **kw)
         out = []
         done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
         for i in range(length):

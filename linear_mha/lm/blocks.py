@@ -28,6 +28,20 @@ class PreNorm(nn.Module):
             y = shift_tokens_step(y, cache, self.shifts, mask_t)
         return self.fn.step(y, cache.setdefault("fn", {}), t, mask_t, **kwargs)
 
+    def prefill(self, x, cache, input_mask=None, **kwargs):
+        """``forward`` that leaves in ``cache`` what ``step`` would hold after the same positions."""
+        y = self.norm(x)
+        if self.shifts:
+            span = max(self.shifts)
+            if min(self.shifts) < 0:
+                raise ValueError("token-shift decoding needs causal shifts (>= 0); build the model with causal=True")
+            if span:
+                kept = y if input_mask is None else y.masked_fill(~input_mask[..., None], 0.0)
+                kept = kept[:, max(0, y.shape[1] - span):]
+                cache["shift_history"] = F.pad(kept, (0, 0, span - kept.shape[1], 0))
+            y = shift_tokens(y, self.shifts, input_mask)
+        return self.fn.prefill(y, cache.setdefault("fn", {}), input_mask=input_mask, **kwargs)
+
 
 class FoldAxially(nn.Module):
     """Runs ``fn`` on the ``axial_dim`` strided sub-sequences (positions i, i + a, i + 2a, ...) separately.
@@ -64,3 +78,13 @@ class FoldAxially(nn.Module):
         # Position t belongs to sub-sequence t mod a, where it is element t // a; each keeps its own state.
         sub_cache = cache.setdefault(t % self.axial_dim, {})
         return self.fn.step(x, sub_cache, t // self.axial_dim, mask_t, **kwargs)
+
+    def prefill(self, x, cache, input_mask=None, **kwargs):
+        # One call per sub-sequence (at most axial_dim): each needs its own decoding cache, and running them
+        # unpadded keeps padding out of those caches.
+        out = torch.empty_like(x)
+        for r in range(min(self.axial_dim, x.shape[1])):
+            mask = None if input_mask is None else input_mask[:, r::self.axial_dim]
+            out[:, r::self.axial_dim] = self.fn.prefill(x[:, r::self.axial_dim], cache.setdefault(r, {}),
+                                                        input_mask=mask, **kwargs)
+        return out

@@ -31,6 +31,9 @@ class FeedForward(nn.Module):
     def step(self, x, cache, t, mask_t=None, **_):
         return self.forward(x)
 
+    def prefill(self, x, cache, **kwargs):
+        return self.forward(x, **kwargs)
+
 
 class Chunk(nn.Module):
     """Applies a position-wise ``fn`` to ``chunks`` pieces of the sequence in turn: the hidden activations of
@@ -49,3 +52,6 @@ class Chunk(nn.Module):
 
     def step(self, x, cache, t, mask_t=None, **kwargs):
         return self.fn.step(x, cache, t, mask_t, **kwargs)
+
+    def prefill(self, x, cache, **kwargs):
+        return self.forward(x, **kwargs)  # fn is position-wise: it keeps no decoding state

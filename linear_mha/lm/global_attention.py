@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..functional import causal_linear_product, causal_linear_step, efficient
+from ..functional import causal_linear_product, causal_linear_state, causal_linear_step, efficient
 
 
 def _features(x: Tensor) -> Tensor:
@@ -104,3 +104,20 @@ def causal_global_step(
         done, current = done + current, torch.zeros_like(current)
     cache["done"], cache["current"] = done, current
     return _normalise(out)
+
+
+def causal_global_prefill(k: Tensor, v: Tensor, cache: dict, key_mask: Optional[Tensor] = None,
+                          blindspot_size: int = 1) -> None:
+    """Fill ``cache`` with the state ``causal_global_step`` holds after positions 0..N-1 of k (B, H, N, D),
+    v (B, H, N, Dv): one matrix product per state instead of N steps."""
+    phi_k = _features(k)
+    if key_mask is not None:
+        phi_k = phi_k * key_mask[:, None, :, None].to(phi_k.dtype)
+    v1 = _with_ones(v)
+    if blindspot_size == 1:
+        cache["state"] = causal_linear_state(phi_k, v1)
+        return
+    # Completed buckets are in "done"; the partly filled last bucket is in "current" (zeros when none).
+    closed = (k.shape[2] // blindspot_size) * blindspot_size
+    cache["done"] = causal_linear_state(phi_k[:, :, :closed], v1[:, :, :closed])
+    cache["current"] = causal_linear_state(phi_k[:, :, closed:], v1[:, :, closed:])

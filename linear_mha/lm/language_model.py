@@ -86,6 +86,20 @@ class LinearAttentionTransformerLM(nn.Module):
         h = self.transformer(h, input_mask=input_mask, context=context, context_mask=context_mask)
         return self._head(h)
 
+    @torch.no_grad()
+    def prefill(self, x, cache: dict, input_mask=None, context=None, context_mask=None):
+        """Logits (B, P, num_tokens) of a prompt x (B, P) in one parallel pass, filling an empty ``cache`` so
+        that ``step`` continues at position P exactly as if the prompt had been fed token by token."""
+        if x.dim() != 2:
+            raise ValueError(f"x must be (batch, seq) token ids, got shape {tuple(x.shape)}")
+        self._check_tokens(x)
+        if cache:
+            raise ValueError("prefill() starts a decoding: pass an empty cache ({})")
+        h = self._embed(x, torch.arange(x.shape[1], device=x.device))
+        h = self.transformer.prefill(h, cache.setdefault("transformer", {}), input_mask, context, context_mask)
+        cache["t"] = x.shape[1]
+        return self._head(h)
+
     def step(self, tokens, cache: dict, mask_t=None, context=None, context_mask=None):
         """Next-token logits for one new token per sequence: tokens (B,) -> (B, num_tokens). Start with cache={}.
         Feeding a sequence token by token gives the same logits as ``forward`` on the whole sequence."""

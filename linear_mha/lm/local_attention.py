@@ -93,3 +93,18 @@ def local_attention_step(
     allowed = (cache["keep"] | (pos == t)) & visible
     out, _ = softmax_attention(q[:, :, None], cache["k"], cache["v"], key_padding_mask=~allowed)
     return out[:, :, 0]
+
+
+def local_attention_prefill(k: Tensor, v: Tensor, cache: dict, window_size: int,
+                            key_mask: Optional[Tensor] = None) -> None:
+    """Fill ``cache`` with the rolling window ``local_attention_step`` holds after positions 0..N-1 of
+    k (B, H, N, D), v (B, H, N, Dv): the last 2 * window_size keys, right-aligned, empty slots at position -1."""
+    b, h, n, _ = k.shape
+    span = 2 * window_size
+    kept = min(n, span)
+    pad = span - kept
+    keep = torch.ones(b, n, dtype=torch.bool, device=k.device) if key_mask is None else key_mask
+    cache["k"] = F.pad(k[:, :, n - kept:], (0, 0, pad, 0))
+    cache["v"] = F.pad(v[:, :, n - kept:], (0, 0, pad, 0))
+    cache["pos"] = F.pad(torch.arange(n - kept, n, device=k.device), (pad, 0), value=-1)
+    cache["keep"] = F.pad(keep[:, n - kept:], (pad, 0), value=False)

@@ -63,3 +63,6 @@ class PKM(nn.Module):
 
     def step(self, x, cache, t, mask_t=None, **_):
         return self.forward(x)
+
+    def prefill(self, x, cache, **_):
+        return self.forward(x)

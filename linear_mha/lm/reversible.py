@@ -105,6 +105,21 @@ class LayerStack(nn.Module):
             x = torch.cat([x1, x2], dim=-1)
         return torch.stack(x.chunk(2, dim=-1)).mean(dim=0)
 
+    def prefill(self, x, caches: list, kwargs_for: Callable, context=None):
+        """``forward`` (no autograd) that fills ``caches`` (one dict per layer function) as ``step`` would."""
+        if not caches:
+            caches.extend({} for _ in range(2 * len(self.layers)))
+        x1 = x2 = x
+        for i, ((f, g), kind) in enumerate(zip(self.layers, self.kinds)):
+            fk, gk = kwargs_for(kind, context)
+            if self.reversible:
+                x1 = x1 + f.prefill(x2, caches[2 * i], **fk)
+                x2 = x2 + g.prefill(x1, caches[2 * i + 1], **gk)
+            else:
+                x1 = x1 + f.prefill(x1, caches[2 * i], **fk)
+                x1 = x1 + g.prefill(x1, caches[2 * i + 1], **gk)
+        return (x1 + x2) / 2 if self.reversible else x1
+
     def step(self, x, caches: list, t: int, kwargs_for: Callable, context=None):
         """One position: x (B, dim); ``caches`` holds one dict per layer function; kwargs_for(kind, context)
         gives the step keyword arguments (mask_t, context, context_mask)."""

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .global_attention import causal_global_attention, causal_global_step, global_attention
-from .local_attention import local_attention, local_attention_step
+from .global_attention import causal_global_attention, causal_global_prefill, causal_global_step, global_attention
+from .local_attention import local_attention, local_attention_prefill, local_attention_step
 from .positional import apply_rotary, rotary_cos_sin
 
 
@@ -76,18 +76,26 @@ class SelfAttention(nn.Module):
         t = t.reshape(*t.shape[:-1], n_heads, self.dim_head).transpose(-2, -3)
         return t.expand(t.shape[0], self.heads, *t.shape[2:]) if n_heads == 1 else t
 
-    def forward(self, x, input_mask=None, context=None, context_mask=None, positions=None, **_):
-        """x (B, N, dim); input_mask (B, N), context_mask (B, S) bool, True = keep."""
+    def _project(self, x, context=None, positions=None):
+        """-> q, k, v (B, H, ., D), rotary applied (self-attention only)."""
         if self.receives_context and context is None:
             raise ValueError("this layer attends to a context: pass context=(B, S, dim) encoder output")
-        b, n, _ = x.shape
         q = self._heads(self.to_q(x), self.heads)
         src = context if self.receives_context else x
         k, v = self._heads(self.to_k(src), self.kv_heads), self._heads(self.to_v(src), self.kv_heads)
         if self.rotary and not self.receives_context:
-            positions = torch.arange(n, device=x.device) if positions is None else positions
+            positions = torch.arange(x.shape[1], device=x.device) if positions is None else positions
             cos, sin = rotary_cos_sin(positions, self.dim_head, q.dtype)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return q, k, v
+
+    def forward(self, x, input_mask=None, context=None, context_mask=None, positions=None, **_):
+        """x (B, N, dim); input_mask (B, N), context_mask (B, S) bool, True = keep."""
+        q, k, v = self._project(x, context, positions)
+        return self._attend(x, q, k, v, input_mask, context_mask)
+
+    def _attend(self, x, q, k, v, input_mask, context_mask):
+        b, n, _ = x.shape
         kv_mask = context_mask if self.receives_context else input_mask
         outs = []
         p = self.attn_dropout if self.training else 0.0
@@ -108,6 +116,28 @@ class SelfAttention(nn.Module):
         if self.gate is not None:
             attn = attn * torch.sigmoid(self.gate(x))
         return self.dropout(self.to_out(attn))
+
+    def prefill(self, x, cache, input_mask=None, context=None, context_mask=None, **_):
+        """``forward`` over positions 0..N-1 that also leaves in ``cache`` what ``step`` would have after them."""
+        if not (self.causal or self.receives_context):
+            raise ValueError("prefill() decodes causal models; build the model with causal=True")
+        q, k, v = self._project(x, context)
+        if self.receives_context:
+            cache["ctx_k"], cache["ctx_v"] = k, v
+        else:
+            if self.n_local:
+                l = self.n_local
+                local_attention_prefill(k[:, :l], v[:, :l], cache.setdefault("local", {}), self.window, input_mask)
+            if self.n_local < self.heads:
+                g = slice(self.n_local, None)
+                causal_global_prefill(k[:, g], v[:, g], cache.setdefault("global", {}), input_mask,
+                                      self.blindspot_size)
+            if self.conv is not None:
+                vm = v if input_mask is None else v * input_mask[:, None, :, None].to(v.dtype)
+                b, h, n, d = vm.shape
+                flat = vm[:, :, max(0, n - 2):].permute(0, 1, 3, 2).reshape(b, h * d, -1)
+                cache["conv"] = F.pad(flat, (2 - flat.shape[-1], 0))
+        return self._attend(x, q, k, v, input_mask, context_mask)
 
     def _conv(self, v: Tensor, mask: Optional[Tensor]) -> Tensor:
         b, h, n, d = v.shape

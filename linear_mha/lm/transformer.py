@@ -128,6 +128,29 @@ class LinearAttentionTransformer(nn.Module):
 
         return self.layers(x, kwargs_for, context)
 
+    def prefill(self, x, cache: dict, input_mask=None, context=None, context_mask=None):
+        """The forward pass over a prompt x (B, P, dim) of a causal model that also fills an empty ``cache``
+        with what P calls of ``step`` would leave: decoding continues from it at position P."""
+        if not self.causal:
+            raise ValueError("prefill() decodes causal models; build the model with causal=True")
+        if cache:
+            raise ValueError("prefill() starts a decoding: pass an empty cache ({})")
+        b, n, _ = x.shape
+        if n > self.max_seq_len:
+            raise ValueError(f"sequence length {n} exceeds max_seq_len={self.max_seq_len}; build with a larger max_seq_len")
+        check_mask("input_mask", input_mask, b, n)
+        if self.receives_context and context is None:
+            raise ValueError("this transformer has receives_context=True: pass context=(B, S, dim)")
+
+        def kwargs_for(kind, ctx):
+            if kind == "context":
+                return dict(input_mask=input_mask, context=ctx, context_mask=context_mask), dict(input_mask=input_mask)
+            return dict(input_mask=input_mask), dict(input_mask=input_mask)
+
+        out = self.layers.prefill(x, cache.setdefault("layers", []), kwargs_for, context)
+        cache["t"] = n
+        return out
+
     def step(self, x, cache: dict, mask_t=None, context=None, context_mask=None):
         """Decode one position of a causal model: x (B, dim) -> (B, dim). ``cache`` starts as {} and carries
         the recurrent state (global heads), rolling windows (local heads), shift and conv histories."""
