@@ -29,6 +29,16 @@ def check_mask(name: str, mask, batch: int, length: int):
         raise ValueError(f"{name} must have shape (batch, seq) = {(batch, length)}, got {tuple(mask.shape)}")
 
 
+def _sequence_kwargs(input_mask, context_mask):
+    """kwargs_for(kind, context) of a whole-sequence pass (forward and prefill) for ``LayerStack``."""
+    def kwargs_for(kind, ctx):
+        if kind == "context":
+            return dict(input_mask=input_mask, context=ctx, context_mask=context_mask), dict(input_mask=input_mask)
+        return dict(input_mask=input_mask), dict(input_mask=input_mask)
+
+    return kwargs_for
+
+
 class LinearAttentionTransformer(nn.Module):
     def __init__(
         self,
@@ -121,11 +131,7 @@ class LinearAttentionTransformer(nn.Module):
         elif context is not None or context_mask is not None:
             raise ValueError("context was given but the transformer was built with receives_context=False")
 
-        def kwargs_for(kind, ctx):
-            if kind == "context":
-                return dict(input_mask=input_mask, context=ctx, context_mask=context_mask), dict(input_mask=input_mask)
-            return dict(input_mask=input_mask), dict(input_mask=input_mask)
-
+        kwargs_for = _sequence_kwargs(input_mask, context_mask)
         return self.layers(x, kwargs_for, context)
 
     def prefill(self, x, cache: dict, input_mask=None, context=None, context_mask=None):
@@ -142,11 +148,7 @@ class LinearAttentionTransformer(nn.Module):
         if self.receives_context and context is None:
             raise ValueError("this transformer has receives_context=True: pass context=(B, S, dim)")
 
-        def kwargs_for(kind, ctx):
-            if kind == "context":
-                return dict(input_mask=input_mask, context=ctx, context_mask=context_mask), dict(input_mask=input_mask)
-            return dict(input_mask=input_mask), dict(input_mask=input_mask)
-
+        kwargs_for = _sequence_kwargs(input_mask, context_mask)
         out = self.layers.prefill(x, cache.setdefault("layers", []), kwargs_for, context)
         cache["t"] = n
         return out
