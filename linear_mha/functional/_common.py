@@ -55,8 +55,12 @@ def split_normalise(num_den: Tensor) -> Tensor:
     A zero normaliser only occurs when every key a query can see is masked (or a non-negative feature map is
     zero on the query); the numerator is then zero too, and the output is defined as 0 rather than NaN.
     """
-    num, den = num_den[..., :-1], num_den[..., -1:]
-    # For den > 0 (every normal case) clamping changes nothing; for den == 0 the numerator is 0 too.
+    return normalise(num_den[..., :-1], num_den[..., -1:])
+
+
+def normalise(num: Tensor, den: Tensor) -> Tensor:
+    """num / den for a non-negative normaliser. For den > 0 (every normal case) the clamp changes nothing; den == 0
+    only when every key a query can see is masked (or its features are zero), and then num is 0 too: output 0."""
     return num / den.clamp_min(torch.finfo(den.dtype).tiny)
 
 

@@ -2,9 +2,10 @@
 
     out_i = phi(q_i) . sum_j phi(k_j) v_j^T  /  phi(q_i) . sum_j phi(k_j)
 
-computed right-to-left in O(N F Dv) instead of O(N^2). Numerator and normaliser come from ONE product by
-appending a ones column to v; the state therefore has shape (F, Dv + 1). Causal attention restricts the sums to
-j <= i and runs the chunked product in ``causal.py``.
+computed right-to-left in O(N F Dv) instead of O(N^2). Causal attention restricts the sums to j <= i and runs the
+chunked product in ``causal.py``, where a ones column appended to v carries the normaliser through the same product
+(the state then has shape (F, Dv + 1), the layout ``kernel_state`` and ``kernel_step`` use too). Non-causal
+attention computes the normaliser as a separate matrix-vector product instead, which is cheaper than widening v.
 """
 from typing import Optional, Tuple
 
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._common import append_ones, check_qkv, compute_dtype, drop_keys, mask_keys, split_normalise
+from ._common import append_ones, check_qkv, compute_dtype, drop_keys, mask_keys, normalise, split_normalise
 from .causal import causal_linear_product, causal_linear_step
 from .feature_maps import FeatureMap, apply_feature_map, elementwise_feature_map
 
@@ -47,18 +48,23 @@ def kernel(
     phi_q, phi_k = apply_feature_map(
         feature_map, q.to(dtype), k.to(dtype), key_padding_mask=key_padding_mask, causal=causal, projection=projection
     )
-    v1 = append_ones(drop_keys(mask_keys(v.to(dtype), key_padding_mask), dropout_p))
+    v = drop_keys(mask_keys(v.to(dtype), key_padding_mask), dropout_p)
     if initial_state is not None:
         initial_state = initial_state.to(phi_k.dtype)
     if causal:
         kwargs = {} if chunk_size is None else {"chunk_size": chunk_size}
-        num_den = causal_linear_product(phi_q, phi_k, v1, initial_state=initial_state, **kwargs)
-    else:
-        state = torch.matmul(phi_k.transpose(-2, -1), v1)
-        if initial_state is not None:
-            state = state + initial_state
-        num_den = torch.matmul(phi_q, state)
-    return split_normalise(num_den).to(out_dtype)
+        num_den = causal_linear_product(phi_q, phi_k, append_ones(v), initial_state=initial_state, **kwargs)
+        return split_normalise(num_den).to(out_dtype)
+    # Non-causal: the normaliser phi(q) . sum_j phi(k_j) is a matrix-vector product; keeping it out of the value
+    # GEMM avoids copying v into a ones-column layout and an odd GEMM width.
+    kv = torch.matmul(phi_k.transpose(-2, -1), v)
+    k_sum = phi_k.sum(dim=-2).unsqueeze(-1)
+    if initial_state is not None:
+        kv = kv + initial_state[..., :-1]
+        k_sum = k_sum + initial_state[..., -1:]
+    num = torch.matmul(phi_q, kv)
+    den = torch.matmul(phi_q, k_sum)
+    return normalise(num, den).to(out_dtype)
 
 
 def kernel_state(
