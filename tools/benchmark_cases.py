@@ -2,9 +2,10 @@
 case, used for timing and for the fresh-process memory measurement) and float64 references.
 
 FLOPs per forward (fwdbwd counts 3x: the backward runs two products per forward product). BH = B H, F = feature
-size (elu d, taylor d + 1, favor m = d ln d), Dv = d + 1 (the ones column that yields the normaliser), C = the
-causal chunk size (causal_linear_product's default), N' = N rounded up to whole chunks, k = --proj-k:
-    kernel, non-causal   4 BH N F Dv                     phi(K)^T [V, 1], then phi(Q) S
+size (elu d, taylor d + 1, favor m = d ln d), Dv = d + 1 in the causal product (the ones column that yields the
+normaliser), C = the causal chunk size (causal_linear_product's default), N' = N rounded up to whole chunks,
+k = --proj-k:
+    kernel, non-causal   2 BH N F (2 d + 1)              phi(K)^T V, phi(Q) S, and the normaliser phi(Q) sum phi(K)
     kernel, causal       4 BH N' F Dv + 2 BH N' C (F+Dv) chunk states and inter-chunk product + C x C intra-chunk
     favor features       + 4 BH N d m                    q and k times the random projection
     efficient            4 BH N d^2                      (peer linear-attention-transformer: the same count)
@@ -52,7 +53,7 @@ def chunk_size() -> int:
 def kernel_flops(c, features: int) -> float:
     bh, n, dv = c["B"] * c["H"], c["N"], c["d"] + 1
     if not c["causal"]:
-        return 4.0 * bh * n * features * dv
+        return 2.0 * bh * n * features * (2 * c["d"] + 1)
     chunk = min(chunk_size(), n)
     padded = -(-n // chunk) * chunk
     return 4.0 * bh * padded * features * dv + 2.0 * bh * padded * chunk * (features + dv)
