@@ -6,6 +6,7 @@ import torch
 
 from linear_mha.lm import LinearAttentionTransformerLM
 from linear_mha.lm.axial import AxialPositionalEmbedding, near_square_shape
+from lm_checks import assert_causal, assert_steps_equal_full
 
 V, N, DIM = 16, 24, 32
 
@@ -62,24 +63,13 @@ def test_explicit_shape_and_emb_dim():
 
 def test_causality_holds():
     model = tiny_lm(use_axial_pos_emb=True, n_local_attn_heads=1, local_attn_window_size=4)
-    x = tokens()
-    base = model(x)
-    for t in (0, 9, N - 1):
-        y = x.clone()
-        y[:, t] = (y[:, t] + 1) % V
-        out = model(y)
-        assert torch.allclose(out[:, :t], base[:, :t], rtol=0, atol=1e-12)
-        assert (out[:, t:] - base[:, t:]).abs().max() > 1e-6
+    assert_causal(model, tokens(), V, (0, 9, N - 1), "axial")
 
 
 def test_incremental_decoding_equals_full_forward():
     model = tiny_lm(use_axial_pos_emb=True, axial_position_shape=(8, 8), n_local_attn_heads=2,
                     local_attn_window_size=4, shift_tokens=True)
-    x = tokens()
-    full = model(x)
-    cache = {}
-    steps = torch.stack([model.step(x[:, t], cache) for t in range(N)], dim=1)
-    torch.testing.assert_close(steps, full, rtol=1e-10, atol=1e-10)
+    assert_steps_equal_full(model, tokens())
 
 
 def test_bad_options_raise_clear_errors():

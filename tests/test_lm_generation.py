@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from linear_mha.lm import AutoregressiveWrapper, LinearAttentionTransformerLM, top_k_filter, top_p_filter
+from lm_checks import assert_steps_equal_full
 
 V, N = 16, 20
 
@@ -33,10 +34,7 @@ def test_step_logits_equal_full_forward(name):
     x = tokens()
     mask = torch.rand(2, N, generator=torch.Generator().manual_seed(2)) > 0.25
     for m in (None, mask):
-        full = model(x, input_mask=m)
-        cache = {}
-        steps = torch.stack([model.step(x[:, t], cache, None if m is None else m[:, t]) for t in range(N)], dim=1)
-        torch.testing.assert_close(steps, full, rtol=1e-10, atol=1e-10)
+        assert_steps_equal_full(model, x, m)
 
 
 def test_decoder_with_context_steps_equal_full_forward():

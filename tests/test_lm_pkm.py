@@ -5,6 +5,7 @@ import torch
 
 from linear_mha.lm import PKM, LinearAttentionTransformerLM
 from linear_mha.lm.feedforward import FeedForward
+from lm_checks import assert_causal, assert_steps_equal_full
 
 V, N, DIM = 16, 20, 32
 
@@ -75,22 +76,12 @@ def test_pkm_lm_is_causal(training):
     model = lm(pkm_layers=(1, 2), pkm_num_keys=32, n_local_attn_heads=1, local_attn_window_size=4)
     model.train(training)  # no dropout configured; the query norm must not mix positions in training either
     x = torch.randint(0, V, (2, N), generator=torch.Generator().manual_seed(1))
-    base = model(x)
-    for t in (0, 9, N - 1):
-        y = x.clone()
-        y[:, t] = (y[:, t] + 1) % V
-        out = model(y)
-        assert torch.allclose(out[:, :t], base[:, :t], rtol=0, atol=1e-12)
-        assert (out[:, t:] - base[:, t:]).abs().max() > 1e-6
+    assert_causal(model, x, V, (0, 9, N - 1), "pkm")
 
 
 def test_pkm_lm_decoding_equals_full_forward():
     model = lm(pkm_layers=(2,), pkm_num_keys=32, n_local_attn_heads=2, local_attn_window_size=4, reversible=True)
-    x = torch.randint(0, V, (2, N), generator=torch.Generator().manual_seed(1))
-    full = model(x)
-    cache = {}
-    steps = torch.stack([model.step(x[:, t], cache) for t in range(N)], dim=1)
-    torch.testing.assert_close(steps, full, rtol=1e-10, atol=1e-10)
+    assert_steps_equal_full(model, torch.randint(0, V, (2, N), generator=torch.Generator().manual_seed(1)))
 
 
 def test_bad_pkm_options_raise_clear_errors():

@@ -1,0 +1,22 @@
+"""Checks shared by the LM tests: causality by perturbation, and incremental decoding against the full forward."""
+import torch
+
+
+def assert_causal(model, x, vocab, positions, name="", **forward_kwargs):
+    """Changing token t leaves every logit before t unchanged (float64) and does change logits from t on."""
+    base = model(x, **forward_kwargs)
+    for t in positions:
+        y = x.clone()
+        y[:, t] = (y[:, t] + 1) % vocab
+        out = model(y, **forward_kwargs)
+        assert torch.allclose(out[:, :t], base[:, :t], rtol=0, atol=1e-12), f"{name}: future token {t} leaked"
+        assert (out[:, t:] - base[:, t:]).abs().max() > 1e-6, f"{name}: perturbation at {t} had no effect"
+
+
+def assert_steps_equal_full(model, x, input_mask=None):
+    """Feeding tokens one by one through model.step gives the logits of one full forward."""
+    full = model(x, input_mask=input_mask)
+    cache = {}
+    steps = torch.stack([model.step(x[:, t], cache, None if input_mask is None else input_mask[:, t])
+                         for t in range(x.shape[1])], dim=1)
+    torch.testing.assert_close(steps, full, rtol=1e-10, atol=1e-10)
