@@ -4,7 +4,8 @@ Layers: ``functional`` (pure attention functions) -> ``LinearMultiheadAttention`
 (model surgery) -> ``lm`` (language models and image attention built on the layers below).
 """
 from . import functional
-from .attention import MODES, LinearMultiheadAttention
+from .attention import LinearMultiheadAttention
+from .mode_attention import MODES
 from .lm import (AutoregressiveWrapper, ImageLinearAttention, LinearAttentionTransformer,
                  LinearAttentionTransformerLM, LinearImageAttention, LinearSelfAttention, Linformer,
                  LinformerContextSettings, LinformerLM, LinformerSelfAttention, LinformerSettings)

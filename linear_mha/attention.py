@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from . import masks as M
-from .mode_attention import MODES, ModeAttention
+from .mode_attention import ModeAttention
 
 
 def _disable_torch_fast_path(module, args):
@@ -198,7 +198,7 @@ class LinearMultiheadAttention(ModeAttention):
         for name, t, width in (("query", query, self.embed_dim), ("key", key, self.kdim), ("value", value, self.vdim)):
             if t.shape[-1] != width:
                 raise ValueError(f"{name} has feature size {t.shape[-1]}, expected {width}"
-                                 + ("" if name == "query" else f" (kdim/vdim of this module)"))
+                                 + ("" if name == "query" else " (kdim/vdim of this module)"))
         same_qkv, same_kv = query is key and key is value, key is value
 
         def batch_major(t):

@@ -9,7 +9,7 @@ from integrations.detr.coco_eval import CocoEvaluator
 from integrations.detr.config import parse_args
 from integrations.detr.datasets import CocoDetection, build_dataset, load_coco
 from integrations.detr.synthetic import make_synthetic_coco
-from integrations.detr.transforms import feature_tokens, hflip, make_coco_transforms, max_padded_hw, resized_hw
+from integrations.detr.transforms import feature_tokens, hflip, max_padded_hw, resized_hw
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from integrations.detr.config import parse_args
-from integrations.detr.detr import DETR, PostProcess, build_model
+from integrations.detr.detr import PostProcess, build_model
 from integrations.detr.misc import NestedTensor, nested_tensor_from_tensor_list
 from integrations.detr.position_encoding import PositionEmbeddingLearned, PositionEmbeddingSine
 from integrations.detr.transformer import Transformer

@@ -1,6 +1,5 @@
 """Property tests (hypothesis) over random shapes, modes and masks: batch independence, padding invariance
 and causality hold for every mode, not just the shapes someone thought of."""
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st

@@ -2,7 +2,7 @@
 callable, plus per-module options."""
 import warnings
 from fnmatch import fnmatchcase
-from typing import Callable, Iterable, List, Optional, Sequence
+from typing import Callable, List, Optional
 
 
 def _as_patterns(value, name: str) -> Optional[List[str]]:
