@@ -91,13 +91,13 @@ def training_table(a, device):
     for name, extra in VARIANTS.items():
         _peak_reset(device)
         argv = ["--epochs", str(a.epochs), "--seed", str(a.seed), "--output-dir", str(Path(a.out) / name),
-                "--device", str(device), "--no-progress", "--num-workers", str(a.num_workers)] + extra
+                "--device", str(device), "--no-progress", "--num-workers", str(a.num_workers)] + a.train_args + extra
         if a.max_iters:
             argv += ["--max-iters", str(a.max_iters)]
         run = train_main(argv)
         peak = _peak_mib(device) if device.type == "cuda" else _cpu_peak_mib("training_case", argv=[
             "--epochs", "1", "--max-iters", "2", "--seed", str(a.seed), "--device", "cpu", "--no-progress",
-            "--num-workers", "0"] + extra)
+            "--num-workers", "0"] + a.train_args + extra)
         last = run["log"][-1]
         iters = a.max_iters or None
         per_iter = sum(e["epoch_train_seconds"] for e in run["log"]) / (len(run["log"]) * (iters or 1))
@@ -149,7 +149,10 @@ def main(argv=None):
     p.add_argument("--dc5", action="store_true", help="stride-16 feature maps (800x1333 -> 4200 tokens)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("train_args", nargs=argparse.REMAINDER,
+                   help="after --: options passed to every training run, e.g. -- --synthetic-train 4000 --no-crop")
     a = p.parse_args(argv)
+    a.train_args = [t for t in a.train_args if t != "--"]
     device = torch.device(a.device)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
