@@ -87,12 +87,13 @@ def classify_attn_mask_for_linear(attn_mask: Optional[Tensor], is_causal: bool, 
     if attn_mask is None:
         return is_causal
     forbidden = to_forbidden(attn_mask, "attn_mask", mode)
-    if not bool(forbidden.any()):
-        if is_causal:
-            raise ValueError("is_causal=True, but attn_mask forbids nothing; pass the causal mask or drop is_causal")
-        return False
     if is_causal_pattern(forbidden):
         return True
+    if is_causal:
+        raise ValueError("is_causal=True, but attn_mask is not the causal (upper-triangular) mask; pass the "
+                         "causal mask, or drop is_causal")
+    if not bool(forbidden.any()):
+        return False
     raise ValueError(
         f"attn_mask has a pattern (not causal, not padding) that mode={mode!r} cannot apply without forming the "
         f"L x S score matrix. Supported: key padding in every mode; causal masks in modes "

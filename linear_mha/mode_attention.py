@@ -157,9 +157,6 @@ class ModeAttention(nn.Module):
         if kpm is not None:
             kpm = M.to_forbidden(kpm, "key_padding_mask", self.mode)
             kpm = F.pad(kpm, (0, n_extra), value=False)
-        if is_causal and mask is not None and not M.is_causal_pattern(M.to_forbidden(mask, "attn_mask", self.mode)):
-            raise ValueError("is_causal=True, but attn_mask is not the causal (upper-triangular) mask; pass the "
-                             "causal mask, or drop is_causal")
         causal = M.classify_attn_mask_for_linear(mask, is_causal, self.mode)
         if causal and self.mode not in CAUSAL_MODES:
             raise ValueError(f"mode={self.mode!r} has no causal form (its keys are mixed across the sequence); "
