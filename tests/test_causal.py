@@ -106,7 +106,7 @@ def test_block_policy():
         assert causal_module._block_positions(torch.device("cpu")) == causal_module._BLOCK_POSITIONS
         assert causal_module._block_positions(torch.device("meta")) is None
         torch.set_num_threads(2)
-        assert causal_module._block_positions(torch.device("cpu")) is None
+        assert causal_module._block_positions(torch.device("cpu")) == causal_module._BLOCK_POSITIONS_THREADED
     finally:
         torch.set_num_threads(threads)
 

@@ -12,9 +12,8 @@ quadratic form ``tril(q k^T) v`` (C x C scores); across chunks it is ``q @ S_pre
 is an exclusive prefix sum of the per-chunk states ``k_c^T v_c`` (Dk x Dv each). Memory is
 O(N * (C + d)) plus O(N / C * Dk * Dv) transient; a per-position Dk x Dv state is never built.
 The backward recomputes the chunk states from the saved inputs instead of keeping them.
-Single-threaded on CPU the chunks are processed in blocks of a few thousand positions with reused
-buffers and the state carried between blocks; otherwise everything is one block (see
-_block_positions).
+On CPU the chunks are processed in blocks of a few thousand positions with reused buffers and the
+state carried between blocks; on accelerators everything is one block (see _block_positions).
 """
 import contextlib
 from typing import Optional
@@ -74,6 +73,12 @@ def _check_inputs(phi_q, phi_k, v, initial_state, seq_dims: int, q_name: str = "
             )
 
 
+def check_chunk_size(chunk_size) -> int:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}.")
+    return chunk_size
+
+
 def _to_chunks(x: torch.Tensor, n_chunks: int, chunk: int, dtype: torch.dtype) -> torch.Tensor:
     """(B, H, N, D) -> (B * H * n_chunks, chunk, D); zero rows pad the tail and add nothing to any state.
 
@@ -87,25 +92,27 @@ def _to_chunks(x: torch.Tensor, n_chunks: int, chunk: int, dtype: torch.dtype) -
     return x.reshape(b * h * n_chunks, chunk, d)
 
 
-# Positions per block of work on single-threaded CPU. Every temporary (scores, chunk states) is
-# sized to one block and reused, so it stays in cache and is not a fresh multi-megabyte allocation
-# (page faults cost as much as the matmuls); a few thousand positions still gives each bmm a large
-# batch. Measured 1.5x faster than one block at N = 16k with one thread.
+# Positions per block of work on CPU. Every temporary (scores, chunk states) is sized to one block
+# and reused, so it is not a fresh multi-megabyte allocation (page faults cost as much as the
+# matmuls) and transient memory does not grow with N. Single-threaded, a few thousand positions keep
+# the temporaries in cache and still give each bmm a large batch: measured 1.5x faster than one
+# block at N = 16k. With several threads every op is a fork/join of the thread pool, and on a
+# shared machine each join can wait a scheduler tick (2048-position blocks measured 10x slower than
+# one block with 2 threads), so blocks are 8x larger: few joins, temporaries still bounded.
 _BLOCK_POSITIONS = 2048
+_BLOCK_POSITIONS_THREADED = 16384
 
 
 def _block_positions(device: torch.device) -> Optional[int]:
     """Positions per block of work, or None for a single block.
 
-    One block on accelerators (caching allocators, launch overhead favours few large kernels),
-    while compiling (a traced graph would unroll the loop once per block), and with several CPU
-    threads: every op is a fork/join of the thread pool, and on a shared machine each join can wait
-    a scheduler tick, which made 2048-position blocks 10x slower than one block with 2 threads.
+    One block on accelerators (caching allocators, launch overhead favours few large kernels) and
+    while compiling (a traced graph would unroll the loop once per block).
     """
     compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)()
-    if device.type != "cpu" or compiling or torch.get_num_threads() > 1:
+    if device.type != "cpu" or compiling:
         return None
-    return _BLOCK_POSITIONS
+    return _BLOCK_POSITIONS if torch.get_num_threads() == 1 else _BLOCK_POSITIONS_THREADED
 
 
 def _blocks(groups: int, n_chunks: int, target: int):
@@ -307,8 +314,7 @@ def causal_linear_product(phi_q, phi_k, v, initial_state=None, chunk_size=64):
     float16/bfloat16 inputs are computed in float32 internally.
     """
     _check_inputs(phi_q, phi_k, v, initial_state, seq_dims=4)
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}.")
+    check_chunk_size(chunk_size)
     if phi_q.shape[2] == 0:
         raise ValueError("phi_q has sequence length 0; pass at least one position (N >= 1).")
     tensors = (phi_q, phi_k, v) if initial_state is None else (phi_q, phi_k, v, initial_state)
