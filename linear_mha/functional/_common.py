@@ -59,9 +59,14 @@ def split_normalise(num_den: Tensor) -> Tensor:
 
 
 def normalise(num: Tensor, den: Tensor) -> Tensor:
-    """num / den for a non-negative normaliser. For den > 0 (every normal case) the clamp changes nothing; den == 0
-    only when every key a query can see is masked (or its features are zero), and then num is 0 too: output 0."""
-    return num / den.clamp_min(torch.finfo(den.dtype).tiny)
+    """num / den for a non-negative normaliser. den == 0 only when every key a query can see is masked (or its
+    features are zero), and then num is 0 too: dividing by 1 instead gives output 0 and a finite gradient (a
+    clamp to the smallest float would give 0 too, but gradients of order 1/tiny that overflow into NaN)."""
+    return num / safe_normaliser(den)
+
+
+def safe_normaliser(den: Tensor) -> Tensor:
+    return den.masked_fill(den == 0, 1.0)
 
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor] = None) -> None:

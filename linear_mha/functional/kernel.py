@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._common import append_ones, check_qkv, compute_dtype, drop_keys, mask_keys, normalise, split_normalise
-from .causal import causal_linear_product, causal_linear_step
+from .causal import causal_linear_product, causal_linear_step, check_chunk_size
+from .causal_kernel import FUSED_FEATURE_MAPS, causal_kernel
 from .feature_maps import FeatureMap, apply_feature_map, elementwise_feature_map
 
 
@@ -45,12 +46,17 @@ def kernel(
     if causal and q.shape[-2] != k.shape[-2]:
         raise ValueError(f"causal kernel attention needs as many queries as keys, got L={q.shape[-2]}, S={k.shape[-2]}")
     out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
+    v = drop_keys(mask_keys(v.to(dtype), key_padding_mask), dropout_p)
+    if initial_state is not None:
+        initial_state = initial_state.to(dtype)
+    if causal and isinstance(feature_map, str) and feature_map in FUSED_FEATURE_MAPS:
+        _check_state(initial_state, q, v)
+        kwargs = {} if chunk_size is None else {"chunk_size": check_chunk_size(chunk_size)}
+        return causal_kernel(q.to(dtype), k.to(dtype), v, feature_map, key_padding_mask=key_padding_mask,
+                             initial_state=initial_state, **kwargs).to(out_dtype)
     phi_q, phi_k = apply_feature_map(
         feature_map, q.to(dtype), k.to(dtype), key_padding_mask=key_padding_mask, causal=causal, projection=projection
     )
-    v = drop_keys(mask_keys(v.to(dtype), key_padding_mask), dropout_p)
-    if initial_state is not None:
-        initial_state = initial_state.to(phi_k.dtype)
     if causal:
         kwargs = {} if chunk_size is None else {"chunk_size": chunk_size}
         num_den = causal_linear_product(phi_q, phi_k, append_ones(v), initial_state=initial_state, **kwargs)
@@ -65,6 +71,15 @@ def kernel(
     num = torch.matmul(phi_q, kv)
     den = torch.matmul(phi_q, k_sum)
     return normalise(num, den).to(out_dtype)
+
+
+def _check_state(initial_state, q, v):
+    if initial_state is None:
+        return
+    expected = (q.shape[0], q.shape[1], q.shape[-1], v.shape[-1] + 1)
+    if tuple(initial_state.shape) != expected:
+        raise ValueError(f"initial_state must have shape (B, H, F, Dv + 1) = {expected}, got "
+                         f"{tuple(initial_state.shape)}; build it with kernel_state(k, v, feature_map)")
 
 
 def kernel_state(

@@ -1,0 +1,98 @@
+"""The fused causal kernel Function (functional/causal_kernel.py) against the same attention composed from
+autograd ops, its gradients, and what it keeps for backward."""
+import sys
+
+import pytest
+import torch
+
+import linear_mha.functional as LF
+from linear_mha.functional._common import append_ones, split_normalise
+from linear_mha.functional.causal_kernel import causal_kernel
+from linear_mha.functional.feature_maps import apply_feature_map
+
+
+def composed(q, k, v, feature_map, key_padding_mask=None, initial_state=None, chunk_size=3):
+    """Causal kernel attention from autograd ops (the path every other feature map takes)."""
+    phi_q, phi_k = apply_feature_map(feature_map, q, k, key_padding_mask=key_padding_mask, causal=True)
+    if key_padding_mask is not None:
+        v = v.masked_fill(key_padding_mask[:, None, :, None], 0.0)
+    num_den = LF.causal_linear_product(phi_q, phi_k, append_ones(v), initial_state=initial_state,
+                                       chunk_size=chunk_size)
+    return split_normalise(num_den)
+
+
+def inputs(n=11, d=4, dv=5, seed=0, state=True, mask=True):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(2, 3, n, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, 3, n, dv, generator=g, dtype=torch.float64, requires_grad=True)
+    init = None
+    if state:
+        init = torch.rand(2, 3, d, dv + 1, generator=g, dtype=torch.float64).requires_grad_()
+    kpm = None
+    if mask:
+        kpm = torch.zeros(2, n, dtype=torch.bool)
+        kpm[0, :2] = True  # with no state, query 0 of batch 0 sees only a masked key: output 0
+        kpm[1, -3:] = True
+    return q, k, v, init, kpm
+
+
+@pytest.mark.parametrize("feature_map", ["elu", "relu"])
+@pytest.mark.parametrize("state", [False, True])
+def test_equals_composed_ops_values_and_grads(feature_map, state):
+    q, k, v, init, kpm = inputs(state=state)
+    grad = torch.randn(2, 3, 11, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    tensors = [t for t in (q, k, v, init) if t is not None]
+    out = causal_kernel(q, k, v.masked_fill(kpm[:, None, :, None], 0.0), feature_map, key_padding_mask=kpm,
+                        initial_state=init, chunk_size=3)
+    fused_grads = torch.autograd.grad(out, tensors, grad)
+    ref = composed(q, k, v, feature_map, kpm, init)
+    ref_grads = torch.autograd.grad(ref, tensors, grad)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    for name, a, b in zip("qkvs", fused_grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=f"grad of {name}")
+        assert torch.isfinite(a).all()
+    if not state:
+        assert out[0, :, :2].abs().max() == 0  # queries that see only masked keys return 0, not NaN
+
+
+@pytest.mark.parametrize("feature_map", ["elu", "relu"])
+def test_gradcheck(feature_map):
+    q, k, v, init, kpm = inputs(n=7, d=3, dv=2)
+    kpm[0, :2] = False  # gradcheck's finite differences need every output differentiable
+    fn = lambda q, k, v, s: LF.kernel(q, k, v, feature_map, causal=True, key_padding_mask=kpm,  # noqa: E731
+                                      initial_state=s, chunk_size=2)
+    assert torch.autograd.gradcheck(fn, (q, k, v, init))
+
+
+def test_kernel_dispatches_elementwise_maps_to_the_fused_function(monkeypatch):
+    kernel_module = sys.modules["linear_mha.functional.kernel"]  # the package attribute is the function
+    calls = []
+    monkeypatch.setattr(kernel_module, "causal_kernel", lambda *a, **kw: calls.append(a[3]) or a[2])
+    q, k, v, _, _ = inputs()
+    for fm in ("elu", "relu", "taylor"):
+        LF.kernel(q, k, v, fm, causal=True)
+    LF.kernel(q, k, v, "elu")
+    assert calls == ["elu", "relu"]
+
+
+def test_keeps_only_inputs_output_and_normaliser_for_backward():
+    """The memory claim: nothing of size (B, H, N, D) is saved besides q, k, v and the output."""
+    q, k, v, _, _ = inputs(n=64, d=8, dv=8, state=False, mask=False)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = LF.kernel(q, k, v, "elu", causal=True)
+    inputs_and_out = {t.data_ptr() for t in (q, k, v, out)}
+    extra = [t for t in saved if t is not None and t.data_ptr() not in inputs_and_out]
+    assert sum(t.numel() for t in extra) == 2 * 3 * 64  # the normaliser, one value per position
+
+
+def test_initial_state_shape_error():
+    q, k, v, _, _ = inputs()
+    with pytest.raises(ValueError, match=r"initial_state must have shape \(B, H, F, Dv \+ 1\)"):
+        LF.kernel(q, k, v, "elu", causal=True, initial_state=torch.zeros(2, 3, 4, 5, dtype=torch.float64))
+    with pytest.raises(ValueError, match="chunk_size"):
+        LF.kernel(q, k, v, "elu", causal=True, chunk_size=0)
