@@ -14,21 +14,40 @@ from .misc import NestedTensor
 from .position_encoding import build_position_encoding
 
 RESNETS = ("resnet18", "resnet34", "resnet50", "resnet101")
-BACKBONES = RESNETS + ("tiny",)
+
+
+class _ResidualBlock(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.norm1 = nn.GroupNorm(8, channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.norm2 = nn.GroupNorm(8, channels)
+
+    def forward(self, x):
+        y = F.relu(self.norm1(self.conv1(x)), inplace=True)
+        return F.relu(x + self.norm2(self.conv2(y)), inplace=True)
 
 
 class TinyBody(nn.Module):
-    """Five stride-2 3x3 convs (total stride 32, like ResNet's layer4) for fast tests and CPU demos.
+    """Stride-2 3x3 convs, each optionally followed by residual blocks, for fast tests and CPU runs.
 
+    `tiny`: five plain stages (total stride 32, like ResNet's layer4): the cheapest, for tests.
+    `small`: three stages and two residual blocks at the end (stride 8), so a 128-pixel image gives 256
+    encoder tokens: enough for Linformer's projection and the encoder's cost to matter, at about the
+    cost of `tiny` on 2 CPU cores.
     GroupNorm is per-sample, so multi-process training stays equal to single-process training.
     """
 
-    def __init__(self, widths=(16, 32, 64, 64, 128)):
+    def __init__(self, widths=(16, 32, 64, 64, 128), blocks=(0, 0, 0, 0, 0)):
         super().__init__()
+        if len(blocks) != len(widths):
+            raise ValueError(f"blocks {blocks} needs one entry per stage of widths {widths}")
         layers, c_in = [], 3
-        for c_out in widths:
+        for c_out, n_blocks in zip(widths, blocks):
             layers += [nn.Conv2d(c_in, c_out, 3, stride=2, padding=1, bias=False),
                        nn.GroupNorm(8, c_out), nn.ReLU(inplace=True)]
+            layers += [_ResidualBlock(c_out) for _ in range(n_blocks)]
             c_in = c_out
         self.layers = nn.Sequential(*layers)
         self.num_channels = c_in
@@ -37,15 +56,35 @@ class TinyBody(nn.Module):
         return {"0": self.layers(x)}
 
 
+SMALL_BODIES = {"tiny": dict(widths=(16, 32, 64, 64, 128), blocks=(0, 0, 0, 0, 0)),
+                "small": dict(widths=(16, 32, 64), blocks=(0, 0, 2))}
+BACKBONES = RESNETS + tuple(SMALL_BODIES)
+
+
+def _load_weights(path, name):
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--backbone-weights {path} does not exist") from None
+    except Exception as exc:
+        raise ValueError(f"--backbone-weights {path} is not a state_dict file for {name!r} ({exc})") from None
+
+
 class Backbone(nn.Module):
     def __init__(self, name, train_backbone, dilation, weights_path=None):
         super().__init__()
         if name not in BACKBONES:
             raise ValueError(f"backbone={name!r} is not supported; choose one of {BACKBONES}")
-        if name == "tiny":
+        if name in SMALL_BODIES:
             if dilation:
-                raise ValueError("dilation=True (DC5) needs a ResNet backbone, not backbone='tiny'")
-            self.body = TinyBody()
+                raise ValueError(f"dilation=True (DC5) needs a ResNet backbone, not backbone={name!r}")
+            self.body = TinyBody(**SMALL_BODIES[name])
+            if weights_path:  # from integrations.detr.pretrain
+                try:
+                    self.body.load_state_dict(_load_weights(weights_path, name))
+                except RuntimeError as exc:
+                    raise ValueError(f"--backbone-weights {weights_path} does not fit backbone {name!r} ({exc}); "
+                                     f"make it with python -m integrations.detr.pretrain --backbone {name}") from None
             self.num_channels = self.body.num_channels
             for p in self.body.parameters():
                 p.requires_grad_(train_backbone)
@@ -56,7 +95,7 @@ class Backbone(nn.Module):
         net = getattr(torchvision.models, name)(
             weights=None, replace_stride_with_dilation=[False, False, dilation], norm_layer=FrozenBatchNorm2d)
         if weights_path:
-            state = torch.load(weights_path, map_location="cpu", weights_only=True)
+            state = _load_weights(weights_path, name)
             missing, unexpected = net.load_state_dict(state, strict=False)
             missing = [k for k in missing if not k.startswith("fc.")]
             if missing:
@@ -100,6 +139,8 @@ def build_backbone(args):
     return Joiner(backbone, build_position_encoding(args))
 
 
-def backbone_stride(dilation):
-    """Total stride of the feature map fed to the transformer (DC5 halves it)."""
+def backbone_stride(name, dilation):
+    """Total stride of the feature map fed to the transformer (DC5 halves a ResNet's)."""
+    if name in SMALL_BODIES:
+        return 2 ** len(SMALL_BODIES[name]["widths"])
     return 16 if dilation else 32

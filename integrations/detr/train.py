@@ -52,7 +52,7 @@ def prepare_data_args(args):
 
 def max_tokens_for(args, datasets):
     """Largest encoder sequence any padded batch of these datasets can produce (sets Linformer's seq_len)."""
-    stride = backbone_stride(args.dilation)
+    stride = backbone_stride(args.backbone, args.dilation)
     return max(feature_tokens(max_padded_hw(ds.image_sizes(), args, split), stride) for split, ds in datasets.items())
 
 
