@@ -1,0 +1,203 @@
+"""Pretrain a small backbone (`tiny` or `small`) on a COCO-format detection set, as ImageNet does for DETR's ResNet.
+
+    python -m integrations.detr.pretrain --iters 3000 --output-dir runs/backbone -- --synthetic-train 4000
+    python -m integrations.detr.train --backbone small --backbone-weights runs/backbone/backbone.pth ...
+
+DETR trained with a backbone learned from scratch stays stuck where every query predicts the mean box
+and the class prior (a well-known failure on small data; the released models start from ImageNet). The
+small backbones have no released weights, so this gives them a pretext task on the training images:
+label each cell of the backbone's feature map with the category of the object covering its centre
+(the smallest one where objects overlap; 0 = background; padding ignored) and train the backbone
+with a 1x1 classifier on top. The features then say what is where; learning the set prediction is
+left to DETR. Options after `--` choose the data, exactly as for `integrations.detr.train`.
+Writes backbone.pth (the body's state_dict), log.jsonl (loss and cell accuracy) and checkpoint.pth
+(every --save-every iterations; --resume continues from it).
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from .backbone import SMALL_BODIES, TinyBody, backbone_stride
+from .checkpoint import load_checkpoint, rng_state, save_atomic, set_rng_state
+from .config import parse_args
+from .datasets import build_dataset
+from .misc import collate_fn
+from .train import prepare_data_args, seed_everything
+
+IGNORE = -100
+
+
+def cell_labels(targets, padding_mask, stride):
+    """(B, h, w) long: category of the object covering each cell centre, 0 for none, IGNORE on padding.
+
+    targets: DETR targets (boxes normalised cxcywh of the unpadded image of size target["size"]);
+    padding_mask: (B, h, w) bool at feature resolution, True = padding. A cell containing an object's
+    centre gets it even if the object covers no cell centre (objects smaller than the stride).
+    """
+    b, h, w = padding_mask.shape
+    labels = torch.zeros(b, h, w, dtype=torch.long)
+    centres_y = (torch.arange(h, dtype=torch.float32) + 0.5) * stride
+    centres_x = (torch.arange(w, dtype=torch.float32) + 0.5) * stride
+    for i, t in enumerate(targets):
+        img_h, img_w = (float(v) for v in t["size"])
+        boxes = t["boxes"].float() * torch.tensor([img_w, img_h, img_w, img_h])
+        areas = boxes[:, 2] * boxes[:, 3]
+        for j in torch.argsort(areas, descending=True).tolist():  # smaller objects drawn last win
+            cx, cy, bw, bh = boxes[j].tolist()
+            inside_y = (centres_y >= cy - bh / 2) & (centres_y < cy + bh / 2)
+            inside_x = (centres_x >= cx - bw / 2) & (centres_x < cx + bw / 2)
+            label = int(t["labels"][j])
+            labels[i][inside_y[:, None] & inside_x[None, :]] = label
+            labels[i, min(int(cy // stride), h - 1), min(int(cx // stride), w - 1)] = label
+    return labels.masked_fill(padding_mask.cpu(), IGNORE)
+
+
+class CellClassifier(nn.Module):
+    def __init__(self, backbone, num_classes):
+        super().__init__()
+        self.body = TinyBody(**SMALL_BODIES[backbone])
+        self.head = nn.Conv2d(self.body.num_channels, num_classes, 1)
+
+    def forward(self, images):
+        return self.head(self.body(images)["0"])
+
+
+def _batch(samples, targets, stride, device):
+    images, mask = samples.decompose()
+    feat_hw = (-(-images.shape[-2] // stride), -(-images.shape[-1] // stride))
+    small_mask = F.interpolate(mask[None].float(), size=feat_hw).to(torch.bool)[0]
+    return images.to(device), cell_labels(targets, small_mask, stride).to(device)
+
+
+def _accuracy(logits, labels):
+    valid = labels != IGNORE
+    objects = valid & (labels > 0)
+    pred = logits.argmax(1)
+    acc = (pred[valid] == labels[valid]).float().mean().item()
+    obj_acc = (pred[objects] == labels[objects]).float().mean().item() if objects.any() else float("nan")
+    return acc, obj_acc
+
+
+def get_args_parser():
+    p = argparse.ArgumentParser("Pretrain a small DETR backbone on feature-cell classification")
+    a = p.add_argument
+    a("--backbone", default="small", choices=tuple(SMALL_BODIES))
+    a("--iters", type=int, default=3000)
+    a("--lr", type=float, default=1e-3)
+    a("--batch-size", type=int, default=16)
+    a("--output-dir", default="runs/backbone")
+    a("--save-every", type=int, default=500, help="iterations between checkpoints")
+    a("--resume", action="store_true", help="continue from output-dir/checkpoint.pth")
+    a("--seed", type=int, default=42)
+    a("--num-workers", type=int, default=2)
+    a("--device", default=None)
+    a("--no-progress", dest="progress", action="store_false")
+    a("data_args", nargs=argparse.REMAINDER, help="after --: data options of integrations.detr.train")
+    return p
+
+
+def main(argv=None):
+    """Returns the path of the written backbone.pth."""
+    args = get_args_parser().parse_args(argv)
+    data_args = [t for t in args.data_args if t != "--"]
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dargs = parse_args(data_args + ["--output-dir", str(out), "--backbone", args.backbone, "--seed", str(args.seed)])
+    prepare_data_args(dargs)
+    seed_everything(args.seed)
+    datasets = {split: build_dataset(split, dargs) for split in ("train", "val")}
+    num_classes = max(c["id"] for c in datasets["train"].coco.dataset["categories"]) + 1
+    stride = backbone_stride(args.backbone, False)
+    model = CellClassifier(args.backbone, num_classes).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.iters, pct_start=0.1)
+    start, ckpt_path, log_path = 0, out / "checkpoint.pth", out / "log.jsonl"
+    if args.resume and ckpt_path.exists():
+        ckpt = load_checkpoint(ckpt_path)
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        set_rng_state(ckpt["rng"])
+        start = ckpt["iter"]
+        if log_path.exists():  # entries past the checkpoint are redone
+            log_lines = [line for line in log_path.read_text().splitlines() if json.loads(line)["iter"] <= start]
+            log_path.write_text("".join(line + "\n" for line in log_lines))
+    elif log_path.exists():
+        log_path.unlink()
+
+    # Each epoch's order comes from its own seed, and a resumed run starts at the next unseen batch
+    # without loading the ones before it: with --num-workers 0 it repeats the original run exactly.
+    per_epoch = len(datasets["train"]) // args.batch_size
+    if per_epoch == 0:
+        raise ValueError(f"--batch-size {args.batch_size} exceeds the {len(datasets['train'])} training images")
+    model.train()
+    it, bar = start, tqdm(total=args.iters, initial=start, disable=not args.progress, desc="pretrain")
+    running = []
+    while it < args.iters:
+        epoch, skip = divmod(it, per_epoch)
+        order = torch.randperm(len(datasets["train"]), generator=torch.Generator().manual_seed(args.seed + epoch))
+        batches = order[: per_epoch * args.batch_size].view(per_epoch, args.batch_size)[skip:].tolist()
+        loader = torch.utils.data.DataLoader(datasets["train"], batch_sampler=batches, collate_fn=collate_fn,
+                                             num_workers=args.num_workers)
+        for samples, targets in loader:
+            images, labels = _batch(samples, targets, stride, device)
+            logits = model(images)
+            loss = F.cross_entropy(logits, labels, ignore_index=IGNORE)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            it += 1
+            running.append((loss.item(), *_accuracy(logits.detach(), labels)))
+            bar.update(1)
+            if it % 50 == 0 or it == args.iters:
+                loss_avg, acc, obj_acc = (sum(v) / len(v) for v in zip(*running))
+                running = []
+                bar.set_postfix(loss=f"{loss_avg:.3f}", object_cells=f"{obj_acc:.2f}")
+                with open(log_path, "a") as f:
+                    f.write(json.dumps({"iter": it, "loss": loss_avg, "cell_acc": acc, "object_cell_acc": obj_acc})
+                            + "\n")
+            if it % args.save_every == 0 or it == args.iters:
+                save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                             "scheduler": scheduler.state_dict(), "iter": it, "rng": rng_state()}, ckpt_path)
+            if it == args.iters:
+                break
+    bar.close()
+    val = evaluate(model, datasets["val"], stride, device, args)
+    with open(log_path, "a") as f:
+        f.write(json.dumps({"iter": it, **val}) + "\n")
+    print(f"pretrained {args.backbone} for {it} iterations: val cell accuracy {val['val_cell_acc']:.3f}, "
+          f"object cells {val['val_object_cell_acc']:.3f}", file=sys.stderr)
+    path = out / "backbone.pth"
+    save_atomic(model.body.state_dict(), path)
+    return path
+
+
+@torch.no_grad()
+def evaluate(model, dataset, stride, device, args):
+    model.eval()
+    loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, collate_fn=collate_fn,
+                                         num_workers=args.num_workers)
+    hits = [0, 0, 0, 0]
+    for samples, targets in loader:
+        images, labels = _batch(samples, targets, stride, device)
+        pred = model(images).argmax(1)
+        valid = labels != IGNORE
+        objects = valid & (labels > 0)
+        hits[0] += int((pred[valid] == labels[valid]).sum())
+        hits[1] += int(valid.sum())
+        hits[2] += int((pred[objects] == labels[objects]).sum())
+        hits[3] += int(objects.sum())
+    model.train()
+    return {"val_cell_acc": hits[0] / max(hits[1], 1), "val_object_cell_acc": hits[2] / max(hits[3], 1)}
+
+
+if __name__ == "__main__":
+    main()

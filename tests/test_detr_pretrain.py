@@ -1,0 +1,67 @@
+"""Backbone pretraining for the small DETR backbones: cell labels, weights that DETR loads, exact resume."""
+import json
+
+import pytest
+import torch
+
+from integrations.detr import pretrain
+from integrations.detr.config import parse_args
+from integrations.detr.detr import build_model
+
+DATA = ["--", "--synthetic-train", "16", "--synthetic-val", "4", "--scales", "64,80", "--max-size", "96",
+        "--no-crop", "--val-size", "64"]
+
+
+def test_cell_labels():
+    # A 64x32 (h x w) image at stride 16: 4 x 2 cells, centres at x in {8, 24}, y in {8, 24, 40, 56}.
+    big = [8 / 32, 24 / 64, 16 / 32, 48 / 64]     # cxcywh normalised: x 0..16, y 0..48 -> cells (0..2, 0)
+    small = [24 / 32, 56 / 64, 4 / 32, 4 / 64]    # 4x4 px around (24, 56): no centre inside, its own cell (3, 1)
+    inner = [8 / 32, 8 / 64, 8 / 32, 8 / 64]      # inside the big one, covers centre (8, 8): smaller wins
+    target = {"size": torch.tensor([64, 32]), "boxes": torch.tensor([big, small, inner]),
+              "labels": torch.tensor([2, 3, 1])}
+    padding = torch.zeros(1, 5, 2, dtype=torch.bool)
+    padding[0, 4] = True  # a padded row below the image
+    labels = pretrain.cell_labels([target], padding, stride=16)
+    expected = torch.tensor([[1, 0], [2, 0], [2, 0], [0, 3], [pretrain.IGNORE, pretrain.IGNORE]])
+    assert torch.equal(labels[0], expected)
+
+
+def _run(tmp_path, *extra):
+    return pretrain.main(["--backbone", "tiny", "--iters", "4", "--batch-size", "4", "--save-every", "2",
+                          "--output-dir", str(tmp_path), "--num-workers", "0", "--no-progress", "--lr", "1e-2",
+                          *extra, *DATA])
+
+
+def test_weights_load_into_detr_and_change_with_training(tmp_path):
+    path = _run(tmp_path)
+    log = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert log[-1]["iter"] == 4 and 0 <= log[-1]["val_cell_acc"] <= 1
+    args = parse_args(["--backbone", "tiny", "--backbone-weights", str(path), "--num-classes", "5"])
+    model, _, _ = build_model(args)
+    state = torch.load(path, weights_only=True)
+    body = model.backbone[0].body.state_dict()
+    assert state.keys() == body.keys() and all(torch.equal(state[k], body[k]) for k in state)
+    fresh, _, _ = build_model(parse_args(["--backbone", "tiny", "--num-classes", "5"]))
+    assert not torch.equal(fresh.backbone[0].body.state_dict()["layers.0.weight"], state["layers.0.weight"])
+    with pytest.raises(ValueError, match="does not fit backbone 'small'"):
+        build_model(parse_args(["--backbone", "small", "--backbone-weights", str(path), "--num-classes", "5"]))
+
+
+def test_resume_after_interruption_repeats_the_run(tmp_path, monkeypatch):
+    reference = torch.load(_run(tmp_path / "whole"), weights_only=True)
+    real_batch, calls = pretrain._batch, []
+
+    def interrupted(*args):
+        if len(calls) == 3:  # dies during iteration 3, after the checkpoint of iteration 2
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real_batch(*args)
+    monkeypatch.setattr(pretrain, "_batch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _run(tmp_path / "split")
+    monkeypatch.setattr(pretrain, "_batch", real_batch)
+    resumed = torch.load(_run(tmp_path / "split", "--resume"), weights_only=True)
+    for key in reference:
+        torch.testing.assert_close(resumed[key], reference[key], rtol=0, atol=0, msg=key)
+    iters = [json.loads(line)["iter"] for line in (tmp_path / "split" / "log.jsonl").read_text().splitlines()]
+    assert iters == sorted(iters) and iters[-1] == 4
