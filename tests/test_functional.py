@@ -118,6 +118,27 @@ def test_favor_estimates_softmax_attention(qkv):
     assert (phi_q > 0).all() and (phi_k[1, :, 4:] == 0).all()
 
 
+def test_kernel_step_in_bfloat16_keeps_a_float32_state(qkv):
+    _, k, v, _ = (t.to(torch.bfloat16) for t in qkv)
+    q = k.flip(-1)
+    full = LF.kernel(q.double(), k.double(), v.double(), "elu", causal=True)
+    state = None
+    for t in range(S):
+        out, state = LF.kernel_step(q[:, :, t], k[:, :, t], v[:, :, t], state, "elu")
+        assert out.dtype == torch.bfloat16 and state.dtype == torch.float32
+        torch.testing.assert_close(out.double(), full[:, :, t], rtol=2e-2, atol=2e-2)
+
+
+def test_kernel_step_errors(qkv):
+    q, k, v, _ = qkv
+    with pytest.raises(ValueError, match=r"one position per call: q must be a floating-point \(B, H, D\)"):
+        LF.kernel_step(q, k[:, :, 0], v[:, :, 0], None)
+    with pytest.raises(ValueError, match="must share their"):
+        LF.kernel_step(q[:, :, 0], k[:, :, 0], v[:1, :, 0], None)
+    with pytest.raises(ValueError, match=r"state must have shape \(B, H, F, Dv \+ 1\)"):
+        LF.kernel_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], torch.zeros(*q.shape[:2], D, v.shape[-1]))
+
+
 def test_orthogonal_random_features_rows_are_orthogonal_within_a_block():
     w = LF.orthogonal_random_features(8, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     unit = w / w.norm(dim=1, keepdim=True)
@@ -127,7 +148,7 @@ def test_orthogonal_random_features_rows_are_orthogonal_within_a_block():
 def test_kernel_step_equals_causal_kernel_token_by_token(qkv):
     q, k, v, _ = qkv
     q = torch.cat([q, q], 2)[:, :, :S]
-    for fmap, proj in (("elu", None), ("taylor", None),
+    for fmap, proj in (("elu", None), ("relu", None), ("taylor", None),
                        ("favor", LF.orthogonal_random_features(16, D, dtype=torch.float64))):
         full = LF.kernel(q, k, v, fmap, causal=True, projection=proj)
         state, outs = None, []

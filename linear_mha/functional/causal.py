@@ -348,10 +348,28 @@ def causal_linear_step(phi_q, phi_k, v, state):
     Applied token by token it equals causal_linear_product.
     """
     _check_inputs(phi_q, phi_k, v, state, seq_dims=3)
+    return step_unchecked(phi_q, phi_k, v, state)
+
+
+def step_unchecked(phi_q, phi_k, v, state):
+    """causal_linear_step without its argument checks, for callers that have done them. Decoding is bound
+    by per-op overhead (a few microseconds each, more than the arithmetic), so no-op conversions and
+    context managers are skipped too."""
     dtype = _state_dtype(phi_q.dtype)
-    phi_k, v = phi_k.to(dtype).unsqueeze(-1), v.to(dtype).unsqueeze(-2)
-    # One fused op: decoding is bound by per-op overhead and by writing the new state, not by arithmetic.
-    new_state = phi_k * v if state is None else torch.addcmul(state.to(dtype), phi_k, v)
-    with _no_autocast(phi_q.device):
-        out = torch.matmul(phi_q.to(dtype).unsqueeze(-2), new_state).squeeze(-2)
-    return out.to(phi_q.dtype), new_state
+    out_dtype = phi_q.dtype
+    if out_dtype != dtype:
+        phi_q, phi_k, v = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
+    if state is not None and state.dtype != dtype:
+        state = state.to(dtype)
+    phi_k, v = phi_k.unsqueeze(-1), v.unsqueeze(-2)
+    new_state = phi_k * v if state is None else torch.addcmul(state, phi_k, v)
+    b, h, dk, dv = new_state.shape
+    # bmm on 3-D views: matmul's broadcasting of 4-D operands costs more than the product itself here.
+    args = (phi_q.reshape(b * h, 1, dk), new_state.reshape(b * h, dk, dv))
+    if torch.is_autocast_enabled(phi_q.device.type):
+        with _no_autocast(phi_q.device):
+            out = torch.bmm(*args)
+    else:
+        out = torch.bmm(*args)
+    out = out.view(b, h, dv)
+    return (out if out_dtype == dtype else out.to(out_dtype)), new_state
