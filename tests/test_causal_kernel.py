@@ -1,5 +1,5 @@
-"""The fused causal kernel Function (functional/causal_kernel.py) against the same attention composed from
-autograd ops, its gradients, and what it keeps for backward."""
+"""The fast kernel paths (the fused causal Function of functional/causal_kernel.py, the in-place inference
+path of the non-causal kernel) against the same attention composed from autograd ops, and what they keep."""
 import sys
 
 import pytest
@@ -96,3 +96,17 @@ def test_initial_state_shape_error():
         LF.kernel(q, k, v, "elu", causal=True, initial_state=torch.zeros(2, 3, 4, 5, dtype=torch.float64))
     with pytest.raises(ValueError, match="chunk_size"):
         LF.kernel(q, k, v, "elu", causal=True, chunk_size=0)
+
+
+@pytest.mark.parametrize("feature_map", ["elu", "relu", "taylor", lambda x: x.abs()])
+def test_inference_path_leaves_inputs_untouched_and_equals_the_autograd_path(feature_map):
+    """Non-causal inference writes its output over phi(k): the caller's tensors must not be touched."""
+    q, k, v, _, _ = inputs(state=False, mask=False)
+    v = v[..., :4]  # Dv == D, the shape where the output can reuse phi(k)'s buffer
+    with_grad = LF.kernel(q, k, v, feature_map)
+    copies = [t.detach().clone() for t in (q, k, v)]
+    with torch.no_grad():
+        out = LF.kernel(q, k, v, feature_map)
+    for t, c in zip((q, k, v), copies):
+        assert torch.equal(t, c)
+    torch.testing.assert_close(out, with_grad.detach(), rtol=1e-12, atol=1e-12)
