@@ -104,7 +104,8 @@ def pretrained_backbone(a):
 def training_table(a, device):
     """Trains every variant (resuming any whose checkpoint exists) and tabulates the last epoch."""
     rows, weights = [], pretrained_backbone(a)
-    for name, extra in VARIANTS.items():
+    for name in a.variants:
+        extra = VARIANTS[name]
         _peak_reset(device)
         run_dir = Path(a.out) / name
         argv = ["--epochs", str(a.epochs), "--seed", str(a.seed), "--output-dir", str(run_dir),
@@ -166,6 +167,9 @@ def main(argv=None):
     p.add_argument("--out", default="runs/detr_compare")
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--max-iters", type=int, default=0)
+    p.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS),
+                   help=f"comma list of {','.join(VARIANTS)}; runs of one --out can go in parallel processes "
+                        "(after the backbone is pretrained) and a last call with all of them makes the table")
     p.add_argument("--pretrain-iters", type=int, default=0,
                    help="pretrain the (tiny/small) backbone this long first, shared by every variant "
                         "(integrations/detr/pretrain.py); from scratch DETR stays at AP ~ 0 on CPU budgets")
@@ -182,6 +186,9 @@ def main(argv=None):
                    help="after --: options passed to every training run, e.g. -- --synthetic-train 4000 --no-crop")
     a = p.parse_args(argv)
     a.train_args = [t for t in a.train_args if t != "--"]
+    unknown = [v for v in a.variants if v not in VARIANTS]
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
     device = torch.device(a.device)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
