@@ -16,14 +16,14 @@ TRAIN = ["--synthetic-train", "8", "--synthetic-val", "4", "--batch-size", "4", 
 @pytest.mark.slow
 def test_compare_runs_every_variant_from_one_pretrained_backbone_and_resumes(tmp_path):
     argv = ["--out", str(tmp_path), "--epochs", "1", "--max-iters", "1", "--skip-encoder", "--num-workers", "0",
-            "--pretrain-iters", "2", "--"] + TRAIN
+            "--pretrain-iters", "2", "--timing-iters", "1", "--"] + TRAIN
     detr_compare.main(argv)
     result = json.loads((tmp_path / "results.json").read_text())
     rows = result["training"]
     assert [r["variant"] for r in rows] == list(detr_compare.VARIANTS)
     weights = str(tmp_path / "backbone" / "backbone.pth")
     for r in rows:
-        assert 0 <= r["AP"] <= 1 and r["peak_MiB"] > 0
+        assert 0 <= r["AP"] <= 1 and r["peak_MiB"] > 0 and r["timed_s_per_iter"] > 0
         args = json.loads((tmp_path / r["variant"] / "args.json").read_text())
         assert args["backbone_weights"] == weights
     assert (tmp_path / "ap_curves.png").stat().st_size > 0

@@ -131,7 +131,20 @@ def training_table(a, device):
         rows.append({"variant": name, "AP": last["test_AP"], "AP50": last["test_AP50"],
                      "train_s_per_iter" if iters else "train_s_per_epoch": per_iter,
                      "peak_MiB": peak, "log": [e["test_AP"] for e in log]})
+    if a.timing_iters:
+        for row in rows:
+            row["timed_s_per_iter"] = _timed_iterations(a, device, VARIANTS[row["variant"]] + weights)
     return rows
+
+
+def _timed_iterations(a, device, extra):
+    """Seconds per training iteration of a short run on its own (the training runs of the table may have
+    shared the machine): one epoch of --timing-iters iterations in a throwaway directory."""
+    with tempfile.TemporaryDirectory(prefix="detr_time_") as tmp:
+        run = train_main(["--epochs", "1", "--max-iters", str(a.timing_iters), "--seed", str(a.seed),
+                          "--output-dir", tmp, "--device", str(device), "--no-progress", "--num-workers", "0"]
+                         + a.train_args + extra)
+    return run["log"][-1]["epoch_train_seconds"] / a.timing_iters
 
 
 @torch.no_grad()
@@ -170,6 +183,9 @@ def main(argv=None):
     p.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS),
                    help=f"comma list of {','.join(VARIANTS)}; runs of one --out can go in parallel processes "
                         "(after the backbone is pretrained) and a last call with all of them makes the table")
+    p.add_argument("--timing-iters", type=int, default=0,
+                   help="also time this many training iterations of each variant, one variant at a time, "
+                        "after training (clean s/iter when the training runs shared the machine)")
     p.add_argument("--pretrain-iters", type=int, default=0,
                    help="pretrain the (tiny/small) backbone this long first, shared by every variant "
                         "(integrations/detr/pretrain.py); from scratch DETR stays at AP ~ 0 on CPU budgets")
