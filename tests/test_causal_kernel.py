@@ -55,6 +55,18 @@ def test_equals_composed_ops_values_and_grads(feature_map, state):
         assert out[0, :, :2].abs().max() == 0  # queries that see only masked keys return 0, not NaN
 
 
+@pytest.mark.parametrize("block_positions", [3, 6, 9, 12, 10_000])  # chunk segments, whole groups, one block
+def test_every_blocking_of_the_forward_gives_the_same_values(block_positions, monkeypatch):
+    import linear_mha.functional.causal as causal_module
+    q, k, v, init, kpm = inputs(n=13)
+    v = v.masked_fill(kpm[:, None, :, None], 0.0)
+    ref = composed(q, k, v, "elu", kpm, init)
+    monkeypatch.setattr(causal_module, "_block_positions", lambda device: block_positions)
+    with torch.no_grad():
+        out = causal_kernel(q, k, v, "elu", key_padding_mask=kpm, initial_state=init, chunk_size=3)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("feature_map", ["elu", "relu"])
 def test_gradcheck(feature_map):
     q, k, v, init, kpm = inputs(n=7, d=3, dv=2)

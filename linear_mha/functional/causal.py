@@ -143,15 +143,16 @@ class _PrefixStates:
     state, and an in-place cumsum finishes the job without a shifted copy.
     """
 
-    def __init__(self, k, v, init, n_chunks, max_block):
-        self.k, self.v, self.init, self.n_chunks = k, v, init, n_chunks
-        self.buf = k.new_empty(max_block + 1, k.shape[-1], v.shape[-1])
+    def __init__(self, like, dk, dv, init, n_chunks, max_block):
+        self.dk, self.dv, self.init, self.n_chunks = dk, dv, init, n_chunks
+        self.buf = like.new_empty(max_block + 1, dk, dv)
         self.carry = None
 
-    def block(self, a, b, n_groups, per_group, starts, ends):
-        length, dk, dv = b - a, self.k.shape[-1], self.v.shape[-1]
+    def block(self, k, v, a, b, n_groups, per_group, starts, ends):
+        """States for chunks [a, b) of the flat chunk axis; k, v are those chunks (b - a, C, Dk / Dv)."""
+        length, dk, dv = b - a, self.dk, self.dv
         buf = self.buf[: length + 1]
-        torch.bmm(self.k[a:b].transpose(1, 2), self.v[a:b], out=buf[1:])
+        torch.bmm(k.transpose(1, 2), v, out=buf[1:])
         states = buf[:-1].view(n_groups, per_group, dk, dv)
         if not starts:
             states[:, 0] = self.carry
@@ -209,10 +210,10 @@ def _forward_impl(phi_q, phi_k, v, initial_state, chunk_size):
     init = None if initial_state is None else initial_state.to(dtype).reshape(b * h, *initial_state.shape[2:])
 
     out = q.new_empty(q.shape[0], chunk, vc.shape[-1])
-    prefix = _PrefixStates(k, vc, init, n_chunks, max_block)
+    prefix = _PrefixStates(k, k.shape[-1], vc.shape[-1], init, n_chunks, max_block)
     scores = q.new_empty(max_block, chunk, chunk)
     for a, z, *shape in blocks:
-        torch.bmm(q[a:z], prefix.block(a, z, *shape), out=out[a:z])
+        torch.bmm(q[a:z], prefix.block(k[a:z], vc[a:z], a, z, *shape), out=out[a:z])
         out[a:z].baddbmm_(_causal_scores_into(scores[: z - a], q[a:z], k[a:z]), vc[a:z])
     return _unchunk(out, b, h, n, phi_q.dtype)
 
@@ -240,11 +241,11 @@ def _backward_impl(phi_q, phi_k, v, initial_state, grad_out, chunk_size, needs):
     if need_q or need_k:
         if need_q:
             init = None if initial_state is None else initial_state.to(dtype).reshape(b * h, dk, dv)
-            prefix = _PrefixStates(k, vc, init, n_chunks, max_block)
+            prefix = _PrefixStates(k, dk, dv, init, n_chunks, max_block)
         for a, z, *shape in blocks:
             do_v = _causal_scores_into(scores[: z - a], do[a:z], vc[a:z])
             if need_q:
-                torch.bmm(do[a:z], prefix.block(a, z, *shape).transpose(1, 2), out=gq[a:z])
+                torch.bmm(do[a:z], prefix.block(k[a:z], vc[a:z], a, z, *shape).transpose(1, 2), out=gq[a:z])
                 gq[a:z].baddbmm_(do_v, k[a:z])
             if need_k:
                 torch.bmm(do_v.transpose(1, 2), q[a:z], out=gk[a:z])

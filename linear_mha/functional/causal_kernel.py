@@ -1,10 +1,11 @@
-"""Causal kernel attention with an elementwise feature map as one autograd Function.
+"""Causal kernel attention with an elementwise feature map (elu, relu) as one autograd Function.
 
-Composed from autograd ops, causal kernel attention keeps phi(q), phi(k), the ones-column copy of v
-and the unnormalised product alive until backward: four (B, H, N, D)-sized tensors besides the
-inputs. This Function keeps only q, k, v (the caller holds them anyway), the output and the
-normaliser (B, H, N, 1), and recomputes the rest in backward, where the feature map's derivative is
-read off its output:
+Composed from autograd ops, causal kernel attention makes phi(q), phi(k), a ones-column copy of v and
+the unnormalised product as N-sized tensors, and keeps them for backward. Here the forward runs the
+chunked product of ``causal.py`` block by block with the feature map, the ones column and the
+division done on each block in reused buffers, and keeps only q, k, v (the caller holds them
+anyway), the output and the normaliser (B, H, N, 1). The backward recomputes the features and reads
+the map's derivative off them:
 
     elu(x) + 1:  d/dx = 1 for x > 0, exp(x) = phi for x <= 0   ->  min(phi, 1)
     relu(x):     d/dx = [phi > 0]
@@ -17,9 +18,9 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ._common import append_ones, mask_keys, safe_normaliser
+from ._common import append_ones, mask_keys
+from .causal import _PrefixStates, _causal_scores_into, _layout, _no_autocast, _to_chunks, _unchunk
 from .causal import _backward as _product_backward
-from .causal import _forward as _product_forward
 from .feature_maps import elementwise_feature_map
 
 FUSED_FEATURE_MAPS = ("elu", "relu")
@@ -38,14 +39,49 @@ def _derivative_in_place(grad: Tensor, phi: Tensor, feature_map: str) -> Tensor:
     return grad.mul_(phi > 0)
 
 
+_IN_PLACE = {"elu": lambda t: torch.nn.functional.elu(t, inplace=True).add_(1.0), "relu": torch.relu_}
+
+
 def _forward(q, k, v, initial_state, key_padding_mask, feature_map, chunk_size):
-    """(out, normaliser with its zeros replaced by 1), normalised as in ``_common.normalise``."""
-    phi_q, phi_k, v1 = _features(q, k, v, key_padding_mask, feature_map)
-    del q, k
-    num_den = _product_forward(phi_q, phi_k, v1, initial_state, chunk_size)
-    del phi_q, phi_k, v1
-    den = safe_normaliser(num_den[..., -1:])
-    return num_den[..., :-1] / den, den
+    """(out (B, H, N, Dv), normaliser (B, H, N, 1) with its zeros replaced by 1, as ``_common.normalise``)."""
+    with _no_autocast(q.device):
+        return _forward_blocks(q, k, v, initial_state, key_padding_mask, feature_map, chunk_size)
+
+
+def _forward_blocks(q, k, v, initial_state, key_padding_mask, feature_map, chunk_size):
+    """The chunked product of ``causal.py`` with the feature map, the ones column and the normalisation done
+    block by block in reused buffers: no N-sized temporaries, and every elementwise pass runs on data the
+    block's matmuls are about to read (see causal._block_positions for the block sizes)."""
+    b, h, n, chunk, n_chunks, dtype, blocks, max_block = _layout(q, chunk_size)
+    qc, kc, vc = (_to_chunks(t, n_chunks, chunk, dtype) for t in (q, k, v))
+    dk, dv = q.shape[-1], v.shape[-1]
+    masked = None
+    if key_padding_mask is not None:
+        flat = key_padding_mask.new_ones(b, n_chunks * chunk)  # the chunk padding is masked too
+        flat[:, :n] = key_padding_mask
+        masked = flat.view(b, 1, n_chunks, chunk, 1).expand(b, h, -1, -1, -1).reshape(-1, chunk, 1)
+    init = None if initial_state is None else initial_state.to(dtype).reshape(b * h, dk, dv + 1)
+    feature = _IN_PLACE[feature_map]
+    phi_q_buf, phi_k_buf = qc.new_empty(max_block, chunk, dk), qc.new_empty(max_block, chunk, dk)
+    v1_buf, num_den_buf = qc.new_empty(max_block, chunk, dv + 1), qc.new_empty(max_block, chunk, dv + 1)
+    v1_buf[..., dv] = 1.0
+    scores = qc.new_empty(max_block, chunk, chunk)
+    out, den = qc.new_empty(qc.shape[0], chunk, dv), qc.new_empty(qc.shape[0], chunk, 1)
+    prefix = _PrefixStates(qc, dk, dv + 1, init, n_chunks, max_block)
+    for a, z, *shape in blocks:
+        length = z - a
+        phi_q = feature(phi_q_buf[:length].copy_(qc[a:z]))
+        phi_k = feature(phi_k_buf[:length].copy_(kc[a:z]))
+        if masked is not None:
+            phi_k.masked_fill_(masked[a:z], 0.0)
+        v1 = v1_buf[:length]
+        v1[..., :dv] = vc[a:z]
+        num_den = torch.bmm(phi_q, prefix.block(phi_k, v1, a, z, *shape), out=num_den_buf[:length])
+        num_den.baddbmm_(_causal_scores_into(scores[:length], phi_q, phi_k), v1)
+        block_den = den[a:z]
+        block_den.copy_(num_den[..., dv:]).masked_fill_(block_den == 0, 1.0)
+        torch.div(num_den[..., :dv], block_den, out=out[a:z])
+    return _unchunk(out, b, h, n, q.dtype), _unchunk(den, b, h, n, q.dtype)
 
 
 class _CausalKernel(torch.autograd.Function):
