@@ -122,3 +122,23 @@ def test_inference_path_leaves_inputs_untouched_and_equals_the_autograd_path(fea
     for t, c in zip((q, k, v), copies):
         assert torch.equal(t, c)
     torch.testing.assert_close(out, with_grad.detach(), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("block_positions", [6, 12, 30, 10_000])  # 1, 2 or 5 positions per head, one block
+@pytest.mark.parametrize("feature_map", ["elu", "relu"])
+def test_blocked_non_causal_inference_equals_the_autograd_path(block_positions, feature_map, monkeypatch):
+    import linear_mha.functional.causal as causal_module
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 3, 7, 4, generator=g, dtype=torch.float64)
+    k, v = torch.randn(2, 3, 9, 4, generator=g, dtype=torch.float64), torch.randn(2, 3, 9, 5, generator=g,
+                                                                                   dtype=torch.float64)
+    kpm = torch.zeros(2, 9, dtype=torch.bool)
+    kpm[1, 4:] = True
+    state = torch.rand(2, 3, 4, 6, generator=g, dtype=torch.float64)
+    for kw in ({}, {"key_padding_mask": kpm}, {"initial_state": state}):
+        ref = LF.kernel(q.requires_grad_(), k, v, feature_map, **kw).detach()  # the composed autograd path
+        monkeypatch.setattr(causal_module, "_block_positions", lambda device: block_positions)
+        with torch.no_grad():
+            out = LF.kernel(q, k, v, feature_map, **kw)
+        monkeypatch.undo()
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)

@@ -19,11 +19,12 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from ._common import append_ones, mask_keys
+from . import causal as _causal
 from .causal import _PrefixStates, _causal_scores_into, _layout, _no_autocast, _to_chunks, _unchunk
 from .causal import _backward as _product_backward
-from .feature_maps import elementwise_feature_map
+from .feature_maps import IN_PLACE_FEATURE_MAPS, elementwise_feature_map
 
-FUSED_FEATURE_MAPS = ("elu", "relu")
+FUSED_FEATURE_MAPS = tuple(IN_PLACE_FEATURE_MAPS)
 
 
 def _features(q, k, v, key_padding_mask, feature_map):
@@ -37,9 +38,6 @@ def _derivative_in_place(grad: Tensor, phi: Tensor, feature_map: str) -> Tensor:
     if feature_map == "elu":
         return grad.mul_(phi.clamp_(max=1.0))
     return grad.mul_(phi > 0)
-
-
-_IN_PLACE = {"elu": lambda t: torch.nn.functional.elu(t, inplace=True).add_(1.0), "relu": torch.relu_}
 
 
 def _forward(q, k, v, initial_state, key_padding_mask, feature_map, chunk_size):
@@ -61,7 +59,7 @@ def _forward_blocks(q, k, v, initial_state, key_padding_mask, feature_map, chunk
         flat[:, :n] = key_padding_mask
         masked = flat.view(b, 1, n_chunks, chunk, 1).expand(b, h, -1, -1, -1).reshape(-1, chunk, 1)
     init = None if initial_state is None else initial_state.to(dtype).reshape(b * h, dk, dv + 1)
-    feature = _IN_PLACE[feature_map]
+    feature = IN_PLACE_FEATURE_MAPS[feature_map]
     phi_q_buf, phi_k_buf = qc.new_empty(max_block, chunk, dk), qc.new_empty(max_block, chunk, dk)
     v1_buf, num_den_buf = qc.new_empty(max_block, chunk, dv + 1), qc.new_empty(max_block, chunk, dv + 1)
     v1_buf[..., dv] = 1.0
@@ -132,3 +130,37 @@ def causal_kernel(
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return _CausalKernel.apply(q, k, v, initial_state, key_padding_mask, feature_map, chunk_size)
     return _forward(q, k, v, initial_state, key_padding_mask, feature_map, chunk_size)[0]
+
+
+def kernel_inference_blocks(q, k, v, feature_map, key_padding_mask=None, initial_state=None):
+    """Non-causal kernel attention without autograd, a block of positions at a time (CPU; see
+    causal._block_positions): keys first, accumulating phi(k)^T v and sum phi(k), then queries, each
+    block's features made in place in a reused buffer and divided straight into the output. q, k, v
+    are read once and the output written once, so at long N the elementwise passes run on cached
+    data. Shapes as ``kernel.kernel``: q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv), one dtype;
+    initial_state (B, H, D, Dv + 1). Returns (B, H, L, Dv)."""
+    b, h, n_q, d = q.shape
+    n_k, dv = k.shape[2], v.shape[-1]
+    positions = max(1, (_causal._block_positions(q.device) or b * h * max(n_q, n_k)) // (b * h))
+    qf, kf, vf = q.reshape(b * h, n_q, d), k.reshape(b * h, n_k, d), v.reshape(b * h, n_k, dv)
+    feature = IN_PLACE_FEATURE_MAPS[feature_map]
+    buf = q.new_empty(b * h, min(positions, max(n_q, n_k)), d)
+    if initial_state is None:
+        kv, k_sum = q.new_zeros(b * h, d, dv), q.new_zeros(b * h, d, 1)
+    else:
+        state = initial_state.reshape(b * h, d, dv + 1)
+        kv, k_sum = state[..., :-1].clone(), state[..., -1:].clone()
+    for a in range(0, n_k, positions):
+        z = min(a + positions, n_k)
+        phi_k = feature(buf[:, : z - a].copy_(kf[:, a:z]))
+        if key_padding_mask is not None:
+            phi_k.masked_fill_(key_padding_mask[:, None, a:z, None].expand(b, h, -1, -1).reshape(b * h, -1, 1), 0.0)
+        kv.baddbmm_(phi_k.transpose(1, 2), vf[:, a:z])
+        k_sum += phi_k.sum(1).unsqueeze(-1)
+    out = q.new_empty(b * h, n_q, dv)
+    for a in range(0, n_q, positions):
+        z = min(a + positions, n_q)
+        phi_q = feature(buf[:, : z - a].copy_(qf[:, a:z]))
+        den = torch.bmm(phi_q, k_sum)
+        torch.div(torch.bmm(phi_q, kv), den.masked_fill_(den == 0, 1.0), out=out[:, a:z])
+    return out.view(b, h, n_q, dv)

@@ -114,6 +114,10 @@ def elementwise_feature_map(feature_map: FeatureMap) -> Callable[[Tensor], Tenso
     return {"elu": elu_feature_map, "relu": relu_feature_map, "taylor": taylor_feature_map}.get(feature_map, feature_map)
 
 
+IN_PLACE_FEATURE_MAPS = {"elu": lambda t: F.elu(t, inplace=True).add_(1.0), "relu": torch.relu_}
+"""The elementwise maps applied in place, for buffers a fast path owns (no autograd)."""
+
+
 def apply_feature_map(
     feature_map: FeatureMap,
     q: Tensor,
