@@ -126,3 +126,17 @@ def test_bad_options_name_the_argument():
         build_model(_tiny_args("--dilation"))
     with pytest.raises(ValueError, match="nheads"):
         build_model(_tiny_args("--nheads", "5"))
+
+
+@pytest.mark.parametrize("name", ["tiny", "small"])
+def test_small_backbones_have_the_stride_the_data_bound_assumes(name):
+    from integrations.detr.backbone import Backbone, backbone_stride
+    from integrations.detr.misc import nested_tensor_from_tensor_list
+    from integrations.detr.transforms import feature_tokens
+    body = Backbone(name, train_backbone=True, dilation=False)
+    images = nested_tensor_from_tensor_list([torch.rand(3, 100, 70), torch.rand(3, 64, 129)])
+    feature = body(images)["0"].tensors
+    stride = backbone_stride(name, False)
+    assert feature.shape[-2:] == (-(-100 // stride), -(-129 // stride))
+    assert feature.shape[-2] * feature.shape[-1] == feature_tokens((100, 129), stride)
+    assert body.num_channels == feature.shape[1]
