@@ -142,3 +142,15 @@ def test_blocked_non_causal_inference_equals_the_autograd_path(block_positions, 
             out = LF.kernel(q, k, v, feature_map, **kw)
         monkeypatch.undo()
         torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_blocked_non_causal_inference_takes_strided_inputs(monkeypatch):
+    """A module's q, k, v are transposed views of its projections: (B, N, H, D) memory seen as (B, H, N, D)."""
+    import linear_mha.functional.causal as causal_module
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, n, 3, 4, generator=g, dtype=torch.float64).transpose(1, 2) for n in (7, 9, 9))
+    ref = LF.kernel(q.contiguous().requires_grad_(), k, v, "elu").detach()
+    monkeypatch.setattr(causal_module, "_block_positions", lambda device: 6)
+    with torch.no_grad():
+        out = LF.kernel(q, k, v, "elu")
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)

@@ -142,9 +142,16 @@ def kernel_inference_blocks(q, k, v, feature_map, key_padding_mask=None, initial
     b, h, n_q, d = q.shape
     n_k, dv = k.shape[2], v.shape[-1]
     positions = max(1, (_causal._block_positions(q.device) or b * h * max(n_q, n_k)) // (b * h))
-    qf, kf, vf = q.reshape(b * h, n_q, d), k.reshape(b * h, n_k, d), v.reshape(b * h, n_k, dv)
     feature = IN_PLACE_FEATURE_MAPS[feature_map]
     buf = q.new_empty(b * h, min(positions, max(n_q, n_k)), d)
+
+    def features(x, a, z):
+        # Block a:z of x (B, H, *, D) through the map in the buffer; x may be strided (a module's q, k are
+        # transposed views of its projections), so it is copied by block, never as a whole.
+        block = buf[:, : z - a]
+        block.view(b, h, z - a, d).copy_(x[:, :, a:z])
+        return feature(block)
+
     if initial_state is None:
         kv, k_sum = q.new_zeros(b * h, d, dv), q.new_zeros(b * h, d, 1)
     else:
@@ -152,15 +159,15 @@ def kernel_inference_blocks(q, k, v, feature_map, key_padding_mask=None, initial
         kv, k_sum = state[..., :-1].clone(), state[..., -1:].clone()
     for a in range(0, n_k, positions):
         z = min(a + positions, n_k)
-        phi_k = feature(buf[:, : z - a].copy_(kf[:, a:z]))
+        phi_k = features(k, a, z)
         if key_padding_mask is not None:
             phi_k.masked_fill_(key_padding_mask[:, None, a:z, None].expand(b, h, -1, -1).reshape(b * h, -1, 1), 0.0)
-        kv.baddbmm_(phi_k.transpose(1, 2), vf[:, a:z])
+        kv.baddbmm_(phi_k.transpose(1, 2), v[:, :, a:z].reshape(b * h, z - a, dv))
         k_sum += phi_k.sum(1).unsqueeze(-1)
     out = q.new_empty(b * h, n_q, dv)
     for a in range(0, n_q, positions):
         z = min(a + positions, n_q)
-        phi_q = feature(buf[:, : z - a].copy_(qf[:, a:z]))
+        phi_q = features(q, a, z)
         den = torch.bmm(phi_q, k_sum)
         torch.div(torch.bmm(phi_q, kv), den.masked_fill_(den == 0, 1.0), out=out[:, a:z])
     return out.view(b, h, n_q, dv)
