@@ -7,6 +7,7 @@ garbage (even inf/NaN) can neither leak into results nor receive gradient.
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -46,7 +47,12 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def append_ones(v: Tensor) -> Tensor:
     """(..., S, Dv) -> (..., S, Dv + 1): one product then yields numerator and normaliser together."""
-    return torch.cat([v, v.new_ones(v.shape[:-1] + (1,))], dim=-1)
+    return F.pad(v, (0, 1), value=1.0)  # one op, where cat needs a ones tensor first (decoding counts ops)
+
+
+def needs_grad(*tensors: Optional[Tensor]) -> bool:
+    """Whether autograd will record an op on these tensors (None entries are ignored)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def split_normalise(num_den: Tensor) -> Tensor:

@@ -21,6 +21,8 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
+from ._common import needs_grad
+
 __all__ = ["causal_linear_product", "causal_linear_state", "causal_linear_step"]
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -318,8 +320,7 @@ def causal_linear_product(phi_q, phi_k, v, initial_state=None, chunk_size=64):
     check_chunk_size(chunk_size)
     if phi_q.shape[2] == 0:
         raise ValueError("phi_q has sequence length 0; pass at least one position (N >= 1).")
-    tensors = (phi_q, phi_k, v) if initial_state is None else (phi_q, phi_k, v, initial_state)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if needs_grad(phi_q, phi_k, v, initial_state):
         return _CausalLinearProduct.apply(phi_q, phi_k, v, initial_state, chunk_size)
     return _forward(phi_q, phi_k, v, initial_state, chunk_size)
 

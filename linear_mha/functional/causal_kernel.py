@@ -18,19 +18,18 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ._common import append_ones, mask_keys
+from ._common import append_ones, needs_grad, safe_normaliser
 from . import causal as _causal
 from .causal import _PrefixStates, _causal_scores_into, _layout, _no_autocast, _to_chunks, _unchunk
 from .causal import _backward as _product_backward
-from .feature_maps import IN_PLACE_FEATURE_MAPS, elementwise_feature_map
+from .feature_maps import IN_PLACE_FEATURE_MAPS, apply_feature_map
 
 FUSED_FEATURE_MAPS = tuple(IN_PLACE_FEATURE_MAPS)
 
 
 def _features(q, k, v, key_padding_mask, feature_map):
-    fn = elementwise_feature_map(feature_map)
-    phi_k = mask_keys(fn(mask_keys(k, key_padding_mask)), key_padding_mask)
-    return fn(q), phi_k, append_ones(v)
+    phi_q, phi_k = apply_feature_map(feature_map, q, k, key_padding_mask=key_padding_mask, causal=True)
+    return phi_q, phi_k, append_ones(v)
 
 
 def _derivative_in_place(grad: Tensor, phi: Tensor, feature_map: str) -> Tensor:
@@ -76,8 +75,7 @@ def _forward_blocks(q, k, v, initial_state, key_padding_mask, feature_map, chunk
         v1[..., :dv] = vc[a:z]
         num_den = torch.bmm(phi_q, prefix.block(phi_k, v1, a, z, *shape), out=num_den_buf[:length])
         num_den.baddbmm_(_causal_scores_into(scores[:length], phi_q, phi_k), v1)
-        block_den = den[a:z]
-        block_den.copy_(num_den[..., dv:]).masked_fill_(block_den == 0, 1.0)
+        block_den = den[a:z].copy_(safe_normaliser(num_den[..., dv:]))
         torch.div(num_den[..., :dv], block_den, out=out[a:z])
     return _unchunk(out, b, h, n, q.dtype), _unchunk(den, b, h, n, q.dtype)
 
@@ -126,8 +124,7 @@ def causal_kernel(
     Shapes: q, k (B, H, N, D), v (B, H, N, Dv), all of one float32/float64 dtype; key_padding_mask
     (B, N) bool, True = ignore; initial_state (B, H, D, Dv + 1). Returns (B, H, N, Dv).
     """
-    tensors = (q, k, v) if initial_state is None else (q, k, v, initial_state)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if needs_grad(q, k, v, initial_state):
         return _CausalKernel.apply(q, k, v, initial_state, key_padding_mask, feature_map, chunk_size)
     return _forward(q, k, v, initial_state, key_padding_mask, feature_map, chunk_size)[0]
 
@@ -169,5 +166,5 @@ def kernel_inference_blocks(q, k, v, feature_map, key_padding_mask=None, initial
         z = min(a + positions, n_q)
         phi_q = features(q, a, z)
         den = torch.bmm(phi_q, k_sum)
-        torch.div(torch.bmm(phi_q, kv), den.masked_fill_(den == 0, 1.0), out=out[:, a:z])
+        torch.div(torch.bmm(phi_q, kv), safe_normaliser(den), out=out[:, a:z])
     return out.view(b, h, n_q, dv)

@@ -10,11 +10,10 @@ attention computes the normaliser as a separate matrix-vector product instead, w
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from ._common import (append_ones, check_qkv, compute_dtype, drop_keys, mask_keys, normalise, safe_normaliser,
-                      split_normalise)
+from ._common import (append_ones, check_qkv, compute_dtype, drop_keys, mask_keys, needs_grad, normalise,
+                      safe_normaliser, split_normalise)
 from . import causal as _causal
 from .causal import causal_linear_product, check_chunk_size, step_unchecked
 from .causal_kernel import FUSED_FEATURE_MAPS, causal_kernel, kernel_inference_blocks
@@ -51,13 +50,14 @@ def kernel(
     v = drop_keys(mask_keys(v.to(dtype), key_padding_mask), dropout_p)
     if initial_state is not None:
         initial_state = initial_state.to(dtype)
-    if causal and isinstance(feature_map, str) and feature_map in FUSED_FEATURE_MAPS:
+    fused = isinstance(feature_map, str) and feature_map in FUSED_FEATURE_MAPS
+    if causal and fused:
         _check_state(initial_state, q, v)
         kwargs = {} if chunk_size is None else {"chunk_size": check_chunk_size(chunk_size)}
         return causal_kernel(q.to(dtype), k.to(dtype), v, feature_map, key_padding_mask=key_padding_mask,
                              initial_state=initial_state, **kwargs).to(out_dtype)
-    if (not causal and isinstance(feature_map, str) and feature_map in FUSED_FEATURE_MAPS
-            and _causal._block_positions(q.device) is not None and not _needs_grad(q, k, v, initial_state)):
+    if (not causal and fused and _causal._block_positions(q.device) is not None
+            and not needs_grad(q, k, v, initial_state)):
         _check_state(initial_state, q, v)
         return kernel_inference_blocks(q.to(dtype), k.to(dtype), v, feature_map, key_padding_mask,
                                        initial_state).to(out_dtype)
@@ -76,7 +76,7 @@ def kernel(
         kv = kv + initial_state[..., :-1]
         k_sum = k_sum + initial_state[..., -1:]
     den = torch.matmul(phi_q, k_sum)
-    if _needs_grad(phi_q, phi_k, v, initial_state):
+    if needs_grad(phi_q, phi_k, v, initial_state):
         return normalise(torch.matmul(phi_q, kv), den).to(out_dtype)
     # Inference (accelerators, or maps without a blocked path): the output is written over phi(k) (a fresh
     # tensor for the named maps, used up by now) and divided in place. Fresh multi-megabyte outputs cost page
@@ -84,10 +84,6 @@ def kernel(
     reuse = isinstance(feature_map, str) and phi_k.shape == phi_q.shape[:-1] + v.shape[-1:]
     num = torch.matmul(phi_q, kv, out=phi_k) if reuse else torch.matmul(phi_q, kv)
     return num.div_(safe_normaliser(den)).to(out_dtype)
-
-
-def _needs_grad(*tensors):
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _check_state(initial_state, q, v):
@@ -146,7 +142,7 @@ def kernel_step(
         # Query and key through the map in one call: decoding is bound by per-op overhead, not arithmetic.
         qk = torch.stack((q, k))
         phi_q, phi_k = elementwise_feature_map(feature_map)(qk.to(dtype) if convert else qk).unbind(0)
-    v1 = F.pad(v.to(dtype) if convert else v, (0, 1), value=1.0)
+    v1 = append_ones(v.to(dtype) if convert else v)
     if state is not None:
         if state.shape[:2] != q.shape[:2] or state.shape[-2:] != (phi_q.shape[-1], v1.shape[-1]):
             raise ValueError(f"state must have shape (B, H, F, Dv + 1) = "
