@@ -6,7 +6,9 @@
     efficient  softmax(Q over features) (softmax(K over sequence)^T V) (Shen et al.)
     taylor     first-order Taylor of exp on L2-normalised Q, K
     causal_linear_product / causal_linear_step  the chunked causal product and its recurrent form
+    append_ones / split_normalise / drop_keys   the building blocks other layers reuse with the product
 """
+from ._common import append_ones, drop_keys, split_normalise
 from .causal import causal_linear_product, causal_linear_state, causal_linear_step
 from .efficient import efficient
 from .feature_maps import (
@@ -28,6 +30,7 @@ from .taylor import taylor
 __all__ = [
     "softmax", "linformer", "kernel", "kernel_state", "kernel_step", "efficient", "taylor",
     "causal_linear_product", "causal_linear_state", "causal_linear_step",
+    "append_ones", "split_normalise", "drop_keys",
     "FEATURE_MAPS", "apply_feature_map", "resolve_feature_map", "default_num_favor_features",
     "elu_feature_map", "relu_feature_map", "taylor_feature_map", "favor_feature_map", "orthogonal_random_features",
 ]

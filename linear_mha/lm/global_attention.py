@@ -20,20 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..functional import causal_linear_product, causal_linear_state, causal_linear_step, efficient
+from ..functional import (append_ones, causal_linear_product, causal_linear_state, causal_linear_step, drop_keys,
+                          efficient, split_normalise)
 
 
 def _features(x: Tensor) -> Tensor:
     return torch.softmax(x, dim=-1)
-
-
-def _normalise(num_den: Tensor) -> Tensor:
-    den = num_den[..., -1:]
-    return num_den[..., :-1] / torch.where(den > 0, den, torch.ones_like(den))
-
-
-def _with_ones(v: Tensor) -> Tensor:
-    return torch.cat([v, v.new_ones(v.shape[:-1] + (1,))], dim=-1)
 
 
 def global_attention(
@@ -44,14 +36,6 @@ def global_attention(
     return efficient(q, k, v, key_padding_mask=None if key_mask is None else ~key_mask, dropout_p=dropout_p)
 
 
-def _drop_keys(v: Tensor, p: float) -> Tensor:
-    """Drop whole keys from the numerator only (survivors scaled by 1/(1-p)), as the core's linear modes do."""
-    if p <= 0.0:
-        return v
-    keep = torch.empty(v.shape[:-1] + (1,), dtype=v.dtype, device=v.device).bernoulli_(1.0 - p)
-    return v * keep / (1.0 - p)
-
-
 def causal_global_attention(
     q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor] = None, blindspot_size: int = 1,
     dropout_p: float = 0.0,
@@ -60,10 +44,10 @@ def causal_global_attention(
     phi_q, phi_k = _features(q), _features(k)
     if key_mask is not None:
         phi_k = phi_k * key_mask[:, None, :, None].to(phi_k.dtype)
-    v1 = _with_ones(_drop_keys(v, dropout_p))
+    v1 = append_ones(drop_keys(v, dropout_p))
     b = blindspot_size
     if b == 1:
-        return _normalise(causal_linear_product(phi_q, phi_k, v1))
+        return split_normalise(causal_linear_product(phi_q, phi_k, v1))
     bsz, h, n, d = phi_q.shape
     n_buckets = -(-n // b)
     pad = n_buckets * b - n
@@ -81,7 +65,7 @@ def causal_global_attention(
         interleave(buckets(phi_q), zq), interleave(zq, buckets(phi_k)), interleave(zv, buckets(v1))
     )
     num_den = num_den.reshape(bsz, h, n_buckets, 2, b, -1)[:, :, :, 0].reshape(bsz, h, n_buckets * b, -1)
-    return _normalise(num_den[:, :, :n])
+    return split_normalise(num_den[:, :, :n])
 
 
 def causal_global_step(
@@ -92,10 +76,10 @@ def causal_global_step(
     phi_q, phi_k = _features(q), _features(k)
     if keep_t is not None:
         phi_k = phi_k * keep_t[:, None, None].to(phi_k.dtype)
-    v1 = _with_ones(v)
+    v1 = append_ones(v)
     if blindspot_size == 1:
         out, cache["state"] = causal_linear_step(phi_q, phi_k, v1, cache.get("state"))
-        return _normalise(out)
+        return split_normalise(out)
     update = phi_k[..., :, None] * v1[..., None, :]
     done = cache.get("done", torch.zeros_like(update))
     out = torch.matmul(phi_q[..., None, :], done)[..., 0, :]
@@ -103,7 +87,7 @@ def causal_global_step(
     if (t + 1) % blindspot_size == 0:
         done, current = done + current, torch.zeros_like(current)
     cache["done"], cache["current"] = done, current
-    return _normalise(out)
+    return split_normalise(out)
 
 
 def causal_global_prefill(k: Tensor, v: Tensor, cache: dict, key_mask: Optional[Tensor] = None,
@@ -113,7 +97,7 @@ def causal_global_prefill(k: Tensor, v: Tensor, cache: dict, key_mask: Optional[
     phi_k = _features(k)
     if key_mask is not None:
         phi_k = phi_k * key_mask[:, None, :, None].to(phi_k.dtype)
-    v1 = _with_ones(v)
+    v1 = append_ones(v)
     if blindspot_size == 1:
         cache["state"] = causal_linear_state(phi_k, v1)
         return
