@@ -107,31 +107,24 @@ class LayerStack(nn.Module):
 
     def prefill(self, x, caches: list, kwargs_for: Callable, context=None):
         """``forward`` (no autograd) that fills ``caches`` (one dict per layer function) as ``step`` would."""
-        if not caches:
-            caches.extend({} for _ in range(2 * len(self.layers)))
-        x1 = x2 = x
-        for i, ((f, g), kind) in enumerate(zip(self.layers, self.kinds)):
-            fk, gk = kwargs_for(kind, context)
-            if self.reversible:
-                x1 = x1 + f.prefill(x2, caches[2 * i], **fk)
-                x2 = x2 + g.prefill(x1, caches[2 * i + 1], **gk)
-            else:
-                x1 = x1 + f.prefill(x1, caches[2 * i], **fk)
-                x1 = x1 + g.prefill(x1, caches[2 * i + 1], **gk)
-        return (x1 + x2) / 2 if self.reversible else x1
+        return self._cached_pass(x, caches, kwargs_for, context, lambda fn, y, cache, kw: fn.prefill(y, cache, **kw))
 
     def step(self, x, caches: list, t: int, kwargs_for: Callable, context=None):
         """One position: x (B, dim); ``caches`` holds one dict per layer function; kwargs_for(kind, context)
         gives the step keyword arguments (mask_t, context, context_mask)."""
+        return self._cached_pass(x, caches, kwargs_for, context, lambda fn, y, cache, kw: fn.step(y, cache, t, **kw))
+
+    def _cached_pass(self, x, caches: list, kwargs_for: Callable, context, call: Callable):
+        """The layer loop of prefill and step: call(fn, input, cache, kwargs) runs one layer function."""
         if not caches:
             caches.extend({} for _ in range(2 * len(self.layers)))
         x1 = x2 = x
         for i, ((f, g), kind) in enumerate(zip(self.layers, self.kinds)):
             fk, gk = kwargs_for(kind, context)
             if self.reversible:
-                x1 = x1 + f.step(x2, caches[2 * i], t, **fk)
-                x2 = x2 + g.step(x1, caches[2 * i + 1], t, **gk)
+                x1 = x1 + call(f, x2, caches[2 * i], fk)
+                x2 = x2 + call(g, x1, caches[2 * i + 1], gk)
             else:
-                x1 = x1 + f.step(x1, caches[2 * i], t, **fk)
-                x1 = x1 + g.step(x1, caches[2 * i + 1], t, **gk)
+                x1 = x1 + call(f, x1, caches[2 * i], fk)
+                x1 = x1 + call(g, x1, caches[2 * i + 1], gk)
         return (x1 + x2) / 2 if self.reversible else x1
