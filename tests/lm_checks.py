@@ -1,5 +1,8 @@
-"""Checks shared by the LM tests: causality by perturbation, and incremental decoding against the full forward."""
+"""Checks shared by the LM tests: causality by perturbation, incremental decoding against the full forward, and the
+tiny models and option sets the decoding tests run."""
 import torch
+
+from linear_mha.lm import LinearAttentionTransformerLM
 
 
 def assert_causal(model, x, vocab, positions, name="", **forward_kwargs):
@@ -20,3 +23,20 @@ def assert_steps_equal_full(model, x, input_mask=None):
     steps = torch.stack([model.step(x[:, t], cache, None if input_mask is None else input_mask[:, t])
                          for t in range(x.shape[1])], dim=1)
     torch.testing.assert_close(steps, full, rtol=1e-10, atol=1e-10)
+
+
+# Head types and options every incremental-decoding test runs (tiny causal LMs).
+DECODING_CONFIGS = {
+    "global": dict(),
+    "local": dict(n_local_attn_heads=(4, 2), local_attn_window_size=4),
+    "blindspot": dict(blindspot_size=3),
+    "everything": dict(n_local_attn_heads=2, local_attn_window_size=4, attn_gate=True, local_conv=True,
+                       shift_tokens=True, attend_axially=True, reversible=True, use_rotary_emb=True, ff_glu=True,
+                       one_kv_head=True),
+}
+
+
+def tiny_lm(vocab=16, **kw):
+    """A seeded 2-layer causal LM in float64 and eval mode, for exact decoding comparisons."""
+    torch.manual_seed(0)
+    return LinearAttentionTransformerLM(vocab, 32, 2, 64, heads=4, dim_head=8, causal=True, **kw).double().eval()

@@ -4,24 +4,11 @@ import torch
 import torch.nn.functional as F
 
 from linear_mha.lm import AutoregressiveWrapper, LinearAttentionTransformerLM, top_k_filter, top_p_filter
-from lm_checks import assert_steps_equal_full
+from lm_checks import DECODING_CONFIGS, tiny_lm, assert_steps_equal_full
 
 V, N = 16, 20
 
-CONFIGS = {
-    "global": dict(),
-    "local": dict(n_local_attn_heads=(4, 2), local_attn_window_size=4),
-    "blindspot": dict(blindspot_size=3),
-    "everything": dict(n_local_attn_heads=2, local_attn_window_size=4, attn_gate=True, local_conv=True,
-                       shift_tokens=True, attend_axially=True, reversible=True, use_rotary_emb=True, ff_glu=True,
-                       one_kv_head=True),
-    "emb_dim": dict(emb_dim=8, ff_chunks=2),
-}
-
-
-def tiny_lm(**kw):
-    torch.manual_seed(0)
-    return LinearAttentionTransformerLM(V, 32, 2, 64, heads=4, dim_head=8, causal=True, **kw).double().eval()
+CONFIGS = {**DECODING_CONFIGS, "emb_dim": dict(emb_dim=8, ff_chunks=2)}
 
 
 def tokens(n=N, seed=1):

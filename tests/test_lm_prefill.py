@@ -4,24 +4,16 @@ import pytest
 import torch
 
 from linear_mha.lm import AutoregressiveWrapper, LinearAttentionTransformerLM
+from lm_checks import DECODING_CONFIGS, tiny_lm
 
 V = 16
 
 CONFIGS = {
-    "global": dict(),
-    "local": dict(n_local_attn_heads=(4, 2), local_attn_window_size=4),
-    "blindspot": dict(blindspot_size=3),
-    "everything": dict(n_local_attn_heads=2, local_attn_window_size=4, attn_gate=True, local_conv=True,
-                       shift_tokens=True, attend_axially=True, reversible=True, use_rotary_emb=True, ff_glu=True,
-                       one_kv_head=True, ff_chunks=2),
+    **DECODING_CONFIGS,
+    "everything": dict(DECODING_CONFIGS["everything"], ff_chunks=2),
     "axial_pos_pkm": dict(use_axial_pos_emb=True, pkm_layers=(1,), pkm_num_keys=32, emb_dim=8,
                           n_local_attn_heads=1, local_attn_window_size=4, local_conv=True),
 }
-
-
-def tiny_lm(**kw):
-    torch.manual_seed(0)
-    return LinearAttentionTransformerLM(V, 32, 2, 64, heads=4, dim_head=8, causal=True, **kw).double().eval()
 
 
 def tokens(n, seed=1):
