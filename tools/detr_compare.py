@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import measure  # noqa: E402
 from integrations.detr.attention import apply_attention  # noqa: E402
+from integrations.detr.backbone import backbone_stride  # noqa: E402
 from integrations.detr.config import parse_args  # noqa: E402
 from integrations.detr.detr import build_model  # noqa: E402
 from integrations.detr.plots import read_log  # noqa: E402
@@ -70,7 +71,7 @@ def training_case(argv):
 
 def _build_encoder(size, name, batch, dc5, device):
     """DETR's encoder for one variant at one image size, with its inputs."""
-    stride = 16 if dc5 else 32
+    stride = backbone_stride("resnet18", dc5)
     h, w = resized_hw((size, int(size * 1333 / 800)), size, 1333)
     tokens = feature_tokens((h, w), stride)
     args = parse_args(["--coco-path", "unused", "--num-classes", "91", "--backbone", "resnet18"] + VARIANTS[name])
@@ -94,6 +95,12 @@ def encoder_case(size, name, batch, dc5):
     return run
 
 
+def _run_args(a, device, num_workers, extra):
+    """Options every training run of a variant shares: seed, device, the options after `--`, the variant's."""
+    return (["--seed", str(a.seed), "--device", str(device), "--no-progress", "--num-workers", str(num_workers)]
+            + a.train_args + extra)
+
+
 def pretrained_backbone(a):
     """With --pretrain-iters, pretrains the backbone the training runs use, once, on their training data;
     returns the options that load it (none without)."""
@@ -114,9 +121,8 @@ def training_table(a, device):
         extra = VARIANTS[name]
         _peak_reset(device)
         run_dir = Path(a.out) / name
-        argv = ["--epochs", str(a.epochs), "--seed", str(a.seed), "--output-dir", str(run_dir),
-                "--device", str(device), "--no-progress", "--num-workers", str(a.num_workers)] + a.train_args + extra
-        argv += weights
+        argv = ["--epochs", str(a.epochs), "--output-dir", str(run_dir)] + _run_args(a, device, a.num_workers,
+                                                                                     extra + weights)
         if a.max_iters:
             argv += ["--max-iters", str(a.max_iters)]
         if (run_dir / "checkpoint.pth").exists():
@@ -127,9 +133,8 @@ def training_table(a, device):
         if peak_file.exists():
             peak = json.loads(peak_file.read_text())["peak_MiB"]
         else:
-            peak = _peak_mib(device) if device.type == "cuda" else _cpu_peak_mib("training_case", argv=[
-                "--epochs", "1", "--max-iters", "2", "--seed", str(a.seed), "--device", "cpu", "--no-progress",
-                "--num-workers", "0"] + a.train_args + extra + weights)
+            peak = _peak_mib(device) if device.type == "cuda" else _cpu_peak_mib(
+                "training_case", argv=["--epochs", "1", "--max-iters", "2"] + _run_args(a, "cpu", 0, extra + weights))
             peak_file.write_text(json.dumps({"peak_MiB": peak}))
         last = log[-1]
         iters = a.max_iters or None
@@ -147,9 +152,8 @@ def _timed_iterations(a, device, extra):
     """Seconds per training iteration of a short run on its own (the training runs of the table may have
     shared the machine): one epoch of --timing-iters iterations in a throwaway directory."""
     with tempfile.TemporaryDirectory(prefix="detr_time_") as tmp:
-        run = train_main(["--epochs", "1", "--max-iters", str(a.timing_iters), "--seed", str(a.seed),
-                          "--output-dir", tmp, "--device", str(device), "--no-progress", "--num-workers", "0"]
-                         + a.train_args + extra)
+        run = train_main(["--epochs", "1", "--max-iters", str(a.timing_iters), "--output-dir", tmp]
+                         + _run_args(a, device, 0, extra))
     return run["log"][-1]["epoch_train_seconds"] / a.timing_iters
 
 

@@ -42,7 +42,8 @@ def get_args_parser():
     a("--max-iters", type=int, default=0, help="cap on iterations per epoch (0 = whole epoch), for quick runs")
     # model
     a("--backbone", help=f"{g}; resnet18|resnet34|resnet50|resnet101|tiny|small")
-    a("--backbone-weights", help="local torchvision ResNet state_dict to start from (never downloaded)")
+    a("--backbone-weights", help="local state_dict to start the backbone from (never downloaded): a torchvision "
+                                 "ResNet's, or tiny/small weights from integrations.detr.pretrain")
     a("--pretrained", help="DETR checkpoint (file with 'model') loaded strictly before training/eval")
     a("--dilation", action="store_true", help="DC5: dilate layer4 instead of striding (stride 16)")
     a("--position-embedding", default="sine", choices=("sine", "learned"))

@@ -75,13 +75,17 @@ def _batch(samples, targets, stride, device):
     return images.to(device), cell_labels(targets, small_mask, stride).to(device)
 
 
-def _accuracy(logits, labels):
+def _hits(pred, labels):
+    """(correct cells, cells, correct object cells, object cells), padding excluded."""
     valid = labels != IGNORE
     objects = valid & (labels > 0)
-    pred = logits.argmax(1)
-    acc = (pred[valid] == labels[valid]).float().mean().item()
-    obj_acc = (pred[objects] == labels[objects]).float().mean().item() if objects.any() else float("nan")
-    return acc, obj_acc
+    return (int((pred[valid] == labels[valid]).sum()), int(valid.sum()),
+            int((pred[objects] == labels[objects]).sum()), int(objects.sum()))
+
+
+def _rates(hits, empty=float("nan")):
+    """(cell accuracy, object-cell accuracy) from summed _hits; ``empty`` where there was nothing to count."""
+    return tuple(right / total if total else empty for right, total in (hits[:2], hits[2:]))
 
 
 def get_args_parser():
@@ -155,7 +159,7 @@ def main(argv=None):
             optimizer.step()
             scheduler.step()
             it += 1
-            running.append((loss.item(), *_accuracy(logits.detach(), labels)))
+            running.append((loss.item(), *_rates(_hits(logits.detach().argmax(1), labels))))
             bar.update(1)
             if it % 50 == 0 or it == args.iters:
                 loss_avg, acc, obj_acc = (sum(v) / len(v) for v in zip(*running))
@@ -188,15 +192,10 @@ def evaluate(model, dataset, stride, device, args):
     hits = [0, 0, 0, 0]
     for samples, targets in loader:
         images, labels = _batch(samples, targets, stride, device)
-        pred = model(images).argmax(1)
-        valid = labels != IGNORE
-        objects = valid & (labels > 0)
-        hits[0] += int((pred[valid] == labels[valid]).sum())
-        hits[1] += int(valid.sum())
-        hits[2] += int((pred[objects] == labels[objects]).sum())
-        hits[3] += int(objects.sum())
+        hits = [a + b for a, b in zip(hits, _hits(model(images).argmax(1), labels))]
     model.train()
-    return {"val_cell_acc": hits[0] / max(hits[1], 1), "val_object_cell_acc": hits[2] / max(hits[3], 1)}
+    acc, obj_acc = _rates(hits, empty=0.0)
+    return {"val_cell_acc": acc, "val_object_cell_acc": obj_acc}
 
 
 if __name__ == "__main__":
