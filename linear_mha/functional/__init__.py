@@ -7,6 +7,7 @@
     taylor     first-order Taylor of exp on L2-normalised Q, K
     causal_linear_product / causal_linear_step  the chunked causal product and its recurrent form
     append_ones / split_normalise / drop_keys   the building blocks other layers reuse with the product
+    native     compiled CPU kernels that ``kernel`` / ``kernel_step`` use for float32 inference when built
 """
 from ._common import append_ones, drop_keys, split_normalise
 from .causal import causal_linear_product, causal_linear_state, causal_linear_step

@@ -6,6 +6,8 @@ computed right-to-left in O(N F Dv) instead of O(N^2). Causal attention restrict
 chunked product in ``causal.py``, where a ones column appended to v carries the normaliser through the same product
 (the state then has shape (F, Dv + 1), the layout ``kernel_state`` and ``kernel_step`` use too). Non-causal
 attention computes the normaliser as a separate matrix-vector product instead, which is cheaper than widening v.
+Float32 CPU inference with elu/relu (non-causal attention and the decoding step) runs in the compiled kernels of
+``native.py`` when they could be built, with the feature map and the division fused into the products.
 """
 from typing import Optional, Tuple
 
@@ -15,6 +17,7 @@ from torch import Tensor
 from ._common import (append_ones, check_qkv, compute_dtype, drop_keys, mask_keys, needs_grad, normalise,
                       safe_normaliser, split_normalise)
 from . import causal as _causal
+from . import native
 from .causal import causal_linear_product, check_chunk_size, step_unchecked
 from .causal_kernel import FUSED_FEATURE_MAPS, causal_kernel, kernel_inference_blocks
 from .feature_maps import FeatureMap, apply_feature_map, elementwise_feature_map
@@ -47,22 +50,26 @@ def kernel(
     if causal and q.shape[-2] != k.shape[-2]:
         raise ValueError(f"causal kernel attention needs as many queries as keys, got L={q.shape[-2]}, S={k.shape[-2]}")
     out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
-    v = drop_keys(mask_keys(v.to(dtype), key_padding_mask), dropout_p)
+    q, k, v = q.to(dtype), k.to(dtype), drop_keys(v.to(dtype), dropout_p)
     if initial_state is not None:
         initial_state = initial_state.to(dtype)
+    if not causal and native.supports(feature_map, q, k, v, initial_state):
+        # The compiled kernel skips masked keys itself, so v is not copied to zero them.
+        _check_state(initial_state, q, v)
+        return native.kernel_attention(q, k, v, feature_map, key_padding_mask, initial_state).to(out_dtype)
+    v = mask_keys(v, key_padding_mask)
     fused = isinstance(feature_map, str) and feature_map in FUSED_FEATURE_MAPS
     if causal and fused:
         _check_state(initial_state, q, v)
         kwargs = {} if chunk_size is None else {"chunk_size": check_chunk_size(chunk_size)}
-        return causal_kernel(q.to(dtype), k.to(dtype), v, feature_map, key_padding_mask=key_padding_mask,
+        return causal_kernel(q, k, v, feature_map, key_padding_mask=key_padding_mask,
                              initial_state=initial_state, **kwargs).to(out_dtype)
     if (not causal and fused and _causal._block_positions(q.device) is not None
             and not needs_grad(q, k, v, initial_state)):
         _check_state(initial_state, q, v)
-        return kernel_inference_blocks(q.to(dtype), k.to(dtype), v, feature_map, key_padding_mask,
-                                       initial_state).to(out_dtype)
+        return kernel_inference_blocks(q, k, v, feature_map, key_padding_mask, initial_state).to(out_dtype)
     phi_q, phi_k = apply_feature_map(
-        feature_map, q.to(dtype), k.to(dtype), key_padding_mask=key_padding_mask, causal=causal, projection=projection
+        feature_map, q, k, key_padding_mask=key_padding_mask, causal=causal, projection=projection
     )
     if causal:
         kwargs = {} if chunk_size is None else {"chunk_size": chunk_size}
@@ -132,6 +139,9 @@ def kernel_step(
     Returns (out (B, H, Dv), new_state). Feeding tokens one by one equals ``kernel(..., causal=True)``.
     """
     _check_step(q, k, v, state)
+    if native.supports(feature_map, q, k, v, state):
+        _check_step_state(state, q.shape[:2], q.shape[-1], v.shape[-1] + 1)
+        return native.kernel_step(q, k, v, state, feature_map)
     out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
     convert = out_dtype != dtype  # only half inputs: the no-op .to() calls alone cost ~20 us per step
     if feature_map == "favor":
@@ -143,13 +153,16 @@ def kernel_step(
         qk = torch.stack((q, k))
         phi_q, phi_k = elementwise_feature_map(feature_map)(qk.to(dtype) if convert else qk).unbind(0)
     v1 = append_ones(v.to(dtype) if convert else v)
-    if state is not None:
-        if state.shape[:2] != q.shape[:2] or state.shape[-2:] != (phi_q.shape[-1], v1.shape[-1]):
-            raise ValueError(f"state must have shape (B, H, F, Dv + 1) = "
-                             f"{(*q.shape[:2], phi_q.shape[-1], v1.shape[-1])}, got {tuple(state.shape)}")
+    _check_step_state(state, q.shape[:2], phi_q.shape[-1], v1.shape[-1])
     num_den, new_state = step_unchecked(phi_q, phi_k, v1, state)
     out = split_normalise(num_den)
     return (out.to(out_dtype) if convert else out), new_state
+
+
+def _check_step_state(state, batch_heads, features, width):
+    if state is not None and (state.shape[:2] != batch_heads or state.shape[-2:] != (features, width)):
+        raise ValueError(f"state must have shape (B, H, F, Dv + 1) = {(*batch_heads, features, width)}, "
+                         f"got {tuple(state.shape)}")
 
 
 def _check_step(q, k, v, state):

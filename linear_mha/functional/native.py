@@ -1,0 +1,177 @@
+"""The compiled CPU kernels of ``csrc/kernel_attention.c``: built on first use, called through ctypes.
+
+Kernel attention with an elementwise map spends most of its CPU time in elementwise passes over N-sized
+tensors, not in its two GEMMs; the C kernels fuse those passes into the GEMMs (see the C file). They cover the
+inference paths of float32 CPU tensors: non-causal attention and the recurrent decoding step. Everything else,
+and every path autograd records, stays in PyTorch, and so does everything when the kernels are unavailable.
+
+The library is compiled with the system C compiler (``$CC``, else cc/gcc/clang) for the host CPU and cached
+under ``$LINEAR_MHA_CACHE`` (default ``~/.cache/linear_mha``), keyed by the source, the flags and the CPU, so
+the first call in a fresh environment takes about a second. ``LINEAR_MHA_NATIVE=0`` (or ``set_enabled(False)``)
+turns the kernels off; ``available()`` says whether they are in use, ``build_error()`` why not.
+"""
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+_SOURCE = Path(__file__).with_name("csrc") / "kernel_attention.c"
+_MAPS = {"elu": 0, "relu": 1}
+_FLAG_SETS = tuple(["-O3", "-Wno-psabi", *arch, *omp] for arch in (["-march=native"], []) for omp in (["-fopenmp"], []))
+
+_lock = threading.Lock()
+_library = None
+_error: Optional[str] = None
+_tried = False
+
+
+_enabled = os.environ.get("LINEAR_MHA_NATIVE", "1") != "0"
+
+
+def set_enabled(enabled: bool) -> bool:
+    """Turn the compiled kernels on or off for this process (the default comes from ``LINEAR_MHA_NATIVE``);
+    returns the previous setting, e.g. to compare both paths or to rule the kernels out when debugging."""
+    global _enabled
+    previous, _enabled = _enabled, bool(enabled)
+    return previous
+
+
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+
+
+def _cpu_signature() -> str:
+    # -march=native code must not be reused on another CPU: the cache key includes the CPU's model and flags.
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        lines = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features"))]
+        return "\n".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+def _compilers():
+    names = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc", "clang"]
+    return [path for path in map(shutil.which, names) if path]
+
+
+def _build() -> ctypes.CDLL:
+    source = _SOURCE.read_bytes()
+    cache = Path(os.environ.get("LINEAR_MHA_CACHE", Path.home() / ".cache" / "linear_mha"))
+    errors = []
+    for compiler in _compilers():
+        for flags in _FLAG_SETS:
+            key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(flags).encode(),
+                                             _cpu_signature().encode()])).hexdigest()[:16]
+            target = cache / f"kernel_attention-{key}.so"
+            if not target.exists():
+                cache.mkdir(parents=True, exist_ok=True)
+                # Build beside the target and rename: concurrent processes (DDP ranks, test workers) may race.
+                with tempfile.TemporaryDirectory(dir=cache) as tmp:
+                    built = Path(tmp) / target.name
+                    result = subprocess.run([compiler, *flags, "-shared", "-fPIC", "-o", str(built), str(_SOURCE),
+                                             "-lm"], capture_output=True, text=True)
+                    if result.returncode != 0:
+                        errors.append(f"{compiler} {' '.join(flags)}: {result.stderr.strip()[-400:]}")
+                        continue
+                    os.replace(built, target)
+            library = ctypes.CDLL(str(target))
+            _declare(library)
+            return library
+    raise RuntimeError("no C compiler could build the kernels" + (": " + " | ".join(errors) if errors else
+                                                                    " (none of $CC, cc, gcc, clang was found)"))
+
+
+def _declare(library: ctypes.CDLL) -> None:
+    p, i, l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+    library.lm_kernel_attention_f32.argtypes = [p] * 6 + [i, i, l, l, i, i] + [l] * 9 + [i, i]
+    library.lm_kernel_step_f32.argtypes = [p] * 6 + [i, i, i, i]
+    for fn in (library.lm_kernel_attention_f32, library.lm_kernel_step_f32):
+        fn.restype = ctypes.c_int
+
+
+def _load():
+    global _library, _error, _tried
+    if _tried:  # the per-call path: no lock once the build was attempted
+        return _library
+    with _lock:
+        if not _tried:
+            _tried = True
+            try:
+                _library = _build()
+            except Exception as exc:  # a missing or broken compiler must never break attention
+                _error = str(exc)
+                warnings.warn(f"linear_mha: compiled CPU kernels unavailable, using PyTorch ops ({_error})",
+                              RuntimeWarning, stacklevel=3)
+    return _library
+
+
+def available() -> bool:
+    """Whether the compiled kernels are enabled and built (builds them on the first call)."""
+    return _enabled and _load() is not None
+
+
+def build_error() -> Optional[str]:
+    """Why the kernels could not be built, or None."""
+    _load()
+    return _error
+
+
+def supports(feature_map, *tensors: Optional[Tensor]) -> bool:
+    """Whether a call on these tensors can take the compiled path: float32 CPU tensors whose last dimension is
+    contiguous, an elementwise map the C code knows, no autograd, not inside torch.compile."""
+    # Called on every decoding step, where a microsecond counts: cheap attribute checks only.
+    if not _enabled or feature_map not in _MAPS:
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (not t.is_cpu or t.dtype is not torch.float32 or (grad and t.requires_grad)
+                              or t.stride(-1) != 1):
+            return False
+    return not _is_compiling() and _load() is not None
+
+
+def _check(status: int) -> None:
+    if status != 0:
+        raise MemoryError("linear_mha's CPU kernel could not allocate its buffers")
+
+
+def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_map: str, key_padding_mask: Optional[Tensor] = None,
+                     initial_state: Optional[Tensor] = None) -> Tensor:
+    """Non-causal kernel attention, inference only. Shapes as ``kernel.kernel``: q (B, H, L, D), k (B, H, S, D),
+    v (B, H, S, Dv), any strides with a contiguous last dimension; key_padding_mask (B, S) bool, True = ignore;
+    initial_state (B, H, D, Dv + 1). Returns a contiguous (B, H, L, Dv) tensor. Callers check ``supports``."""
+    b, h, n_q, d = q.shape
+    n_k, dv = k.shape[2], v.shape[-1]
+    out = q.new_empty(b, h, n_q, dv)
+    mask = None if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
+    init = None if initial_state is None else initial_state.contiguous()
+    _check(_library.lm_kernel_attention_f32(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), None if mask is None else mask.data_ptr(),
+        None if init is None else init.data_ptr(), out.data_ptr(), b, h, n_q, n_k, d, dv,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], _MAPS[feature_map], torch.get_num_threads()))
+    return out
+
+
+def kernel_step(q: Tensor, k: Tensor, v: Tensor, state: Optional[Tensor], feature_map: str):
+    """One decoding step; q, k (B, H, D), v (B, H, Dv), state (B, H, D, Dv + 1) or None, all float32 CPU and
+    already checked by ``kernel.kernel_step``. Returns (out (B, H, Dv), new_state)."""
+    b, h, d = q.shape
+    dv = v.shape[-1]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    if state is not None:
+        state = state.contiguous()
+    out, new_state = q.new_empty(b, h, dv), q.new_empty(b, h, d, dv + 1)
+    _check(_library.lm_kernel_step_f32(q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                       None if state is None else state.data_ptr(), new_state.data_ptr(),
+                                       out.data_ptr(), b * h, d, dv, _MAPS[feature_map]))
+    return out, new_state

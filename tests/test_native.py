@@ -1,0 +1,169 @@
+"""The compiled CPU kernels (functional/native.py, csrc/kernel_attention.c) against float64 attention composed
+from tensor ops, and how ``kernel`` / ``kernel_step`` choose them."""
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import linear_mha.functional as LF
+from linear_mha.functional import native
+from linear_mha.functional._common import append_ones, split_normalise
+from linear_mha.functional.feature_maps import apply_feature_map
+
+needs_native = pytest.mark.skipif(not native.available(), reason=f"kernels not built: {native.build_error()}")
+
+
+def reference(q, k, v, feature_map, key_padding_mask=None, initial_state=None):
+    """Non-causal kernel attention in float64 from tensor ops."""
+    q, k, v = q.double(), k.double(), v.double()
+    phi_q, phi_k = apply_feature_map(feature_map, q, k, key_padding_mask=key_padding_mask)
+    if key_padding_mask is not None:
+        v = v.masked_fill(key_padding_mask[:, None, :, None], 0.0)
+    state = phi_k.transpose(-2, -1) @ append_ones(v)
+    if initial_state is not None:
+        state = state + initial_state.double()
+    return split_normalise(phi_q @ state)
+
+
+def relative_error(got, ref):
+    return ((got.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def test_kernels_build_where_a_compiler_exists():
+    # Guards the skips below: with a C compiler on the machine (as on CI) the kernels must be in use.
+    if not any(shutil.which(c) for c in ("cc", "gcc", "clang")):
+        pytest.skip("no C compiler on this machine")
+    assert native.available(), native.build_error()
+
+
+@needs_native
+@pytest.mark.parametrize("feature_map", ["elu", "relu"])
+@pytest.mark.parametrize("b,h,n_q,n_k,d,dv", [(1, 8, 300, 300, 64, 64), (2, 3, 37, 70, 13, 5), (1, 1, 1200, 1100, 16, 40)])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_attention_matches_float64(feature_map, b, h, n_q, n_k, d, dv, masked, with_state):
+    g = torch.Generator().manual_seed(n_q + d)
+    q, k = torch.randn(b, h, n_q, d, generator=g), torch.randn(b, h, n_k, d, generator=g)
+    v = torch.randn(b, h, n_k, dv, generator=g)
+    mask = torch.rand(b, n_k, generator=g) < 0.3 if masked else None
+    state = torch.rand(b, h, d, dv + 1, generator=g) if with_state else None
+    out = native.kernel_attention(q, k, v, feature_map, mask, state)
+    assert out.shape == (b, h, n_q, dv) and out.dtype == torch.float32
+    assert relative_error(out, reference(q, k, v, feature_map, mask, state)) < 2e-6
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_attention_strided_inputs_and_thread_counts(threads):
+    # A module's q, k, v are (B, N, H, D) projections seen as (B, H, N, D): strided, not copied.
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 500, 4, 24, generator=g).transpose(1, 2) for _ in range(3))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = native.kernel_attention(q, k, v, "elu")
+    finally:
+        torch.set_num_threads(previous)
+    assert relative_error(out, reference(q, k, v, "elu")) < 2e-6
+
+
+@needs_native
+def test_masked_keys_leak_nothing_and_empty_rows_give_zero():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 2, 6, 8, generator=g) for _ in range(3))
+    mask = torch.zeros(2, 6, dtype=torch.bool)
+    mask[0, 1::2] = True
+    mask[1] = True  # batch 1 sees no key at all
+    k[0, :, 1::2] = float("nan")
+    v[0, :, 1::2] = float("inf")
+    out = native.kernel_attention(q, k, v, "relu", mask)
+    assert torch.isfinite(out).all()
+    assert (out[1] == 0).all()
+    assert relative_error(out[:1], reference(q[:1], k[:1], v[:1], "relu", mask[:1])) < 2e-6
+    # Features of very negative inputs underflow to 0, as float32 elu(x) + 1 does: output 0, not NaN.
+    far = torch.full((1, 1, 3, 8), -200.0)
+    assert (native.kernel_attention(far, far, torch.ones(1, 1, 3, 8), "elu") == 0).all()
+
+
+@needs_native
+def test_kernel_dispatches_float32_cpu_inference_to_the_kernels(monkeypatch):
+    calls = []
+    real = native.kernel_attention
+    monkeypatch.setattr(native, "kernel_attention", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 40, 8, generator=g) for _ in range(3))
+    mask = torch.rand(1, 40, generator=g) < 0.2
+    with torch.inference_mode():
+        fast = LF.kernel(q, k, v, "elu", key_padding_mask=mask)
+    assert calls == [1]
+    # Not taken: autograd, float64, causal, maps the C code does not know.
+    LF.kernel(q.requires_grad_(), k, v, "elu")
+    LF.kernel(q.detach().double(), k.double(), v.double(), "elu")
+    LF.kernel(q.detach(), k, v, "elu", causal=True)
+    LF.kernel(q.detach(), k, v, "taylor")
+    assert calls == [1]
+    previous = native.set_enabled(False)
+    try:
+        with torch.inference_mode():
+            composed = LF.kernel(q.detach(), k, v, "elu", key_padding_mask=mask)
+    finally:
+        native.set_enabled(previous)
+    assert calls == [1]
+    assert torch.allclose(fast, composed, rtol=1e-5, atol=1e-6)
+
+
+@needs_native
+@pytest.mark.parametrize("feature_map", ["elu", "relu"])
+@pytest.mark.parametrize("d,dv", [(64, 64), (13, 40), (8, 3)])
+def test_step_matches_the_composed_step_and_causal_attention(feature_map, d, dv):
+    g = torch.Generator().manual_seed(d + dv)
+    q, k = (torch.randn(2, 3, 5, d, generator=g) for _ in range(2))
+    v = torch.randn(2, 3, 5, dv, generator=g)
+    outs, state = [], None
+    with torch.inference_mode():
+        for i in range(5):
+            out, new_state = LF.kernel_step(q[:, :, i], k[:, :, i], v[:, :, i], state, feature_map)
+            previous = native.set_enabled(False)
+            try:
+                out_ref, state_ref = LF.kernel_step(q[:, :, i], k[:, :, i], v[:, :, i], state, feature_map)
+            finally:
+                native.set_enabled(previous)
+            assert torch.allclose(new_state, state_ref, rtol=1e-5, atol=1e-6)
+            assert torch.allclose(out, out_ref, rtol=1e-5, atol=1e-6)
+            outs.append(out)
+            state = new_state
+    causal = LF.kernel(q.double(), k.double(), v.double(), feature_map, causal=True)
+    assert relative_error(torch.stack(outs, 2), causal) < 2e-6
+
+
+@needs_native
+def test_step_rejects_a_state_of_the_wrong_shape():
+    q = torch.randn(1, 2, 8)
+    with pytest.raises(ValueError, match=r"state must have shape \(B, H, F, Dv \+ 1\) = \(1, 2, 8, 9\)"):
+        LF.kernel_step(q, q, q, torch.zeros(1, 2, 8, 8), "elu")
+
+
+def test_a_failed_build_warns_once_and_falls_back(tmp_path):
+    script = textwrap.dedent("""
+        import warnings, torch
+        import linear_mha.functional as LF
+        from linear_mha.functional import native
+        q = torch.randn(1, 2, 16, 8)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.inference_mode():
+                out = LF.kernel(q, q, q, "elu")
+                LF.kernel(q, q, q, "elu")
+        assert not native.available() and "no C compiler could build" in native.build_error()
+        assert [str(w.message).count("compiled CPU kernels unavailable") for w in caught] == [1], caught
+        assert torch.isfinite(out).all()
+    """)
+    env = dict(os.environ, CC="/bin/false", LINEAR_MHA_CACHE=str(tmp_path))
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert result.returncode == 0, result.stderr
+    assert not list(tmp_path.glob("*.so"))
