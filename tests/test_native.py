@@ -57,6 +57,46 @@ def test_attention_matches_float64(feature_map, b, h, n_q, n_k, d, dv, masked, w
 
 
 @needs_native
+@pytest.mark.parametrize("feature_map", ["elu", "relu"])
+@pytest.mark.parametrize("b,h,n,d,dv", [(1, 8, 300, 64, 64), (2, 3, 37, 13, 5), (1, 2, 48, 8, 8), (1, 2, 97, 8, 8)])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_causal_attention_matches_float64(feature_map, b, h, n, d, dv, masked, with_state):
+    # n = 48, 97: a whole number of the kernel's 48-position blocks, and one position past two.
+    g = torch.Generator().manual_seed(n + d)
+    q, k = (torch.randn(b, h, n, d, generator=g) for _ in range(2))
+    v = torch.randn(b, h, n, dv, generator=g)
+    mask = torch.rand(b, n, generator=g) < 0.3 if masked else None
+    state = torch.rand(b, h, d, dv + 1, generator=g) if with_state else None
+    out = native.kernel_attention(q, k, v, feature_map, mask, state, causal=True)
+    ref = LF.kernel(q.double(), k.double(), v.double(), feature_map, causal=True, key_padding_mask=mask,
+                    initial_state=None if state is None else state.double())
+    assert relative_error(out, ref) < 2e-6
+
+
+@needs_native
+def test_causal_attention_never_sees_the_future():
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 130, 16, generator=g) for _ in range(3))
+    out = native.kernel_attention(q, k, v, "elu", causal=True)
+    for t in (0, 47, 48, 100):
+        k2, v2 = k.clone(), v.clone()
+        k2[:, :, t + 1:] = torch.randn(k2[:, :, t + 1:].shape, generator=g) * 5
+        v2[:, :, t + 1:] = 1e4
+        out2 = native.kernel_attention(q, k2, v2, "elu", causal=True)
+        assert torch.equal(out[:, :, : t + 1], out2[:, :, : t + 1])
+    # Masked keys may hold garbage (NaN, inf): it reaches no output, earlier or later.
+    mask = torch.zeros(1, 130, dtype=torch.bool)
+    mask[:, 50:60] = True
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 50:60], v2[:, :, 50:60] = float("nan"), float("inf")
+    out2 = native.kernel_attention(q, k2, v2, "elu", mask, causal=True)
+    assert torch.isfinite(out2).all()
+    assert relative_error(out2, LF.kernel(q.double(), k.double(), v.double(), "elu", causal=True,
+                                          key_padding_mask=mask)) < 2e-6
+
+
+@needs_native
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_attention_strided_inputs_and_thread_counts(threads):
     # A module's q, k, v are (B, N, H, D) projections seen as (B, H, N, D): strided, not copied.
@@ -66,9 +106,11 @@ def test_attention_strided_inputs_and_thread_counts(threads):
     torch.set_num_threads(threads)
     try:
         out = native.kernel_attention(q, k, v, "elu")
+        causal = native.kernel_attention(q, k, v, "elu", causal=True)
     finally:
         torch.set_num_threads(previous)
     assert relative_error(out, reference(q, k, v, "elu")) < 2e-6
+    assert relative_error(causal, LF.kernel(q.double(), k.double(), v.double(), "elu", causal=True)) < 2e-6
 
 
 @needs_native
@@ -99,20 +141,22 @@ def test_kernel_dispatches_float32_cpu_inference_to_the_kernels(monkeypatch):
     mask = torch.rand(1, 40, generator=g) < 0.2
     with torch.inference_mode():
         fast = LF.kernel(q, k, v, "elu", key_padding_mask=mask)
-    assert calls == [1]
-    # Not taken: autograd, float64, causal, maps the C code does not know.
+        LF.kernel(q, k, v, "relu", causal=True, chunk_size=16)
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="chunk_size"):
+        LF.kernel(q, k, v, "elu", causal=True, chunk_size=0)
+    # Not taken: autograd, float64, maps the C code does not know.
     LF.kernel(q.requires_grad_(), k, v, "elu")
     LF.kernel(q.detach().double(), k.double(), v.double(), "elu")
-    LF.kernel(q.detach(), k, v, "elu", causal=True)
     LF.kernel(q.detach(), k, v, "taylor")
-    assert calls == [1]
+    assert len(calls) == 2
     previous = native.set_enabled(False)
     try:
         with torch.inference_mode():
             composed = LF.kernel(q.detach(), k, v, "elu", key_padding_mask=mask)
     finally:
         native.set_enabled(previous)
-    assert calls == [1]
+    assert len(calls) == 2
     assert torch.allclose(fast, composed, rtol=1e-5, atol=1e-6)
 
 

@@ -53,10 +53,12 @@ def kernel(
     q, k, v = q.to(dtype), k.to(dtype), drop_keys(v.to(dtype), dropout_p)
     if initial_state is not None:
         initial_state = initial_state.to(dtype)
-    if not causal and native.supports(feature_map, q, k, v, initial_state):
-        # The compiled kernel skips masked keys itself, so v is not copied to zero them.
+    if native.supports(feature_map, q, k, v, initial_state):
+        # The compiled kernels skip masked keys themselves, so v is not copied to zero them.
         _check_state(initial_state, q, v)
-        return native.kernel_attention(q, k, v, feature_map, key_padding_mask, initial_state).to(out_dtype)
+        if chunk_size is not None:
+            check_chunk_size(chunk_size)  # the kernels pick their own block size; the argument is still checked
+        return native.kernel_attention(q, k, v, feature_map, key_padding_mask, initial_state, causal).to(out_dtype)
     v = mask_keys(v, key_padding_mask)
     fused = isinstance(feature_map, str) and feature_map in FUSED_FEATURE_MAPS
     if causal and fused:

@@ -2,7 +2,7 @@
 
 Kernel attention with an elementwise map spends most of its CPU time in elementwise passes over N-sized
 tensors, not in its two GEMMs; the C kernels fuse those passes into the GEMMs (see the C file). They cover the
-inference paths of float32 CPU tensors: non-causal attention and the recurrent decoding step. Everything else,
+inference paths of float32 CPU tensors: non-causal and causal attention and the recurrent decoding step. Everything else,
 and every path autograd records, stays in PyTorch, and so does everything when the kernels are unavailable.
 
 The library is compiled with the system C compiler (``$CC``, else cc/gcc/clang) for the host CPU and cached
@@ -94,8 +94,9 @@ def _build() -> ctypes.CDLL:
 def _declare(library: ctypes.CDLL) -> None:
     p, i, l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     library.lm_kernel_attention_f32.argtypes = [p] * 6 + [i, i, l, l, i, i] + [l] * 9 + [i, i]
+    library.lm_causal_kernel_attention_f32.argtypes = [p] * 6 + [i, i, l, i, i] + [l] * 9 + [i, i]
     library.lm_kernel_step_f32.argtypes = [p] * 6 + [i, i, i, i]
-    for fn in (library.lm_kernel_attention_f32, library.lm_kernel_step_f32):
+    for fn in (library.lm_kernel_attention_f32, library.lm_causal_kernel_attention_f32, library.lm_kernel_step_f32):
         fn.restype = ctypes.c_int
 
 
@@ -140,25 +141,39 @@ def supports(feature_map, *tensors: Optional[Tensor]) -> bool:
     return not _is_compiling() and _load() is not None
 
 
+def _lib() -> ctypes.CDLL:
+    library = _load()
+    if library is None:
+        raise RuntimeError(f"linear_mha's compiled CPU kernels are unavailable: {_error}")
+    return library
+
+
 def _check(status: int) -> None:
     if status != 0:
         raise MemoryError("linear_mha's CPU kernel could not allocate its buffers")
 
 
 def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_map: str, key_padding_mask: Optional[Tensor] = None,
-                     initial_state: Optional[Tensor] = None) -> Tensor:
-    """Non-causal kernel attention, inference only. Shapes as ``kernel.kernel``: q (B, H, L, D), k (B, H, S, D),
-    v (B, H, S, Dv), any strides with a contiguous last dimension; key_padding_mask (B, S) bool, True = ignore;
-    initial_state (B, H, D, Dv + 1). Returns a contiguous (B, H, L, Dv) tensor. Callers check ``supports``."""
+                     initial_state: Optional[Tensor] = None, causal: bool = False) -> Tensor:
+    """Kernel attention, inference only. Shapes as ``kernel.kernel``: q (B, H, L, D), k (B, H, S, D),
+    v (B, H, S, Dv), any strides with a contiguous last dimension (L == S when causal); key_padding_mask (B, S)
+    bool, True = ignore; initial_state (B, H, D, Dv + 1). Returns a contiguous (B, H, L, Dv) tensor. Callers
+    check ``supports`` and the shapes."""
     b, h, n_q, d = q.shape
     n_k, dv = k.shape[2], v.shape[-1]
     out = q.new_empty(b, h, n_q, dv)
     mask = None if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
     init = None if initial_state is None else initial_state.contiguous()
-    _check(_library.lm_kernel_attention_f32(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), None if mask is None else mask.data_ptr(),
-        None if init is None else init.data_ptr(), out.data_ptr(), b, h, n_q, n_k, d, dv,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], _MAPS[feature_map], torch.get_num_threads()))
+    pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), None if mask is None else mask.data_ptr(),
+                None if init is None else init.data_ptr(), out.data_ptr())
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
+    if causal:
+        status = _lib().lm_causal_kernel_attention_f32(*pointers, b, h, n_q, d, dv, *strides, _MAPS[feature_map],
+                                                          torch.get_num_threads())
+    else:
+        status = _lib().lm_kernel_attention_f32(*pointers, b, h, n_q, n_k, d, dv, *strides, _MAPS[feature_map],
+                                                  torch.get_num_threads())
+    _check(status)
     return out
 
 
@@ -171,7 +186,7 @@ def kernel_step(q: Tensor, k: Tensor, v: Tensor, state: Optional[Tensor], featur
     if state is not None:
         state = state.contiguous()
     out, new_state = q.new_empty(b, h, dv), q.new_empty(b, h, d, dv + 1)
-    _check(_library.lm_kernel_step_f32(q.data_ptr(), k.data_ptr(), v.data_ptr(),
+    _check(_lib().lm_kernel_step_f32(q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                        None if state is None else state.data_ptr(), new_state.data_ptr(),
                                        out.data_ptr(), b * h, d, dv, _MAPS[feature_map]))
     return out, new_state

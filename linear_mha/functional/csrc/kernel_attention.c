@@ -21,7 +21,7 @@
 #endif
 
 #define W 8
-#define ROWS 32 /* rows per L1-resident block */
+#define ROWS 48 /* rows per cache-resident block, a multiple of the 6-row tile */
 typedef float vf __attribute__((vector_size(32)));
 typedef int32_t vi __attribute__((vector_size(32)));
 typedef float vf_u __attribute__((vector_size(32), aligned(4)));
@@ -31,16 +31,18 @@ static inline void store(float *p, vf x) { *(vf_u *)p = x; }
 static inline vf splat(float s) { return (vf){s, s, s, s, s, s, s, s}; }
 static inline vf vselect(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 
-/* exp for x <= 0 (Cephes' expf scheme: x = n ln2 + r, a degree-6 polynomial in r, 2^n through the
- * exponent bits), about 1 ulp. Below -87.3 the result is 0, as float32 elu(x) + 1 rounds to there. */
+/* exp for x <= 0 (Cephes' expf scheme: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial in r, 2^n
+ * through the exponent bits), about 1 ulp. n is rounded by adding 1.5 * 2^23, whose low mantissa bits then
+ * hold n, which is cheaper than a float -> int -> float floor. Below -87.3 the result is 0, where float32
+ * elu(x) + 1 has long rounded to 0 too. */
 static inline vf exp_nonpositive(vf x) {
-    vi tiny = x < splat(-87.3f);
+    const vf magic = splat(12582912.0f); /* 1.5 * 2^23 */
+    const vi tiny = x < splat(-87.3f);
     x = vselect(tiny, splat(-87.3f), x);
-    vf t = x * splat(1.44269504088896341f) + splat(0.5f);
-    vi n = __builtin_convertvector(t, vi); /* truncation; t < 0.5 here, so subtract 1 where it rounded up */
-    n -= (vi)(__builtin_convertvector(n, vf) > t) & 1;
-    vf fn = __builtin_convertvector(n, vf);
-    vf r = x - fn * splat(0.693359375f) - fn * splat(-2.12194440e-4f);
+    const vf shifted = x * splat(1.44269504088896341f) + magic;
+    const vf fn = shifted - magic;
+    const vi n = (vi)shifted - (vi)magic;
+    const vf r = x - fn * splat(0.693359375f) - fn * splat(-2.12194440e-4f);
     vf p = splat(1.9875691500e-4f);
     p = p * r + splat(1.3981999507e-3f);
     p = p * r + splat(8.3334519073e-3f);
@@ -48,7 +50,7 @@ static inline vf exp_nonpositive(vf x) {
     p = p * r + splat(1.6666665459e-1f);
     p = p * r + splat(5.0000001201e-1f);
     p = p * r * r + r + splat(1.0f);
-    vf scale = (vf)((n + 127) << 23);
+    const vf scale = (vf)((n + 127) << 23);
     return vselect(tiny, splat(0.0f), p * scale);
 }
 
@@ -70,45 +72,72 @@ static void features(float *dst, const float *src, int d, int map) {
 }
 
 /* Register-blocked GEMM, C[i][.] += sum_p A(i, p) B[p][.] for i < m, over nv vectors of columns, where
- * A(i, p) = a[i * ai + p * ap] (so one routine serves A and A^T) and B, C rows hold whole vectors. */
-static inline void tile_4x3(int k, const float *a, long ai, long ap, const float *b, long ldb, float *c, long ldc) {
-    float *c1 = c + ldc, *c2 = c + 2 * ldc, *c3 = c + 3 * ldc;
-    vf c00 = load(c), c01 = load(c + W), c02 = load(c + 2 * W);
-    vf c10 = load(c1), c11 = load(c1 + W), c12 = load(c1 + 2 * W);
-    vf c20 = load(c2), c21 = load(c2 + W), c22 = load(c2 + 2 * W);
-    vf c30 = load(c3), c31 = load(c3 + W), c32 = load(c3 + 2 * W);
-    const float *a0 = a, *a1 = a + ai, *a2 = a + 2 * ai, *a3 = a + 3 * ai;
+ * A(i, p) = a[i * ai + p * ap] (so one routine serves A and A^T) and B, C rows hold whole vectors.
+ * A tile of R rows x V vectors keeps its R * V accumulators in registers; R and V are constants at every call
+ * site, so the loops unroll fully. 6 x 2 (12 accumulators, 2 loads and 6 broadcasts per 12 FMAs) is the
+ * shape that fills the 16 AVX2 registers; it measured 1.6-2x faster here than 4 x 3. */
+static inline __attribute__((always_inline)) void tile(const int R, const int V, int k, const float *a, long ai,
+                                                       long ap, const float *b, long ldb, float *c, long ldc) {
+    vf acc[6][2], bv[2];
+#pragma GCC unroll 6
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 2
+        for (int v = 0; v < V; v++) acc[r][v] = load(c + r * ldc + v * W);
     for (int p = 0; p < k; p++, b += ldb) {
-        vf b0 = load(b), b1 = load(b + W), b2 = load(b + 2 * W), x;
-        long o = p * ap;
-        x = splat(a0[o]); c00 += x * b0; c01 += x * b1; c02 += x * b2;
-        x = splat(a1[o]); c10 += x * b0; c11 += x * b1; c12 += x * b2;
-        x = splat(a2[o]); c20 += x * b0; c21 += x * b1; c22 += x * b2;
-        x = splat(a3[o]); c30 += x * b0; c31 += x * b1; c32 += x * b2;
+        const float *ar = a + p * ap;
+#pragma GCC unroll 2
+        for (int v = 0; v < V; v++) bv[v] = load(b + v * W);
+#pragma GCC unroll 6
+        for (int r = 0; r < R; r++) {
+            const vf x = splat(ar[r * ai]);
+#pragma GCC unroll 2
+            for (int v = 0; v < V; v++) acc[r][v] += x * bv[v];
+        }
     }
-    store(c, c00); store(c + W, c01); store(c + 2 * W, c02);
-    store(c1, c10); store(c1 + W, c11); store(c1 + 2 * W, c12);
-    store(c2, c20); store(c2 + W, c21); store(c2 + 2 * W, c22);
-    store(c3, c30); store(c3 + W, c31); store(c3 + 2 * W, c32);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 2
+        for (int v = 0; v < V; v++) store(c + r * ldc + v * W, acc[r][v]);
 }
 
-static inline void tile_1x1(int k, const float *a, long ap, const float *b, long ldb, float *c) {
-    vf acc = load(c);
-    for (int p = 0; p < k; p++, b += ldb) acc += splat(a[p * ap]) * load(b);
-    store(c, acc);
+/* The lower-triangular variants skip the products a causal block never uses: with LOWER_K, rows i.. of the
+ * tile read only p < i + R (the scores times values); with LOWER_N they write only columns < i + R (the
+ * scores themselves). */
+enum { FULL = 0, LOWER_K = 1, LOWER_N = 2 };
+
+#define TILE_ROW(R)                                                                                        \
+    do {                                                                                                   \
+        const int kk = shape == LOWER_K && i + R < k ? i + R : k;                                         \
+        const int nn = shape == LOWER_N && (i + R + W - 1) / W < nv ? (i + R + W - 1) / W : nv;           \
+        const float *ar = a + i * ai;                                                                      \
+        float *cr = c + i * ldc;                                                                           \
+        int v = 0;                                                                                         \
+        for (; v + 2 <= nn; v += 2) tile(R, 2, kk, ar, ai, ap, b + v * W, ldb, cr + v * W, ldc);          \
+        if (v < nn) tile(R, 1, kk, ar, ai, ap, b + v * W, ldb, cr + v * W, ldc);                          \
+    } while (0)
+
+static void gemm_shaped(int shape, int m, int nv, int k, const float *a, long ai, long ap, const float *b, long ldb,
+                        float *c, long ldc) {
+    int i = 0;
+    for (; i + 6 <= m; i += 6) TILE_ROW(6);
+    for (; i + 3 <= m; i += 3) TILE_ROW(3);
+    for (; i < m; i++) TILE_ROW(1);
 }
 
 static void gemm_acc(int m, int nv, int k, const float *a, long ai, long ap, const float *b, long ldb, float *c,
                      long ldc) {
-    int i = 0;
-    for (; i + 4 <= m; i += 4) {
-        int v = 0;
-        for (; v + 3 <= nv; v += 3) tile_4x3(k, a + i * ai, ai, ap, b + v * W, ldb, c + i * ldc + v * W, ldc);
-        for (; v < nv; v++)
-            for (int r = 0; r < 4; r++) tile_1x1(k, a + (i + r) * ai, ap, b + v * W, ldb, c + (i + r) * ldc + v * W);
+    gemm_shaped(FULL, m, nv, k, a, ai, ap, b, ldb, c, ldc);
+}
+
+/* out[r][c] = num_den[r][c] / num_den[r][dv] for rows of width dvp. A zero normaliser means every visible key
+ * is masked (or phi(q) = 0): the numerator is 0 too and the output is defined as 0. */
+static void normalise_rows(const float *num_den, int rows, int dvp, int dv, float *out) {
+    for (int r = 0; r < rows; r++, num_den += dvp, out += dv) {
+        const float inv = 1.0f / (num_den[dv] == 0.0f ? 1.0f : num_den[dv]);
+        int c = 0;
+        for (; c + W <= dv; c += W) store(out + c, load(num_den + c) * splat(inv));
+        for (; c < dv; c++) out[c] = num_den[c] * inv;
     }
-    for (; i < m; i++)
-        for (int v = 0; v < nv; v++) tile_1x1(k, a + i * ai, ap, b + v * W, ldb, c + i * ldc + v * W);
 }
 
 static inline int threads_for(int requested) { return requested > 0 ? requested : 1; }
@@ -176,16 +205,7 @@ int lm_kernel_attention_f32(const float *q, const float *k, const float *v, cons
                 for (int r = 0; r < rows; r++) features(phi + r * d, q + bi * qsb + hi * qsh + (i0 + r) * qsn, d, map);
                 memset(num_den, 0, sizeof(float) * rows * dvp);
                 gemm_acc(rows, nvec, d, phi, d, 1, states + (long)g * parts * state_size, dvp, num_den, dvp);
-                for (int r = 0; r < rows; r++) {
-                    const float *nd = num_den + r * dvp;
-                    /* A zero normaliser means every visible key is masked (or phi(q) = 0): the numerator is
-                     * 0 too and the output is defined as 0. */
-                    const float inv = 1.0f / (nd[dv] == 0.0f ? 1.0f : nd[dv]);
-                    float *o = out + ((long)g * nq + i0 + r) * dv;
-                    int c = 0;
-                    for (; c + W <= dv; c += W) store(o + c, load(nd + c) * splat(inv));
-                    for (; c < dv; c++) o[c] = nd[c] * inv;
-                }
+                normalise_rows(num_den, rows, dvp, dv, out + ((long)g * nq + i0) * dv);
             }
         }
         free(phi);
@@ -252,4 +272,69 @@ int lm_kernel_step_f32(const float *q, const float *k, const float *v, const flo
         for (int i = 0; i < dv; i++) out[(long)g * dv + i] = acc[i] * inv;
     }
     return 0;
+}
+
+/* Causal attention, query i seeing keys j <= i. Shapes, strides, mask and init as lm_kernel_attention_f32,
+ * with L = S = n. Chunks of ROWS positions: within a chunk the masked score block phi(Q_c) phi(K_c)^T
+ * multiplies [V_c, 1]; the keys of earlier chunks arrive through the carried state S, so
+ * [num, den]_c = phi(Q_c) S + tril(phi(Q_c) phi(K_c)^T) [V_c, 1], then S += phi(K_c)^T [V_c, 1].
+ * Heads run in parallel; each walks its chunks in order. */
+int lm_causal_kernel_attention_f32(const float *q, const float *k, const float *v, const uint8_t *mask,
+                                   const float *init, float *out, int b, int h, long n, int d, int dv, long qsb,
+                                   long qsh, long qsn, long ksb, long ksh, long ksn, long vsb, long vsh, long vsn,
+                                   int map, int threads) {
+    const int bh = b * h, nvec = (dv + 1 + W - 1) / W, dvp = nvec * W;
+    const int score_vec = (ROWS + W - 1) / W, ldt = score_vec * W;
+    threads = threads_for(threads);
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *phi_q = malloc(sizeof(float) * ROWS * d), *phi_k = malloc(sizeof(float) * ROWS * d);
+        float *k_t = calloc((size_t)d * ldt, sizeof(float)), *scores = malloc(sizeof(float) * ROWS * ldt);
+        float *v1 = calloc((size_t)ROWS * dvp, sizeof(float)), *num_den = malloc(sizeof(float) * ROWS * dvp);
+        float *state = malloc(sizeof(float) * d * dvp);
+        if (!phi_q || !phi_k || !k_t || !scores || !v1 || !num_den || !state) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(dynamic, 1)
+            for (int g = 0; g < bh; g++) {
+                const int bi = g / h, hi = g % h;
+                memset(state, 0, sizeof(float) * d * dvp);
+                if (init)
+                    for (int f = 0; f < d; f++)
+                        memcpy(state + f * dvp, init + ((long)g * d + f) * (dv + 1), sizeof(float) * (dv + 1));
+                for (long i0 = 0; i0 < n; i0 += ROWS) {
+                    const int rows = (int)(n - i0 < ROWS ? n - i0 : ROWS);
+                    for (int r = 0; r < rows; r++) {
+                        const long j = i0 + r;
+                        features(phi_q + r * d, q + bi * qsb + hi * qsh + j * qsn, d, map);
+                        float *vr = v1 + r * dvp;
+                        if (mask && mask[bi * n + j]) { /* a masked key: no features, no value, no normaliser */
+                            memset(phi_k + r * d, 0, sizeof(float) * d);
+                            memset(vr, 0, sizeof(float) * (dv + 1));
+                        } else {
+                            features(phi_k + r * d, k + bi * ksb + hi * ksh + j * ksn, d, map);
+                            memcpy(vr, v + bi * vsb + hi * vsh + j * vsn, sizeof(float) * dv);
+                            vr[dv] = 1.0f;
+                        }
+                        for (int f = 0; f < d; f++) k_t[f * ldt + r] = phi_k[r * d + f];
+                    }
+                    memset(num_den, 0, sizeof(float) * rows * dvp);
+                    gemm_acc(rows, nvec, d, phi_q, d, 1, state, dvp, num_den, dvp);
+                    memset(scores, 0, sizeof(float) * rows * ldt);
+                    gemm_shaped(LOWER_N, rows, (rows + W - 1) / W, d, phi_q, d, 1, k_t, ldt, scores, ldt);
+                    for (int r = 0; r < rows; r++)
+                        for (int c = r + 1; c < rows; c++) scores[r * ldt + c] = 0.0f;
+                    gemm_shaped(LOWER_K, rows, nvec, rows, scores, ldt, 1, v1, dvp, num_den, dvp);
+                    gemm_acc(d, nvec, rows, phi_k, 1, d, v1, dvp, state, dvp);
+                    normalise_rows(num_den, rows, dvp, dv, out + ((long)g * n + i0) * dv);
+                }
+            }
+        }
+        free(phi_q); free(phi_k); free(k_t); free(scores); free(v1); free(num_den); free(state);
+    }
+    return failed ? -1 : 0;
 }
