@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import measure as M  # noqa: E402
 from benchmark_cases import (BASELINE, METHODS, Method, available_peers, build_runner, case_key,  # noqa: E402
                              chunk_size, decode_step_times, make_data, reference_error)
+from linear_mha.functional import native  # noqa: E402
 
 
 # -------------------------------------------------------------------------------------------------- report
@@ -105,7 +106,8 @@ def print_table(result):
     meta = result["meta"]
     print(f"\n{meta['device']} {meta.get('gpu', meta['cpu'])}, {meta['dtype']}, {meta['threads']} threads, "
           f"matmul peak {meta['matmul_peak_gflops']:.1f} GFLOP/s, H={meta['heads']}, causal chunk "
-          f"{meta['chunk_size']}; * = extrapolated x4 per doubling, ~ = ratio against an extrapolated time")
+          f"{meta['chunk_size']}, compiled CPU kernels {'on' if meta.get('native_kernels') else 'off'}; "
+          f"* = extrapolated x4 per doubling, ~ = ratio against an extrapolated time")
     print("| level | B | d | mask | pass | method | N | ms | min ms | GFLOP/s | % peak | GB/s | rel err | x SDPA "
           "| extra MiB |")
     print("|" + "---|" * 15)
@@ -284,6 +286,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's current)")
+    p.add_argument("--no-native", action="store_true",
+                   help="switch linear_mha's compiled CPU kernels off (torch ops only), e.g. to compare both")
     p.add_argument("--n", type=int, nargs="+", help="sequence lengths (default 256 .. 65536, doubling)")
     p.add_argument("--rows", nargs="+",
                    help="level:BxD[:maxN] grid rows (default core:1x64 core:4x64 core:1x128:16384 module:1x64)")
@@ -339,8 +343,8 @@ def load_previous(a, meta):
     if not (a.resume and a.json is not None and a.json.exists()):
         return {}
     old = json.loads(a.json.read_text())
-    for field in ("device", "dtype", "threads", "proj_k"):
-        if old["meta"].get(field) != meta[field]:
+    for field in ("device", "dtype", "threads", "proj_k", "native_kernels"):
+        if old["meta"].get(field, False if field == "native_kernels" else None) != meta[field]:
             raise SystemExit(f"--resume: {a.json} was written with {field}={old['meta'].get(field)!r}, this run has "
                              f"{meta[field]!r}; pass the same --{field} or write to a new --json")
     for field in ("matmul_peak_gflops", "matmul_peak_gflops_float32"):  # % of peak stays comparable across sessions
@@ -353,8 +357,12 @@ def main(argv=None):
     a = parse_args(argv)
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
     threads = M.pin_threads(a.threads)
+    if a.no_native:
+        os.environ["LINEAR_MHA_NATIVE"] = "0"  # inherited by the memory-measuring subprocesses
+        native.set_enabled(False)
     peers = available_peers()
     meta = dict(torch=torch.__version__, device=a.device, dtype=a.dtype, threads=threads, cpu=M.cpu_name(),
+                native_kernels=a.device == "cpu" and native.available(),
                 cpu_count=os.cpu_count(), heads=a.heads, proj_k=a.proj_k, chunk_size=chunk_size(),
                 sdpa_max_n=a.sdpa_max_n, weights_max_n=a.weights_max_n, err_max_n=a.err_max_n, peers=peers,
                 slope_min_n=a.slope_min_n, command=" ".join(sys.argv[1:] if argv is None else argv))
@@ -368,7 +376,8 @@ def main(argv=None):
     result = dict(meta=meta, records=[r for r in old.get("records", []) if not r.get("extrapolated")],
                   decode=old.get("decode", []))
     print(f"torch {meta['torch']} | {a.device} {meta.get('gpu', meta['cpu'])} | {a.dtype} | {threads} threads | "
-          f"matmul peak {meta['matmul_peak_gflops']:.1f} GFLOP/s | peers: {peers}", flush=True)
+          f"matmul peak {meta['matmul_peak_gflops']:.1f} GFLOP/s | compiled CPU kernels: "
+          f"{'on' if meta['native_kernels'] else 'off'} | peers: {peers}", flush=True)
     by_key = {r["key"]: r for r in result["records"]}
     groups, beyond = plan(a, peers)
     planned = {case_key(c) for c in beyond}  # extrapolations of rows run by an earlier invocation stay in the file
