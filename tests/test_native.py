@@ -145,19 +145,67 @@ def test_kernel_dispatches_float32_cpu_inference_to_the_kernels(monkeypatch):
     assert len(calls) == 2
     with pytest.raises(ValueError, match="chunk_size"):
         LF.kernel(q, k, v, "elu", causal=True, chunk_size=0)
-    # Not taken: autograd, float64, maps the C code does not know.
-    LF.kernel(q.requires_grad_(), k, v, "elu")
+    LF.kernel(q.requires_grad_(), k, v, "elu")  # non-causal attention has a compiled backward
+    assert len(calls) == 3
+    # Not taken: causal attention under autograd, float64, maps the C code does not know.
+    LF.kernel(q, k, v, "elu", causal=True)
     LF.kernel(q.detach().double(), k.double(), v.double(), "elu")
     LF.kernel(q.detach(), k, v, "taylor")
-    assert len(calls) == 2
+    assert len(calls) == 3
     previous = native.set_enabled(False)
     try:
         with torch.inference_mode():
             composed = LF.kernel(q.detach(), k, v, "elu", key_padding_mask=mask)
     finally:
         native.set_enabled(previous)
-    assert len(calls) == 2
+    assert len(calls) == 3
     assert torch.allclose(fast, composed, rtol=1e-5, atol=1e-6)
+
+
+@needs_native
+@pytest.mark.parametrize("feature_map", ["elu", "relu"])
+@pytest.mark.parametrize("b,h,n_q,n_k,d,dv", [(1, 4, 200, 200, 64, 64), (2, 3, 37, 70, 13, 5), (1, 1, 600, 500, 16, 9)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_gradients_match_float64(feature_map, b, h, n_q, n_k, d, dv, masked):
+    g = torch.Generator().manual_seed(n_q + dv)
+    # q, k, v as a module makes them: (B, N, H, D) projections seen as (B, H, N, D).
+    q = torch.randn(b, n_q, h, d, generator=g).transpose(1, 2)
+    k = torch.randn(b, n_k, h, d, generator=g).transpose(1, 2)
+    v = torch.randn(b, n_k, h, dv, generator=g).transpose(1, 2)
+    state = torch.rand(b, h, d, dv + 1, generator=g)
+    mask = torch.rand(b, n_k, generator=g) < 0.3 if masked else None
+    grad_out = torch.randn(b, h, n_q, dv, generator=g)
+
+    def grads(dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, state)]
+        out = LF.kernel(*leaves[:3], feature_map, key_padding_mask=mask, initial_state=leaves[3])
+        out.backward(grad_out.to(dtype))
+        return out, [t.grad for t in leaves]
+
+    out, got = grads(torch.float32)
+    assert type(out.grad_fn).__name__ == "_KernelAttentionBackward"  # the compiled backward ran
+    ref_out, ref = grads(torch.float64)
+    assert relative_error(out, ref_out) < 2e-6
+    for name, a, r in zip(("q", "k", "v", "initial_state"), got, ref):
+        assert relative_error(a, r) < 1e-5, name
+    if masked:
+        assert (got[1][mask[:, None, :, None].expand_as(got[1])] == 0).all()
+
+
+@needs_native
+def test_gradients_of_a_subset_of_inputs():
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 30, 8, generator=g) for _ in range(3))
+    v.requires_grad_()
+    out = LF.kernel(q, k, v, "elu")
+    (grad_v,) = torch.autograd.grad(out.square().sum(), v)
+    v64 = v.detach().double().requires_grad_()
+    (ref,) = torch.autograd.grad(LF.kernel(q.double(), k.double(), v64, "elu").square().sum(), v64)
+    assert relative_error(grad_v, ref) < 1e-5
+    # out.sum() hands the backward an expanded (stride 0) gradient, which it has to copy.
+    (grad_v,) = torch.autograd.grad(LF.kernel(q, k, v, "elu").sum(), v)
+    (ref,) = torch.autograd.grad(LF.kernel(q.double(), k.double(), v64, "elu").sum(), v64)
+    assert relative_error(grad_v, ref) < 1e-5
 
 
 @needs_native

@@ -1,9 +1,10 @@
-"""The compiled CPU kernels of ``csrc/kernel_attention.c``: built on first use, called through ctypes.
+"""The compiled CPU kernels of ``csrc/``: built on first use, called through ctypes.
 
 Kernel attention with an elementwise map spends most of its CPU time in elementwise passes over N-sized
-tensors, not in its two GEMMs; the C kernels fuse those passes into the GEMMs (see the C file). They cover the
-inference paths of float32 CPU tensors: non-causal and causal attention and the recurrent decoding step. Everything else,
-and every path autograd records, stays in PyTorch, and so does everything when the kernels are unavailable.
+tensors, not in its two GEMMs; the C kernels fuse those passes into the GEMMs (see kernel_attention.c). They
+cover float32 CPU tensors with elu/relu: non-causal attention with its gradients, causal attention without
+autograd, and the recurrent decoding step. Everything else (other maps and dtypes, accelerators, the causal
+backward) stays in PyTorch, and so does everything when the kernels are unavailable.
 
 The library is compiled with the system C compiler (``$CC``, else cc/gcc/clang) for the host CPU and cached
 under ``$LINEAR_MHA_CACHE`` (default ``~/.cache/linear_mha``), keyed by the source, the flags and the CPU, so
@@ -24,8 +25,10 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
-_SOURCE = Path(__file__).with_name("csrc") / "kernel_attention.c"
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = ("kernel_attention.c", "kernel_attention_backward.c")
 _MAPS = {"elu": 0, "relu": 1}
 _FLAG_SETS = tuple(["-O3", "-Wno-psabi", *arch, *omp] for arch in (["-march=native"], []) for omp in (["-fopenmp"], []))
 
@@ -65,7 +68,8 @@ def _compilers():
 
 
 def _build() -> ctypes.CDLL:
-    source = _SOURCE.read_bytes()
+    # The cache key covers every file the build reads, the header included.
+    source = b"".join(path.read_bytes() for path in sorted(_CSRC.iterdir()) if path.suffix in (".c", ".h"))
     cache = Path(os.environ.get("LINEAR_MHA_CACHE", Path.home() / ".cache" / "linear_mha"))
     errors = []
     for compiler in _compilers():
@@ -78,8 +82,9 @@ def _build() -> ctypes.CDLL:
                 # Build beside the target and rename: concurrent processes (DDP ranks, test workers) may race.
                 with tempfile.TemporaryDirectory(dir=cache) as tmp:
                     built = Path(tmp) / target.name
-                    result = subprocess.run([compiler, *flags, "-shared", "-fPIC", "-o", str(built), str(_SOURCE),
-                                             "-lm"], capture_output=True, text=True)
+                    sources = [str(_CSRC / name) for name in _SOURCES]
+                    result = subprocess.run([compiler, *flags, "-shared", "-fPIC", "-o", str(built), *sources, "-lm"],
+                                            capture_output=True, text=True)
                     if result.returncode != 0:
                         errors.append(f"{compiler} {' '.join(flags)}: {result.stderr.strip()[-400:]}")
                         continue
@@ -93,10 +98,12 @@ def _build() -> ctypes.CDLL:
 
 def _declare(library: ctypes.CDLL) -> None:
     p, i, l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
-    library.lm_kernel_attention_f32.argtypes = [p] * 6 + [i, i, l, l, i, i] + [l] * 9 + [i, i]
+    library.lm_kernel_attention_f32.argtypes = [p] * 8 + [i, i, l, l, i, i] + [l] * 9 + [i, i]
+    library.lm_kernel_attention_backward_f32.argtypes = [p] * 12 + [i, i, l, l, i, i] + [l] * 9 + [i, i]
     library.lm_causal_kernel_attention_f32.argtypes = [p] * 6 + [i, i, l, i, i] + [l] * 9 + [i, i]
     library.lm_kernel_step_f32.argtypes = [p] * 6 + [i, i, i, i]
-    for fn in (library.lm_kernel_attention_f32, library.lm_causal_kernel_attention_f32, library.lm_kernel_step_f32):
+    for fn in (library.lm_kernel_attention_f32, library.lm_kernel_attention_backward_f32,
+               library.lm_causal_kernel_attention_f32, library.lm_kernel_step_f32):
         fn.restype = ctypes.c_int
 
 
@@ -127,13 +134,14 @@ def build_error() -> Optional[str]:
     return _error
 
 
-def supports(feature_map, *tensors: Optional[Tensor]) -> bool:
+def supports(feature_map, *tensors: Optional[Tensor], autograd: bool = False) -> bool:
     """Whether a call on these tensors can take the compiled path: float32 CPU tensors whose last dimension is
-    contiguous, an elementwise map the C code knows, no autograd, not inside torch.compile."""
+    contiguous, an elementwise map the C code knows, not inside torch.compile, and no autograd unless the
+    caller has a backward for it (``autograd=True``)."""
     # Called on every decoding step, where a microsecond counts: cheap attribute checks only.
     if not _enabled or feature_map not in _MAPS:
         return False
-    grad = torch.is_grad_enabled()
+    grad = not autograd and torch.is_grad_enabled()
     for t in tensors:
         if t is not None and (not t.is_cpu or t.dtype is not torch.float32 or (grad and t.requires_grad)
                               or t.stride(-1) != 1):
@@ -155,26 +163,76 @@ def _check(status: int) -> None:
 
 def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_map: str, key_padding_mask: Optional[Tensor] = None,
                      initial_state: Optional[Tensor] = None, causal: bool = False) -> Tensor:
-    """Kernel attention, inference only. Shapes as ``kernel.kernel``: q (B, H, L, D), k (B, H, S, D),
-    v (B, H, S, Dv), any strides with a contiguous last dimension (L == S when causal); key_padding_mask (B, S)
-    bool, True = ignore; initial_state (B, H, D, Dv + 1). Returns a contiguous (B, H, L, Dv) tensor. Callers
-    check ``supports`` and the shapes."""
+    """Kernel attention. Shapes as ``kernel.kernel``: q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv), any strides
+    with a contiguous last dimension (L == S when causal); key_padding_mask (B, S) bool, True = ignore;
+    initial_state (B, H, D, Dv + 1). Returns a contiguous (B, H, L, Dv) tensor. Non-causal attention is
+    differentiable (a compiled backward); causal attention is inference only. Callers check ``supports`` and
+    the shapes."""
+    mask = None if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
+    init = None if initial_state is None else initial_state.contiguous()
+    if causal:
+        return _causal_forward(q, k, v, mask, init, feature_map)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, init)):
+        return _KernelAttention.apply(q, k, v, init, mask, feature_map)
+    return _forward(q, k, v, mask, init, feature_map, keep=False)[0]
+
+
+def _pointer(t: Optional[Tensor]):
+    return None if t is None else t.data_ptr()
+
+
+def _strides(q, k, v):
+    return (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
+
+
+def _forward(q, k, v, mask, init, feature_map, keep):
+    """(out, state, den); state (B, H, D, Dv + 1) and den (B, H, L) only when ``keep``, for the backward."""
     b, h, n_q, d = q.shape
     n_k, dv = k.shape[2], v.shape[-1]
     out = q.new_empty(b, h, n_q, dv)
-    mask = None if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
-    init = None if initial_state is None else initial_state.contiguous()
-    pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), None if mask is None else mask.data_ptr(),
-                None if init is None else init.data_ptr(), out.data_ptr())
-    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
-    if causal:
-        status = _lib().lm_causal_kernel_attention_f32(*pointers, b, h, n_q, d, dv, *strides, _MAPS[feature_map],
-                                                          torch.get_num_threads())
-    else:
-        status = _lib().lm_kernel_attention_f32(*pointers, b, h, n_q, n_k, d, dv, *strides, _MAPS[feature_map],
-                                                  torch.get_num_threads())
-    _check(status)
+    state, den = (q.new_empty(b, h, d, dv + 1), q.new_empty(b, h, n_q)) if keep else (None, None)
+    _check(_lib().lm_kernel_attention_f32(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), _pointer(mask), _pointer(init), out.data_ptr(), _pointer(state),
+        _pointer(den), b, h, n_q, n_k, d, dv, *_strides(q, k, v), _MAPS[feature_map], torch.get_num_threads()))
+    return out, state, den
+
+
+def _causal_forward(q, k, v, mask, init, feature_map):
+    b, h, n, d = q.shape
+    dv = v.shape[-1]
+    out = q.new_empty(b, h, n, dv)
+    _check(_lib().lm_causal_kernel_attention_f32(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), _pointer(mask), _pointer(init), out.data_ptr(), b, h, n, d, dv,
+        *_strides(q, k, v), _MAPS[feature_map], torch.get_num_threads()))
     return out
+
+
+class _KernelAttention(torch.autograd.Function):
+    """Non-causal kernel attention with the compiled backward, which recomputes the features and keeps only
+    the output, the (B, H, D, Dv + 1) state and the (B, H, L) normalisers (see kernel_attention_backward.c)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, init, mask, feature_map):
+        out, state, den = _forward(q, k, v, mask, init, feature_map, keep=True)
+        ctx.save_for_backward(q, k, v, mask, out, state, den)
+        ctx.feature_map = feature_map
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, mask, out, state, den = ctx.saved_tensors
+        need_q, need_k, need_v, need_init = ctx.needs_input_grad[:4]
+        b, h, n_q, d = q.shape
+        n_k, dv = k.shape[2], v.shape[-1]
+        grads = (q.new_empty(b, h, n_q, d) if need_q else None, k.new_empty(b, h, n_k, d) if need_k else None,
+                 v.new_empty(b, h, n_k, dv) if need_v else None, q.new_empty(b, h, d, dv + 1) if need_init else None)
+        grad_out = grad_out.contiguous()  # held in a name: a temporary's memory would be freed before the call
+        _check(_lib().lm_kernel_attention_backward_f32(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), _pointer(mask), state.data_ptr(), den.data_ptr(),
+            out.data_ptr(), grad_out.data_ptr(), *map(_pointer, grads), b, h, n_q, n_k, d, dv,
+            *_strides(q, k, v), _MAPS[ctx.feature_map], torch.get_num_threads()))
+        return (*grads, None, None)
 
 
 def kernel_step(q: Tensor, k: Tensor, v: Tensor, state: Optional[Tensor], feature_map: str):

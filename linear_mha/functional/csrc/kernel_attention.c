@@ -1,202 +1,83 @@
-/* Fused CPU kernels for kernel (linear) attention with an elementwise feature map, float32.
+/* Fused CPU kernels for kernel (linear) attention with an elementwise feature map, float32: the forward passes
+ * and the recurrent decoding step (the gradients are in kernel_attention_backward.c).
  *
  *   phi(x) = elu(x) + 1  (map 0)   or   relu(x)  (map 1)
  *   out_i  = phi(q_i) S / phi(q_i) z,   S = sum_j phi(k_j) v_j^T,   z = sum_j phi(k_j)
  *
  * Composed from tensor ops, this is two GEMMs plus half a dozen elementwise passes over N-sized tensors, and on
  * a CPU those passes cost more than the GEMMs. Here the feature map, the ones column that carries z through
- * the value GEMM, and the division are applied to a few rows at a time in thread-local buffers that stay in
- * L1, right before (or after) a register-blocked GEMM reads them: q, k, v are read once, out is written once.
+ * the value GEMM ([S, z] = sum_j phi(k_j) [v_j, 1]^T, "the state", d x (Dv + 1) padded to whole vectors), and
+ * the division are applied to a few rows at a time in thread-local buffers that stay in cache, right before
+ * (or after) a register-blocked GEMM reads them: q, k, v are read once, out is written once.
  *
- * Loaded through ctypes by ../native.py, which compiles this file on first use; plain C with GCC/Clang vector
- * extensions (8 floats, AVX2 where the compiler targets it) and OpenMP, so it needs no PyTorch headers.
- * Every entry point returns 0, or -1 when a buffer could not be allocated.
+ * Loaded through ctypes by ../native.py, which compiles the csrc/ files on first use. Tensors are passed as
+ * pointers with element strides over (B, H, position) and a contiguous last dimension. Every entry point
+ * returns 0, or -1 when a buffer could not be allocated.
  */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
+#include "kernel_attention.h"
 
-#define W 8
-#define ROWS 48 /* rows per cache-resident block, a multiple of the 6-row tile */
-typedef float vf __attribute__((vector_size(32)));
-typedef int32_t vi __attribute__((vector_size(32)));
-typedef float vf_u __attribute__((vector_size(32), aligned(4)));
+/* The rows phi(k_j), [v_j, 1, 0...] of one head, masked keys skipped: they add nothing. */
+struct key_rows {
+    const float *k, *v;
+    const uint8_t *mask;
+    int h, d, dv, width, map;
+    long n, ksb, ksh, ksn, vsb, vsh, vsn;
+};
 
-static inline vf load(const float *p) { return *(const vf_u *)p; }
-static inline void store(float *p, vf x) { *(vf_u *)p = x; }
-static inline vf splat(float s) { return (vf){s, s, s, s, s, s, s, s}; }
-static inline vf vselect(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
-
-/* exp for x <= 0 (Cephes' expf scheme: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial in r, 2^n
- * through the exponent bits), about 1 ulp. n is rounded by adding 1.5 * 2^23, whose low mantissa bits then
- * hold n, which is cheaper than a float -> int -> float floor. Below -87.3 the result is 0, where float32
- * elu(x) + 1 has long rounded to 0 too. */
-static inline vf exp_nonpositive(vf x) {
-    const vf magic = splat(12582912.0f); /* 1.5 * 2^23 */
-    const vi tiny = x < splat(-87.3f);
-    x = vselect(tiny, splat(-87.3f), x);
-    const vf shifted = x * splat(1.44269504088896341f) + magic;
-    const vf fn = shifted - magic;
-    const vi n = (vi)shifted - (vi)magic;
-    const vf r = x - fn * splat(0.693359375f) - fn * splat(-2.12194440e-4f);
-    vf p = splat(1.9875691500e-4f);
-    p = p * r + splat(1.3981999507e-3f);
-    p = p * r + splat(8.3334519073e-3f);
-    p = p * r + splat(4.1665795894e-2f);
-    p = p * r + splat(1.6666665459e-1f);
-    p = p * r + splat(5.0000001201e-1f);
-    p = p * r * r + r + splat(1.0f);
-    const vf scale = (vf)((n + 127) << 23);
-    return vselect(tiny, splat(0.0f), p * scale);
-}
-
-static inline vf feature_vec(vf x, int map) {
-    vi positive = x > splat(0.0f);
-    if (map == 0) return vselect(positive, x + splat(1.0f), exp_nonpositive(vselect(positive, splat(0.0f), x)));
-    return vselect(positive, x, splat(0.0f));
-}
-
-static inline float feature_scalar(float x, int map) {
-    if (map == 0) return x > 0.0f ? x + 1.0f : expf(x);
-    return x > 0.0f ? x : 0.0f;
-}
-
-static void features(float *dst, const float *src, int d, int map) {
-    int f = 0;
-    for (; f + W <= d; f += W) store(dst + f, feature_vec(load(src + f), map));
-    for (; f < d; f++) dst[f] = feature_scalar(src[f], map);
-}
-
-/* Register-blocked GEMM, C[i][.] += sum_p A(i, p) B[p][.] for i < m, over nv vectors of columns, where
- * A(i, p) = a[i * ai + p * ap] (so one routine serves A and A^T) and B, C rows hold whole vectors.
- * A tile of R rows x V vectors keeps its R * V accumulators in registers; R and V are constants at every call
- * site, so the loops unroll fully. 6 x 2 (12 accumulators, 2 loads and 6 broadcasts per 12 FMAs) is the
- * shape that fills the 16 AVX2 registers; it measured 1.6-2x faster here than 4 x 3. */
-static inline __attribute__((always_inline)) void tile(const int R, const int V, int k, const float *a, long ai,
-                                                       long ap, const float *b, long ldb, float *c, long ldc) {
-    vf acc[6][2], bv[2];
-#pragma GCC unroll 6
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 2
-        for (int v = 0; v < V; v++) acc[r][v] = load(c + r * ldc + v * W);
-    for (int p = 0; p < k; p++, b += ldb) {
-        const float *ar = a + p * ap;
-#pragma GCC unroll 2
-        for (int v = 0; v < V; v++) bv[v] = load(b + v * W);
-#pragma GCC unroll 6
-        for (int r = 0; r < R; r++) {
-            const vf x = splat(ar[r * ai]);
-#pragma GCC unroll 2
-            for (int v = 0; v < V; v++) acc[r][v] += x * bv[v];
-        }
+static int key_source(const void *ctx, int g, long j, long z, long *next, float *a, float *b, float *scratch) {
+    const struct key_rows *c = ctx;
+    const int bi = g / c->h, hi = g % c->h;
+    int rows = 0;
+    (void)scratch;
+    for (; j < z && rows < ROWS; j++) {
+        if (c->mask && c->mask[bi * c->n + j]) continue;
+        features(a + rows * c->d, c->k + bi * c->ksb + hi * c->ksh + j * c->ksn, c->d, c->map);
+        float *row = b + rows * c->width;
+        memcpy(row, c->v + bi * c->vsb + hi * c->vsh + j * c->vsn, sizeof(float) * c->dv);
+        row[c->dv] = 1.0f;
+        memset(row + c->dv + 1, 0, sizeof(float) * (c->width - c->dv - 1));
+        rows++;
     }
-#pragma GCC unroll 6
-    for (int r = 0; r < R; r++)
-#pragma GCC unroll 2
-        for (int v = 0; v < V; v++) store(c + r * ldc + v * W, acc[r][v]);
+    *next = j;
+    return rows;
 }
 
-/* The lower-triangular variants skip the products a causal block never uses: with LOWER_K, rows i.. of the
- * tile read only p < i + R (the scores times values); with LOWER_N they write only columns < i + R (the
- * scores themselves). */
-enum { FULL = 0, LOWER_K = 1, LOWER_N = 2 };
-
-#define TILE_ROW(R)                                                                                        \
-    do {                                                                                                   \
-        const int kk = shape == LOWER_K && i + R < k ? i + R : k;                                         \
-        const int nn = shape == LOWER_N && (i + R + W - 1) / W < nv ? (i + R + W - 1) / W : nv;           \
-        const float *ar = a + i * ai;                                                                      \
-        float *cr = c + i * ldc;                                                                           \
-        int v = 0;                                                                                         \
-        for (; v + 2 <= nn; v += 2) tile(R, 2, kk, ar, ai, ap, b + v * W, ldb, cr + v * W, ldc);          \
-        if (v < nn) tile(R, 1, kk, ar, ai, ap, b + v * W, ldb, cr + v * W, ldc);                          \
-    } while (0)
-
-static void gemm_shaped(int shape, int m, int nv, int k, const float *a, long ai, long ap, const float *b, long ldb,
-                        float *c, long ldc) {
-    int i = 0;
-    for (; i + 6 <= m; i += 6) TILE_ROW(6);
-    for (; i + 3 <= m; i += 3) TILE_ROW(3);
-    for (; i < m; i++) TILE_ROW(1);
-}
-
-static void gemm_acc(int m, int nv, int k, const float *a, long ai, long ap, const float *b, long ldb, float *c,
-                     long ldc) {
-    gemm_shaped(FULL, m, nv, k, a, ai, ap, b, ldb, c, ldc);
-}
-
-/* out[r][c] = num_den[r][c] / num_den[r][dv] for rows of width dvp. A zero normaliser means every visible key
- * is masked (or phi(q) = 0): the numerator is 0 too and the output is defined as 0. */
-static void normalise_rows(const float *num_den, int rows, int dvp, int dv, float *out) {
-    for (int r = 0; r < rows; r++, num_den += dvp, out += dv) {
-        const float inv = 1.0f / (num_den[dv] == 0.0f ? 1.0f : num_den[dv]);
-        int c = 0;
-        for (; c + W <= dv; c += W) store(out + c, load(num_den + c) * splat(inv));
-        for (; c < dv; c++) out[c] = num_den[c] * inv;
-    }
-}
-
-static inline int threads_for(int requested) { return requested > 0 ? requested : 1; }
-
-/* Non-causal attention. q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv) given by element strides over
- * (B, H, position) with a contiguous last dimension; mask (B, S) bytes, nonzero = ignore, or NULL; init
- * (B, H, D, Dv + 1) contiguous state of extra keys, or NULL; out (B, H, L, Dv) contiguous. */
+/* Non-causal attention. q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv); mask (B, S) bytes, nonzero = ignore,
+ * or NULL; init (B, H, D, Dv + 1) contiguous state of extra keys, or NULL; out (B, H, L, Dv) contiguous.
+ * For autograd, state_out (B, H, D, Dv + 1) receives the state and den_out (B, H, L) the normalisers (zeros
+ * replaced by 1); either may be NULL. */
 int lm_kernel_attention_f32(const float *q, const float *k, const float *v, const uint8_t *mask, const float *init,
-                            float *out, int b, int h, long nq, long nk, int d, int dv, long qsb, long qsh,
-                            long qsn, long ksb, long ksh, long ksn, long vsb, long vsh, long vsn, int map,
-                            int threads) {
+                            float *out, float *state_out, float *den_out, int b, int h, long nq, long nk, int d,
+                            int dv, long qsb, long qsh, long qsn, long ksb, long ksh, long ksn, long vsb, long vsh,
+                            long vsn, int map, int threads) {
     const int bh = b * h, nvec = (dv + 1 + W - 1) / W, dvp = nvec * W;
     threads = threads_for(threads);
-    /* With fewer heads than threads the key sum is split along the sequence and reduced afterwards. */
-    long parts = bh >= 2 * threads ? 1 : (2 * threads + bh - 1) / bh;
-    if (parts > (nk + 255) / 256) parts = (nk + 255) / 256;
-    if (parts < 1) parts = 1;
     const long state_size = (long)d * dvp;
-    float *states = calloc((size_t)bh * parts * state_size, sizeof(float));
+    float *states = malloc(sizeof(float) * bh * state_size);
     if (!states) return -1;
+    const struct key_rows keys = {k, v, mask, h, d, dv, dvp, map, nk, ksb, ksh, ksn, vsb, vsh, vsn};
+    if (accumulate_states(bh, nk, d, dvp, threads, key_source, &keys, states) != 0) {
+        free(states);
+        return -1;
+    }
+    for (int g = 0; g < bh; g++)
+        for (int f = 0; f < d; f++) {
+            float *row = states + g * state_size + f * dvp;
+            if (init)
+                for (int c = 0; c <= dv; c++) row[c] += init[((long)g * d + f) * (dv + 1) + c];
+            if (state_out) memcpy(state_out + ((long)g * d + f) * (dv + 1), row, sizeof(float) * (dv + 1));
+        }
     int failed = 0;
+    const long row_blocks = (nq + ROWS - 1) / ROWS;
 #pragma omp parallel num_threads(threads)
     {
-        float *phi = malloc(sizeof(float) * ROWS * d), *v1 = calloc((size_t)ROWS * dvp, sizeof(float));
-        if (!phi || !v1) {
+        float *phi = malloc(sizeof(float) * ROWS * d), *num_den = malloc(sizeof(float) * ROWS * dvp);
+        if (!phi || !num_den) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp barrier
         if (!failed) {
-            for (int r = 0; r < ROWS; r++) v1[r * dvp + dv] = 1.0f;
-#pragma omp for schedule(dynamic, 1)
-            for (long item = 0; item < bh * parts; item++) {
-                const int g = (int)(item / parts), bi = g / h, hi = g % h;
-                const long part = item % parts, a = nk * part / parts, z = nk * (part + 1) / parts;
-                float *state = states + item * state_size;
-                for (long j0 = a; j0 < z; j0 += ROWS) {
-                    int rows = 0;
-                    for (long j = j0; j < j0 + ROWS && j < z; j++) {
-                        if (mask && mask[bi * nk + j]) continue; /* a masked key adds nothing */
-                        features(phi + rows * d, k + bi * ksb + hi * ksh + j * ksn, d, map);
-                        memcpy(v1 + rows * dvp, v + bi * vsb + hi * vsh + j * vsn, sizeof(float) * dv);
-                        rows++;
-                    }
-                    /* state[f][c] += sum_j phi[j][f] v1[j][c]: A = phi^T */
-                    gemm_acc(d, nvec, rows, phi, 1, d, v1, dvp, state, dvp);
-                }
-            }
-#pragma omp for schedule(static)
-            for (int g = 0; g < bh; g++) {
-                float *state = states + (long)g * parts * state_size;
-                for (long part = 1; part < parts; part++)
-                    for (long e = 0; e < state_size; e++) state[e] += state[part * state_size + e];
-                if (init)
-                    for (int f = 0; f < d; f++)
-                        for (int c = 0; c <= dv; c++) state[f * dvp + c] += init[((long)g * d + f) * (dv + 1) + c];
-            }
-            const long row_blocks = (nq + ROWS - 1) / ROWS;
-            float *num_den = v1; /* reused: the key pass is over */
 #pragma omp for schedule(static)
             for (long item = 0; item < bh * row_blocks; item++) {
                 const int g = (int)(item / row_blocks), bi = g / h, hi = g % h;
@@ -204,12 +85,17 @@ int lm_kernel_attention_f32(const float *q, const float *k, const float *v, cons
                 const int rows = (int)(nq - i0 < ROWS ? nq - i0 : ROWS);
                 for (int r = 0; r < rows; r++) features(phi + r * d, q + bi * qsb + hi * qsh + (i0 + r) * qsn, d, map);
                 memset(num_den, 0, sizeof(float) * rows * dvp);
-                gemm_acc(rows, nvec, d, phi, d, 1, states + (long)g * parts * state_size, dvp, num_den, dvp);
+                gemm_acc(rows, nvec, d, phi, d, 1, states + g * state_size, dvp, num_den, dvp);
                 normalise_rows(num_den, rows, dvp, dv, out + ((long)g * nq + i0) * dv);
+                if (den_out)
+                    for (int r = 0; r < rows; r++) {
+                        const float den = num_den[r * dvp + dv];
+                        den_out[(long)g * nq + i0 + r] = den == 0.0f ? 1.0f : den;
+                    }
             }
         }
         free(phi);
-        free(v1);
+        free(num_den);
     }
     free(states);
     return failed ? -1 : 0;

@@ -1,0 +1,139 @@
+/* Gradients of non-causal kernel attention (lm_kernel_attention_f32 in kernel_attention.c), float32.
+ *
+ * With [num_i, den_i] = phi(q_i) [S, z], out_i = num_i / den_i and the incoming gradient g_i:
+ *   r_i = [g_i / den_i, -(g_i . out_i) / den_i]          the gradient of the row [num_i, den_i]
+ *   d phi(q_i) = r_i [S, z]^T                            queries, one pass: the state is known from the forward
+ *   G = sum_i phi(q_i)^T r_i                             accumulated in that same pass, d x (Dv + 1)
+ *   d phi(k_j) = [v_j, 1] G^T,   d v_j = phi(k_j) G[:, :Dv]    keys, a second pass
+ *   d initial_state = G
+ * and d q = d phi(q) * phi'(q) (likewise k), the derivative read off the recomputed features. Masked keys get
+ * zero gradients. Only q, k, v, the output, the (small) state and the normalisers are kept from the forward.
+ */
+#include "kernel_attention.h"
+
+/* Transposes the (d x (dv + 1)) matrices of bh heads, src rows spaced src_ld apart, into (width x dp) ones. */
+static void transpose_states(const float *src, long src_ld, int bh, int d, int dv, int width, int dp, float *dst) {
+    memset(dst, 0, sizeof(float) * bh * width * dp);
+    for (int g = 0; g < bh; g++)
+        for (int f = 0; f < d; f++)
+            for (int c = 0; c <= dv; c++) dst[((long)g * width + c) * dp + f] = src[((long)g * d + f) * src_ld + c];
+}
+
+struct query_rows {
+    const float *q, *grad, *out, *den, *state_t;
+    float *grad_q;
+    int h, d, dp, dv, width, map;
+    long n, qsb, qsh, qsn;
+};
+
+/* Rows phi(q_i), r_i for the accumulation of G; as a side effect writes d q_i = (r_i [S, z]^T) * phi'(q_i). */
+static int query_source(const void *ctx, int g, long j, long z, long *next, float *a, float *b, float *scratch) {
+    const struct query_rows *c = ctx;
+    const int bi = g / c->h, hi = g % c->h;
+    const int rows = (int)(z - j < ROWS ? z - j : ROWS);
+    for (int r = 0; r < rows; r++) {
+        const long i = (long)g * c->n + j + r;
+        const float *gr = c->grad + i * c->dv, *o = c->out + i * c->dv;
+        const float inv = 1.0f / c->den[i];
+        float dot = 0.0f, *row = b + r * c->width;
+        for (int e = 0; e < c->dv; e++) {
+            row[e] = gr[e] * inv;
+            dot += gr[e] * o[e];
+        }
+        row[c->dv] = -dot * inv;
+        memset(row + c->dv + 1, 0, sizeof(float) * (c->width - c->dv - 1));
+        features(a + r * c->d, c->q + bi * c->qsb + hi * c->qsh + (j + r) * c->qsn, c->d, c->map);
+    }
+    if (c->grad_q) {
+        memset(scratch, 0, sizeof(float) * rows * c->dp);
+        gemm_acc(rows, c->dp / W, c->width, b, c->width, 1, c->state_t + (long)g * c->width * c->dp, c->dp, scratch,
+                 c->dp);
+        for (int r = 0; r < rows; r++) {
+            feature_grad(scratch + r * c->dp, a + r * c->d, c->d, c->map);
+            memcpy(c->grad_q + ((long)g * c->n + j + r) * c->d, scratch + r * c->dp, sizeof(float) * c->d);
+        }
+    }
+    *next = j + rows;
+    return rows;
+}
+
+/* q, k, v, mask, strides, sizes and map as the forward; state (B, H, D, Dv + 1) and den (B, H, L) from it, out
+ * (B, H, L, Dv) its output and grad (B, H, L, Dv) the incoming gradient, all contiguous. Writes grad_q
+ * (B, H, L, D), grad_k (B, H, S, D), grad_v (B, H, S, Dv) and grad_state (B, H, D, Dv + 1), each contiguous
+ * and each skipped when NULL. */
+int lm_kernel_attention_backward_f32(const float *q, const float *k, const float *v, const uint8_t *mask,
+                                     const float *state, const float *den, const float *out, const float *grad,
+                                     float *grad_q, float *grad_k, float *grad_v, float *grad_state, int b, int h,
+                                     long nq, long nk, int d, int dv, long qsb, long qsh, long qsn, long ksb,
+                                     long ksh, long ksn, long vsb, long vsh, long vsn, int map, int threads) {
+    const int bh = b * h, width = (dv + 1 + W - 1) / W * W, dp = (d + W - 1) / W * W;
+    threads = threads_for(threads);
+    float *state_t = malloc(sizeof(float) * bh * width * dp), *acc = malloc(sizeof(float) * bh * d * width);
+    float *acc_t = malloc(sizeof(float) * bh * width * dp);
+    int failed = !state_t || !acc || !acc_t;
+    if (!failed) {
+        transpose_states(state, dv + 1, bh, d, dv, width, dp, state_t);
+        const struct query_rows queries = {q, grad, out, den, state_t, grad_q, h, d, dp, dv, width, map, nq,
+                                           qsb, qsh, qsn};
+        failed = accumulate_states(bh, nq, d, width, threads, query_source, &queries, acc) != 0;
+    }
+    if (!failed && grad_state)
+        for (long g = 0; g < (long)bh * d; g++) memcpy(grad_state + g * (dv + 1), acc + g * width, sizeof(float) * (dv + 1));
+    if (!failed && (grad_k || grad_v)) {
+        transpose_states(acc, width, bh, d, dv, width, dp, acc_t);
+        const long row_blocks = (nk + ROWS - 1) / ROWS;
+#pragma omp parallel num_threads(threads)
+        {
+            float *phi = malloc(sizeof(float) * ROWS * d), *v1 = malloc(sizeof(float) * ROWS * width);
+            float *g_phi = malloc(sizeof(float) * ROWS * dp), *g_v1 = malloc(sizeof(float) * ROWS * width);
+            if (!phi || !v1 || !g_phi || !g_v1) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#pragma omp barrier
+            if (!failed) {
+#pragma omp for schedule(static)
+                for (long item = 0; item < bh * row_blocks; item++) {
+                    const int g = (int)(item / row_blocks), bi = g / h, hi = g % h;
+                    const long j0 = (item % row_blocks) * ROWS;
+                    const int rows = (int)(nk - j0 < ROWS ? nk - j0 : ROWS);
+                    for (int r = 0; r < rows; r++) {
+                        const long j = j0 + r;
+                        float *row = v1 + r * width;
+                        features(phi + r * d, k + bi * ksb + hi * ksh + j * ksn, d, map);
+                        memcpy(row, v + bi * vsb + hi * vsh + j * vsn, sizeof(float) * dv);
+                        row[dv] = 1.0f;
+                        memset(row + dv + 1, 0, sizeof(float) * (width - dv - 1));
+                    }
+                    memset(g_phi, 0, sizeof(float) * rows * dp);
+                    memset(g_v1, 0, sizeof(float) * rows * width);
+                    gemm_acc(rows, dp / W, width, v1, width, 1, acc_t + (long)g * width * dp, dp, g_phi, dp);
+                    gemm_acc(rows, width / W, d, phi, d, 1, acc + (long)g * d * width, width, g_v1, width);
+                    for (int r = 0; r < rows; r++) {
+                        const long j = j0 + r, o = (long)g * nk + j;
+                        const int masked = mask && mask[bi * nk + j];
+                        if (grad_k) {
+                            if (masked) memset(grad_k + o * d, 0, sizeof(float) * d);
+                            else {
+                                feature_grad(g_phi + r * dp, phi + r * d, d, map);
+                                memcpy(grad_k + o * d, g_phi + r * dp, sizeof(float) * d);
+                            }
+                        }
+                        if (grad_v) {
+                            if (masked) memset(grad_v + o * dv, 0, sizeof(float) * dv);
+                            else memcpy(grad_v + o * dv, g_v1 + r * width, sizeof(float) * dv);
+                        }
+                    }
+                }
+            }
+            free(phi);
+            free(v1);
+            free(g_phi);
+            free(g_v1);
+        }
+    }
+    free(state_t);
+    free(acc);
+    free(acc_t);
+    return failed ? -1 : 0;
+}
