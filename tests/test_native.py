@@ -145,20 +145,21 @@ def test_kernel_dispatches_float32_cpu_inference_to_the_kernels(monkeypatch):
     assert len(calls) == 2
     with pytest.raises(ValueError, match="chunk_size"):
         LF.kernel(q, k, v, "elu", causal=True, chunk_size=0)
-    LF.kernel(q.requires_grad_(), k, v, "elu")  # non-causal attention has a compiled backward
-    assert len(calls) == 3
-    # Not taken: causal attention under autograd, float64, maps the C code does not know.
+    # Autograd too: the kernels have their backward.
+    LF.kernel(q.requires_grad_(), k, v, "elu")
     LF.kernel(q, k, v, "elu", causal=True)
+    assert len(calls) == 4
+    # Not taken: float64, maps the C code does not know.
     LF.kernel(q.detach().double(), k.double(), v.double(), "elu")
     LF.kernel(q.detach(), k, v, "taylor")
-    assert len(calls) == 3
+    assert len(calls) == 4
     previous = native.set_enabled(False)
     try:
         with torch.inference_mode():
             composed = LF.kernel(q.detach(), k, v, "elu", key_padding_mask=mask)
     finally:
         native.set_enabled(previous)
-    assert len(calls) == 3
+    assert len(calls) == 4
     assert torch.allclose(fast, composed, rtol=1e-5, atol=1e-6)
 
 
@@ -166,7 +167,10 @@ def test_kernel_dispatches_float32_cpu_inference_to_the_kernels(monkeypatch):
 @pytest.mark.parametrize("feature_map", ["elu", "relu"])
 @pytest.mark.parametrize("b,h,n_q,n_k,d,dv", [(1, 4, 200, 200, 64, 64), (2, 3, 37, 70, 13, 5), (1, 1, 600, 500, 16, 9)])
 @pytest.mark.parametrize("masked", [False, True])
-def test_gradients_match_float64(feature_map, b, h, n_q, n_k, d, dv, masked):
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_match_float64(feature_map, b, h, n_q, n_k, d, dv, masked, causal):
+    if causal:
+        n_k = n_q
     g = torch.Generator().manual_seed(n_q + dv)
     # q, k, v as a module makes them: (B, N, H, D) projections seen as (B, H, N, D).
     q = torch.randn(b, n_q, h, d, generator=g).transpose(1, 2)
@@ -178,7 +182,7 @@ def test_gradients_match_float64(feature_map, b, h, n_q, n_k, d, dv, masked):
 
     def grads(dtype):
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, state)]
-        out = LF.kernel(*leaves[:3], feature_map, key_padding_mask=mask, initial_state=leaves[3])
+        out = LF.kernel(*leaves[:3], feature_map, key_padding_mask=mask, initial_state=leaves[3], causal=causal)
         out.backward(grad_out.to(dtype))
         return out, [t.grad for t in leaves]
 
@@ -193,19 +197,16 @@ def test_gradients_match_float64(feature_map, b, h, n_q, n_k, d, dv, masked):
 
 
 @needs_native
-def test_gradients_of_a_subset_of_inputs():
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_of_a_subset_of_inputs(causal):
     g = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(1, 2, 30, 8, generator=g) for _ in range(3))
+    q, k, v = (torch.randn(1, 2, 100, 8, generator=g) for _ in range(3))
     v.requires_grad_()
-    out = LF.kernel(q, k, v, "elu")
-    (grad_v,) = torch.autograd.grad(out.square().sum(), v)
     v64 = v.detach().double().requires_grad_()
-    (ref,) = torch.autograd.grad(LF.kernel(q.double(), k.double(), v64, "elu").square().sum(), v64)
-    assert relative_error(grad_v, ref) < 1e-5
-    # out.sum() hands the backward an expanded (stride 0) gradient, which it has to copy.
-    (grad_v,) = torch.autograd.grad(LF.kernel(q, k, v, "elu").sum(), v)
-    (ref,) = torch.autograd.grad(LF.kernel(q.double(), k.double(), v64, "elu").sum(), v64)
-    assert relative_error(grad_v, ref) < 1e-5
+    for loss in (torch.square, lambda out: out):  # the latter hands the backward an expanded (stride 0) gradient
+        (grad_v,) = torch.autograd.grad(loss(LF.kernel(q, k, v, "elu", causal=causal)).sum(), v)
+        (ref,) = torch.autograd.grad(loss(LF.kernel(q.double(), k.double(), v64, "elu", causal=causal)).sum(), v64)
+        assert relative_error(grad_v, ref) < 1e-5
 
 
 @needs_native

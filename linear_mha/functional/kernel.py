@@ -6,9 +6,9 @@ computed right-to-left in O(N F Dv) instead of O(N^2). Causal attention restrict
 chunked product in ``causal.py``, where a ones column appended to v carries the normaliser through the same product
 (the state then has shape (F, Dv + 1), the layout ``kernel_state`` and ``kernel_step`` use too). Non-causal
 attention computes the normaliser as a separate matrix-vector product instead, which is cheaper than widening v.
-On float32 CPU tensors with elu/relu, non-causal attention (forward and backward), causal inference and the
-decoding step run in the compiled kernels of ``native.py`` when they could be built, with the feature map and
-the division fused into the products.
+On float32 CPU tensors with elu/relu, attention (forward and backward, causal or not) and the decoding step run
+in the compiled kernels of ``native.py`` when they could be built, with the feature map and the division fused
+into the products.
 """
 from typing import Optional, Tuple
 
@@ -54,7 +54,7 @@ def kernel(
     q, k, v = q.to(dtype), k.to(dtype), drop_keys(v.to(dtype), dropout_p)
     if initial_state is not None:
         initial_state = initial_state.to(dtype)
-    if native.supports(feature_map, q, k, v, initial_state, autograd=not causal):
+    if native.supports(feature_map, q, k, v, initial_state, autograd=True):
         # The compiled kernels skip masked keys themselves, so v is not copied to zero them.
         _check_state(initial_state, q, v)
         if chunk_size is not None:

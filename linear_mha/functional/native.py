@@ -2,9 +2,9 @@
 
 Kernel attention with an elementwise map spends most of its CPU time in elementwise passes over N-sized
 tensors, not in its two GEMMs; the C kernels fuse those passes into the GEMMs (see kernel_attention.c). They
-cover float32 CPU tensors with elu/relu: non-causal attention with its gradients, causal attention without
-autograd, and the recurrent decoding step. Everything else (other maps and dtypes, accelerators, the causal
-backward) stays in PyTorch, and so does everything when the kernels are unavailable.
+cover float32 CPU tensors with elu/relu: non-causal and causal attention with their gradients, and the
+recurrent decoding step. Everything else (other maps and dtypes, accelerators) stays in PyTorch, and so does
+everything when the kernels are unavailable.
 
 The library is compiled with the system C compiler (``$CC``, else cc/gcc/clang) for the host CPU and cached
 under ``$LINEAR_MHA_CACHE`` (default ``~/.cache/linear_mha``), keyed by the source, the flags and the CPU, so
@@ -100,10 +100,12 @@ def _declare(library: ctypes.CDLL) -> None:
     p, i, l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     library.lm_kernel_attention_f32.argtypes = [p] * 8 + [i, i, l, l, i, i] + [l] * 9 + [i, i]
     library.lm_kernel_attention_backward_f32.argtypes = [p] * 12 + [i, i, l, l, i, i] + [l] * 9 + [i, i]
-    library.lm_causal_kernel_attention_f32.argtypes = [p] * 6 + [i, i, l, i, i] + [l] * 9 + [i, i]
+    library.lm_causal_kernel_attention_f32.argtypes = [p] * 7 + [i, i, l, i, i] + [l] * 9 + [i, i]
+    library.lm_causal_kernel_attention_backward_f32.argtypes = [p] * 12 + [i, i, l, i, i] + [l] * 9 + [i, i]
     library.lm_kernel_step_f32.argtypes = [p] * 6 + [i, i, i, i]
     for fn in (library.lm_kernel_attention_f32, library.lm_kernel_attention_backward_f32,
-               library.lm_causal_kernel_attention_f32, library.lm_kernel_step_f32):
+               library.lm_causal_kernel_attention_f32, library.lm_causal_kernel_attention_backward_f32,
+               library.lm_kernel_step_f32):
         fn.restype = ctypes.c_int
 
 
@@ -163,76 +165,77 @@ def _check(status: int) -> None:
 
 def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_map: str, key_padding_mask: Optional[Tensor] = None,
                      initial_state: Optional[Tensor] = None, causal: bool = False) -> Tensor:
-    """Kernel attention. Shapes as ``kernel.kernel``: q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv), any strides
-    with a contiguous last dimension (L == S when causal); key_padding_mask (B, S) bool, True = ignore;
-    initial_state (B, H, D, Dv + 1). Returns a contiguous (B, H, L, Dv) tensor. Non-causal attention is
-    differentiable (a compiled backward); causal attention is inference only. Callers check ``supports`` and
-    the shapes."""
+    """Kernel attention, differentiable through the compiled backward. Shapes as ``kernel.kernel``: q (B, H, L, D),
+    k (B, H, S, D), v (B, H, S, Dv), any strides with a contiguous last dimension (L == S when causal);
+    key_padding_mask (B, S) bool, True = ignore; initial_state (B, H, D, Dv + 1). Returns a contiguous
+    (B, H, L, Dv) tensor. Callers check ``supports`` and the shapes."""
     mask = None if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
     init = None if initial_state is None else initial_state.contiguous()
-    if causal:
-        return _causal_forward(q, k, v, mask, init, feature_map)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, init)):
-        return _KernelAttention.apply(q, k, v, init, mask, feature_map)
-    return _forward(q, k, v, mask, init, feature_map, keep=False)[0]
+        return _KernelAttention.apply(q, k, v, init, mask, feature_map, causal)
+    return _forward(q, k, v, mask, init, feature_map, causal, keep=False)[0]
 
 
 def _pointer(t: Optional[Tensor]):
     return None if t is None else t.data_ptr()
 
 
-def _strides(q, k, v):
-    return (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
-
-
-def _forward(q, k, v, mask, init, feature_map, keep):
-    """(out, state, den); state (B, H, D, Dv + 1) and den (B, H, L) only when ``keep``, for the backward."""
+def _sizes(q, k, v, causal):
+    """The size and stride arguments of the C entry points."""
     b, h, n_q, d = q.shape
-    n_k, dv = k.shape[2], v.shape[-1]
+    lengths = (n_q,) if causal else (n_q, k.shape[2])
+    return (b, h, *lengths, d, v.shape[-1], *q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
+
+
+def _forward(q, k, v, mask, init, feature_map, causal, keep):
+    """(out, state, den): the state (B, H, D, Dv + 1, non-causal only) and the normalisers den (B, H, L) are
+    returned for the backward when ``keep``, else None."""
+    b, h, n_q, d = q.shape
+    dv = v.shape[-1]
     out = q.new_empty(b, h, n_q, dv)
-    state, den = (q.new_empty(b, h, d, dv + 1), q.new_empty(b, h, n_q)) if keep else (None, None)
-    _check(_lib().lm_kernel_attention_f32(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), _pointer(mask), _pointer(init), out.data_ptr(), _pointer(state),
-        _pointer(den), b, h, n_q, n_k, d, dv, *_strides(q, k, v), _MAPS[feature_map], torch.get_num_threads()))
+    den = q.new_empty(b, h, n_q) if keep else None
+    state = q.new_empty(b, h, d, dv + 1) if keep and not causal else None
+    pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), _pointer(mask), _pointer(init), out.data_ptr())
+    threads = (_MAPS[feature_map], torch.get_num_threads())
+    if causal:
+        status = _lib().lm_causal_kernel_attention_f32(*pointers, _pointer(den), *_sizes(q, k, v, causal), *threads)
+    else:
+        status = _lib().lm_kernel_attention_f32(*pointers, _pointer(state), _pointer(den), *_sizes(q, k, v, causal),
+                                                *threads)
+    _check(status)
     return out, state, den
 
 
-def _causal_forward(q, k, v, mask, init, feature_map):
-    b, h, n, d = q.shape
-    dv = v.shape[-1]
-    out = q.new_empty(b, h, n, dv)
-    _check(_lib().lm_causal_kernel_attention_f32(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), _pointer(mask), _pointer(init), out.data_ptr(), b, h, n, d, dv,
-        *_strides(q, k, v), _MAPS[feature_map], torch.get_num_threads()))
-    return out
-
-
 class _KernelAttention(torch.autograd.Function):
-    """Non-causal kernel attention with the compiled backward, which recomputes the features and keeps only
-    the output, the (B, H, D, Dv + 1) state and the (B, H, L) normalisers (see kernel_attention_backward.c)."""
+    """Kernel attention with the compiled backward (kernel_attention_backward.c), which recomputes the features
+    and keeps only the output, the normalisers and, non-causal, the (B, H, D, Dv + 1) state."""
 
     @staticmethod
-    def forward(ctx, q, k, v, init, mask, feature_map):
-        out, state, den = _forward(q, k, v, mask, init, feature_map, keep=True)
-        ctx.save_for_backward(q, k, v, mask, out, state, den)
-        ctx.feature_map = feature_map
+    def forward(ctx, q, k, v, init, mask, feature_map, causal):
+        out, state, den = _forward(q, k, v, mask, init, feature_map, causal, keep=True)
+        ctx.save_for_backward(q, k, v, init, mask, out, state, den)
+        ctx.feature_map, ctx.causal = feature_map, causal
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, mask, out, state, den = ctx.saved_tensors
+        q, k, v, init, mask, out, state, den = ctx.saved_tensors
         need_q, need_k, need_v, need_init = ctx.needs_input_grad[:4]
         b, h, n_q, d = q.shape
         n_k, dv = k.shape[2], v.shape[-1]
         grads = (q.new_empty(b, h, n_q, d) if need_q else None, k.new_empty(b, h, n_k, d) if need_k else None,
                  v.new_empty(b, h, n_k, dv) if need_v else None, q.new_empty(b, h, d, dv + 1) if need_init else None)
         grad_out = grad_out.contiguous()  # held in a name: a temporary's memory would be freed before the call
-        _check(_lib().lm_kernel_attention_backward_f32(
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), _pointer(mask), state.data_ptr(), den.data_ptr(),
-            out.data_ptr(), grad_out.data_ptr(), *map(_pointer, grads), b, h, n_q, n_k, d, dv,
-            *_strides(q, k, v), _MAPS[ctx.feature_map], torch.get_num_threads()))
-        return (*grads, None, None)
+        pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), _pointer(mask))
+        tail = (out.data_ptr(), grad_out.data_ptr(), *map(_pointer, grads), *_sizes(q, k, v, ctx.causal),
+                _MAPS[ctx.feature_map], torch.get_num_threads())
+        if ctx.causal:
+            status = _lib().lm_causal_kernel_attention_backward_f32(*pointers, _pointer(init), den.data_ptr(), *tail)
+        else:
+            status = _lib().lm_kernel_attention_backward_f32(*pointers, state.data_ptr(), den.data_ptr(), *tail)
+        _check(status)
+        return (*grads, None, None, None)
 
 
 def kernel_step(q: Tensor, k: Tensor, v: Tensor, state: Optional[Tensor], feature_map: str):

@@ -87,11 +87,7 @@ int lm_kernel_attention_f32(const float *q, const float *k, const float *v, cons
                 memset(num_den, 0, sizeof(float) * rows * dvp);
                 gemm_acc(rows, nvec, d, phi, d, 1, states + g * state_size, dvp, num_den, dvp);
                 normalise_rows(num_den, rows, dvp, dv, out + ((long)g * nq + i0) * dv);
-                if (den_out)
-                    for (int r = 0; r < rows; r++) {
-                        const float den = num_den[r * dvp + dv];
-                        den_out[(long)g * nq + i0 + r] = den == 0.0f ? 1.0f : den;
-                    }
+                if (den_out) store_normalisers(num_den, rows, dvp, dv, den_out + (long)g * nq + i0);
             }
         }
         free(phi);
@@ -160,19 +156,21 @@ int lm_kernel_step_f32(const float *q, const float *k, const float *v, const flo
     return 0;
 }
 
-/* Causal attention, query i seeing keys j <= i. Shapes, strides, mask and init as lm_kernel_attention_f32,
- * with L = S = n. Chunks of ROWS positions: within a chunk the masked score block phi(Q_c) phi(K_c)^T
- * multiplies [V_c, 1]; the keys of earlier chunks arrive through the carried state S, so
+/* Causal attention, query i seeing keys j <= i. Shapes, strides, mask, init, out and den_out as
+ * lm_kernel_attention_f32, with L = S = n. Chunks of ROWS positions: within a chunk the masked score block
+ * phi(Q_c) phi(K_c)^T multiplies [V_c, 1]; the keys of earlier chunks arrive through the carried state S, so
  * [num, den]_c = phi(Q_c) S + tril(phi(Q_c) phi(K_c)^T) [V_c, 1], then S += phi(K_c)^T [V_c, 1].
  * Heads run in parallel; each walks its chunks in order. */
 int lm_causal_kernel_attention_f32(const float *q, const float *k, const float *v, const uint8_t *mask,
-                                   const float *init, float *out, int b, int h, long n, int d, int dv, long qsb,
-                                   long qsh, long qsn, long ksb, long ksh, long ksn, long vsb, long vsh, long vsn,
+                                   const float *init, float *out, float *den_out, int b, int h, long n, int d,
+                                   int dv, long qsb, long qsh, long qsn, long ksb, long ksh, long ksn, long vsb,
+                                   long vsh, long vsn,
                                    int map, int threads) {
     const int bh = b * h, nvec = (dv + 1 + W - 1) / W, dvp = nvec * W;
     const int score_vec = (ROWS + W - 1) / W, ldt = score_vec * W;
     threads = threads_for(threads);
     int failed = 0;
+    const struct causal_inputs in = {q, k, v, mask, h, d, dv, map, n, qsb, qsh, qsn, ksb, ksh, ksn, vsb, vsh, vsn};
 #pragma omp parallel num_threads(threads)
     {
         float *phi_q = malloc(sizeof(float) * ROWS * d), *phi_k = malloc(sizeof(float) * ROWS * d);
@@ -187,36 +185,20 @@ int lm_causal_kernel_attention_f32(const float *q, const float *k, const float *
         if (!failed) {
 #pragma omp for schedule(dynamic, 1)
             for (int g = 0; g < bh; g++) {
-                const int bi = g / h, hi = g % h;
                 memset(state, 0, sizeof(float) * d * dvp);
                 if (init)
                     for (int f = 0; f < d; f++)
                         memcpy(state + f * dvp, init + ((long)g * d + f) * (dv + 1), sizeof(float) * (dv + 1));
                 for (long i0 = 0; i0 < n; i0 += ROWS) {
                     const int rows = (int)(n - i0 < ROWS ? n - i0 : ROWS);
-                    for (int r = 0; r < rows; r++) {
-                        const long j = i0 + r;
-                        features(phi_q + r * d, q + bi * qsb + hi * qsh + j * qsn, d, map);
-                        float *vr = v1 + r * dvp;
-                        if (mask && mask[bi * n + j]) { /* a masked key: no features, no value, no normaliser */
-                            memset(phi_k + r * d, 0, sizeof(float) * d);
-                            memset(vr, 0, sizeof(float) * (dv + 1));
-                        } else {
-                            features(phi_k + r * d, k + bi * ksb + hi * ksh + j * ksn, d, map);
-                            memcpy(vr, v + bi * vsb + hi * vsh + j * vsn, sizeof(float) * dv);
-                            vr[dv] = 1.0f;
-                        }
-                        for (int f = 0; f < d; f++) k_t[f * ldt + r] = phi_k[r * d + f];
-                    }
+                    load_chunk(&in, g, i0, rows, phi_q, phi_k, d, v1, dvp, k_t, ldt);
                     memset(num_den, 0, sizeof(float) * rows * dvp);
                     gemm_acc(rows, nvec, d, phi_q, d, 1, state, dvp, num_den, dvp);
-                    memset(scores, 0, sizeof(float) * rows * ldt);
-                    gemm_shaped(LOWER_N, rows, (rows + W - 1) / W, d, phi_q, d, 1, k_t, ldt, scores, ldt);
-                    for (int r = 0; r < rows; r++)
-                        for (int c = r + 1; c < rows; c++) scores[r * ldt + c] = 0.0f;
+                    lower_scores(rows, d, phi_q, d, k_t, ldt, scores);
                     gemm_shaped(LOWER_K, rows, nvec, rows, scores, ldt, 1, v1, dvp, num_den, dvp);
                     gemm_acc(d, nvec, rows, phi_k, 1, d, v1, dvp, state, dvp);
                     normalise_rows(num_den, rows, dvp, dv, out + ((long)g * n + i0) * dv);
+                    if (den_out) store_normalisers(num_den, rows, dvp, dv, den_out + (long)g * n + i0);
                 }
             }
         }

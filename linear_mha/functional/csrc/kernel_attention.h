@@ -131,6 +131,11 @@ static inline void normalise_rows(const float *num_den, int rows, int dvp, int d
     }
 }
 
+/* The normalisers of rows of width dvp, zeros replaced by 1 as normalise_rows divides, for the backward. */
+static inline void store_normalisers(const float *num_den, int rows, int dvp, int dv, float *den) {
+    for (int r = 0; r < rows; r++) den[r] = num_den[r * dvp + dv] == 0.0f ? 1.0f : num_den[r * dvp + dv];
+}
+
 static inline int threads_for(int requested) { return requested > 0 ? requested : 1; }
 
 /* grad * dphi/dx in place, the derivative read off phi itself: elu(x) + 1 has derivative 1 for x > 0 and
@@ -199,6 +204,62 @@ static inline int accumulate_states(int bh, long n, int d, int width, int thread
         free(partial);
     }
     return failed ? -1 : 0;
+}
+
+/* The inputs of causal attention as its forward and backward read them: element strides over (B, H, position)
+ * with a contiguous last dimension; mask (B, n) bytes, nonzero = ignore, or NULL. */
+struct causal_inputs {
+    const float *q, *k, *v;
+    const uint8_t *mask;
+    int h, d, dv, map;
+    long n, qsb, qsh, qsn, ksb, ksh, ksn, vsb, vsh, vsn;
+};
+
+/* Positions i0 .. i0 + rows of head g: phi(q) and phi(k) with row stride ld, [v, 1] with row stride width (its
+ * padding left as it is) and phi(k)^T into k_t (d x ldt). A masked key gets zero features, value and
+ * normaliser, so it adds nothing to any product. */
+static inline void load_chunk(const struct causal_inputs *in, int g, long i0, int rows, float *phi_q, float *phi_k,
+                              int ld, float *v1, int width, float *k_t, int ldt) {
+    const int bi = g / in->h, hi = g % in->h, d = in->d, dv = in->dv;
+    for (int r = 0; r < rows; r++) {
+        const long j = i0 + r;
+        float *pk = phi_k + r * ld, *vr = v1 + r * width;
+        features(phi_q + r * ld, in->q + bi * in->qsb + hi * in->qsh + j * in->qsn, d, in->map);
+        if (in->mask && in->mask[bi * in->n + j]) {
+            memset(pk, 0, sizeof(float) * d);
+            memset(vr, 0, sizeof(float) * (dv + 1));
+        } else {
+            features(pk, in->k + bi * in->ksb + hi * in->ksh + j * in->ksn, d, in->map);
+            memcpy(vr, in->v + bi * in->vsb + hi * in->vsh + j * in->vsn, sizeof(float) * dv);
+            vr[dv] = 1.0f;
+        }
+        for (int f = 0; f < d; f++) k_t[f * ldt + r] = pk[f];
+    }
+}
+
+/* scores (rows x ldt) = tril(a b): a is (rows x k) with row stride lda, b is (k x ldt); entries above the
+ * diagonal are zero. */
+static inline void lower_scores(int rows, int k, const float *a, int lda, const float *b, int ldt, float *scores) {
+    memset(scores, 0, sizeof(float) * rows * ldt);
+    gemm_shaped(LOWER_N, rows, (rows + W - 1) / W, k, a, lda, 1, b, ldt, scores, ldt);
+    for (int r = 0; r < rows; r++)
+        for (int c = r + 1; c < rows; c++) scores[r * ldt + c] = 0.0f;
+}
+
+/* The gradient of the rows [num, den] from that of out = num / den: [g / den, -(g . out) / den], padded with
+ * zeros to width. grad, out are (rows x dv), den holds the rows' normalisers (zeros already replaced by 1). */
+static inline void gradient_rows(const float *grad, const float *out, const float *den, int rows, int dv, int width,
+                                 float *r_rows) {
+    for (int r = 0; r < rows; r++, grad += dv, out += dv) {
+        const float inv = 1.0f / den[r];
+        float dot = 0.0f, *row = r_rows + r * width;
+        for (int e = 0; e < dv; e++) {
+            row[e] = grad[e] * inv;
+            dot += grad[e] * out[e];
+        }
+        row[dv] = -dot * inv;
+        memset(row + dv + 1, 0, sizeof(float) * (width - dv - 1));
+    }
 }
 
 #endif
