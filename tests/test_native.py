@@ -260,3 +260,20 @@ def test_a_failed_build_warns_once_and_falls_back(tmp_path):
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert result.returncode == 0, result.stderr
     assert not list(tmp_path.glob("*.so"))
+
+
+@pytest.mark.parametrize("use_native", [True, False])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("feature_map", ["elu", "taylor"])
+@pytest.mark.parametrize("n,dv", [(0, 4), (5, 0)])
+def test_empty_sequences_and_values_give_empty_outputs(use_native, causal, feature_map, n, dv):
+    q = torch.randn(1, 2, n, 3, requires_grad=True)
+    v = torch.randn(1, 2, n, dv, requires_grad=True)
+    previous = native.set_enabled(use_native)
+    try:
+        out = LF.kernel(q, q, v, feature_map, causal=causal)
+        out.sum().backward()
+    finally:
+        native.set_enabled(previous)
+    assert out.shape == (1, 2, n, dv)
+    assert q.grad.shape == q.shape and v.grad.shape == v.shape

@@ -196,7 +196,7 @@ def _layout(phi_q: torch.Tensor, chunk_size: int):
 
 
 def _unchunk(x: torch.Tensor, b: int, h: int, n: int, dtype: torch.dtype) -> torch.Tensor:
-    return x.view(b, h, -1, x.shape[-1])[:, :, :n].to(dtype)
+    return x.view(b, h, x.shape[0] // max(1, b * h) * x.shape[1], x.shape[-1])[:, :, :n].to(dtype)
 
 
 def _forward(phi_q, phi_k, v, initial_state, chunk_size):

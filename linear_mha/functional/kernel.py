@@ -50,6 +50,7 @@ def kernel(
     check_qkv(q, k, v, key_padding_mask)
     if causal and q.shape[-2] != k.shape[-2]:
         raise ValueError(f"causal kernel attention needs as many queries as keys, got L={q.shape[-2]}, S={k.shape[-2]}")
+    causal = causal and q.shape[-2] > 0  # an empty sequence has no future to hide; the chunked paths need N >= 1
     out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
     q, k, v = q.to(dtype), k.to(dtype), drop_keys(v.to(dtype), dropout_p)
     if initial_state is not None:
