@@ -277,3 +277,24 @@ def test_empty_sequences_and_values_give_empty_outputs(use_native, causal, featu
         native.set_enabled(previous)
     assert out.shape == (1, 2, n, dv)
     assert q.grad.shape == q.shape and v.grad.shape == v.shape
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("feature_map", ["elu", "taylor"])
+def test_torch_func_transforms_use_plain_torch_ops(causal, feature_map):
+    # vmap's batched tensors have no data pointer and support no out=, and custom autograd.Functions need
+    # functorch rules: under torch.func every path falls back to plain differentiable ops.
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(3, 1, 2, 70, 4, generator=g) for _ in range(3))
+    state = torch.rand(1, 2, 5 if feature_map == "taylor" else 4, 5, generator=g)
+
+    def attend(a, b, c):
+        return LF.kernel(a, b, c, feature_map, causal=causal, initial_state=state, chunk_size=16)
+
+    batched = torch.func.vmap(attend)(q, k, v)
+    looped = torch.stack([attend(a, b, c) for a, b, c in zip(q, k, v)])
+    assert torch.allclose(batched, looped, rtol=1e-5, atol=1e-6)
+    grad = torch.func.grad(lambda a: attend(a, k[0], v[0]).square().sum())(q[0])
+    q0 = q[0].clone().requires_grad_()
+    attend(q0, k[0], v[0]).square().sum().backward()
+    assert torch.allclose(grad, q0.grad, rtol=1e-4, atol=1e-6)

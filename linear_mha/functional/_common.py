@@ -40,6 +40,15 @@ def drop_keys(v: Tensor, dropout_p: float) -> Tensor:
     return v * keep / (1.0 - dropout_p)
 
 
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+
+
+def functorch_active() -> bool:
+    """Whether a torch.func transform (vmap, grad, ...) is running: its wrapper tensors support neither out=
+    nor raw data pointers, so the fast paths that use them give way to plain tensor ops."""
+    return _functorch_active()
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Low-precision inputs accumulate states and normalisers in float32; float32/64 stay as they are."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype

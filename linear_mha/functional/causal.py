@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from ._common import needs_grad
+from ._common import functorch_active, needs_grad
 
 __all__ = ["causal_linear_product", "causal_linear_state", "causal_linear_step"]
 
@@ -112,7 +112,7 @@ def _block_positions(device: torch.device) -> Optional[int]:
     while compiling (a traced graph would unroll the loop once per block).
     """
     compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)()
-    if device.type != "cpu" or compiling:
+    if device.type != "cpu" or compiling or functorch_active():  # blocks write into buffers with out=
         return None
     return _BLOCK_POSITIONS if torch.get_num_threads() == 1 else _BLOCK_POSITIONS_THREADED
 
@@ -308,6 +308,24 @@ class _CausalLinearProduct(torch.autograd.Function):
         return (*grads, None)
 
 
+def _composed_product(phi_q, phi_k, v, initial_state, chunk_size):
+    """The chunked product from plain differentiable ops (no custom backward, no out=, no in-place), for
+    torch.func transforms, which support neither. It keeps every chunk's prefix state: O(N / C * Dk * Dv)
+    memory where the custom path keeps O(Dk * Dv)."""
+    b, h, n, dk = phi_q.shape
+    dtype = _state_dtype(phi_q.dtype)
+    chunk = min(chunk_size, n)
+    pad = -n % chunk
+    q, k, v_ = (torch.nn.functional.pad(t.to(dtype), (0, 0, 0, pad)).unflatten(2, (-1, chunk))
+                for t in (phi_q, phi_k, v))
+    products = k.transpose(-2, -1) @ v_  # (B, H, chunks, Dk, Dv)
+    prefix = torch.cat([torch.zeros_like(products[:, :, :1]), products[:, :, :-1].cumsum(2)], dim=2)
+    if initial_state is not None:
+        prefix = prefix + initial_state.to(dtype).unsqueeze(2)
+    out = q @ prefix + (q @ k.transpose(-2, -1)).tril() @ v_
+    return out.flatten(2, 3)[:, :, :n].to(phi_q.dtype)
+
+
 def causal_linear_product(phi_q, phi_k, v, initial_state=None, chunk_size=64):
     """Causal linear attention numerator, chunked.
 
@@ -320,6 +338,8 @@ def causal_linear_product(phi_q, phi_k, v, initial_state=None, chunk_size=64):
     check_chunk_size(chunk_size)
     if phi_q.shape[2] == 0:
         raise ValueError("phi_q has sequence length 0; pass at least one position (N >= 1).")
+    if functorch_active():
+        return _composed_product(phi_q, phi_k, v, initial_state, chunk_size)
     if needs_grad(phi_q, phi_k, v, initial_state):
         return _CausalLinearProduct.apply(phi_q, phi_k, v, initial_state, chunk_size)
     return _forward(phi_q, phi_k, v, initial_state, chunk_size)

@@ -15,8 +15,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._common import (append_ones, check_qkv, compute_dtype, drop_keys, mask_keys, needs_grad, normalise,
-                      safe_normaliser, split_normalise)
+from ._common import (append_ones, check_qkv, compute_dtype, drop_keys, functorch_active, mask_keys, needs_grad,
+                      normalise, safe_normaliser, split_normalise)
 from . import causal as _causal
 from . import native
 from .causal import causal_linear_product, check_chunk_size, step_unchecked
@@ -63,7 +63,7 @@ def kernel(
         return native.kernel_attention(q, k, v, feature_map, key_padding_mask, initial_state, causal).to(out_dtype)
     v = mask_keys(v, key_padding_mask)
     fused = isinstance(feature_map, str) and feature_map in FUSED_FEATURE_MAPS
-    if causal and fused:
+    if causal and fused and not functorch_active():
         _check_state(initial_state, q, v)
         kwargs = {} if chunk_size is None else {"chunk_size": check_chunk_size(chunk_size)}
         return causal_kernel(q, k, v, feature_map, key_padding_mask=key_padding_mask,
@@ -92,7 +92,8 @@ def kernel(
     # Inference (accelerators, or maps without a blocked path): the output is written over phi(k) (a fresh
     # tensor for the named maps, used up by now) and divided in place. Fresh multi-megabyte outputs cost page
     # faults, not only bandwidth: at N = 16k on CPU this measured 30% faster.
-    reuse = isinstance(feature_map, str) and phi_k.shape == phi_q.shape[:-1] + v.shape[-1:]
+    reuse = (isinstance(feature_map, str) and phi_k.shape == phi_q.shape[:-1] + v.shape[-1:]
+             and not functorch_active())
     num = torch.matmul(phi_q, kv, out=phi_k) if reuse else torch.matmul(phi_q, kv)
     return num.div_(safe_normaliser(den)).to(out_dtype)
 

@@ -27,6 +27,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from ._common import functorch_active
+
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = ("kernel_attention.c", "kernel_attention_backward.c")
 _MAPS = {"elu": 0, "relu": 1}
@@ -138,8 +140,8 @@ def build_error() -> Optional[str]:
 
 def supports(feature_map, *tensors: Optional[Tensor], autograd: bool = False) -> bool:
     """Whether a call on these tensors can take the compiled path: float32 CPU tensors whose last dimension is
-    contiguous, an elementwise map the C code knows, not inside torch.compile, and no autograd unless the
-    caller has a backward for it (``autograd=True``)."""
+    contiguous, an elementwise map the C code knows, not inside torch.compile or a torch.func transform, and
+    no autograd unless the caller has a backward for it (``autograd=True``)."""
     # Called on every decoding step, where a microsecond counts: cheap attribute checks only.
     if not _enabled or feature_map not in _MAPS:
         return False
@@ -148,7 +150,7 @@ def supports(feature_map, *tensors: Optional[Tensor], autograd: bool = False) ->
         if t is not None and (not t.is_cpu or t.dtype is not torch.float32 or (grad and t.requires_grad)
                               or t.stride(-1) != 1):
             return False
-    return not _is_compiling() and _load() is not None
+    return not _is_compiling() and not functorch_active() and _load() is not None
 
 
 def _lib() -> ctypes.CDLL:
