@@ -129,6 +129,18 @@ int lm_kernel_attention_backward_f32(const float *q, const float *k, const float
     return failed ? -1 : 0;
 }
 
+/* A chunk as both causal passes need it: load_chunk's features (row stride dp), values and phi(k)^T, the
+ * values transposed into v1_t (width x ldt) and the gradient rows of [num, den]. */
+static void load_gradient_chunk(const struct causal_inputs *in, int g, long i0, int rows, const float *grad,
+                                const float *out, const float *den, int width, int dp, int ldt, float *phi_q,
+                                float *phi_k, float *v1, float *k_t, float *v1_t, float *r_rows) {
+    const long o = (long)g * in->n + i0;
+    load_chunk(in, g, i0, rows, phi_q, phi_k, dp, v1, width, k_t, ldt);
+    gradient_rows(grad + o * in->dv, out + o * in->dv, den + o, rows, in->dv, width, r_rows);
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < width; c++) v1_t[c * ldt + r] = v1[r * width + c];
+}
+
 /* Gradients of causal attention (lm_causal_kernel_attention_f32). Per chunk c, with S_c the state before it,
  * M_c = tril(phi(Q_c) phi(K_c)^T), R_c the gradient rows of [num, den]_c and dM_c = tril(R_c [V_c, 1]^T):
  *   d phi(Q_c) = R_c S_c^T + dM_c phi(K_c)                                 forward order (S_c grows)
@@ -174,10 +186,8 @@ int lm_causal_kernel_attention_backward_f32(const float *q, const float *k, cons
                     for (long i0 = 0; i0 < n; i0 += ROWS) {
                         const int rows = (int)(n - i0 < ROWS ? n - i0 : ROWS);
                         const long o = (long)g * n + i0;
-                        load_chunk(&in, g, i0, rows, phi_q, phi_k, dp, v1, width, k_t, ldt);
-                        gradient_rows(grad + o * dv, out + o * dv, den + o, rows, dv, width, r_rows);
-                        for (int r = 0; r < rows; r++)
-                            for (int c = 0; c < width; c++) v1_t[c * ldt + r] = v1[r * width + c];
+                        load_gradient_chunk(&in, g, i0, rows, grad, out, den, width, dp, ldt, phi_q, phi_k, v1, k_t,
+                                            v1_t, r_rows);
                         memset(g_phi, 0, sizeof(float) * rows * dp);
                         gemm_acc(rows, dp / W, width, r_rows, width, 1, acc_t, dp, g_phi, dp);
                         lower_scores(rows, width, r_rows, width, v1_t, ldt, d_scores);
@@ -195,10 +205,8 @@ int lm_causal_kernel_attention_backward_f32(const float *q, const float *k, cons
                 for (long i0 = last; i0 >= 0; i0 -= ROWS) {
                     const int rows = (int)(n - i0 < ROWS ? n - i0 : ROWS);
                     const long o = (long)g * n + i0;
-                    load_chunk(&in, g, i0, rows, phi_q, phi_k, dp, v1, width, k_t, ldt);
-                    gradient_rows(grad + o * dv, out + o * dv, den + o, rows, dv, width, r_rows);
-                    for (int r = 0; r < rows; r++)
-                        for (int c = 0; c < width; c++) v1_t[c * ldt + r] = v1[r * width + c];
+                    load_gradient_chunk(&in, g, i0, rows, grad, out, den, width, dp, ldt, phi_q, phi_k, v1, k_t, v1_t,
+                                        r_rows);
                     lower_scores(rows, d, phi_q, dp, k_t, ldt, scores);
                     lower_scores(rows, width, r_rows, width, v1_t, ldt, d_scores);
                     transpose_states(acc, width, 1, d, width - 1, width, dp, acc_t);
