@@ -42,6 +42,28 @@ static int key_source(const void *ctx, int g, long j, long z, long *next, float 
     return rows;
 }
 
+/* Rows of out (and of the normalisers) from a block of queries: phi(q) [S, z], divided. */
+struct query_outputs {
+    const float *q, *states;
+    float *out, *den_out;
+    int h, d, dv, width;
+    long n, qsb, qsh, qsn;
+    int map;
+};
+
+static void query_block(const void *ctx, int g, long i0, int rows, float *scratch) {
+    const struct query_outputs *c = ctx;
+    const int bi = g / c->h, hi = g % c->h;
+    float *phi = scratch, *num_den = scratch + ROWS * c->d;
+    for (int r = 0; r < rows; r++)
+        features(phi + r * c->d, c->q + bi * c->qsb + hi * c->qsh + (i0 + r) * c->qsn, c->d, c->map);
+    memset(num_den, 0, sizeof(float) * rows * c->width);
+    gemm_acc(rows, c->width / W, c->d, phi, c->d, 1, c->states + (long)g * c->d * c->width, c->width, num_den,
+             c->width);
+    normalise_rows(num_den, rows, c->width, c->dv, c->out + ((long)g * c->n + i0) * c->dv);
+    if (c->den_out) store_normalisers(num_den, rows, c->width, c->dv, c->den_out + (long)g * c->n + i0);
+}
+
 /* Non-causal attention. q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv); mask (B, S) bytes, nonzero = ignore,
  * or NULL; init (B, H, D, Dv + 1) contiguous state of extra keys, or NULL; out (B, H, L, Dv) contiguous.
  * For autograd, state_out (B, H, D, Dv + 1) receives the state and den_out (B, H, L) the normalisers (zeros
@@ -67,34 +89,10 @@ int lm_kernel_attention_f32(const float *q, const float *k, const float *v, cons
                 for (int c = 0; c <= dv; c++) row[c] += init[((long)g * d + f) * (dv + 1) + c];
             if (state_out) memcpy(state_out + ((long)g * d + f) * (dv + 1), row, sizeof(float) * (dv + 1));
         }
-    int failed = 0;
-    const long row_blocks = (nq + ROWS - 1) / ROWS;
-#pragma omp parallel num_threads(threads)
-    {
-        float *phi = malloc(sizeof(float) * ROWS * d), *num_den = malloc(sizeof(float) * ROWS * dvp);
-        if (!phi || !num_den) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp barrier
-        if (!failed) {
-#pragma omp for schedule(static)
-            for (long item = 0; item < bh * row_blocks; item++) {
-                const int g = (int)(item / row_blocks), bi = g / h, hi = g % h;
-                const long i0 = (item % row_blocks) * ROWS;
-                const int rows = (int)(nq - i0 < ROWS ? nq - i0 : ROWS);
-                for (int r = 0; r < rows; r++) features(phi + r * d, q + bi * qsb + hi * qsh + (i0 + r) * qsn, d, map);
-                memset(num_den, 0, sizeof(float) * rows * dvp);
-                gemm_acc(rows, nvec, d, phi, d, 1, states + g * state_size, dvp, num_den, dvp);
-                normalise_rows(num_den, rows, dvp, dv, out + ((long)g * nq + i0) * dv);
-                if (den_out) store_normalisers(num_den, rows, dvp, dv, den_out + (long)g * nq + i0);
-            }
-        }
-        free(phi);
-        free(num_den);
-    }
+    const struct query_outputs queries = {q, states, out, den_out, h, d, dv, dvp, nq, qsb, qsh, qsn, map};
+    const int status = for_each_block(bh, nq, threads, (long)ROWS * (d + dvp), query_block, &queries);
     free(states);
-    return failed ? -1 : 0;
+    return status;
 }
 
 /* One recurrent decoding step for B*H = bh heads: q, k (bh, D), v (bh, Dv), state and new_state (bh, D,

@@ -206,6 +206,34 @@ static inline int accumulate_states(int bh, long n, int d, int width, int thread
     return failed ? -1 : 0;
 }
 
+/* Calls block(ctx, g, i0, rows, scratch) for every block of up to ROWS positions i0.. of every one of bh heads of
+ * n positions, the blocks spread over the threads; scratch is scratch_floats floats of thread-local space.
+ * Returns -1 when that space could not be allocated. */
+typedef void (*block_fn)(const void *ctx, int g, long i0, int rows, float *scratch);
+
+static inline int for_each_block(int bh, long n, int threads, long scratch_floats, block_fn block, const void *ctx) {
+    const long row_blocks = (n + ROWS - 1) / ROWS;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *scratch = malloc(sizeof(float) * (scratch_floats > 0 ? scratch_floats : 1));
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (long item = 0; item < bh * row_blocks; item++) {
+                const long i0 = (item % row_blocks) * ROWS;
+                block(ctx, (int)(item / row_blocks), i0, (int)(n - i0 < ROWS ? n - i0 : ROWS), scratch);
+            }
+        }
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}
+
 /* The inputs of causal attention as its forward and backward read them: element strides over (B, H, position)
  * with a contiguous last dimension; mask (B, n) bytes, nonzero = ignore, or NULL. */
 struct causal_inputs {

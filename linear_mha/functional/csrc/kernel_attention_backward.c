@@ -48,6 +48,49 @@ static int query_source(const void *ctx, int g, long j, long z, long *next, floa
     return rows;
 }
 
+/* d phi(k_j) = [v_j, 1] G^T and d v_j = phi(k_j) G[:, :Dv] for a block of keys, zero for masked ones. */
+struct key_grads {
+    const float *k, *v;
+    const uint8_t *mask;
+    const float *acc, *acc_t; /* G (d x width) and G^T (width x dp) of every head */
+    float *grad_k, *grad_v;
+    int h, d, dp, dv, width, map;
+    long n, ksb, ksh, ksn, vsb, vsh, vsn;
+};
+
+static void key_block(const void *ctx, int g, long j0, int rows, float *scratch) {
+    const struct key_grads *c = ctx;
+    const int bi = g / c->h, hi = g % c->h, d = c->d, dp = c->dp, dv = c->dv, width = c->width;
+    float *phi = scratch, *v1 = phi + ROWS * d, *g_phi = v1 + ROWS * width, *g_v1 = g_phi + ROWS * dp;
+    for (int r = 0; r < rows; r++) {
+        const long j = j0 + r;
+        float *row = v1 + r * width;
+        features(phi + r * d, c->k + bi * c->ksb + hi * c->ksh + j * c->ksn, d, c->map);
+        memcpy(row, c->v + bi * c->vsb + hi * c->vsh + j * c->vsn, sizeof(float) * dv);
+        row[dv] = 1.0f;
+        memset(row + dv + 1, 0, sizeof(float) * (width - dv - 1));
+    }
+    memset(g_phi, 0, sizeof(float) * rows * dp);
+    memset(g_v1, 0, sizeof(float) * rows * width);
+    gemm_acc(rows, dp / W, width, v1, width, 1, c->acc_t + (long)g * width * dp, dp, g_phi, dp);
+    gemm_acc(rows, width / W, d, phi, d, 1, c->acc + (long)g * d * width, width, g_v1, width);
+    for (int r = 0; r < rows; r++) {
+        const long j = j0 + r, o = (long)g * c->n + j;
+        const int masked = c->mask && c->mask[bi * c->n + j];
+        if (c->grad_k) {
+            if (masked) memset(c->grad_k + o * d, 0, sizeof(float) * d);
+            else {
+                feature_grad(g_phi + r * dp, phi + r * d, d, c->map);
+                memcpy(c->grad_k + o * d, g_phi + r * dp, sizeof(float) * d);
+            }
+        }
+        if (c->grad_v) {
+            if (masked) memset(c->grad_v + o * dv, 0, sizeof(float) * dv);
+            else memcpy(c->grad_v + o * dv, g_v1 + r * width, sizeof(float) * dv);
+        }
+    }
+}
+
 /* q, k, v, mask, strides, sizes and map as the forward; state (B, H, D, Dv + 1) and den (B, H, L) from it, out
  * (B, H, L, Dv) its output and grad (B, H, L, Dv) the incoming gradient, all contiguous. Writes grad_q
  * (B, H, L, D), grad_k (B, H, S, D), grad_v (B, H, S, Dv) and grad_state (B, H, D, Dv + 1), each contiguous
@@ -72,56 +115,9 @@ int lm_kernel_attention_backward_f32(const float *q, const float *k, const float
         for (long g = 0; g < (long)bh * d; g++) memcpy(grad_state + g * (dv + 1), acc + g * width, sizeof(float) * (dv + 1));
     if (!failed && (grad_k || grad_v)) {
         transpose_states(acc, width, bh, d, dv, width, dp, acc_t);
-        const long row_blocks = (nk + ROWS - 1) / ROWS;
-#pragma omp parallel num_threads(threads)
-        {
-            float *phi = malloc(sizeof(float) * ROWS * d), *v1 = malloc(sizeof(float) * ROWS * width);
-            float *g_phi = malloc(sizeof(float) * ROWS * dp), *g_v1 = malloc(sizeof(float) * ROWS * width);
-            if (!phi || !v1 || !g_phi || !g_v1) {
-#pragma omp atomic write
-                failed = 1;
-            }
-#pragma omp barrier
-            if (!failed) {
-#pragma omp for schedule(static)
-                for (long item = 0; item < bh * row_blocks; item++) {
-                    const int g = (int)(item / row_blocks), bi = g / h, hi = g % h;
-                    const long j0 = (item % row_blocks) * ROWS;
-                    const int rows = (int)(nk - j0 < ROWS ? nk - j0 : ROWS);
-                    for (int r = 0; r < rows; r++) {
-                        const long j = j0 + r;
-                        float *row = v1 + r * width;
-                        features(phi + r * d, k + bi * ksb + hi * ksh + j * ksn, d, map);
-                        memcpy(row, v + bi * vsb + hi * vsh + j * vsn, sizeof(float) * dv);
-                        row[dv] = 1.0f;
-                        memset(row + dv + 1, 0, sizeof(float) * (width - dv - 1));
-                    }
-                    memset(g_phi, 0, sizeof(float) * rows * dp);
-                    memset(g_v1, 0, sizeof(float) * rows * width);
-                    gemm_acc(rows, dp / W, width, v1, width, 1, acc_t + (long)g * width * dp, dp, g_phi, dp);
-                    gemm_acc(rows, width / W, d, phi, d, 1, acc + (long)g * d * width, width, g_v1, width);
-                    for (int r = 0; r < rows; r++) {
-                        const long j = j0 + r, o = (long)g * nk + j;
-                        const int masked = mask && mask[bi * nk + j];
-                        if (grad_k) {
-                            if (masked) memset(grad_k + o * d, 0, sizeof(float) * d);
-                            else {
-                                feature_grad(g_phi + r * dp, phi + r * d, d, map);
-                                memcpy(grad_k + o * d, g_phi + r * dp, sizeof(float) * d);
-                            }
-                        }
-                        if (grad_v) {
-                            if (masked) memset(grad_v + o * dv, 0, sizeof(float) * dv);
-                            else memcpy(grad_v + o * dv, g_v1 + r * width, sizeof(float) * dv);
-                        }
-                    }
-                }
-            }
-            free(phi);
-            free(v1);
-            free(g_phi);
-            free(g_v1);
-        }
+        const struct key_grads keys = {k, v, mask, acc, acc_t, grad_k, grad_v, h, d, dp, dv, width, map, nk,
+                                       ksb, ksh, ksn, vsb, vsh, vsn};
+        failed = for_each_block(bh, nk, threads, (long)ROWS * (d + 2 * width + dp), key_block, &keys) != 0;
     }
     free(state_t);
     free(acc);
