@@ -159,48 +159,43 @@ int lm_kernel_step_f32(const float *q, const float *k, const float *v, const flo
  * phi(Q_c) phi(K_c)^T multiplies [V_c, 1]; the keys of earlier chunks arrive through the carried state S, so
  * [num, den]_c = phi(Q_c) S + tril(phi(Q_c) phi(K_c)^T) [V_c, 1], then S += phi(K_c)^T [V_c, 1].
  * Heads run in parallel; each walks its chunks in order. */
+struct causal_forward {
+    struct causal_inputs in;
+    const float *init;
+    float *out, *den_out;
+    int dvp, ldt;
+};
+
+static void causal_head(const void *ctx, int g, float *scratch) {
+    const struct causal_forward *c = ctx;
+    const int d = c->in.d, dv = c->in.dv, dvp = c->dvp, ldt = c->ldt, nvec = dvp / W;
+    const long n = c->in.n;
+    float *phi_q = scratch, *phi_k = phi_q + ROWS * d, *k_t = phi_k + ROWS * d, *scores = k_t + d * ldt;
+    float *v1 = scores + ROWS * ldt, *num_den = v1 + ROWS * dvp, *state = num_den + ROWS * dvp;
+    memset(state, 0, sizeof(float) * d * dvp);
+    if (c->init)
+        for (int f = 0; f < d; f++)
+            memcpy(state + f * dvp, c->init + ((long)g * d + f) * (dv + 1), sizeof(float) * (dv + 1));
+    for (long i0 = 0; i0 < n; i0 += ROWS) {
+        const int rows = (int)(n - i0 < ROWS ? n - i0 : ROWS);
+        load_chunk(&c->in, g, i0, rows, phi_q, phi_k, d, v1, dvp, k_t, ldt);
+        memset(num_den, 0, sizeof(float) * rows * dvp);
+        gemm_acc(rows, nvec, d, phi_q, d, 1, state, dvp, num_den, dvp);
+        lower_scores(rows, d, phi_q, d, k_t, ldt, scores);
+        gemm_shaped(LOWER_K, rows, nvec, rows, scores, ldt, 1, v1, dvp, num_den, dvp);
+        gemm_acc(d, nvec, rows, phi_k, 1, d, v1, dvp, state, dvp);
+        normalise_rows(num_den, rows, dvp, dv, c->out + ((long)g * n + i0) * dv);
+        if (c->den_out) store_normalisers(num_den, rows, dvp, dv, c->den_out + (long)g * n + i0);
+    }
+}
+
 int lm_causal_kernel_attention_f32(const float *q, const float *k, const float *v, const uint8_t *mask,
                                    const float *init, float *out, float *den_out, int b, int h, long n, int d,
                                    int dv, long qsb, long qsh, long qsn, long ksb, long ksh, long ksn, long vsb,
-                                   long vsh, long vsn,
-                                   int map, int threads) {
-    const int bh = b * h, nvec = (dv + 1 + W - 1) / W, dvp = nvec * W;
-    const int score_vec = (ROWS + W - 1) / W, ldt = score_vec * W;
-    threads = threads_for(threads);
-    int failed = 0;
-    const struct causal_inputs in = {q, k, v, mask, h, d, dv, map, n, qsb, qsh, qsn, ksb, ksh, ksn, vsb, vsh, vsn};
-#pragma omp parallel num_threads(threads)
-    {
-        float *phi_q = malloc(sizeof(float) * ROWS * d), *phi_k = malloc(sizeof(float) * ROWS * d);
-        float *k_t = calloc((size_t)d * ldt, sizeof(float)), *scores = malloc(sizeof(float) * ROWS * ldt);
-        float *v1 = calloc((size_t)ROWS * dvp, sizeof(float)), *num_den = malloc(sizeof(float) * ROWS * dvp);
-        float *state = malloc(sizeof(float) * d * dvp);
-        if (!phi_q || !phi_k || !k_t || !scores || !v1 || !num_den || !state) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp barrier
-        if (!failed) {
-#pragma omp for schedule(dynamic, 1)
-            for (int g = 0; g < bh; g++) {
-                memset(state, 0, sizeof(float) * d * dvp);
-                if (init)
-                    for (int f = 0; f < d; f++)
-                        memcpy(state + f * dvp, init + ((long)g * d + f) * (dv + 1), sizeof(float) * (dv + 1));
-                for (long i0 = 0; i0 < n; i0 += ROWS) {
-                    const int rows = (int)(n - i0 < ROWS ? n - i0 : ROWS);
-                    load_chunk(&in, g, i0, rows, phi_q, phi_k, d, v1, dvp, k_t, ldt);
-                    memset(num_den, 0, sizeof(float) * rows * dvp);
-                    gemm_acc(rows, nvec, d, phi_q, d, 1, state, dvp, num_den, dvp);
-                    lower_scores(rows, d, phi_q, d, k_t, ldt, scores);
-                    gemm_shaped(LOWER_K, rows, nvec, rows, scores, ldt, 1, v1, dvp, num_den, dvp);
-                    gemm_acc(d, nvec, rows, phi_k, 1, d, v1, dvp, state, dvp);
-                    normalise_rows(num_den, rows, dvp, dv, out + ((long)g * n + i0) * dv);
-                    if (den_out) store_normalisers(num_den, rows, dvp, dv, den_out + (long)g * n + i0);
-                }
-            }
-        }
-        free(phi_q); free(phi_k); free(k_t); free(scores); free(v1); free(num_den); free(state);
-    }
-    return failed ? -1 : 0;
+                                   long vsh, long vsn, int map, int threads) {
+    const int dvp = (dv + 1 + W - 1) / W * W, ldt = (ROWS + W - 1) / W * W;
+    const struct causal_forward forward = {{q, k, v, mask, h, d, dv, map, n, qsb, qsh, qsn, ksb, ksh, ksn, vsb, vsh,
+                                            vsn}, init, out, den_out, dvp, ldt};
+    const long scratch = (long)ROWS * (2 * d + ldt + 2 * dvp) + (long)d * (ldt + dvp);
+    return for_each_head(b * h, threads_for(threads), scratch, causal_head, &forward);
 }

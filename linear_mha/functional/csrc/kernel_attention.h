@@ -234,6 +234,30 @@ static inline int for_each_block(int bh, long n, int threads, long scratch_float
     return failed ? -1 : 0;
 }
 
+/* Calls head(ctx, g, scratch) for each of bh heads, one head per task (a head's work runs along its sequence in
+ * order); scratch is scratch_floats zero-initialised floats of thread-local space, reused from head to head.
+ * Returns -1 when that space could not be allocated. */
+typedef void (*head_fn)(const void *ctx, int g, float *scratch);
+
+static inline int for_each_head(int bh, int threads, long scratch_floats, head_fn head, const void *ctx) {
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *scratch = calloc((size_t)(scratch_floats > 0 ? scratch_floats : 1), sizeof(float));
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(dynamic, 1)
+            for (int g = 0; g < bh; g++) head(ctx, g, scratch);
+        }
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}
+
 /* The inputs of causal attention as its forward and backward read them: element strides over (B, H, position)
  * with a contiguous last dimension; mask (B, n) bytes, nonzero = ignore, or NULL. */
 struct causal_inputs {

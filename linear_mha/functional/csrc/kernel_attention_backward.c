@@ -145,94 +145,89 @@ static void load_gradient_chunk(const struct causal_inputs *in, int g, long i0, 
  *   d phi(K_c) = dM_c^T phi(Q_c) + [V_c, 1] G_{c+1}^T                      reverse order (G grows)
  *   d initial_state = G_0
  * Two passes per head recompute the features instead of keeping them; S is never rebuilt by subtraction. */
+struct causal_backward {
+    struct causal_inputs in;
+    const float *init, *den, *out, *grad;
+    float *grad_q, *grad_k, *grad_v, *grad_state;
+    int width, dp, ldt;
+};
+
+static void causal_head_backward(const void *ctx, int g, float *scratch) {
+    const struct causal_backward *c = ctx;
+    const int d = c->in.d, dv = c->in.dv, width = c->width, dp = c->dp, ldt = c->ldt, map = c->in.map;
+    const long n = c->in.n, last = n > 0 ? (n - 1) / ROWS * ROWS : -1;
+    float *phi_q = scratch, *phi_k = phi_q + ROWS * dp, *v1 = phi_k + ROWS * dp, *r_rows = v1 + ROWS * width;
+    float *k_t = r_rows + ROWS * width, *v1_t = k_t + d * ldt, *scores = v1_t + width * ldt;
+    float *d_scores = scores + ROWS * ldt, *g_phi = d_scores + ROWS * ldt, *g_v1 = g_phi + ROWS * dp;
+    float *acc = g_v1 + ROWS * width, *acc_t = acc + d * width;
+    const int bi = g / c->in.h;
+    /* Forward order: d q, with the state carried transposed (acc_t = S^T, width x dp). */
+    if (c->grad_q) {
+        memset(acc_t, 0, sizeof(float) * width * dp);
+        if (c->init) transpose_states(c->init + (long)g * d * (dv + 1), dv + 1, 1, d, dv, width, dp, acc_t);
+        for (long i0 = 0; i0 < n; i0 += ROWS) {
+            const int rows = (int)(n - i0 < ROWS ? n - i0 : ROWS);
+            const long o = (long)g * n + i0;
+            load_gradient_chunk(&c->in, g, i0, rows, c->grad, c->out, c->den, width, dp, ldt, phi_q, phi_k, v1, k_t,
+                                v1_t, r_rows);
+            memset(g_phi, 0, sizeof(float) * rows * dp);
+            gemm_acc(rows, dp / W, width, r_rows, width, 1, acc_t, dp, g_phi, dp);
+            lower_scores(rows, width, r_rows, width, v1_t, ldt, d_scores);
+            gemm_shaped(LOWER_K, rows, dp / W, rows, d_scores, ldt, 1, phi_k, dp, g_phi, dp);
+            for (int r = 0; r < rows; r++) {
+                feature_grad(g_phi + r * dp, phi_q + r * dp, d, map);
+                memcpy(c->grad_q + (o + r) * d, g_phi + r * dp, sizeof(float) * d);
+            }
+            gemm_acc(width, dp / W, rows, v1, 1, width, phi_k, dp, acc_t, dp); /* S^T += V1^T phi(K) */
+        }
+    }
+    if (!c->grad_k && !c->grad_v && !c->grad_state) return;
+    /* Reverse order: d k, d v, d initial_state, with G (acc, d x width) growing. */
+    memset(acc, 0, sizeof(float) * d * width);
+    for (long i0 = last; i0 >= 0; i0 -= ROWS) {
+        const int rows = (int)(n - i0 < ROWS ? n - i0 : ROWS);
+        const long o = (long)g * n + i0;
+        load_gradient_chunk(&c->in, g, i0, rows, c->grad, c->out, c->den, width, dp, ldt, phi_q, phi_k, v1, k_t, v1_t,
+                            r_rows);
+        lower_scores(rows, d, phi_q, dp, k_t, ldt, scores);
+        lower_scores(rows, width, r_rows, width, v1_t, ldt, d_scores);
+        transpose_states(acc, width, 1, d, width - 1, width, dp, acc_t);
+        memset(g_v1, 0, sizeof(float) * rows * width);
+        gemm_acc(rows, width / W, rows, scores, 1, ldt, r_rows, width, g_v1, width);   /* M^T R */
+        gemm_acc(rows, width / W, d, phi_k, dp, 1, acc, width, g_v1, width);          /* phi(K) G */
+        memset(g_phi, 0, sizeof(float) * rows * dp);
+        gemm_acc(rows, dp / W, rows, d_scores, 1, ldt, phi_q, dp, g_phi, dp);        /* dM^T phi(Q) */
+        gemm_acc(rows, dp / W, width, v1, width, 1, acc_t, dp, g_phi, dp);           /* V1 G^T */
+        for (int r = 0; r < rows; r++) {
+            const int masked = c->in.mask && c->in.mask[bi * n + i0 + r];
+            if (c->grad_k) {
+                if (masked) memset(g_phi + r * dp, 0, sizeof(float) * d);
+                else feature_grad(g_phi + r * dp, phi_k + r * dp, d, map);
+                memcpy(c->grad_k + (o + r) * d, g_phi + r * dp, sizeof(float) * d);
+            }
+            if (c->grad_v) {
+                if (masked) memset(c->grad_v + (o + r) * dv, 0, sizeof(float) * dv);
+                else memcpy(c->grad_v + (o + r) * dv, g_v1 + r * width, sizeof(float) * dv);
+            }
+        }
+        gemm_acc(d, width / W, rows, phi_q, 1, dp, r_rows, width, acc, width);        /* G += phi(Q)^T R */
+    }
+    if (c->grad_state)
+        for (int f = 0; f < d; f++)
+            memcpy(c->grad_state + ((long)g * d + f) * (dv + 1), acc + f * width, sizeof(float) * (dv + 1));
+}
+
 int lm_causal_kernel_attention_backward_f32(const float *q, const float *k, const float *v, const uint8_t *mask,
                                             const float *init, const float *den, const float *out,
                                             const float *grad, float *grad_q, float *grad_k, float *grad_v,
                                             float *grad_state, int b, int h, long n, int d, int dv, long qsb,
                                             long qsh, long qsn, long ksb, long ksh, long ksn, long vsb, long vsh,
                                             long vsn, int map, int threads) {
-    const int bh = b * h, width = (dv + 1 + W - 1) / W * W, dp = (d + W - 1) / W * W;
-    const int ldt = (ROWS + W - 1) / W * W;
-    const long last = n > 0 ? (n - 1) / ROWS * ROWS : -1;
-    const struct causal_inputs in = {q, k, v, mask, h, d, dv, map, n, qsb, qsh, qsn, ksb, ksh, ksn, vsb, vsh, vsn};
-    threads = threads_for(threads);
-    int failed = 0;
-#pragma omp parallel num_threads(threads)
-    {
-        float *phi_q = calloc((size_t)ROWS * dp, sizeof(float)), *phi_k = calloc((size_t)ROWS * dp, sizeof(float));
-        float *v1 = calloc((size_t)ROWS * width, sizeof(float)), *r_rows = malloc(sizeof(float) * ROWS * width);
-        float *k_t = calloc((size_t)d * ldt, sizeof(float)), *v1_t = calloc((size_t)width * ldt, sizeof(float));
-        float *scores = malloc(sizeof(float) * ROWS * ldt), *d_scores = malloc(sizeof(float) * ROWS * ldt);
-        float *g_phi = malloc(sizeof(float) * ROWS * dp), *g_v1 = malloc(sizeof(float) * ROWS * width);
-        float *acc = malloc(sizeof(float) * d * width), *acc_t = malloc(sizeof(float) * width * dp);
-        if (!phi_q || !phi_k || !v1 || !r_rows || !k_t || !v1_t || !scores || !d_scores || !g_phi || !g_v1 || !acc ||
-            !acc_t) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp barrier
-        if (!failed) {
-#pragma omp for schedule(dynamic, 1)
-            for (int g = 0; g < bh; g++) {
-                const int bi = g / h;
-                /* Forward order: d q, with the state carried transposed (acc_t = S^T, width x dp). */
-                if (grad_q) {
-                    memset(acc_t, 0, sizeof(float) * width * dp);
-                    if (init) transpose_states(init + (long)g * d * (dv + 1), dv + 1, 1, d, dv, width, dp, acc_t);
-                    for (long i0 = 0; i0 < n; i0 += ROWS) {
-                        const int rows = (int)(n - i0 < ROWS ? n - i0 : ROWS);
-                        const long o = (long)g * n + i0;
-                        load_gradient_chunk(&in, g, i0, rows, grad, out, den, width, dp, ldt, phi_q, phi_k, v1, k_t,
-                                            v1_t, r_rows);
-                        memset(g_phi, 0, sizeof(float) * rows * dp);
-                        gemm_acc(rows, dp / W, width, r_rows, width, 1, acc_t, dp, g_phi, dp);
-                        lower_scores(rows, width, r_rows, width, v1_t, ldt, d_scores);
-                        gemm_shaped(LOWER_K, rows, dp / W, rows, d_scores, ldt, 1, phi_k, dp, g_phi, dp);
-                        for (int r = 0; r < rows; r++) {
-                            feature_grad(g_phi + r * dp, phi_q + r * dp, d, map);
-                            memcpy(grad_q + (o + r) * d, g_phi + r * dp, sizeof(float) * d);
-                        }
-                        gemm_acc(width, dp / W, rows, v1, 1, width, phi_k, dp, acc_t, dp); /* S^T += V1^T phi(K) */
-                    }
-                }
-                if (!grad_k && !grad_v && !grad_state) continue;
-                /* Reverse order: d k, d v, d initial_state, with G (acc, d x width) growing. */
-                memset(acc, 0, sizeof(float) * d * width);
-                for (long i0 = last; i0 >= 0; i0 -= ROWS) {
-                    const int rows = (int)(n - i0 < ROWS ? n - i0 : ROWS);
-                    const long o = (long)g * n + i0;
-                    load_gradient_chunk(&in, g, i0, rows, grad, out, den, width, dp, ldt, phi_q, phi_k, v1, k_t, v1_t,
-                                        r_rows);
-                    lower_scores(rows, d, phi_q, dp, k_t, ldt, scores);
-                    lower_scores(rows, width, r_rows, width, v1_t, ldt, d_scores);
-                    transpose_states(acc, width, 1, d, width - 1, width, dp, acc_t);
-                    memset(g_v1, 0, sizeof(float) * rows * width);
-                    gemm_acc(rows, width / W, rows, scores, 1, ldt, r_rows, width, g_v1, width);   /* M^T R */
-                    gemm_acc(rows, width / W, d, phi_k, dp, 1, acc, width, g_v1, width);          /* phi(K) G */
-                    memset(g_phi, 0, sizeof(float) * rows * dp);
-                    gemm_acc(rows, dp / W, rows, d_scores, 1, ldt, phi_q, dp, g_phi, dp);        /* dM^T phi(Q) */
-                    gemm_acc(rows, dp / W, width, v1, width, 1, acc_t, dp, g_phi, dp);           /* V1 G^T */
-                    for (int r = 0; r < rows; r++) {
-                        const int masked = mask && mask[bi * n + i0 + r];
-                        if (grad_k) {
-                            if (masked) memset(g_phi + r * dp, 0, sizeof(float) * d);
-                            else feature_grad(g_phi + r * dp, phi_k + r * dp, d, map);
-                            memcpy(grad_k + (o + r) * d, g_phi + r * dp, sizeof(float) * d);
-                        }
-                        if (grad_v) {
-                            if (masked) memset(grad_v + (o + r) * dv, 0, sizeof(float) * dv);
-                            else memcpy(grad_v + (o + r) * dv, g_v1 + r * width, sizeof(float) * dv);
-                        }
-                    }
-                    gemm_acc(d, width / W, rows, phi_q, 1, dp, r_rows, width, acc, width);        /* G += phi(Q)^T R */
-                }
-                if (grad_state)
-                    for (int f = 0; f < d; f++)
-                        memcpy(grad_state + ((long)g * d + f) * (dv + 1), acc + f * width, sizeof(float) * (dv + 1));
-            }
-        }
-        free(phi_q); free(phi_k); free(v1); free(r_rows); free(k_t); free(v1_t);
-        free(scores); free(d_scores); free(g_phi); free(g_v1); free(acc); free(acc_t);
-    }
-    return failed ? -1 : 0;
+    const int width = (dv + 1 + W - 1) / W * W, dp = (d + W - 1) / W * W, ldt = (ROWS + W - 1) / W * W;
+    const struct causal_backward backward = {{q, k, v, mask, h, d, dv, map, n, qsb, qsh, qsn, ksb, ksh, ksn, vsb,
+                                              vsh, vsn}, init, den, out, grad, grad_q, grad_k, grad_v, grad_state,
+                                             width, dp, ldt};
+    const long scratch = (long)ROWS * (3 * dp + 3 * width + 2 * ldt) + (long)d * (ldt + width) +
+                         (long)width * (ldt + dp);
+    return for_each_head(b * h, threads_for(threads), scratch, causal_head_backward, &backward);
 }
