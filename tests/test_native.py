@@ -58,11 +58,13 @@ def test_attention_matches_float64(feature_map, b, h, n_q, n_k, d, dv, masked, w
 
 @needs_native
 @pytest.mark.parametrize("feature_map", ["elu", "relu"])
-@pytest.mark.parametrize("b,h,n,d,dv", [(1, 8, 300, 64, 64), (2, 3, 37, 13, 5), (1, 2, 48, 8, 8), (1, 2, 97, 8, 8)])
+@pytest.mark.parametrize("b,h,n,d,dv", [(1, 8, 300, 64, 64), (2, 3, 37, 13, 5), (1, 2, 48, 8, 8), (1, 2, 97, 8, 8),
+                                        (1, 1, 1300, 16, 8)])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("with_state", [False, True])
 def test_causal_attention_matches_float64(feature_map, b, h, n, d, dv, masked, with_state):
-    # n = 48, 97: a whole number of the kernel's 48-position blocks, and one position past two.
+    # n = 48, 97: a whole number of the kernel's 48-position blocks, and one position past two; (1, 1, 1300):
+    # fewer heads than threads, so the sequence is cut into parts that start from scanned key sums.
     g = torch.Generator().manual_seed(n + d)
     q, k = (torch.randn(b, h, n, d, generator=g) for _ in range(2))
     v = torch.randn(b, h, n, dv, generator=g)
@@ -98,10 +100,12 @@ def test_causal_attention_never_sees_the_future():
 
 @needs_native
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_attention_strided_inputs_and_thread_counts(threads):
-    # A module's q, k, v are (B, N, H, D) projections seen as (B, H, N, D): strided, not copied.
+@pytest.mark.parametrize("b,h", [(2, 4), (1, 1)])
+def test_attention_strided_inputs_and_thread_counts(threads, b, h):
+    # A module's q, k, v are (B, N, H, D) projections seen as (B, H, N, D): strided, not copied. With one head
+    # the sequence is split among the threads.
     g = torch.Generator().manual_seed(1)
-    q, k, v = (torch.randn(2, 500, 4, 24, generator=g).transpose(1, 2) for _ in range(3))
+    q, k, v = (torch.randn(b, 1200, h, 24, generator=g).transpose(1, 2) for _ in range(3))
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

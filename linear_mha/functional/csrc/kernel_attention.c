@@ -158,26 +158,33 @@ int lm_kernel_step_f32(const float *q, const float *k, const float *v, const flo
  * lm_kernel_attention_f32, with L = S = n. Chunks of ROWS positions: within a chunk the masked score block
  * phi(Q_c) phi(K_c)^T multiplies [V_c, 1]; the keys of earlier chunks arrive through the carried state S, so
  * [num, den]_c = phi(Q_c) S + tril(phi(Q_c) phi(K_c)^T) [V_c, 1], then S += phi(K_c)^T [V_c, 1].
- * Heads run in parallel; each walks its chunks in order. */
+ * Heads run in parallel, each walking its chunks in order. With fewer heads than threads each head's sequence
+ * is also cut into parts: a first parallel pass sums every part's keys into a state, a short scan turns the
+ * sums into each part's starting state, and the parts then run in parallel, for about a third more work. */
 struct causal_forward {
     struct causal_inputs in;
-    const float *init;
+    const float *init, *starts; /* starts: each part's starting state (bh x parts x d x dvp), or NULL */
     float *out, *den_out;
     int dvp, ldt;
+    long parts;
 };
 
-static void causal_head(const void *ctx, int g, float *scratch) {
+static void causal_part(const void *ctx, int item, float *scratch) {
     const struct causal_forward *c = ctx;
-    const int d = c->in.d, dv = c->in.dv, dvp = c->dvp, ldt = c->ldt, nvec = dvp / W;
-    const long n = c->in.n;
+    const int d = c->in.d, dv = c->in.dv, dvp = c->dvp, ldt = c->ldt, nvec = dvp / W, g = (int)(item / c->parts);
+    const long n = c->in.n, part = item % c->parts, z = n * (part + 1) / c->parts;
     float *phi_q = scratch, *phi_k = phi_q + ROWS * d, *k_t = phi_k + ROWS * d, *scores = k_t + d * ldt;
     float *v1 = scores + ROWS * ldt, *num_den = v1 + ROWS * dvp, *state = num_den + ROWS * dvp;
-    memset(state, 0, sizeof(float) * d * dvp);
-    if (c->init)
-        for (int f = 0; f < d; f++)
-            memcpy(state + f * dvp, c->init + ((long)g * d + f) * (dv + 1), sizeof(float) * (dv + 1));
-    for (long i0 = 0; i0 < n; i0 += ROWS) {
-        const int rows = (int)(n - i0 < ROWS ? n - i0 : ROWS);
+    if (c->starts) {
+        memcpy(state, c->starts + (long)item * d * dvp, sizeof(float) * d * dvp);
+    } else {
+        memset(state, 0, sizeof(float) * d * dvp);
+        if (c->init)
+            for (int f = 0; f < d; f++)
+                memcpy(state + f * dvp, c->init + ((long)g * d + f) * (dv + 1), sizeof(float) * (dv + 1));
+    }
+    for (long i0 = n * part / c->parts; i0 < z; i0 += ROWS) {
+        const int rows = (int)(z - i0 < ROWS ? z - i0 : ROWS);
         load_chunk(&c->in, g, i0, rows, phi_q, phi_k, d, v1, dvp, k_t, ldt);
         memset(num_den, 0, sizeof(float) * rows * dvp);
         gemm_acc(rows, nvec, d, phi_q, d, 1, state, dvp, num_den, dvp);
@@ -189,13 +196,50 @@ static void causal_head(const void *ctx, int g, float *scratch) {
     }
 }
 
+/* Each part's starting state: init plus the key sums of the head's earlier parts (an exclusive scan, in place
+ * over the parts' own sums). */
+static int starting_states(float *sums, const float *init, int bh, long parts, int d, int dv, int dvp) {
+    const long size = (long)d * dvp;
+    float *running = malloc(sizeof(float) * size), *own = malloc(sizeof(float) * size);
+    for (int g = 0; running && own && g < bh; g++) {
+        memset(running, 0, sizeof(float) * size);
+        if (init)
+            for (int f = 0; f < d; f++)
+                memcpy(running + f * dvp, init + ((long)g * d + f) * (dv + 1), sizeof(float) * (dv + 1));
+        for (long part = 0; part < parts; part++) {
+            float *slot = sums + ((long)g * parts + part) * size;
+            memcpy(own, slot, sizeof(float) * size);
+            memcpy(slot, running, sizeof(float) * size);
+            for (long e = 0; e < size; e++) running[e] += own[e];
+        }
+    }
+    const int status = running && own ? 0 : -1;
+    free(running);
+    free(own);
+    return status;
+}
+
 int lm_causal_kernel_attention_f32(const float *q, const float *k, const float *v, const uint8_t *mask,
                                    const float *init, float *out, float *den_out, int b, int h, long n, int d,
                                    int dv, long qsb, long qsh, long qsn, long ksb, long ksh, long ksn, long vsb,
                                    long vsh, long vsn, int map, int threads) {
-    const int dvp = (dv + 1 + W - 1) / W * W, ldt = (ROWS + W - 1) / W * W;
+    const int bh = b * h, dvp = (dv + 1 + W - 1) / W * W, ldt = (ROWS + W - 1) / W * W;
+    threads = threads_for(threads);
+    const long parts = parts_for(bh, n, threads, 8 * ROWS);
+    float *starts = NULL;
+    if (parts > 1) {
+        starts = malloc(sizeof(float) * bh * parts * d * dvp);
+        const struct key_rows keys = {k, v, mask, h, d, dv, dvp, map, n, ksb, ksh, ksn, vsb, vsh, vsn};
+        if (!starts || partial_states(bh, n, parts, d, dvp, threads, key_source, &keys, starts) != 0 ||
+            starting_states(starts, init, bh, parts, d, dv, dvp) != 0) {
+            free(starts);
+            return -1;
+        }
+    }
     const struct causal_forward forward = {{q, k, v, mask, h, d, dv, map, n, qsb, qsh, qsn, ksb, ksh, ksn, vsb, vsh,
-                                            vsn}, init, out, den_out, dvp, ldt};
+                                            vsn}, init, starts, out, den_out, dvp, ldt, parts};
     const long scratch = (long)ROWS * (2 * d + ldt + 2 * dvp) + (long)d * (ldt + dvp);
-    return for_each_head(b * h, threads_for(threads), scratch, causal_head, &forward);
+    const int status = for_each_task((int)(bh * parts), threads, scratch, causal_part, &forward);
+    free(starts);
+    return status;
 }

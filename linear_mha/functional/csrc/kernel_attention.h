@@ -156,17 +156,20 @@ static inline void feature_grad(float *grad, const float *phi, int d, int map) {
  * scratch holds ROWS x (d + width) floats of thread-local space. */
 typedef int (*row_source)(const void *ctx, int g, long j, long z, long *next, float *a, float *b, float *scratch);
 
-/* states[g] (d x width) = sum over the rows of head g of a_row^T b_row, for bh heads of n rows each; width is a
- * whole number of vectors. With fewer heads than threads a head's rows are split into parts summed afterwards. */
-static inline int accumulate_states(int bh, long n, int d, int width, int threads, row_source source, const void *ctx,
-                             float *states) {
-    long parts = bh >= 2 * threads ? 1 : (2 * threads + bh - 1) / bh;
-    if (parts > (n + 255) / 256) parts = (n + 255) / 256;
-    if (parts < 1) parts = 1;
+/* How many parts to cut each head's n rows into so that bh * parts tasks make at least `tasks` of them; a part
+ * of fewer than min_rows rows is not worth a task. */
+static inline long parts_for(int bh, long n, int tasks, long min_rows) {
+    long parts = bh >= tasks ? 1 : (tasks + bh - 1) / bh;
+    if (parts > n / min_rows) parts = n / min_rows;
+    return parts < 1 ? 1 : parts;
+}
+
+/* partial[g * parts + p] (d x width) = sum of a_row^T b_row over part p of head g's n rows (rows n p / parts up
+ * to n (p + 1) / parts), for bh heads; width is a whole number of vectors. */
+static inline int partial_states(int bh, long n, long parts, int d, int width, int threads, row_source source,
+                                 const void *ctx, float *partial) {
     const long size = (long)d * width;
-    float *partial = parts > 1 ? calloc((size_t)bh * parts * size, sizeof(float)) : states;
-    if (!partial) return -1;
-    if (parts == 1) memset(states, 0, sizeof(float) * bh * size);
+    memset(partial, 0, sizeof(float) * bh * parts * size);
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -193,16 +196,25 @@ static inline int accumulate_states(int bh, long n, int d, int width, int thread
         free(b);
         free(scratch);
     }
-    if (parts > 1) {
-        if (!failed)
-            for (int g = 0; g < bh; g++) {
-                float *state = states + (long)g * size;
-                memcpy(state, partial + (long)g * parts * size, sizeof(float) * size);
-                for (long part = 1; part < parts; part++)
-                    for (long e = 0; e < size; e++) state[e] += partial[((long)g * parts + part) * size + e];
-            }
-        free(partial);
-    }
+    return failed ? -1 : 0;
+}
+
+/* states[g] (d x width) = sum over the rows of head g of a_row^T b_row, for bh heads of n rows each. With fewer
+ * heads than threads a head's rows are split into parts summed afterwards. */
+static inline int accumulate_states(int bh, long n, int d, int width, int threads, row_source source, const void *ctx,
+                                    float *states) {
+    const long parts = parts_for(bh, n, 2 * threads, 256), size = (long)d * width;
+    if (parts == 1) return partial_states(bh, n, 1, d, width, threads, source, ctx, states);
+    float *partial = malloc(sizeof(float) * bh * parts * size);
+    int failed = !partial || partial_states(bh, n, parts, d, width, threads, source, ctx, partial) != 0;
+    if (!failed)
+        for (int g = 0; g < bh; g++) {
+            float *state = states + (long)g * size;
+            memcpy(state, partial + (long)g * parts * size, sizeof(float) * size);
+            for (long part = 1; part < parts; part++)
+                for (long e = 0; e < size; e++) state[e] += partial[((long)g * parts + part) * size + e];
+        }
+    free(partial);
     return failed ? -1 : 0;
 }
 
@@ -234,12 +246,12 @@ static inline int for_each_block(int bh, long n, int threads, long scratch_float
     return failed ? -1 : 0;
 }
 
-/* Calls head(ctx, g, scratch) for each of bh heads, one head per task (a head's work runs along its sequence in
- * order); scratch is scratch_floats zero-initialised floats of thread-local space, reused from head to head.
- * Returns -1 when that space could not be allocated. */
-typedef void (*head_fn)(const void *ctx, int g, float *scratch);
+/* Calls task(ctx, i, scratch) for i = 0 .. tasks - 1, one task at a time per thread (a task runs along its stretch
+ * of a sequence in order); scratch is scratch_floats zero-initialised floats of thread-local space, reused from
+ * task to task. Returns -1 when that space could not be allocated. */
+typedef void (*task_fn)(const void *ctx, int i, float *scratch);
 
-static inline int for_each_head(int bh, int threads, long scratch_floats, head_fn head, const void *ctx) {
+static inline int for_each_task(int tasks, int threads, long scratch_floats, task_fn task, const void *ctx) {
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -251,7 +263,7 @@ static inline int for_each_head(int bh, int threads, long scratch_floats, head_f
 #pragma omp barrier
         if (!failed) {
 #pragma omp for schedule(dynamic, 1)
-            for (int g = 0; g < bh; g++) head(ctx, g, scratch);
+            for (int i = 0; i < tasks; i++) task(ctx, i, scratch);
         }
         free(scratch);
     }

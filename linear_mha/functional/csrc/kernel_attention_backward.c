@@ -229,5 +229,5 @@ int lm_causal_kernel_attention_backward_f32(const float *q, const float *k, cons
                                              width, dp, ldt};
     const long scratch = (long)ROWS * (3 * dp + 3 * width + 2 * ldt) + (long)d * (ldt + width) +
                          (long)width * (ldt + dp);
-    return for_each_head(b * h, threads_for(threads), scratch, causal_head_backward, &backward);
+    return for_each_task(b * h, threads_for(threads), scratch, causal_head_backward, &backward);
 }
