@@ -198,12 +198,11 @@ def _forward(q, k, v, mask, init, feature_map, causal, keep):
     den = q.new_empty(b, h, n_q) if keep else None
     state = q.new_empty(b, h, d, dv + 1) if keep and not causal else None
     pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), _pointer(mask), _pointer(init), out.data_ptr())
-    threads = (_MAPS[feature_map], torch.get_num_threads())
+    tail = (*_sizes(q, k, v, causal), _MAPS[feature_map], torch.get_num_threads())
     if causal:
-        status = _lib().lm_causal_kernel_attention_f32(*pointers, _pointer(den), *_sizes(q, k, v, causal), *threads)
+        status = _lib().lm_causal_kernel_attention_f32(*pointers, _pointer(den), *tail)
     else:
-        status = _lib().lm_kernel_attention_f32(*pointers, _pointer(state), _pointer(den), *_sizes(q, k, v, causal),
-                                                *threads)
+        status = _lib().lm_kernel_attention_f32(*pointers, _pointer(state), _pointer(den), *tail)
     _check(status)
     return out, state, den
 
