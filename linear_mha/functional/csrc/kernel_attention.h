@@ -52,7 +52,7 @@ static inline vf feature_vec(vf x, int map) {
 }
 
 static inline float feature_scalar(float x, int map) {
-    if (map == 0) return x > 0.0f ? x + 1.0f : expf(x);
+    if (map == 0) return x > 0.0f ? x + 1.0f : x < -87.3f ? 0.0f : expf(x); /* as exp_nonpositive */
     return x > 0.0f ? x : 0.0f;
 }
 
