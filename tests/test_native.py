@@ -169,7 +169,7 @@ def test_kernel_dispatches_float32_cpu_inference_to_the_kernels(monkeypatch):
 
 @needs_native
 @pytest.mark.parametrize("feature_map", ["elu", "relu"])
-@pytest.mark.parametrize("b,h,n_q,n_k,d,dv", [(1, 4, 200, 200, 64, 64), (2, 3, 37, 70, 13, 5), (1, 1, 600, 500, 16, 9)])
+@pytest.mark.parametrize("b,h,n_q,n_k,d,dv", [(1, 4, 200, 200, 64, 64), (2, 3, 37, 70, 13, 5), (1, 1, 1300, 1100, 16, 9)])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gradients_match_float64(feature_map, b, h, n_q, n_k, d, dv, masked, causal):
@@ -198,6 +198,29 @@ def test_gradients_match_float64(feature_map, b, h, n_q, n_k, d, dv, masked, cau
         assert relative_error(a, r) < 1e-5, name
     if masked:
         assert (got[1][mask[:, None, :, None].expand_as(got[1])] == 0).all()
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 3])
+def test_causal_gradients_with_the_sequence_split_among_threads(threads):
+    # One head and 1300 positions: with 3 threads the backward cuts the sequence into 3 parts, each starting
+    # from scanned key sums (for d q) and gradient sums (for d k, d v).
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 1, 1300, 8, generator=g) for _ in range(3))
+    state = torch.rand(1, 1, 8, 9, generator=g)
+    mask = torch.rand(1, 1300, generator=g) < 0.2
+    grad_out = torch.randn(1, 1, 1300, 8, generator=g)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, state)]
+        LF.kernel(*leaves[:3], "relu", causal=True, key_padding_mask=mask, initial_state=leaves[3]).backward(grad_out)
+    finally:
+        torch.set_num_threads(previous)
+    ref = [t.double().requires_grad_() for t in (q, k, v, state)]
+    LF.kernel(*ref[:3], "relu", causal=True, key_padding_mask=mask, initial_state=ref[3]).backward(grad_out.double())
+    for name, a, r in zip(("q", "k", "v", "initial_state"), leaves, ref):
+        assert relative_error(a.grad, r.grad) < 1e-5, name
 
 
 @needs_native

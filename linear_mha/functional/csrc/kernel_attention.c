@@ -16,32 +16,6 @@
  */
 #include "kernel_attention.h"
 
-/* The rows phi(k_j), [v_j, 1, 0...] of one head, masked keys skipped: they add nothing. */
-struct key_rows {
-    const float *k, *v;
-    const uint8_t *mask;
-    int h, d, dv, width, map;
-    long n, ksb, ksh, ksn, vsb, vsh, vsn;
-};
-
-static int key_source(const void *ctx, int g, long j, long z, long *next, float *a, float *b, float *scratch) {
-    const struct key_rows *c = ctx;
-    const int bi = g / c->h, hi = g % c->h;
-    int rows = 0;
-    (void)scratch;
-    for (; j < z && rows < ROWS; j++) {
-        if (c->mask && c->mask[bi * c->n + j]) continue;
-        features(a + rows * c->d, c->k + bi * c->ksb + hi * c->ksh + j * c->ksn, c->d, c->map);
-        float *row = b + rows * c->width;
-        memcpy(row, c->v + bi * c->vsb + hi * c->vsh + j * c->vsn, sizeof(float) * c->dv);
-        row[c->dv] = 1.0f;
-        memset(row + c->dv + 1, 0, sizeof(float) * (c->width - c->dv - 1));
-        rows++;
-    }
-    *next = j;
-    return rows;
-}
-
 /* Rows of out (and of the normalisers) from a block of queries: phi(q) [S, z], divided. */
 struct query_outputs {
     const float *q, *states;
@@ -196,29 +170,6 @@ static void causal_part(const void *ctx, int item, float *scratch) {
     }
 }
 
-/* Each part's starting state: init plus the key sums of the head's earlier parts (an exclusive scan, in place
- * over the parts' own sums). */
-static int starting_states(float *sums, const float *init, int bh, long parts, int d, int dv, int dvp) {
-    const long size = (long)d * dvp;
-    float *running = malloc(sizeof(float) * size), *own = malloc(sizeof(float) * size);
-    for (int g = 0; running && own && g < bh; g++) {
-        memset(running, 0, sizeof(float) * size);
-        if (init)
-            for (int f = 0; f < d; f++)
-                memcpy(running + f * dvp, init + ((long)g * d + f) * (dv + 1), sizeof(float) * (dv + 1));
-        for (long part = 0; part < parts; part++) {
-            float *slot = sums + ((long)g * parts + part) * size;
-            memcpy(own, slot, sizeof(float) * size);
-            memcpy(slot, running, sizeof(float) * size);
-            for (long e = 0; e < size; e++) running[e] += own[e];
-        }
-    }
-    const int status = running && own ? 0 : -1;
-    free(running);
-    free(own);
-    return status;
-}
-
 int lm_causal_kernel_attention_f32(const float *q, const float *k, const float *v, const uint8_t *mask,
                                    const float *init, float *out, float *den_out, int b, int h, long n, int d,
                                    int dv, long qsb, long qsh, long qsn, long ksb, long ksh, long ksn, long vsb,
@@ -231,7 +182,7 @@ int lm_causal_kernel_attention_f32(const float *q, const float *k, const float *
         starts = malloc(sizeof(float) * bh * parts * d * dvp);
         const struct key_rows keys = {k, v, mask, h, d, dv, dvp, map, n, ksb, ksh, ksn, vsb, vsh, vsn};
         if (!starts || partial_states(bh, n, parts, d, dvp, threads, key_source, &keys, starts) != 0 ||
-            starting_states(starts, init, bh, parts, d, dv, dvp) != 0) {
+            scan_parts(starts, init, bh, parts, d, dv, dvp, 0) != 0) {
             free(starts);
             return -1;
         }

@@ -218,6 +218,57 @@ static inline int accumulate_states(int bh, long n, int d, int width, int thread
     return failed ? -1 : 0;
 }
 
+/* The rows phi(k_j), [v_j, 1, 0...] of one head, masked keys skipped: they add nothing. */
+struct key_rows {
+    const float *k, *v;
+    const uint8_t *mask;
+    int h, d, dv, width, map;
+    long n, ksb, ksh, ksn, vsb, vsh, vsn;
+};
+
+static inline int key_source(const void *ctx, int g, long j, long z, long *next, float *a, float *b, float *scratch) {
+    const struct key_rows *c = ctx;
+    const int bi = g / c->h, hi = g % c->h;
+    int rows = 0;
+    (void)scratch;
+    for (; j < z && rows < ROWS; j++) {
+        if (c->mask && c->mask[bi * c->n + j]) continue;
+        features(a + rows * c->d, c->k + bi * c->ksb + hi * c->ksh + j * c->ksn, c->d, c->map);
+        float *row = b + rows * c->width;
+        memcpy(row, c->v + bi * c->vsb + hi * c->vsh + j * c->vsn, sizeof(float) * c->dv);
+        row[c->dv] = 1.0f;
+        memset(row + c->dv + 1, 0, sizeof(float) * (c->width - c->dv - 1));
+        rows++;
+    }
+    *next = j;
+    return rows;
+}
+
+/* Turns each head's per-part sums (bh x parts matrices of d x width) into the running sum before each part, in
+ * place: an exclusive scan from the first part (starting from init, (bh, d, dv + 1), or zero) or, with
+ * reverse, from the last (starting from zero). */
+static inline int scan_parts(float *sums, const float *init, int bh, long parts, int d, int dv, int width,
+                             int reverse) {
+    const long size = (long)d * width;
+    float *running = malloc(sizeof(float) * size), *own = malloc(sizeof(float) * size);
+    for (int g = 0; running && own && g < bh; g++) {
+        memset(running, 0, sizeof(float) * size);
+        if (init && !reverse)
+            for (int f = 0; f < d; f++)
+                memcpy(running + f * width, init + ((long)g * d + f) * (dv + 1), sizeof(float) * (dv + 1));
+        for (long i = 0; i < parts; i++) {
+            float *slot = sums + ((long)g * parts + (reverse ? parts - 1 - i : i)) * size;
+            memcpy(own, slot, sizeof(float) * size);
+            memcpy(slot, running, sizeof(float) * size);
+            for (long e = 0; e < size; e++) running[e] += own[e];
+        }
+    }
+    const int status = running && own ? 0 : -1;
+    free(running);
+    free(own);
+    return status;
+}
+
 /* Calls block(ctx, g, i0, rows, scratch) for every block of up to ROWS positions i0.. of every one of bh heads of
  * n positions, the blocks spread over the threads; scratch is scratch_floats floats of thread-local space.
  * Returns -1 when that space could not be allocated. */

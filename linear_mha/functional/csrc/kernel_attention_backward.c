@@ -150,12 +150,17 @@ struct causal_backward {
     const float *init, *den, *out, *grad;
     float *grad_q, *grad_k, *grad_v, *grad_state;
     int width, dp, ldt;
+    long parts;
+    /* With parts > 1, each part's state S at its start and gradient G at its end (bh x parts x d x width). */
+    const float *starts, *ends;
 };
 
-static void causal_head_backward(const void *ctx, int g, float *scratch) {
+static void causal_part_backward(const void *ctx, int item, float *scratch) {
     const struct causal_backward *c = ctx;
     const int d = c->in.d, dv = c->in.dv, width = c->width, dp = c->dp, ldt = c->ldt, map = c->in.map;
-    const long n = c->in.n, last = n > 0 ? (n - 1) / ROWS * ROWS : -1;
+    const int g = (int)(item / c->parts);
+    const long n = c->in.n, part = item % c->parts, a = n * part / c->parts, z = n * (part + 1) / c->parts;
+    const long last = z > a ? a + (z - a - 1) / ROWS * ROWS : a - 1;
     float *phi_q = scratch, *phi_k = phi_q + ROWS * dp, *v1 = phi_k + ROWS * dp, *r_rows = v1 + ROWS * width;
     float *k_t = r_rows + ROWS * width, *v1_t = k_t + d * ldt, *scores = v1_t + width * ldt;
     float *d_scores = scores + ROWS * ldt, *g_phi = d_scores + ROWS * ldt, *g_v1 = g_phi + ROWS * dp;
@@ -163,10 +168,11 @@ static void causal_head_backward(const void *ctx, int g, float *scratch) {
     const int bi = g / c->in.h;
     /* Forward order: d q, with the state carried transposed (acc_t = S^T, width x dp). */
     if (c->grad_q) {
-        memset(acc_t, 0, sizeof(float) * width * dp);
-        if (c->init) transpose_states(c->init + (long)g * d * (dv + 1), dv + 1, 1, d, dv, width, dp, acc_t);
-        for (long i0 = 0; i0 < n; i0 += ROWS) {
-            const int rows = (int)(n - i0 < ROWS ? n - i0 : ROWS);
+        if (c->starts) transpose_states(c->starts + (long)item * d * width, width, 1, d, dv, width, dp, acc_t);
+        else if (c->init) transpose_states(c->init + (long)g * d * (dv + 1), dv + 1, 1, d, dv, width, dp, acc_t);
+        else memset(acc_t, 0, sizeof(float) * width * dp);
+        for (long i0 = a; i0 < z; i0 += ROWS) {
+            const int rows = (int)(z - i0 < ROWS ? z - i0 : ROWS);
             const long o = (long)g * n + i0;
             load_gradient_chunk(&c->in, g, i0, rows, c->grad, c->out, c->den, width, dp, ldt, phi_q, phi_k, v1, k_t,
                                 v1_t, r_rows);
@@ -183,9 +189,10 @@ static void causal_head_backward(const void *ctx, int g, float *scratch) {
     }
     if (!c->grad_k && !c->grad_v && !c->grad_state) return;
     /* Reverse order: d k, d v, d initial_state, with G (acc, d x width) growing. */
-    memset(acc, 0, sizeof(float) * d * width);
-    for (long i0 = last; i0 >= 0; i0 -= ROWS) {
-        const int rows = (int)(n - i0 < ROWS ? n - i0 : ROWS);
+    if (c->ends) memcpy(acc, c->ends + (long)item * d * width, sizeof(float) * d * width);
+    else memset(acc, 0, sizeof(float) * d * width);
+    for (long i0 = last; i0 >= a; i0 -= ROWS) {
+        const int rows = (int)(z - i0 < ROWS ? z - i0 : ROWS);
         const long o = (long)g * n + i0;
         load_gradient_chunk(&c->in, g, i0, rows, c->grad, c->out, c->den, width, dp, ldt, phi_q, phi_k, v1, k_t, v1_t,
                             r_rows);
@@ -212,7 +219,7 @@ static void causal_head_backward(const void *ctx, int g, float *scratch) {
         }
         gemm_acc(d, width / W, rows, phi_q, 1, dp, r_rows, width, acc, width);        /* G += phi(Q)^T R */
     }
-    if (c->grad_state)
+    if (c->grad_state && part == 0) /* G after the first part is G_0 */
         for (int f = 0; f < d; f++)
             memcpy(c->grad_state + ((long)g * d + f) * (dv + 1), acc + f * width, sizeof(float) * (dv + 1));
 }
@@ -223,11 +230,34 @@ int lm_causal_kernel_attention_backward_f32(const float *q, const float *k, cons
                                             float *grad_state, int b, int h, long n, int d, int dv, long qsb,
                                             long qsh, long qsn, long ksb, long ksh, long ksn, long vsb, long vsh,
                                             long vsn, int map, int threads) {
-    const int width = (dv + 1 + W - 1) / W * W, dp = (d + W - 1) / W * W, ldt = (ROWS + W - 1) / W * W;
+    const int bh = b * h, width = (dv + 1 + W - 1) / W * W, dp = (d + W - 1) / W * W;
+    const int ldt = (ROWS + W - 1) / W * W;
+    threads = threads_for(threads);
+    /* With fewer heads than threads each sequence is cut into parts, as in the forward: the parts' key sums give
+     * their starting states S and the parts' sums of phi(q)^T R, scanned from the end, their final gradients G. */
+    const long parts = parts_for(bh, n, threads, 8 * ROWS), size = (long)bh * parts * d * width;
+    float *starts = NULL, *ends = NULL;
+    if (parts > 1) {
+        starts = malloc(sizeof(float) * size);
+        ends = malloc(sizeof(float) * size);
+        const struct key_rows keys = {k, v, mask, h, d, dv, width, map, n, ksb, ksh, ksn, vsb, vsh, vsn};
+        const struct query_rows queries = {q, grad, out, den, NULL, NULL, h, d, dp, dv, width, map, n, qsb, qsh, qsn};
+        if (!starts || !ends || partial_states(bh, n, parts, d, width, threads, key_source, &keys, starts) != 0 ||
+            scan_parts(starts, init, bh, parts, d, dv, width, 0) != 0 ||
+            partial_states(bh, n, parts, d, width, threads, query_source, &queries, ends) != 0 ||
+            scan_parts(ends, NULL, bh, parts, d, dv, width, 1) != 0) {
+            free(starts);
+            free(ends);
+            return -1;
+        }
+    }
     const struct causal_backward backward = {{q, k, v, mask, h, d, dv, map, n, qsb, qsh, qsn, ksb, ksh, ksn, vsb,
                                               vsh, vsn}, init, den, out, grad, grad_q, grad_k, grad_v, grad_state,
-                                             width, dp, ldt};
+                                             width, dp, ldt, parts, starts, ends};
     const long scratch = (long)ROWS * (3 * dp + 3 * width + 2 * ldt) + (long)d * (ldt + width) +
                          (long)width * (ldt + dp);
-    return for_each_task(b * h, threads_for(threads), scratch, causal_head_backward, &backward);
+    const int status = for_each_task((int)(bh * parts), threads, scratch, causal_part_backward, &backward);
+    free(starts);
+    free(ends);
+    return status;
 }
