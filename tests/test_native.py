@@ -325,3 +325,19 @@ def test_torch_func_transforms_use_plain_torch_ops(causal, feature_map):
     q0 = q[0].clone().requires_grad_()
     attend(q0, k[0], v[0]).square().sum().backward()
     assert torch.allclose(grad, q0.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_an_unwritable_home_builds_in_the_temporary_directory(tmp_path):
+    if not any(shutil.which(c) for c in ("cc", "gcc", "clang")):
+        pytest.skip("no C compiler on this machine")
+    script = textwrap.dedent("""
+        import tempfile
+        from linear_mha.functional import native
+        assert native.available(), native.build_error()
+        assert native._library._name.startswith(tempfile.gettempdir()), native._library._name
+    """)
+    env = {key: value for key, value in os.environ.items() if key != "LINEAR_MHA_CACHE"}
+    env.update(HOME="/dev/null", TMPDIR=str(tmp_path))  # ~/.cache cannot be created under a file
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert result.returncode == 0, result.stderr

@@ -7,9 +7,10 @@ recurrent decoding step. Everything else (other maps and dtypes, accelerators) s
 everything when the kernels are unavailable.
 
 The library is compiled with the system C compiler (``$CC``, else cc/gcc/clang) for the host CPU and cached
-under ``$LINEAR_MHA_CACHE`` (default ``~/.cache/linear_mha``), keyed by the source, the flags and the CPU, so
-the first call in a fresh environment takes about a second. ``LINEAR_MHA_NATIVE=0`` (or ``set_enabled(False)``)
-turns the kernels off; ``available()`` says whether they are in use, ``build_error()`` why not.
+under ``$LINEAR_MHA_CACHE`` (default ``~/.cache/linear_mha``, or the temporary directory where the home is
+read-only), keyed by the source, the flags and the CPU, so the first call in a fresh environment takes about a
+second. ``LINEAR_MHA_NATIVE=0`` (or ``set_enabled(False)``) turns the kernels off; ``available()`` says whether
+they are in use, ``build_error()`` why not.
 """
 import ctypes
 import hashlib
@@ -69,10 +70,26 @@ def _compilers():
     return [path for path in map(shutil.which, names) if path]
 
 
+def _cache_dir() -> Path:
+    """$LINEAR_MHA_CACHE, else ~/.cache/linear_mha, else (a read-only home, as in some containers) a folder in
+    the temporary directory."""
+    if os.environ.get("LINEAR_MHA_CACHE"):
+        return Path(os.environ["LINEAR_MHA_CACHE"])
+    user = getattr(os, "getuid", lambda: "user")()
+    for cache in (Path.home() / ".cache" / "linear_mha", Path(tempfile.gettempdir()) / f"linear_mha-{user}"):
+        try:
+            cache.mkdir(parents=True, exist_ok=True)
+            if os.access(cache, os.W_OK):
+                return cache
+        except OSError:
+            pass
+    raise RuntimeError("no writable cache folder for the compiled kernels; set LINEAR_MHA_CACHE")
+
+
 def _build() -> ctypes.CDLL:
     # The cache key covers every file the build reads, the header included.
     source = b"".join(path.read_bytes() for path in sorted(_CSRC.iterdir()) if path.suffix in (".c", ".h"))
-    cache = Path(os.environ.get("LINEAR_MHA_CACHE", Path.home() / ".cache" / "linear_mha"))
+    cache = _cache_dir()
     errors = []
     for compiler in _compilers():
         for flags in _FLAG_SETS:
