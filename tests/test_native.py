@@ -341,3 +341,58 @@ def test_an_unwritable_home_builds_in_the_temporary_directory(tmp_path):
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert result.returncode == 0, result.stderr
+
+
+def efficient_reference(q, k, v, mask=None):
+    """Efficient Attention in float64 from its definition."""
+    logits = k.double()
+    if mask is not None:
+        logits = logits.masked_fill(mask[:, None, :, None], float("-inf"))
+    weights = torch.softmax(logits, dim=-2).nan_to_num(0.0)  # a sample with every key masked: no weights
+    return torch.softmax(q.double(), dim=-1) @ (weights.transpose(-2, -1) @ v.double())
+
+
+@needs_native
+@pytest.mark.parametrize("b,h,n_q,n_k,d,dv", [(1, 4, 200, 200, 64, 64), (2, 3, 37, 70, 13, 5), (1, 1, 1300, 1100, 16, 9)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_efficient_attention_and_gradients_match_float64(b, h, n_q, n_k, d, dv, masked):
+    g = torch.Generator().manual_seed(n_k + d)
+    q = torch.randn(b, n_q, h, d, generator=g).transpose(1, 2) * 3  # strided, as a module makes them
+    k = torch.randn(b, n_k, h, d, generator=g).transpose(1, 2) * 3
+    v = torch.randn(b, n_k, h, dv, generator=g).transpose(1, 2)
+    mask = torch.rand(b, n_k, generator=g) < 0.3 if masked else None
+    grad_out = torch.randn(b, h, n_q, dv, generator=g)
+    with torch.inference_mode():
+        assert relative_error(LF.efficient(q, k, v, key_padding_mask=mask), efficient_reference(q, k, v, mask)) < 2e-6
+
+    def grads(dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        out = LF.efficient(*leaves, key_padding_mask=mask)
+        out.backward(grad_out.to(dtype))
+        return out, [t.grad for t in leaves]
+
+    out, got = grads(torch.float32)
+    assert type(out.grad_fn).__name__ == "_EfficientAttentionBackward"
+    _, ref = grads(torch.float64)
+    for name, a, r in zip("qkv", got, ref):
+        assert relative_error(a, r) < 1e-5, name
+
+
+@needs_native
+def test_efficient_attention_masked_garbage_and_empty_samples():
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 2, 9, 8, generator=g) for _ in range(3))
+    mask = torch.zeros(2, 9, dtype=torch.bool)
+    mask[0, ::3] = True
+    mask[1] = True  # batch 1 sees no key: output 0
+    k[0, :, ::3], v[0, :, ::3] = float("nan"), float("inf")
+    k.requires_grad_(), v.requires_grad_()
+    out = LF.efficient(q, k, v, key_padding_mask=mask)
+    out.sum().backward()
+    assert torch.isfinite(out).all() and (out[1] == 0).all()
+    assert torch.isfinite(k.grad).all() and torch.isfinite(v.grad).all()
+    assert (k.grad[0, :, ::3] == 0).all() and (v.grad[0, :, ::3] == 0).all()
+    clean = [t.detach().clone() for t in (k, v)]
+    for t in clean:
+        t[0, :, ::3] = 0.0
+    assert relative_error(out.detach()[:1], efficient_reference(q[:1], clean[0][:1], clean[1][:1], mask[:1])) < 2e-6

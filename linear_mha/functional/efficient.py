@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import native
 from ._common import check_qkv, compute_dtype, drop_keys, key_mask_4d, mask_keys
 
 
@@ -25,6 +26,10 @@ def efficient(
     """
     check_qkv(q, k, v, key_padding_mask)
     out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
+    if native.supports(None, q.to(dtype), k.to(dtype), v.to(dtype), autograd=True):
+        # The compiled kernel skips masked keys itself, so v is not copied to zero them.
+        v = drop_keys(v.to(dtype), dropout_p)
+        return native.efficient_attention(q.to(dtype), k.to(dtype), v, key_padding_mask).to(out_dtype)
     q_soft = torch.softmax(q.to(dtype), dim=-1)
     k_logits = k.to(dtype)
     if key_padding_mask is not None:

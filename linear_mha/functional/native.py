@@ -2,9 +2,9 @@
 
 Kernel attention with an elementwise map spends most of its CPU time in elementwise passes over N-sized
 tensors, not in its two GEMMs; the C kernels fuse those passes into the GEMMs (see kernel_attention.c). They
-cover float32 CPU tensors with elu/relu: non-causal and causal attention with their gradients, and the
-recurrent decoding step. Everything else (other maps and dtypes, accelerators) stays in PyTorch, and so does
-everything when the kernels are unavailable.
+cover float32 CPU tensors: kernel attention with elu/relu (non-causal and causal, with gradients, and the
+recurrent decoding step) and Efficient Attention (with gradients). Everything else (other maps and dtypes,
+accelerators) stays in PyTorch, and so does everything when the kernels are unavailable.
 
 The library is compiled with the system C compiler (``$CC``, else cc/gcc/clang) for the host CPU and cached
 under ``$LINEAR_MHA_CACHE`` (default ``~/.cache/linear_mha``, or the temporary directory where the home is
@@ -31,7 +31,7 @@ from torch.autograd.function import once_differentiable
 from ._common import functorch_active
 
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("kernel_attention.c", "kernel_attention_backward.c")
+_SOURCES = ("kernel_attention.c", "kernel_attention_backward.c", "efficient_attention.c")
 _MAPS = {"elu": 0, "relu": 1}
 _FLAG_SETS = tuple(["-O3", "-Wno-psabi", *arch, *omp] for arch in (["-march=native"], []) for omp in (["-fopenmp"], []))
 
@@ -122,9 +122,12 @@ def _declare(library: ctypes.CDLL) -> None:
     library.lm_causal_kernel_attention_f32.argtypes = [p] * 7 + [i, i, l, i, i] + [l] * 9 + [i, i]
     library.lm_causal_kernel_attention_backward_f32.argtypes = [p] * 12 + [i, i, l, i, i] + [l] * 9 + [i, i]
     library.lm_kernel_step_f32.argtypes = [p] * 6 + [i, i, i, i]
+    library.lm_efficient_attention_f32.argtypes = [p] * 8 + [i, i, l, l, i, i] + [l] * 9 + [i]
+    library.lm_efficient_attention_backward_f32.argtypes = [p] * 11 + [i, i, l, l, i, i] + [l] * 9 + [i]
     for fn in (library.lm_kernel_attention_f32, library.lm_kernel_attention_backward_f32,
                library.lm_causal_kernel_attention_f32, library.lm_causal_kernel_attention_backward_f32,
-               library.lm_kernel_step_f32):
+               library.lm_kernel_step_f32, library.lm_efficient_attention_f32,
+               library.lm_efficient_attention_backward_f32):
         fn.restype = ctypes.c_int
 
 
@@ -157,10 +160,10 @@ def build_error() -> Optional[str]:
 
 def supports(feature_map, *tensors: Optional[Tensor], autograd: bool = False) -> bool:
     """Whether a call on these tensors can take the compiled path: float32 CPU tensors whose last dimension is
-    contiguous, an elementwise map the C code knows, not inside torch.compile or a torch.func transform, and
+    contiguous, an elementwise map the C code knows (None for Efficient Attention, which has its own), not inside torch.compile or a torch.func transform, and
     no autograd unless the caller has a backward for it (``autograd=True``)."""
     # Called on every decoding step, where a microsecond counts: cheap attribute checks only.
-    if not _enabled or feature_map not in _MAPS:
+    if not _enabled or (feature_map is not None and feature_map not in _MAPS):
         return False
     grad = not autograd and torch.is_grad_enabled()
     for t in tensors:
@@ -254,6 +257,54 @@ class _KernelAttention(torch.autograd.Function):
             status = _lib().lm_kernel_attention_backward_f32(*pointers, state.data_ptr(), den.data_ptr(), *tail)
         _check(status)
         return (*grads, None, None, None)
+
+
+def efficient_attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tensor:
+    """Efficient Attention (softmax of q over features, of k over the sequence), differentiable through the
+    compiled backward (efficient_attention.c). Shapes as ``efficient.efficient``, any strides with a contiguous
+    last dimension; returns a contiguous (B, H, L, Dv) tensor. Callers check ``supports``."""
+    mask = None if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return _EfficientAttention.apply(q, k, v, mask)
+    return _efficient_forward(q, k, v, mask, keep=False)[0]
+
+
+def _efficient_forward(q, k, v, mask, keep):
+    """(out, state (B, H, D, Dv), key maxima m and inverse sums 1 / l (B, H, D)); all but out only when keep."""
+    b, h, n_q, d = q.shape
+    dv = v.shape[-1]
+    out = q.new_empty(b, h, n_q, dv)
+    saved = (q.new_empty(b, h, d, dv), q.new_empty(b, h, d), q.new_empty(b, h, d)) if keep else (None,) * 3
+    _check(_lib().lm_efficient_attention_f32(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), _pointer(mask), out.data_ptr(), *map(_pointer, saved),
+        *_sizes(q, k, v, False), torch.get_num_threads()))
+    return (out, *saved)
+
+
+class _EfficientAttention(torch.autograd.Function):
+    """Efficient Attention with the compiled backward, which recomputes softmax(q) and the key weights from q, k,
+    the (B, H, D, Dv) state and the per-feature maxima and sums."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask):
+        out, state, top, inv_sum = _efficient_forward(q, k, v, mask, keep=True)
+        ctx.save_for_backward(q, k, v, mask, state, top, inv_sum)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, mask, state, top, inv_sum = ctx.saved_tensors
+        need_q, need_k, need_v = ctx.needs_input_grad[:3]
+        grads = (torch.empty_like(q, memory_format=torch.contiguous_format) if need_q else None,
+                 torch.empty_like(k, memory_format=torch.contiguous_format) if need_k else None,
+                 torch.empty_like(v, memory_format=torch.contiguous_format) if need_v else None)
+        grad_out = grad_out.contiguous()  # held in a name: a temporary's memory would be freed before the call
+        _check(_lib().lm_efficient_attention_backward_f32(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), _pointer(mask), state.data_ptr(), top.data_ptr(),
+            inv_sum.data_ptr(), grad_out.data_ptr(), *map(_pointer, grads), *_sizes(q, k, v, False),
+            torch.get_num_threads()))
+        return (*grads, None)
 
 
 def kernel_step(q: Tensor, k: Tensor, v: Tensor, state: Optional[Tensor], feature_map: str):

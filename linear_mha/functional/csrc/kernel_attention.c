@@ -16,28 +16,6 @@
  */
 #include "kernel_attention.h"
 
-/* Rows of out (and of the normalisers) from a block of queries: phi(q) [S, z], divided. */
-struct query_outputs {
-    const float *q, *states;
-    float *out, *den_out;
-    int h, d, dv, width;
-    long n, qsb, qsh, qsn;
-    int map;
-};
-
-static void query_block(const void *ctx, int g, long i0, int rows, float *scratch) {
-    const struct query_outputs *c = ctx;
-    const int bi = g / c->h, hi = g % c->h;
-    float *phi = scratch, *num_den = scratch + ROWS * c->d;
-    for (int r = 0; r < rows; r++)
-        features(phi + r * c->d, c->q + bi * c->qsb + hi * c->qsh + (i0 + r) * c->qsn, c->d, c->map);
-    memset(num_den, 0, sizeof(float) * rows * c->width);
-    gemm_acc(rows, c->width / W, c->d, phi, c->d, 1, c->states + (long)g * c->d * c->width, c->width, num_den,
-             c->width);
-    normalise_rows(num_den, rows, c->width, c->dv, c->out + ((long)g * c->n + i0) * c->dv);
-    if (c->den_out) store_normalisers(num_den, rows, c->width, c->dv, c->den_out + (long)g * c->n + i0);
-}
-
 /* Non-causal attention. q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv); mask (B, S) bytes, nonzero = ignore,
  * or NULL; init (B, H, D, Dv + 1) contiguous state of extra keys, or NULL; out (B, H, L, Dv) contiguous.
  * For autograd, state_out (B, H, D, Dv + 1) receives the state and den_out (B, H, L) the normalisers (zeros

@@ -56,7 +56,26 @@ static inline float feature_scalar(float x, int map) {
     return x > 0.0f ? x : 0.0f;
 }
 
+/* softmax over a row of d values (map 2, Efficient Attention's query features). */
+static inline void softmax_row(float *dst, const float *src, int d) {
+    float top = src[0], sum = 0.0f;
+    for (int f = 1; f < d; f++) top = src[f] > top ? src[f] : top;
+    int f = 0;
+    for (; f + W <= d; f += W) {
+        const vf e = exp_nonpositive(load(src + f) - splat(top));
+        store(dst + f, e);
+        for (int i = 0; i < W; i++) sum += e[i];
+    }
+    for (; f < d; f++) sum += dst[f] = src[f] - top < -87.3f ? 0.0f : expf(src[f] - top);
+    const float inv = 1.0f / sum; /* the largest entry gives exp(0) = 1, so sum >= 1 */
+    for (f = 0; f < d; f++) dst[f] *= inv;
+}
+
 static inline void features(float *dst, const float *src, int d, int map) {
+    if (map == 2) {
+        softmax_row(dst, src, d);
+        return;
+    }
     int f = 0;
     for (; f + W <= d; f += W) store(dst + f, feature_vec(load(src + f), map));
     for (; f < d; f++) dst[f] = feature_scalar(src[f], map);
@@ -137,6 +156,14 @@ static inline void store_normalisers(const float *num_den, int rows, int dvp, in
 }
 
 static inline int threads_for(int requested) { return requested > 0 ? requested : 1; }
+
+/* Transposes the (d x (dv + 1)) matrices of bh heads, src rows spaced src_ld apart, into (width x dp) ones. */
+static inline void transpose_states(const float *src, long src_ld, int bh, int d, int dv, int width, int dp, float *dst) {
+    memset(dst, 0, sizeof(float) * bh * width * dp);
+    for (int g = 0; g < bh; g++)
+        for (int f = 0; f < d; f++)
+            for (int c = 0; c <= dv; c++) dst[((long)g * width + c) * dp + f] = src[((long)g * d + f) * src_ld + c];
+}
 
 /* grad * dphi/dx in place, the derivative read off phi itself: elu(x) + 1 has derivative 1 for x > 0 and
  * exp(x) = phi for x <= 0, i.e. min(phi, 1); relu has [phi > 0]. */
@@ -319,6 +346,28 @@ static inline int for_each_task(int tasks, int threads, long scratch_floats, tas
         free(scratch);
     }
     return failed ? -1 : 0;
+}
+
+/* Rows of out (and of the normalisers) from a block of queries: phi(q) [S, z], divided. */
+struct query_outputs {
+    const float *q, *states;
+    float *out, *den_out;
+    int h, d, dv, width;
+    long n, qsb, qsh, qsn;
+    int map;
+};
+
+static inline void query_block(const void *ctx, int g, long i0, int rows, float *scratch) {
+    const struct query_outputs *c = ctx;
+    const int bi = g / c->h, hi = g % c->h;
+    float *phi = scratch, *num_den = scratch + ROWS * c->d;
+    for (int r = 0; r < rows; r++)
+        features(phi + r * c->d, c->q + bi * c->qsb + hi * c->qsh + (i0 + r) * c->qsn, c->d, c->map);
+    memset(num_den, 0, sizeof(float) * rows * c->width);
+    gemm_acc(rows, c->width / W, c->d, phi, c->d, 1, c->states + (long)g * c->d * c->width, c->width, num_den,
+             c->width);
+    normalise_rows(num_den, rows, c->width, c->dv, c->out + ((long)g * c->n + i0) * c->dv);
+    if (c->den_out) store_normalisers(num_den, rows, c->width, c->dv, c->den_out + (long)g * c->n + i0);
 }
 
 /* The inputs of causal attention as its forward and backward read them: element strides over (B, H, position)

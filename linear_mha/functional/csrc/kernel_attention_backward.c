@@ -11,14 +11,6 @@
  */
 #include "kernel_attention.h"
 
-/* Transposes the (d x (dv + 1)) matrices of bh heads, src rows spaced src_ld apart, into (width x dp) ones. */
-static void transpose_states(const float *src, long src_ld, int bh, int d, int dv, int width, int dp, float *dst) {
-    memset(dst, 0, sizeof(float) * bh * width * dp);
-    for (int g = 0; g < bh; g++)
-        for (int f = 0; f < d; f++)
-            for (int c = 0; c <= dv; c++) dst[((long)g * width + c) * dp + f] = src[((long)g * d + f) * src_ld + c];
-}
-
 struct query_rows {
     const float *q, *grad, *out, *den, *state_t;
     float *grad_q;

@@ -1,0 +1,225 @@
+/* Efficient Attention (Shen et al., 2021) on the CPU, float32, forward and backward:
+ *
+ *   out_i = softmax(q_i) S,   S_f = sum_j W_jf v_j,   W_jf = exp(k_jf - m_f) / l_f   (softmax of K over keys)
+ *
+ * with m_f the largest k_jf over the unmasked keys and l_f = sum_j exp(k_jf - m_f). With m fixed by a first
+ * pass, [U, l] = sum_j exp(k_j - m)^T [v_j, 1] is one accumulation of the kind kernel attention makes (the ones
+ * column gives l), and every exponent is <= 0. Masked keys are skipped; a sample with every key masked gets
+ * l = 0, S = 0 and output 0, as the PyTorch path defines it.
+ *
+ * Gradients, with P = softmax(Q) by rows and g the incoming gradient:
+ *   dS = P^T g;   dQ_i = P_i * (g_i S^T - (g_i S^T) . P_i);   dV_j = W_j dS;
+ *   dK_jf = W_jf ((v_j . dS_f) - c_f) with c_f = S_f . dS_f.
+ */
+#include "kernel_attention.h"
+
+struct efficient_keys {
+    const float *k, *v, *top; /* top: m, (B*H, D) */
+    const uint8_t *mask;
+    int h, d, dv, width;
+    long n, ksb, ksh, ksn, vsb, vsh, vsn;
+};
+
+/* Rows exp(k_j - m), [v_j, 1, 0...] of one head, masked keys skipped. */
+static int efficient_key_source(const void *ctx, int g, long j, long z, long *next, float *a, float *b,
+                                float *scratch) {
+    const struct efficient_keys *c = ctx;
+    const int bi = g / c->h, hi = g % c->h, d = c->d;
+    const float *top = c->top + (long)g * d;
+    int rows = 0;
+    (void)scratch;
+    for (; j < z && rows < ROWS; j++) {
+        if (c->mask && c->mask[bi * c->n + j]) continue;
+        const float *kr = c->k + bi * c->ksb + hi * c->ksh + j * c->ksn;
+        float *ar = a + rows * d, *row = b + rows * c->width;
+        int f = 0;
+        for (; f + W <= d; f += W) store(ar + f, exp_nonpositive(load(kr + f) - load(top + f)));
+        for (; f < d; f++) ar[f] = kr[f] - top[f] < -87.3f ? 0.0f : expf(kr[f] - top[f]);
+        memcpy(row, c->v + bi * c->vsb + hi * c->vsh + j * c->vsn, sizeof(float) * c->dv);
+        row[c->dv] = 1.0f;
+        memset(row + c->dv + 1, 0, sizeof(float) * (c->width - c->dv - 1));
+        rows++;
+    }
+    *next = j;
+    return rows;
+}
+
+/* m: the largest key logit of every head and feature over the unmasked keys (0 where all are masked). */
+static void key_maxima(const struct efficient_keys *c, int bh, int threads, float *top) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int g = 0; g < bh; g++) {
+        const int bi = g / c->h, hi = g % c->h, d = c->d;
+        float *t = top + (long)g * d;
+        int seen = 0;
+        for (long j = 0; j < c->n; j++) {
+            if (c->mask && c->mask[bi * c->n + j]) continue;
+            const float *kr = c->k + bi * c->ksb + hi * c->ksh + j * c->ksn;
+            if (!seen) {
+                memcpy(t, kr, sizeof(float) * d);
+                seen = 1;
+                continue;
+            }
+            int f = 0;
+            for (; f + W <= d; f += W) {
+                const vf a = load(t + f), x = load(kr + f);
+                store(t + f, vselect(x > a, x, a));
+            }
+            for (; f < d; f++) t[f] = kr[f] > t[f] ? kr[f] : t[f];
+        }
+        if (!seen) memset(t, 0, sizeof(float) * d);
+    }
+}
+
+/* S (bh x d x width) from [U, l]: U / l, with the column dv set to 1 so that the kernel-attention query pass
+ * divides by softmax(q) . 1 = 1. 1 / l (0 where every key is masked) goes to inv_sum (bh x d) when asked for. */
+static void normalise_state(float *state, int bh, int d, int dv, int width, float *inv_sum) {
+    for (long row = 0; row < (long)bh * d; row++) {
+        float *s = state + row * width;
+        const float inv = s[dv] > 0.0f ? 1.0f / s[dv] : 0.0f;
+        for (int e = 0; e < dv; e++) s[e] *= inv;
+        s[dv] = 1.0f;
+        if (inv_sum) inv_sum[row] = inv;
+    }
+}
+
+/* Non-causal Efficient Attention: q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv) by element strides over
+ * (B, H, position) with a contiguous last dimension; mask (B, S) bytes, nonzero = ignore, or NULL; out
+ * (B, H, L, Dv) contiguous. For autograd, state_out (B, H, D, Dv) receives S, top_out and inv_sum_out (B, H, D)
+ * m and 1 / l; each may be NULL. */
+int lm_efficient_attention_f32(const float *q, const float *k, const float *v, const uint8_t *mask, float *out,
+                               float *state_out, float *top_out, float *inv_sum_out, int b, int h, long nq, long nk,
+                               int d, int dv, long qsb, long qsh, long qsn, long ksb, long ksh, long ksn, long vsb,
+                               long vsh, long vsn, int threads) {
+    const int bh = b * h, width = (dv + 1 + W - 1) / W * W;
+    threads = threads_for(threads);
+    float *top = top_out ? top_out : malloc(sizeof(float) * bh * d);
+    float *state = malloc(sizeof(float) * bh * d * width);
+    int status = top && state ? 0 : -1;
+    if (status == 0) {
+        const struct efficient_keys keys = {k, v, top, mask, h, d, dv, width, nk, ksb, ksh, ksn, vsb, vsh, vsn};
+        key_maxima(&keys, bh, threads, top);
+        status = accumulate_states(bh, nk, d, width, threads, efficient_key_source, &keys, state);
+    }
+    if (status == 0) {
+        normalise_state(state, bh, d, dv, width, inv_sum_out);
+        if (state_out)
+            for (long row = 0; row < (long)bh * d; row++)
+                memcpy(state_out + row * dv, state + row * width, sizeof(float) * dv);
+        const struct query_outputs queries = {q, state, out, NULL, h, d, dv, width, nq, qsb, qsh, qsn, 2};
+        status = for_each_block(bh, nq, threads, (long)ROWS * (d + width), query_block, &queries);
+    }
+    if (!top_out) free(top);
+    free(state);
+    return status;
+}
+
+/* The backward's query rows: a = softmax(q_i), b = g_i (padded to width); as a side effect
+ * d q_i = P_i * (dP_i - dP_i . P_i) with dP_i = g_i S^T. */
+struct efficient_queries {
+    const float *q, *grad, *state_t; /* state_t: S^T per head, width x dp */
+    float *grad_q;
+    int h, d, dp, dv, width;
+    long n, qsb, qsh, qsn;
+};
+
+static int efficient_query_source(const void *ctx, int g, long j, long z, long *next, float *a, float *b,
+                                  float *scratch) {
+    const struct efficient_queries *c = ctx;
+    const int bi = g / c->h, hi = g % c->h, d = c->d, dp = c->dp, width = c->width;
+    const int rows = (int)(z - j < ROWS ? z - j : ROWS);
+    for (int r = 0; r < rows; r++) {
+        features(a + r * d, c->q + bi * c->qsb + hi * c->qsh + (j + r) * c->qsn, d, 2);
+        float *row = b + r * width;
+        memcpy(row, c->grad + ((long)g * c->n + j + r) * c->dv, sizeof(float) * c->dv);
+        memset(row + c->dv, 0, sizeof(float) * (width - c->dv));
+    }
+    if (c->grad_q) {
+        memset(scratch, 0, sizeof(float) * rows * dp);
+        gemm_acc(rows, dp / W, width, b, width, 1, c->state_t + (long)g * width * dp, dp, scratch, dp);
+        for (int r = 0; r < rows; r++) {
+            const float *p = a + r * d;
+            float *dq = scratch + r * dp, dot = 0.0f;
+            for (int f = 0; f < d; f++) dot += dq[f] * p[f];
+            for (int f = 0; f < d; f++) dq[f] = p[f] * (dq[f] - dot);
+            memcpy(c->grad_q + ((long)g * c->n + j + r) * d, dq, sizeof(float) * d);
+        }
+    }
+    *next = j + rows;
+    return rows;
+}
+
+/* d k_j and d v_j for a block of keys from dS (acc, d x width per head), dS^T and c = S . dS. */
+struct efficient_key_grads {
+    struct efficient_keys keys;
+    const float *inv_sum, *acc, *acc_t, *dots;
+    float *grad_k, *grad_v;
+    int dp;
+};
+
+static void efficient_key_block(const void *ctx, int g, long j0, int rows, float *scratch) {
+    const struct efficient_key_grads *c = ctx;
+    const struct efficient_keys *in = &c->keys;
+    const int bi = g / in->h, hi = g % in->h, d = in->d, dv = in->dv, width = in->width, dp = c->dp;
+    const float *top = in->top + (long)g * d, *inv = c->inv_sum + (long)g * d, *dots = c->dots + (long)g * d;
+    float *w = scratch, *v1 = w + ROWS * d, *g_v = v1 + ROWS * width, *g_k = g_v + ROWS * width;
+    for (int r = 0; r < rows; r++) {
+        const long j = j0 + r;
+        const float *kr = in->k + bi * in->ksb + hi * in->ksh + j * in->ksn;
+        for (int f = 0; f < d; f++) w[r * d + f] = kr[f] - top[f] < -87.3f ? 0.0f : expf(kr[f] - top[f]) * inv[f];
+        memcpy(v1 + r * width, in->v + bi * in->vsb + hi * in->vsh + j * in->vsn, sizeof(float) * dv);
+        memset(v1 + r * width + dv, 0, sizeof(float) * (width - dv));
+    }
+    memset(g_v, 0, sizeof(float) * rows * width);
+    memset(g_k, 0, sizeof(float) * rows * dp);
+    gemm_acc(rows, width / W, d, w, d, 1, c->acc + (long)g * d * width, width, g_v, width);     /* W dS */
+    gemm_acc(rows, dp / W, width, v1, width, 1, c->acc_t + (long)g * width * dp, dp, g_k, dp); /* V dS^T */
+    for (int r = 0; r < rows; r++) {
+        const long o = (long)g * in->n + j0 + r;
+        const int masked = in->mask && in->mask[bi * in->n + j0 + r];
+        if (c->grad_k) {
+            float *gk = g_k + r * dp;
+            for (int f = 0; f < d; f++) gk[f] = masked ? 0.0f : w[r * d + f] * (gk[f] - dots[f]);
+            memcpy(c->grad_k + o * d, gk, sizeof(float) * d);
+        }
+        if (c->grad_v) {
+            if (masked) memset(c->grad_v + o * dv, 0, sizeof(float) * dv);
+            else memcpy(c->grad_v + o * dv, g_v + r * width, sizeof(float) * dv);
+        }
+    }
+}
+
+/* Gradients: q, k, v, mask, sizes and strides as the forward; state (B, H, D, Dv), top and inv_sum (B, H, D) from
+ * it; grad (B, H, L, Dv) contiguous. Writes grad_q (B, H, L, D), grad_k (B, H, S, D), grad_v (B, H, S, Dv),
+ * each contiguous and skipped when NULL. */
+int lm_efficient_attention_backward_f32(const float *q, const float *k, const float *v, const uint8_t *mask,
+                                        const float *state, const float *top, const float *inv_sum,
+                                        const float *grad, float *grad_q, float *grad_k, float *grad_v, int b,
+                                        int h, long nq, long nk, int d, int dv, long qsb, long qsh, long qsn,
+                                        long ksb, long ksh, long ksn, long vsb, long vsh, long vsn, int threads) {
+    const int bh = b * h, width = (dv + W - 1) / W * W, dp = (d + W - 1) / W * W;
+    threads = threads_for(threads);
+    float *state_t = malloc(sizeof(float) * bh * width * dp), *acc = malloc(sizeof(float) * bh * d * width);
+    float *acc_t = malloc(sizeof(float) * bh * width * dp), *dots = malloc(sizeof(float) * bh * d);
+    int failed = !state_t || !acc || !acc_t || !dots;
+    if (!failed) {
+        transpose_states(state, dv, bh, d, dv - 1, width, dp, state_t);
+        const struct efficient_queries queries = {q, grad, state_t, grad_q, h, d, dp, dv, width, nq, qsb, qsh, qsn};
+        failed = accumulate_states(bh, nq, d, width, threads, efficient_query_source, &queries, acc) != 0;
+    }
+    if (!failed && (grad_k || grad_v)) {
+        for (long row = 0; row < (long)bh * d; row++) {
+            float dot = 0.0f;
+            for (int e = 0; e < dv; e++) dot += state[row * dv + e] * acc[row * width + e];
+            dots[row] = dot;
+        }
+        transpose_states(acc, width, bh, d, dv - 1, width, dp, acc_t);
+        const struct efficient_key_grads keys = {{k, v, top, mask, h, d, dv, width, nk, ksb, ksh, ksn, vsb, vsh, vsn},
+                                                 inv_sum, acc, acc_t, dots, grad_k, grad_v, dp};
+        failed = for_each_block(bh, nk, threads, (long)ROWS * (d + 2 * width + dp), efficient_key_block, &keys) != 0;
+    }
+    free(state_t);
+    free(acc);
+    free(acc_t);
+    free(dots);
+    return failed ? -1 : 0;
+}
