@@ -396,3 +396,26 @@ def test_efficient_attention_masked_garbage_and_empty_samples():
     for t in clean:
         t[0, :, ::3] = 0.0
     assert relative_error(out.detach()[:1], efficient_reference(q[:1], clean[0][:1], clean[1][:1], mask[:1])) < 2e-6
+
+
+@needs_native
+def test_step_takes_the_compiled_path_for_valid_inputs_only(monkeypatch):
+    calls = []
+    real = native.kernel_step
+    monkeypatch.setattr(native, "kernel_step", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(2, 3, 8, generator=g) for _ in range(3))
+    state = torch.rand(2, 3, 8, 9, generator=g)
+    with torch.inference_mode():
+        out, new_state = LF.kernel_step(q, k, v, state, "elu")
+        assert calls == [1]
+        # Strided, double or grad-requiring inputs take the PyTorch step, with the same result.
+        strided = torch.randn(3, 2, 8, generator=g).transpose(0, 1).copy_(q)
+        assert torch.allclose(LF.kernel_step(strided, k, v, state, "elu")[0], out, rtol=1e-5, atol=1e-6)
+        double = LF.kernel_step(q.double(), k.double(), v.double(), state.double(), "elu")[0]
+        assert torch.allclose(double.float(), out, rtol=1e-5, atol=1e-6)
+    assert calls == [1]
+    LF.kernel_step(q.clone().requires_grad_(), k, v, state, "elu")
+    assert calls == [1]
+    with pytest.raises(ValueError, match="kernel_step takes one position per call"):
+        LF.kernel_step(q[:, :, None], k, v, state, "elu")

@@ -143,10 +143,9 @@ def kernel_step(
     q, k: (B, H, D); v: (B, H, Dv); state: (B, H, F, Dv + 1) or None for an empty context.
     Returns (out (B, H, Dv), new_state). Feeding tokens one by one equals ``kernel(..., causal=True)``.
     """
-    _check_step(q, k, v, state)
-    if native.supports(feature_map, q, k, v, state):
-        _check_step_state(state, q.shape[:2], q.shape[-1], v.shape[-1] + 1)
+    if native.step_ready(feature_map, q, k, v, state):  # valid inputs for the compiled step, checked cheaply
         return native.kernel_step(q, k, v, state, feature_map)
+    _check_step(q, k, v, state)
     out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
     convert = out_dtype != dtype  # only half inputs: the no-op .to() calls alone cost ~20 us per step
     if feature_map == "favor":

@@ -307,14 +307,31 @@ class _EfficientAttention(torch.autograd.Function):
         return (*grads, None)
 
 
+def step_ready(feature_map, q, k, v, state) -> bool:
+    """Whether ``kernel_step`` can run in the compiled step: what ``supports`` asks, plus contiguous tensors of
+    consistent shapes (q, k (B, H, D), v (B, H, Dv), state (B, H, D, Dv + 1) or None). Anything else, invalid
+    input included, goes the PyTorch way, whose checks explain the problem. Decoding is bound by per-call
+    overhead, so this one pass replaces the separate argument checks."""
+    if not _enabled or feature_map not in _MAPS or (_library is None and _load() is None):
+        return False
+    grad = torch.is_grad_enabled()
+    for t in (q, k, v, state):
+        if t is not None and (type(t) is not Tensor or not t.is_cpu or t.dtype is not torch.float32
+                              or (grad and t.requires_grad) or not t.is_contiguous()):
+            return False
+    shape = q.shape
+    if len(shape) != 3 or k.shape != shape or v.dim() != 3 or v.shape[:2] != shape[:2]:
+        return False
+    if state is not None and state.shape != (*shape, v.shape[2] + 1):
+        return False
+    return not _is_compiling() and not functorch_active()
+
+
 def kernel_step(q: Tensor, k: Tensor, v: Tensor, state: Optional[Tensor], feature_map: str):
-    """One decoding step; q, k (B, H, D), v (B, H, Dv), state (B, H, D, Dv + 1) or None, all float32 CPU and
-    already checked by ``kernel.kernel_step``. Returns (out (B, H, Dv), new_state)."""
+    """One decoding step; q, k (B, H, D), v (B, H, Dv), state (B, H, D, Dv + 1) or None, as ``step_ready``
+    accepts them. Returns (out (B, H, Dv), new_state)."""
     b, h, d = q.shape
     dv = v.shape[-1]
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    if state is not None:
-        state = state.contiguous()
     out, new_state = q.new_empty(b, h, dv), q.new_empty(b, h, d, dv + 1)
     _check(_lib().lm_kernel_step_f32(q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                        None if state is None else state.data_ptr(), new_state.data_ptr(),
