@@ -86,6 +86,21 @@ def test_linear_self_attention_causal_step_and_psi(psi):
     assert (other(x) - full).abs().max() > 1e-6  # psi_fn is really used
 
 
+def test_linear_self_attention_decodes_in_place_without_autograd():
+    torch.manual_seed(0)
+    attn = LinearSelfAttention(16, heads=2, causal=True).eval()
+    x = torch.randn(2, 10, 16)
+    cache, states = {}, []
+    with torch.inference_mode():
+        full = attn(x)
+        steps = []
+        for t in range(10):
+            steps.append(attn.step(x[:, t], cache))
+            states.append(cache["state"].data_ptr())
+    torch.testing.assert_close(torch.stack(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+    assert len(set(states)) == 1  # one state tensor, updated step after step
+
+
 def test_linear_self_attention_one_kv_head_and_mask():
     torch.manual_seed(0)
     attn = LinearSelfAttention(16, heads=4, one_kv_head=True).double()

@@ -419,3 +419,31 @@ def test_step_takes_the_compiled_path_for_valid_inputs_only(monkeypatch):
     assert calls == [1]
     with pytest.raises(ValueError, match="kernel_step takes one position per call"):
         LF.kernel_step(q[:, :, None], k, v, state, "elu")
+
+
+@pytest.mark.parametrize("use_native", [True, False])
+def test_step_in_place_updates_the_given_state(use_native):
+    g = torch.Generator().manual_seed(10)
+    q, k, v = (torch.randn(2, 3, 8, generator=g) for _ in range(3))
+    state = torch.rand(2, 3, 8, 9, generator=g)
+    previous = native.set_enabled(use_native)
+    try:
+        with torch.inference_mode():
+            out, new_state = LF.kernel_step(q, k, v, state, "elu")
+            out_inplace, same = LF.kernel_step(q, k, v, state.clone(), "elu", inplace=True)
+            first_out, first_state = LF.kernel_step(q, k, v, None, "elu", inplace=True)  # no state yet: a new one
+    finally:
+        native.set_enabled(previous)
+    assert torch.allclose(out_inplace, out, rtol=1e-6, atol=1e-7) and torch.allclose(same, new_state, rtol=1e-6)
+    assert first_state.shape == state.shape
+    trained = state.clone().requires_grad_()
+    with pytest.raises(ValueError, match=r"inplace=True\) overwrites the state"):
+        LF.kernel_step(q, k, v, trained, "elu", inplace=True)
+
+
+def test_step_in_place_returns_the_same_tensor():
+    state = torch.rand(1, 2, 4, 5)
+    with torch.inference_mode():
+        _, new_state = LF.kernel_step(torch.randn(1, 2, 4), torch.randn(1, 2, 4), torch.randn(1, 2, 4), state, "elu",
+                                      inplace=True)
+    assert new_state.data_ptr() == state.data_ptr()

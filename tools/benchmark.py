@@ -129,10 +129,11 @@ def print_table(result):
         print(f"| {s['level']} | {s['B']} | {s['d']} | {'causal' if s['causal'] else 'full'} | {s['pass']} | "
               f"{s['method']} | {_num(s['time_slope'], '.2f')} {s['time_fit_n']} | {_num(s['mem_slope'], '.2f')} "
               f"{s['mem_fit_n'] or ''} |")
-    print("\n| decode step (kernel_step, elu) | context | us median | us min |")
-    print("|---|---|---|---|")
+    print("\n| decode step (kernel_step, elu) | context | us median | us min | in place: us median | us min |")
+    print("|---|---|---|---|---|---|")
     for r in result.get("decode", []):
-        print(f"| B={r['B']} H={r['H']} d={r['d']} | {r['context']} | {r['us_median']:.1f} | {r['us_min']:.1f} |")
+        print(f"| B={r['B']} H={r['H']} d={r['d']} | {r['context']} | {r['us_median']:.1f} | {r['us_min']:.1f} | "
+              f"{_num(r.get('us_median_inplace'), '.1f')} | {_num(r.get('us_min_inplace'), '.1f')} |")
     print(f"decode time slope in context length: {_num(meta.get('decode_slope'), '.3f')} (0 = flat)")
 
 

@@ -16,6 +16,7 @@ GB/s counts the bytes of q, k, v and out (x2 for fwdbwd: their gradients too).
 Relative error (fwd output, N <= --err-max-n): exact attention in float64 for the core softmax methods, the same
 method (same weights, projections) in float64 otherwise.
 """
+import functools
 import importlib
 import inspect
 import math
@@ -289,7 +290,8 @@ def reference_error(c, device, dtype) -> float:
 
 def decode_step_times(heads, dim, contexts, steps, repeats, seed, device, dtype):
     """us per recurrent decode step (kernel_step, elu, B=1) from the states of several context lengths, timed
-    round-robin; the step costs O(F Dv) whatever the context, so the times should not grow with it."""
+    round-robin, as a new state per step (us_median, us_min) and updated in place (..._inplace); the step
+    costs O(F Dv) whatever the context, so the times should not grow with it."""
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, heads, dim, generator=g).to(device, dtype) for _ in range(3))
     runners = {}
@@ -297,11 +299,14 @@ def decode_step_times(heads, dim, contexts, steps, repeats, seed, device, dtype)
         keys, values = (torch.randn(1, heads, ctx, dim, generator=g).to(device, dtype) for _ in range(2))
         state = LF.kernel_state(keys, values, "elu")
 
-        def run(state=state):
+        def run(state=state, inplace=False):
             with torch.inference_mode():
                 for _ in range(steps):
-                    LF.kernel_step(q, k, v, state, "elu")
+                    LF.kernel_step(q, k, v, state, "elu", inplace=inplace)
         runners[str(ctx)] = run
+        runners[f"{ctx}/inplace"] = functools.partial(run, state.clone(), True)
     timed = M.round_robin(runners, repeats=repeats, warmup=2, device=device)
-    return [dict(context=int(ctx), B=1, H=heads, d=dim, us_median=t["median_ms"] * 1e3 / steps,
-                 us_min=t["min_ms"] * 1e3 / steps) for ctx, t in timed.items()]
+    return [dict(context=ctx, B=1, H=heads, d=dim, us_median=timed[str(ctx)]["median_ms"] * 1e3 / steps,
+                 us_min=timed[str(ctx)]["min_ms"] * 1e3 / steps,
+                 us_median_inplace=timed[f"{ctx}/inplace"]["median_ms"] * 1e3 / steps,
+                 us_min_inplace=timed[f"{ctx}/inplace"]["min_ms"] * 1e3 / steps) for ctx in contexts]

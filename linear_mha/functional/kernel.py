@@ -137,14 +137,20 @@ def kernel_step(
     feature_map: FeatureMap = "elu",
     *,
     projection: Optional[Tensor] = None,
+    inplace: bool = False,
 ) -> Tuple[Tensor, Tensor]:
     """One recurrent decoding step of causal kernel attention, O(F Dv) whatever the context length.
 
     q, k: (B, H, D); v: (B, H, Dv); state: (B, H, F, Dv + 1) or None for an empty context.
     Returns (out (B, H, Dv), new_state). Feeding tokens one by one equals ``kernel(..., causal=True)``.
+    inplace: update ``state`` in place and return it as new_state (inference only), which saves allocating a
+    state per step: with a fragmented heap that allocation can cost as much as the step.
     """
+    if inplace and state is not None and state.requires_grad and torch.is_grad_enabled():
+        raise ValueError("kernel_step(inplace=True) overwrites the state, which autograd cannot differentiate "
+                         "through; pass inplace=False when gradients are needed")
     if native.step_ready(feature_map, q, k, v, state):  # valid inputs for the compiled step, checked cheaply
-        return native.kernel_step(q, k, v, state, feature_map)
+        return native.kernel_step(q, k, v, state, feature_map, inplace)
     _check_step(q, k, v, state)
     out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
     convert = out_dtype != dtype  # only half inputs: the no-op .to() calls alone cost ~20 us per step
@@ -159,6 +165,8 @@ def kernel_step(
     v1 = append_ones(v.to(dtype) if convert else v)
     _check_step_state(state, q.shape[:2], phi_q.shape[-1], v1.shape[-1])
     num_den, new_state = step_unchecked(phi_q, phi_k, v1, state)
+    if inplace and state is not None:
+        new_state = state.copy_(new_state)
     out = split_normalise(num_den)
     return (out.to(out_dtype) if convert else out), new_state
 

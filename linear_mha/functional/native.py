@@ -327,12 +327,14 @@ def step_ready(feature_map, q, k, v, state) -> bool:
     return not _is_compiling() and not functorch_active()
 
 
-def kernel_step(q: Tensor, k: Tensor, v: Tensor, state: Optional[Tensor], feature_map: str):
+def kernel_step(q: Tensor, k: Tensor, v: Tensor, state: Optional[Tensor], feature_map: str, inplace: bool = False):
     """One decoding step; q, k (B, H, D), v (B, H, Dv), state (B, H, D, Dv + 1) or None, as ``step_ready``
-    accepts them. Returns (out (B, H, Dv), new_state)."""
+    accepts them. Returns (out (B, H, Dv), new_state), new_state being ``state`` itself when ``inplace`` (the C
+    step reads each state element before it writes it)."""
     b, h, d = q.shape
     dv = v.shape[-1]
-    out, new_state = q.new_empty(b, h, dv), q.new_empty(b, h, d, dv + 1)
+    out = q.new_empty(b, h, dv)
+    new_state = state if inplace and state is not None else q.new_empty(b, h, d, dv + 1)
     _check(_lib().lm_kernel_step_f32(q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                        None if state is None else state.data_ptr(), new_state.data_ptr(),
                                        out.data_ptr(), b * h, d, dv, _MAPS[feature_map]))

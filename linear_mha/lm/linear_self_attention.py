@@ -6,6 +6,7 @@ head across the query heads. ``step`` decodes one token with a constant-size sta
 """
 from typing import Optional
 
+import torch
 from torch import nn
 
 from ..functional import kernel, kernel_step
@@ -46,5 +47,9 @@ class LinearSelfAttention(nn.Module):
             raise ValueError("step() needs causal=True")
         q = self._split(self.to_q(x)[:, None], self.heads)[:, :, 0]
         k, v = (self._split(t[:, None], self.kv_heads)[:, :, 0] for t in self.to_kv(x).chunk(2, dim=-1))
-        out, cache["state"] = kernel_step(q, k, v, cache.get("state"), self.psi_fn)
+        state = cache.get("state")
+        # The cache owns its state, so decoding updates it in place (no allocation per step) unless autograd
+        # is recording through it.
+        inplace = state is not None and not (torch.is_grad_enabled() and state.requires_grad)
+        out, cache["state"] = kernel_step(q, k, v, state, self.psi_fn, inplace=inplace)
         return self.to_out(out.reshape(x.shape[0], -1))
