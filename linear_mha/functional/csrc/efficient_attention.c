@@ -13,39 +13,8 @@
  */
 #include "kernel_attention.h"
 
-struct efficient_keys {
-    const float *k, *v, *top; /* top: m, (B*H, D) */
-    const uint8_t *mask;
-    int h, d, dv, width;
-    long n, ksb, ksh, ksn, vsb, vsh, vsn;
-};
-
-/* Rows exp(k_j - m), [v_j, 1, 0...] of one head, masked keys skipped. */
-static int efficient_key_source(const void *ctx, int g, long j, long z, long *next, float *a, float *b,
-                                float *scratch) {
-    const struct efficient_keys *c = ctx;
-    const int bi = g / c->h, hi = g % c->h, d = c->d;
-    const float *top = c->top + (long)g * d;
-    int rows = 0;
-    (void)scratch;
-    for (; j < z && rows < ROWS; j++) {
-        if (c->mask && c->mask[bi * c->n + j]) continue;
-        const float *kr = c->k + bi * c->ksb + hi * c->ksh + j * c->ksn;
-        float *ar = a + rows * d, *row = b + rows * c->width;
-        int f = 0;
-        for (; f + W <= d; f += W) store(ar + f, exp_nonpositive(load(kr + f) - load(top + f)));
-        for (; f < d; f++) ar[f] = kr[f] - top[f] < -87.3f ? 0.0f : expf(kr[f] - top[f]);
-        memcpy(row, c->v + bi * c->vsb + hi * c->vsh + j * c->vsn, sizeof(float) * c->dv);
-        row[c->dv] = 1.0f;
-        memset(row + c->dv + 1, 0, sizeof(float) * (c->width - c->dv - 1));
-        rows++;
-    }
-    *next = j;
-    return rows;
-}
-
 /* m: the largest key logit of every head and feature over the unmasked keys (0 where all are masked). */
-static void key_maxima(const struct efficient_keys *c, int bh, int threads, float *top) {
+static void key_maxima(const struct key_rows *c, int bh, int threads, float *top) {
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int g = 0; g < bh; g++) {
         const int bi = g / c->h, hi = g % c->h, d = c->d;
@@ -96,9 +65,9 @@ int lm_efficient_attention_f32(const float *q, const float *k, const float *v, c
     float *state = malloc(sizeof(float) * bh * d * width);
     int status = top && state ? 0 : -1;
     if (status == 0) {
-        const struct efficient_keys keys = {k, v, top, mask, h, d, dv, width, nk, ksb, ksh, ksn, vsb, vsh, vsn};
+        const struct key_rows keys = {k, v, mask, h, d, dv, width, 0, nk, ksb, ksh, ksn, vsb, vsh, vsn, top};
         key_maxima(&keys, bh, threads, top);
-        status = accumulate_states(bh, nk, d, width, threads, efficient_key_source, &keys, state);
+        status = accumulate_states(bh, nk, d, width, threads, key_source, &keys, state);
     }
     if (status == 0) {
         normalise_state(state, bh, d, dv, width, inv_sum_out);
@@ -150,7 +119,7 @@ static int efficient_query_source(const void *ctx, int g, long j, long z, long *
 
 /* d k_j and d v_j for a block of keys from dS (acc, d x width per head), dS^T and c = S . dS. */
 struct efficient_key_grads {
-    struct efficient_keys keys;
+    struct key_rows keys;
     const float *inv_sum, *acc, *acc_t, *dots;
     float *grad_k, *grad_v;
     int dp;
@@ -158,14 +127,15 @@ struct efficient_key_grads {
 
 static void efficient_key_block(const void *ctx, int g, long j0, int rows, float *scratch) {
     const struct efficient_key_grads *c = ctx;
-    const struct efficient_keys *in = &c->keys;
+    const struct key_rows *in = &c->keys;
     const int bi = g / in->h, hi = g % in->h, d = in->d, dv = in->dv, width = in->width, dp = c->dp;
-    const float *top = in->top + (long)g * d, *inv = c->inv_sum + (long)g * d, *dots = c->dots + (long)g * d;
+    const float *top = in->shift + (long)g * d, *inv = c->inv_sum + (long)g * d, *dots = c->dots + (long)g * d;
     float *w = scratch, *v1 = w + ROWS * d, *g_v = v1 + ROWS * width, *g_k = g_v + ROWS * width;
     for (int r = 0; r < rows; r++) {
         const long j = j0 + r;
         const float *kr = in->k + bi * in->ksb + hi * in->ksh + j * in->ksn;
-        for (int f = 0; f < d; f++) w[r * d + f] = kr[f] - top[f] < -87.3f ? 0.0f : expf(kr[f] - top[f]) * inv[f];
+        shifted_exp(w + r * d, kr, top, d);
+        for (int f = 0; f < d; f++) w[r * d + f] *= inv[f];
         memcpy(v1 + r * width, in->v + bi * in->vsb + hi * in->vsh + j * in->vsn, sizeof(float) * dv);
         memset(v1 + r * width + dv, 0, sizeof(float) * (width - dv));
     }
@@ -213,7 +183,7 @@ int lm_efficient_attention_backward_f32(const float *q, const float *k, const fl
             dots[row] = dot;
         }
         transpose_states(acc, width, bh, d, dv - 1, width, dp, acc_t);
-        const struct efficient_key_grads keys = {{k, v, top, mask, h, d, dv, width, nk, ksb, ksh, ksn, vsb, vsh, vsn},
+        const struct efficient_key_grads keys = {{k, v, mask, h, d, dv, width, 0, nk, ksb, ksh, ksn, vsb, vsh, vsn, top},
                                                  inv_sum, acc, acc_t, dots, grad_k, grad_v, dp};
         failed = for_each_block(bh, nk, threads, (long)ROWS * (d + 2 * width + dp), efficient_key_block, &keys) != 0;
     }

@@ -29,7 +29,7 @@ int lm_kernel_attention_f32(const float *q, const float *k, const float *v, cons
     const long state_size = (long)d * dvp;
     float *states = malloc(sizeof(float) * bh * state_size);
     if (!states) return -1;
-    const struct key_rows keys = {k, v, mask, h, d, dv, dvp, map, nk, ksb, ksh, ksn, vsb, vsh, vsn};
+    const struct key_rows keys = {k, v, mask, h, d, dv, dvp, map, nk, ksb, ksh, ksn, vsb, vsh, vsn, NULL};
     if (accumulate_states(bh, nk, d, dvp, threads, key_source, &keys, states) != 0) {
         free(states);
         return -1;
@@ -158,7 +158,7 @@ int lm_causal_kernel_attention_f32(const float *q, const float *k, const float *
     float *starts = NULL;
     if (parts > 1) {
         starts = malloc(sizeof(float) * bh * parts * d * dvp);
-        const struct key_rows keys = {k, v, mask, h, d, dv, dvp, map, n, ksb, ksh, ksn, vsb, vsh, vsn};
+        const struct key_rows keys = {k, v, mask, h, d, dv, dvp, map, n, ksb, ksh, ksn, vsb, vsh, vsn, NULL};
         if (!starts || partial_states(bh, n, parts, d, dvp, threads, key_source, &keys, starts) != 0 ||
             scan_parts(starts, init, bh, parts, d, dv, dvp, 0) != 0) {
             free(starts);

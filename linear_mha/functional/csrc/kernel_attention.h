@@ -245,14 +245,22 @@ static inline int accumulate_states(int bh, long n, int d, int width, int thread
     return failed ? -1 : 0;
 }
 
-/* The rows phi(k_j), [v_j, 1, 0...] of one head, masked keys skipped: they add nothing. */
 struct key_rows {
     const float *k, *v;
     const uint8_t *mask;
     int h, d, dv, width, map;
     long n, ksb, ksh, ksn, vsb, vsh, vsn;
+    const float *shift; /* (B*H, D) or NULL: features exp(k - shift) instead of the map (Efficient Attention) */
 };
 
+/* dst = exp(src - shift), every exponent <= 0 (shift holds the maxima of src); 0 below -87.3 as elsewhere. */
+static inline void shifted_exp(float *dst, const float *src, const float *shift, int d) {
+    int f = 0;
+    for (; f + W <= d; f += W) store(dst + f, exp_nonpositive(load(src + f) - load(shift + f)));
+    for (; f < d; f++) dst[f] = src[f] - shift[f] < -87.3f ? 0.0f : expf(src[f] - shift[f]);
+}
+
+/* The rows phi(k_j), [v_j, 1, 0...] of one head, masked keys skipped: they add nothing. */
 static inline int key_source(const void *ctx, int g, long j, long z, long *next, float *a, float *b, float *scratch) {
     const struct key_rows *c = ctx;
     const int bi = g / c->h, hi = g % c->h;
@@ -260,7 +268,9 @@ static inline int key_source(const void *ctx, int g, long j, long z, long *next,
     (void)scratch;
     for (; j < z && rows < ROWS; j++) {
         if (c->mask && c->mask[bi * c->n + j]) continue;
-        features(a + rows * c->d, c->k + bi * c->ksb + hi * c->ksh + j * c->ksn, c->d, c->map);
+        const float *kr = c->k + bi * c->ksb + hi * c->ksh + j * c->ksn;
+        if (c->shift) shifted_exp(a + rows * c->d, kr, c->shift + (long)g * c->d, c->d);
+        else features(a + rows * c->d, kr, c->d, c->map);
         float *row = b + rows * c->width;
         memcpy(row, c->v + bi * c->vsb + hi * c->vsh + j * c->vsn, sizeof(float) * c->dv);
         row[c->dv] = 1.0f;

@@ -232,7 +232,7 @@ int lm_causal_kernel_attention_backward_f32(const float *q, const float *k, cons
     if (parts > 1) {
         starts = malloc(sizeof(float) * size);
         ends = malloc(sizeof(float) * size);
-        const struct key_rows keys = {k, v, mask, h, d, dv, width, map, n, ksb, ksh, ksn, vsb, vsh, vsn};
+        const struct key_rows keys = {k, v, mask, h, d, dv, width, map, n, ksb, ksh, ksn, vsb, vsh, vsn, NULL};
         const struct query_rows queries = {q, grad, out, den, NULL, NULL, h, d, dp, dv, width, map, n, qsb, qsh, qsn};
         if (!starts || !ends || partial_states(bh, n, parts, d, width, threads, key_source, &keys, starts) != 0 ||
             scan_parts(starts, init, bh, parts, d, dv, width, 0) != 0 ||
