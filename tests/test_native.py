@@ -447,3 +447,19 @@ def test_step_in_place_returns_the_same_tensor():
         _, new_state = LF.kernel_step(torch.randn(1, 2, 4), torch.randn(1, 2, 4), torch.randn(1, 2, 4), state, "elu",
                                       inplace=True)
     assert new_state.data_ptr() == state.data_ptr()
+
+
+def test_package_data_ships_every_kernel_source():
+    # A wheel carries only what setup.cfg's package_data names; a missing header would fail every build.
+    import configparser
+    import fnmatch
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    config = configparser.ConfigParser()
+    config.read(root / "setup.cfg")
+    patterns = [p.strip() for p in config["options.package_data"]["linear_mha.functional"].split(",")]
+    csrc = root / "linear_mha" / "functional" / "csrc"
+    for path in csrc.iterdir():
+        assert any(fnmatch.fnmatch(f"csrc/{path.name}", p) for p in patterns), path.name
+    assert set(native._SOURCES) <= {p.name for p in csrc.iterdir()}
