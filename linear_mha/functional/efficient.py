@@ -26,16 +26,15 @@ def efficient(
     """
     check_qkv(q, k, v, key_padding_mask)
     out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
-    if native.supports(None, q.to(dtype), k.to(dtype), v.to(dtype), autograd=True):
+    q, k, v = q.to(dtype), k.to(dtype), drop_keys(v.to(dtype), dropout_p)
+    if native.supports(None, q, k, v, autograd=True):
         # The compiled kernel skips masked keys itself, so v is not copied to zero them.
-        v = drop_keys(v.to(dtype), dropout_p)
-        return native.efficient_attention(q.to(dtype), k.to(dtype), v, key_padding_mask).to(out_dtype)
-    q_soft = torch.softmax(q.to(dtype), dim=-1)
-    k_logits = k.to(dtype)
+        return native.efficient_attention(q, k, v, key_padding_mask).to(out_dtype)
+    q_soft = torch.softmax(q, dim=-1)
+    k_logits = k
     if key_padding_mask is not None:
         # A finite fill (not -inf) keeps a fully masked sample free of NaN; its keys are zeroed just below.
         k_logits = k_logits.masked_fill(key_mask_4d(key_padding_mask), torch.finfo(dtype).min)
     k_soft = mask_keys(torch.softmax(k_logits, dim=-2), key_padding_mask)
-    v = drop_keys(mask_keys(v.to(dtype), key_padding_mask), dropout_p)
-    context = torch.matmul(k_soft.transpose(-2, -1), v)
+    context = torch.matmul(k_soft.transpose(-2, -1), mask_keys(v, key_padding_mask))
     return torch.matmul(q_soft, context).to(out_dtype)
