@@ -19,7 +19,9 @@ x4 per doubling beyond: '*' in the table, "extrapolated": true in the JSON (rati
 Relative error (fwd output, N <= --err-max-n): exact attention in float64 for the core softmax methods, the same
 method (same weights, projections) in float64 otherwise. Peak extra memory: tools/measure.py (fresh subprocess per
 case on CPU, CUDA peak counters on GPU). Slopes: least squares in log-log over measured N >= --slope-min-n (the
-two largest N when fewer). The recurrent decode step (kernel_step, elu) is timed at several context lengths.
+two largest N when fewer). The recurrent decode step (kernel_step, elu) is timed at several context lengths, with
+a new state per step and in place. The header says whether linear_mha's compiled CPU kernels ran (--no-native
+turns them off).
 """
 import argparse
 import json
