@@ -463,3 +463,21 @@ def test_package_data_ships_every_kernel_source():
     for path in csrc.iterdir():
         assert any(fnmatch.fnmatch(f"csrc/{path.name}", p) for p in patterns), path.name
     assert set(native._SOURCES) <= {p.name for p in csrc.iterdir()}
+
+
+@needs_native
+def test_a_build_without_openmp_leaves_threaded_sequences_to_torch(monkeypatch):
+    q = torch.randn(1, 2, 32, 8)
+    assert native.supports("elu", q)
+    monkeypatch.setattr(native, "_threaded", False)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert not native.supports("elu", q)
+        torch.set_num_threads(1)
+        assert native.supports("elu", q)
+    finally:
+        torch.set_num_threads(previous)
+    with torch.inference_mode():  # the one-thread decoding step is worth it whatever the thread count
+        token = q[:, :, 0].contiguous()
+        assert native.step_ready("elu", token, token, token, None)

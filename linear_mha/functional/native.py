@@ -37,6 +37,7 @@ _FLAG_SETS = tuple(["-O3", "-Wno-psabi", *arch, *omp] for arch in (["-march=nati
 
 _lock = threading.Lock()
 _library = None
+_threaded = False  # built with OpenMP: without it the sequence kernels run on one thread
 _error: Optional[str] = None
 _tried = False
 
@@ -110,6 +111,8 @@ def _build() -> ctypes.CDLL:
                     os.replace(built, target)
             library = ctypes.CDLL(str(target))
             _declare(library)
+            global _threaded
+            _threaded = "-fopenmp" in flags
             return library
     raise RuntimeError("no C compiler could build the kernels" + (": " + " | ".join(errors) if errors else
                                                                     " (none of $CC, cc, gcc, clang was found)"))
@@ -160,9 +163,9 @@ def build_error() -> Optional[str]:
 
 def supports(feature_map, *tensors: Optional[Tensor], autograd: bool = False) -> bool:
     """Whether a call on these tensors can take the compiled path: float32 CPU tensors whose last dimension is
-    contiguous, an elementwise map the C code knows (None for Efficient Attention, which has its own), not inside torch.compile or a torch.func transform, and
-    no autograd unless the caller has a backward for it (``autograd=True``)."""
-    # Called on every decoding step, where a microsecond counts: cheap attribute checks only.
+    contiguous, an elementwise map the C code knows (None for Efficient Attention, which has its own), not
+    inside torch.compile or a torch.func transform, no autograd unless the caller has a backward for it
+    (``autograd=True``), and a build with OpenMP unless torch itself runs on one thread."""
     if not _enabled or (feature_map is not None and feature_map not in _MAPS):
         return False
     grad = not autograd and torch.is_grad_enabled()
@@ -170,7 +173,10 @@ def supports(feature_map, *tensors: Optional[Tensor], autograd: bool = False) ->
         if t is not None and (not t.is_cpu or t.dtype is not torch.float32 or (grad and t.requires_grad)
                               or t.stride(-1) != 1):
             return False
-    return not _is_compiling() and not functorch_active() and _load() is not None
+    if _is_compiling() or functorch_active() or _load() is None:
+        return False
+    # A one-thread build (a compiler without OpenMP) loses to torch's threaded ops on whole sequences.
+    return _threaded or torch.get_num_threads() == 1
 
 
 def _lib() -> ctypes.CDLL:
