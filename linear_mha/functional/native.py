@@ -90,12 +90,11 @@ def _cache_dir() -> Path:
 def _build() -> ctypes.CDLL:
     # The cache key covers every file the build reads, the header included.
     source = b"".join(path.read_bytes() for path in sorted(_CSRC.iterdir()) if path.suffix in (".c", ".h"))
-    cache = _cache_dir()
+    cache, cpu = _cache_dir(), _cpu_signature().encode()
     errors = []
     for compiler in _compilers():
         for flags in _FLAG_SETS:
-            key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(flags).encode(),
-                                             _cpu_signature().encode()])).hexdigest()[:16]
+            key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(flags).encode(), cpu])).hexdigest()[:16]
             target = cache / f"kernel_attention-{key}.so"
             if not target.exists():
                 cache.mkdir(parents=True, exist_ok=True)
