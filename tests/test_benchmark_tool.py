@@ -118,6 +118,28 @@ def test_flop_formula_values_on_a_tiny_case():
     assert benchmark_cases.kernel_flops(dict(c, causal=True), 4) == 4 * 2 * padded * 4 * 5 + 2 * 2 * padded * chunk * 9
 
 
+def test_allocator_is_named_from_the_mapped_libraries_and_the_environment(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 00000000 08:01 12 /usr/lib/libc.so.6\n7f02-7f03 rw-p 00000000 00:00 0\n")
+    assert measure.allocator({}, str(maps)) in ("glibc malloc (defaults)", "platform malloc")
+    env = {"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:glibc.rtld.nns=2", "MALLOC_ARENA_MAX": "2",
+           "THP_MEM_ALLOC_ENABLE": "1"}
+    if sys.platform.startswith("linux"):
+        assert measure.allocator(env, str(maps)) == ("glibc malloc (glibc.malloc.mmap_max=0, MALLOC_ARENA_MAX=2), "
+                                                      "THP_MEM_ALLOC_ENABLE=1")
+    maps.write_text(maps.read_text() + "7f04-7f05 r-xp 00000000 08:01 13 /opt/lib/libtcmalloc_minimal.so.4.5.10\n")
+    assert measure.allocator({}, str(maps)) == "libtcmalloc_minimal.so.4.5.10"
+
+
+def test_memory_child_drops_settings_that_keep_freed_memory():
+    env = measure.memory_child_environment({
+        "PATH": "/bin", "LD_PRELOAD": "/usr/lib/libjemalloc.so.2:/opt/libiomp5.so", "MALLOC_CONF": "retain:true",
+        "GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:glibc.rtld.nns=2", "THP_MEM_ALLOC_ENABLE": "1"})
+    assert env == {"PATH": "/bin", "LD_PRELOAD": "/opt/libiomp5.so", "GLIBC_TUNABLES": "glibc.rtld.nns=2",
+                   "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
+    assert "LD_PRELOAD" not in measure.memory_child_environment({"LD_PRELOAD": "libtcmalloc.so"})
+
+
 def test_loglog_slope():
     xs = [256, 1024, 4096, 16384]
     assert measure.loglog_slope(xs, [3 * x ** 1.5 for x in xs]) == pytest.approx(1.5, abs=1e-12)
@@ -155,6 +177,11 @@ def test_resume_skips_finished_cases(quick_run, monkeypatch):
     assert "rel_err" in after[dropped[0]]
     with pytest.raises(SystemExit, match="threads"):
         benchmark.main(["--quick", "--threads", "2", "--json", str(path), "--resume"])
+    saved = json.loads(path.read_text())
+    saved["meta"]["allocator"] = "libtcmalloc_minimal.so.4"  # times under another allocator must not mix in
+    path.write_text(json.dumps(saved))
+    with pytest.raises(SystemExit, match="allocator"):
+        benchmark.main([a for a in argv if a not in ("--png", str(out / "r.png"))] + ["--resume"])
 
 
 def _fake_peers(monkeypatch):
@@ -199,7 +226,10 @@ def test_optional_peers_are_benchmarked_and_their_failures_reported(monkeypatch,
     assert recs["core/sdpa/B1/H2/d16/N64/full/fwd"]["median_ms"] > 0
 
 
-def test_fresh_process_memory_sees_a_known_allocation():
+@pytest.mark.parametrize("keep_freed", [False, True])
+def test_fresh_process_memory_sees_a_known_allocation(keep_freed, monkeypatch):
+    if keep_freed:  # the README's faster glibc setting keeps freed blocks; the child must not inherit it
+        monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967295")
     mem = measure.peak_extra_memory({"builder": "measure:allocation_case", "kwargs": {"mib": 200}})
     assert "error" not in mem, mem
     assert 150 * measure.MIB <= mem["extra_bytes"] <= 260 * measure.MIB, mem

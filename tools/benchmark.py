@@ -21,7 +21,8 @@ method (same weights, projections) in float64 otherwise. Peak extra memory: tool
 case on CPU, CUDA peak counters on GPU). Slopes: least squares in log-log over measured N >= --slope-min-n (the
 two largest N when fewer). The recurrent decode step (kernel_step, elu) is timed at several context lengths, with
 a new state per step and in place. The header says whether linear_mha's compiled CPU kernels ran (--no-native
-turns them off).
+turns them off) and which CPU allocator the process has (a preloaded tcmalloc, glibc's settings): at N >= 16k it
+moves CPU times by up to ~1.7x (README, "CPU: the memory allocator"); --resume refuses to mix either.
 """
 import argparse
 import json
@@ -108,7 +109,8 @@ def print_table(result):
     meta = result["meta"]
     print(f"\n{meta['device']} {meta.get('gpu', meta['cpu'])}, {meta['dtype']}, {meta['threads']} threads, "
           f"matmul peak {meta['matmul_peak_gflops']:.1f} GFLOP/s, H={meta['heads']}, causal chunk "
-          f"{meta['chunk_size']}, compiled CPU kernels {'on' if meta.get('native_kernels') else 'off'}; "
+          f"{meta['chunk_size']}, compiled CPU kernels {'on' if meta.get('native_kernels') else 'off'}, allocator "
+          f"{meta.get('allocator', 'not recorded')}; "
           f"* = extrapolated x4 per doubling, ~ = ratio against an extrapolated time")
     print("| level | B | d | mask | pass | method | N | ms | min ms | GFLOP/s | % peak | GB/s | rel err | x SDPA "
           "| extra MiB |")
@@ -350,6 +352,10 @@ def load_previous(a, meta):
         if old["meta"].get(field, False if field == "native_kernels" else None) != meta[field]:
             raise SystemExit(f"--resume: {a.json} was written with {field}={old['meta'].get(field)!r}, this run has "
                              f"{meta[field]!r}; pass the same --{field} or write to a new --json")
+    if old["meta"].get("allocator", meta["allocator"]) != meta["allocator"]:  # files from before it was recorded pass
+        raise SystemExit(f"--resume: {a.json} was written with the allocator {old['meta']['allocator']!r}, this run "
+                         f"has {meta['allocator']!r} (LD_PRELOAD / GLIBC_TUNABLES / MALLOC_* / THP_MEM_ALLOC_ENABLE); "
+                         f"launch it the same way or write to a new --json")
     for field in ("matmul_peak_gflops", "matmul_peak_gflops_float32"):  # % of peak stays comparable across sessions
         if field in old["meta"]:
             meta[field] = old["meta"][field]
@@ -365,7 +371,7 @@ def main(argv=None):
         native.set_enabled(False)
     peers = available_peers()
     meta = dict(torch=torch.__version__, device=a.device, dtype=a.dtype, threads=threads, cpu=M.cpu_name(),
-                native_kernels=a.device == "cpu" and native.available(),
+                native_kernels=a.device == "cpu" and native.available(), allocator=M.allocator(),
                 cpu_count=os.cpu_count(), heads=a.heads, proj_k=a.proj_k, chunk_size=chunk_size(),
                 sdpa_max_n=a.sdpa_max_n, weights_max_n=a.weights_max_n, err_max_n=a.err_max_n, peers=peers,
                 slope_min_n=a.slope_min_n, command=" ".join(sys.argv[1:] if argv is None else argv))
@@ -380,7 +386,7 @@ def main(argv=None):
                   decode=old.get("decode", []))
     print(f"torch {meta['torch']} | {a.device} {meta.get('gpu', meta['cpu'])} | {a.dtype} | {threads} threads | "
           f"matmul peak {meta['matmul_peak_gflops']:.1f} GFLOP/s | compiled CPU kernels: "
-          f"{'on' if meta['native_kernels'] else 'off'} | peers: {peers}", flush=True)
+          f"{'on' if meta['native_kernels'] else 'off'} | allocator: {meta['allocator']} | peers: {peers}", flush=True)
     by_key = {r["key"]: r for r in result["records"]}
     groups, beyond = plan(a, peers)
     planned = {case_key(c) for c in beyond}  # extrapolations of rows run by an earlier invocation stay in the file
