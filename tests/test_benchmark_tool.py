@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+import linear_mha.functional as LF
 from linear_mha.functional import native
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
@@ -49,7 +50,7 @@ def test_quick_run_writes_json_and_png(quick_run):
     meta = saved["meta"]
     assert meta["threads"] == 1 and meta["device"] == "cpu" and meta["dtype"] == "float32"
     assert meta["matmul_peak_gflops"] > 0 and set(meta["peers"]) == {"linear_attention_transformer", "linformer",
-                                                                     "performer_pytorch"}
+                                                                     "performer_pytorch", "fla"}
     recs = _by_key(saved)
     levels_methods = {(r["level"], r["method"]) for r in recs.values()}
     assert {("core", m) for m in ("kernel_elu", "kernel_favor", "taylor", "efficient", "linformer", "sdpa",
@@ -209,6 +210,52 @@ def _fake_peers(monkeypatch):
     for name, module in ((lat.__name__, lat), (sub.__name__, sub), ("performer_pytorch", performer),
                          ("linformer", linformer)):
         monkeypatch.setitem(sys.modules, name, module)
+    _fake_fla(monkeypatch, head_first=False)
+
+
+def _fake_fla(monkeypatch, head_first: bool):
+    """fla.ops.linear_attn with flash-linear-attention's calling convention (since 0.2: (B, T, H, K); before:
+    head_first=True for (B, H, T, K)) and its normalised causal linear attention, in plain ops (the real one is
+    Triton, CUDA only)."""
+    def attend(q, k, v, scale):  # (B, H, T, K)
+        q = q * scale
+        out = torch.matmul(torch.matmul(q, k.transpose(-2, -1)).tril(), v)
+        return out / ((q * k.cumsum(-2)).sum(-1, keepdim=True) + 1e-10)
+
+    if head_first:
+        def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True,
+                              head_first=True):
+            assert head_first and normalize
+            return attend(q, k, v, scale), None
+    else:
+        def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True,
+                              cu_seqlens=None):
+            assert normalize
+            return attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale).transpose(1, 2), None
+    fla, ops, linear_attn = (types.ModuleType(n) for n in ("fla", "fla.ops", "fla.ops.linear_attn"))
+    linear_attn.chunk_linear_attn = chunk_linear_attn
+    fla.ops, ops.linear_attn = ops, linear_attn
+    for module in (fla, ops, linear_attn):
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+
+
+@pytest.mark.parametrize("head_first", [False, True])
+def test_the_fla_peer_computes_kernel_elu_and_runs_only_causal_on_cuda(head_first, monkeypatch):
+    _fake_fla(monkeypatch, head_first)
+    case = dict(level="core", method="peer_fla", B=2, H=3, d=8, N=70, causal=True, proj_k=4, seed=0,
+                **{"pass": "fwd"})
+    q, k, v = benchmark_cases.make_inputs(case, torch.float64, "cpu")
+    fn, _ = benchmark_cases.build_method(case, torch.float64, "cpu")
+    torch.testing.assert_close(fn(q, k, v), LF.kernel(q, k, v, "elu", causal=True), rtol=1e-9, atol=1e-9)
+    assert benchmark_cases.reference_error(dict(case, N=16), "cpu", torch.float32) < 1e-5
+    a = benchmark.parse_args(QUICK + ["--methods", "peer_fla", "kernel_elu"])
+    peers = {"fla": "available"}
+
+    def planned():
+        return {(c["method"], c["causal"]) for group in benchmark.plan(a, peers)[0] for c in group}
+    assert planned() == {("kernel_elu", False), ("kernel_elu", True)}  # CPU: no Triton kernels to time
+    a.device = "cuda"
+    assert planned() == {("kernel_elu", False), ("kernel_elu", True), ("peer_fla", True)}
 
 
 def test_optional_peers_are_benchmarked_and_their_failures_reported(monkeypatch, tmp_path):

@@ -1,6 +1,6 @@
 """Speed, memory and accuracy of linear_mha's attention against SDPA and nn.MultiheadAttention (and, when they
-are installed, linear-attention-transformer / performer-pytorch / linformer), over sequence length N, in ONE
-process, round-robin, with the thread count pinned and reported.
+are installed, linear-attention-transformer / performer-pytorch / linformer, and flash-linear-attention's causal
+kernel on CUDA), over sequence length N, in ONE process, round-robin, with the thread count pinned and reported.
 
     python tools/benchmark.py --threads 2 --json runs/bench/cpu.json --png runs/bench/cpu.png --resume
     python tools/benchmark.py --quick --json /tmp/quick.json --png /tmp/quick.png     # tiny smoke run
@@ -17,10 +17,11 @@ FLOP formulas, inputs and references: tools/benchmark_cases.py. GB/s counts the 
 Quadratic methods are timed up to --sdpa-max-n (weight-materialising ones up to --weights-max-n) and extrapolated
 x4 per doubling beyond: '*' in the table, "extrapolated": true in the JSON (ratios against them: "~").
 Relative error (fwd output, N <= --err-max-n): exact attention in float64 for the core softmax methods, the same
-method (same weights, projections) in float64 otherwise. Peak extra memory: tools/measure.py (fresh subprocess per
-case on CPU, CUDA peak counters on GPU). Slopes: least squares in log-log over measured N >= --slope-min-n (the
-two largest N when fewer). The recurrent decode step (kernel_step, elu) is timed at several context lengths, with
-a new state per step and in place. The header says whether linear_mha's compiled CPU kernels ran (--no-native
+method (same weights, projections) in float64 otherwise, and for flash-linear-attention (no float64 kernels) our
+kernel_elu in float64: the check that the peer computes the same function. Peak extra memory: tools/measure.py
+(fresh subprocess per case on CPU, CUDA peak counters on GPU). Slopes: least squares in log-log over measured
+N >= --slope-min-n (the two largest N when fewer). The recurrent decode step (kernel_step, elu) is timed at
+several context lengths, with a new state per step and in place. The header says whether linear_mha's compiled CPU kernels ran (--no-native
 turns them off) and which CPU allocator the process has (a preloaded tcmalloc, glibc's settings): at N >= 16k it
 moves CPU times by up to ~1.7x (README, "CPU: the memory allocator"); --resume refuses to mix either.
 """
@@ -227,7 +228,8 @@ def plan(a, peers: dict):
                 for pss in a.passes:
                     group = []
                     for (lv, name), method in METHODS.items():
-                        if lv != level or (causal and not method.causal) or (a.methods and name not in a.methods):
+                        if (lv != level or (causal and not method.causal) or (not causal and not method.full)
+                                or a.device not in method.devices or (a.methods and name not in a.methods)):
                             continue
                         if method.peer and peers.get(method.peer) != "available":
                             continue

@@ -9,12 +9,14 @@ k = --proj-k:
     kernel, causal       4 BH N' F Dv + 2 BH N' C (F+Dv) chunk states and inter-chunk product + C x C intra-chunk
     favor features       + 4 BH N d m                    q and k times the random projection
     efficient            4 BH N d^2                      (peer linear-attention-transformer: the same count)
+    peer fla             the causal kernel count         the same function as kernel_elu, causal only, CUDA only
     linformer            8 BH N k d                      E K, F V, scores, weights V
     softmax, SDPA        4 BH N^2 d, halved when causal
     module level         + 8 B N E^2                     in-projection (3E) and out-projection (E)
 GB/s counts the bytes of q, k, v and out (x2 for fwdbwd: their gradients too).
 Relative error (fwd output, N <= --err-max-n): exact attention in float64 for the core softmax methods, the same
-method (same weights, projections) in float64 otherwise.
+method (same weights, projections) in float64 otherwise, and for flash-linear-attention (no float64 kernels) our
+kernel_elu in float64: the check that the peer computes the same function.
 """
 import functools
 import importlib
@@ -44,6 +46,9 @@ class Method:
     causal: bool = True      # has a causal form
     kind: str = "linear"     # "sdpa" / "weights": quadratic, timed up to a cap and extrapolated beyond
     peer: Optional[str] = None  # import name of an optional third-party package
+    full: bool = True        # has a non-causal form
+    devices: tuple = ("cpu", "cuda")
+    reference: Optional[str] = None  # float64 reference: this method of ours (same level), not the method itself
 
 
 def chunk_size() -> int:
@@ -153,6 +158,23 @@ def _peer_linformer(c, dtype, device):
     return (lambda x: m(x)), [m.to(device=device, dtype=dtype)]
 
 
+def _peer_fla(c, dtype, device):
+    """flash-linear-attention's chunked causal linear attention (Triton, CUDA only) on elu + 1 features,
+    normalised: the function kernel_elu computes (fla adds 1e-10 or 1e-5 to the denominator). The feature map
+    and, for fla versions that take (B, T, H, K), the layout change are inside the timing, as the map is in
+    ours."""
+    op = importlib.import_module("fla.ops.linear_attn").chunk_linear_attn
+    head_first = "head_first" in inspect.signature(op).parameters  # fla before 0.2 took (B, H, T, K) this way
+
+    def run(q, k, v):
+        fq, fk = F.elu(q) + 1, F.elu(k) + 1
+        if head_first:
+            return op(fq, fk, v, scale=1.0, normalize=True, head_first=True)[0]
+        out = op(fq.transpose(1, 2), fk.transpose(1, 2), v.transpose(1, 2), scale=1.0, normalize=True)[0]
+        return out.transpose(1, 2)
+    return run, []
+
+
 def _plus_projections(flops):
     return lambda c: flops(c) + projection_flops(c)
 
@@ -171,6 +193,8 @@ METHODS = {
     ("core", "peer_lat"): Method(_peer_lat, efficient_flops, peer="linear_attention_transformer"),
     ("core", "peer_performer"): Method(_peer_performer, lambda c: favor_flops(c, causal=False),
                                        peer="performer_pytorch"),
+    ("core", "peer_fla"): Method(_peer_fla, lambda c: kernel_flops(c, c["d"]), peer="fla", full=False,
+                                 devices=("cuda",), reference="kernel_elu"),
     ("module", "kernel_elu"): Method(_module(mode="kernel"), _plus_projections(lambda c: kernel_flops(c, c["d"]))),
     ("module", "kernel_favor"): Method(_module(mode="kernel", feature_map="favor"), _plus_projections(favor_flops)),
     ("module", "taylor"): Method(_module(mode="taylor"), _plus_projections(lambda c: kernel_flops(c, c["d"] + 1))),
@@ -281,7 +305,8 @@ def reference_error(c, device, dtype) -> float:
     if c["level"] == "core" and METHODS[(c["level"], c["method"])].kind != "linear":
         ref = exact_softmax64(*x64, causal=c["causal"])
     else:
-        fn64, modules64 = build_method(c, torch.float64, device)
+        reference = METHODS[(c["level"], c["method"])].reference
+        fn64, modules64 = build_method(c if reference is None else dict(c, method=reference), torch.float64, device)
         for m in modules64:
             m.eval()
         ref = fn64(*x64)
