@@ -281,3 +281,10 @@ def test_fresh_process_memory_sees_a_known_allocation(keep_freed, monkeypatch):
     assert "error" not in mem, mem
     assert 150 * measure.MIB <= mem["extra_bytes"] <= 260 * measure.MIB, mem
     assert measure.peak_extra_memory({"builder": "measure:no_such_case"})["error"].startswith("memory child failed")
+
+
+def test_largest_output_counts_each_row_up_to_its_own_cap():
+    a = benchmark.parse_args(["--rows", "core:1x64", "core:4x64:4096", "--n", "1024", "16384"])
+    assert benchmark.largest_output_bytes(a, torch.float32) == 8 * 64 * 16384 * 4  # 32 MiB: row 1 at 16k
+    a = benchmark.parse_args(["--rows", "core:4x64:4096", "--n", "1024", "16384"])
+    assert benchmark.largest_output_bytes(a, torch.bfloat16) == 4 * 8 * 64 * 1024 * 2  # 16k is past the cap

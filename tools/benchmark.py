@@ -240,6 +240,14 @@ def plan(a, peers: dict):
     return groups, beyond
 
 
+def largest_output_bytes(a, dtype) -> int:
+    """Bytes of the largest (B, H, N, d) output the run plans: glibc's default malloc maps such blocks afresh on
+    every call from 32 MiB up."""
+    sizes = [b * a.heads * d * max(n for n in a.n if n <= max_n) * dtype.itemsize
+             for _, b, d, max_n in map(parse_row, a.rows) if min(a.n) <= max_n]
+    return max(sizes, default=0)
+
+
 def needs_memory(c, a) -> bool:
     rows = {parse_row(r)[:3] for r in a.memory_rows}
     return (not a.no_memory and c["N"] in a.memory_n and (c["level"], c["B"], c["d"]) in rows
@@ -389,6 +397,11 @@ def main(argv=None):
     print(f"torch {meta['torch']} | {a.device} {meta.get('gpu', meta['cpu'])} | {a.dtype} | {threads} threads | "
           f"matmul peak {meta['matmul_peak_gflops']:.1f} GFLOP/s | compiled CPU kernels: "
           f"{'on' if meta['native_kernels'] else 'off'} | allocator: {meta['allocator']} | peers: {peers}", flush=True)
+    if (a.device == "cpu" and meta["allocator"].startswith("glibc malloc (defaults)")
+            and largest_output_bytes(a, dtype) >= 32 * 2 ** 20):
+        print("note: glibc's default malloc maps every block of 32 MiB or more afresh, so long outputs are "
+              "page-faulted in on each call; README, 'CPU: the memory allocator', measures 1.06-1.90x at N >= 16k "
+              "(B=1, H=8, d=64) with tcmalloc or a glibc setting", flush=True)
     by_key = {r["key"]: r for r in result["records"]}
     groups, beyond = plan(a, peers)
     planned = {case_key(c) for c in beyond}  # extrapolations of rows run by an earlier invocation stay in the file
