@@ -18,6 +18,7 @@ from linear_mha.functional import native
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import benchmark  # noqa: E402
 import benchmark_cases  # noqa: E402
+import cpu_allocator  # noqa: E402
 import measure  # noqa: E402
 
 QUICK = ["--quick", "--threads", "1"]
@@ -122,23 +123,47 @@ def test_flop_formula_values_on_a_tiny_case():
 def test_allocator_is_named_from_the_mapped_libraries_and_the_environment(tmp_path):
     maps = tmp_path / "maps"
     maps.write_text("7f00-7f01 r-xp 00000000 08:01 12 /usr/lib/libc.so.6\n7f02-7f03 rw-p 00000000 00:00 0\n")
-    assert measure.allocator({}, str(maps)) in ("glibc malloc (defaults)", "platform malloc")
-    env = {"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:glibc.rtld.nns=2", "MALLOC_ARENA_MAX": "2",
-           "THP_MEM_ALLOC_ENABLE": "1"}
-    if sys.platform.startswith("linux"):
-        assert measure.allocator(env, str(maps)) == ("glibc malloc (glibc.malloc.mmap_max=0, MALLOC_ARENA_MAX=2), "
-                                                      "THP_MEM_ALLOC_ENABLE=1")
-    maps.write_text(maps.read_text() + "7f04-7f05 r-xp 00000000 08:01 13 /opt/lib/libtcmalloc_minimal.so.4.5.10\n")
-    assert measure.allocator({}, str(maps)) == "libtcmalloc_minimal.so.4.5.10"
+    glibc = cpu_allocator.describe({}, str(maps))
+    assert glibc in ("glibc malloc (defaults)", "platform malloc")
+    env = {"GLIBC_TUNABLES": "glibc.rtld.nns=2:glibc.malloc.trim_threshold=9:glibc.malloc.mmap_max=0",
+           "MALLOC_ARENA_MAX": "2", "THP_MEM_ALLOC_ENABLE": "1"}
+    if glibc.startswith("glibc"):  # sorted, so the same settings in another order compare equal
+        assert cpu_allocator.describe(env, str(maps)) == (
+            "glibc malloc (glibc.malloc.mmap_max=0, glibc.malloc.trim_threshold=9, MALLOC_ARENA_MAX=2), "
+            "THP_MEM_ALLOC_ENABLE=1")
+    # A path with spaces, a library replaced on disk while mapped, and the library's own settings.
+    maps.write_text(maps.read_text() + "7f04-7f05 r-xp 00000000 08:01 13 /opt/my libs/libtcmalloc_minimal.so.4 "
+                                       "(deleted)\n")
+    assert cpu_allocator.describe({"TCMALLOC_RELEASE_RATE": "0", "MALLOC_ARENA_MAX": "2"}, str(maps)) == (
+        "libtcmalloc_minimal.so.4, TCMALLOC_RELEASE_RATE=0")
+    # No maps to read: LD_PRELOAD names the library; MALLOC_CONF is jemalloc's, not glibc's.
+    missing = str(tmp_path / "no_maps")
+    assert cpu_allocator.describe({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2", "MALLOC_CONF": "retain:true"},
+                                  missing) == "libjemalloc.so.2, MALLOC_CONF=retain:true"
 
 
 def test_memory_child_drops_settings_that_keep_freed_memory():
     env = measure.memory_child_environment({
         "PATH": "/bin", "LD_PRELOAD": "/usr/lib/libjemalloc.so.2:/opt/libiomp5.so", "MALLOC_CONF": "retain:true",
-        "GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:glibc.rtld.nns=2", "THP_MEM_ALLOC_ENABLE": "1"})
+        "GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:glibc.rtld.nns=2", "THP_MEM_ALLOC_ENABLE": "1",
+        "TCMALLOC_RELEASE_RATE": "0", "MALLOC_ARENA_MAX": "1"})
     assert env == {"PATH": "/bin", "LD_PRELOAD": "/opt/libiomp5.so", "GLIBC_TUNABLES": "glibc.rtld.nns=2",
                    "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
     assert "LD_PRELOAD" not in measure.memory_child_environment({"LD_PRELOAD": "libtcmalloc.so"})
+
+
+def test_a_memory_child_that_keeps_a_malloc_library_reports_an_error(monkeypatch):
+    """A library the environment cannot remove (/etc/ld.so.preload, linked in) must not yield a number."""
+    real_run = measure.subprocess.run
+
+    def run_reporting_tcmalloc(cmd, **kwargs):
+        proc = real_run(cmd, **kwargs)
+        measured = dict(json.loads(proc.stdout.strip().splitlines()[-1]), allocator="libtcmalloc.so.4")
+        proc.stdout = json.dumps(measured) + "\n"
+        return proc
+    monkeypatch.setattr(measure.subprocess, "run", run_reporting_tcmalloc)
+    mem = measure.peak_extra_memory({"builder": "measure:allocation_case", "kwargs": {"mib": 8}})
+    assert "libtcmalloc.so.4" in mem["error"] and "extra_bytes" not in mem
 
 
 def test_loglog_slope():
@@ -183,6 +208,10 @@ def test_resume_skips_finished_cases(quick_run, monkeypatch):
     path.write_text(json.dumps(saved))
     with pytest.raises(SystemExit, match="allocator"):
         benchmark.main([a for a in argv if a not in ("--png", str(out / "r.png"))] + ["--resume"])
+    del saved["meta"]["allocator"]  # a file from before allocators were recorded: resumable, and labelled so
+    path.write_text(json.dumps(saved))
+    resumed = benchmark.main([a for a in argv if a not in ("--png", str(out / "r.png"))] + ["--resume"])
+    assert resumed["meta"]["allocator"] == "not recorded"
 
 
 def _fake_peers(monkeypatch):
@@ -210,28 +239,34 @@ def _fake_peers(monkeypatch):
     for name, module in ((lat.__name__, lat), (sub.__name__, sub), ("performer_pytorch", performer),
                          ("linformer", linformer)):
         monkeypatch.setitem(sys.modules, name, module)
-    _fake_fla(monkeypatch, head_first=False)
+    _fake_fla(monkeypatch, "current")
 
 
-def _fake_fla(monkeypatch, head_first: bool):
-    """fla.ops.linear_attn with flash-linear-attention's calling convention (since 0.2: (B, T, H, K); before:
-    head_first=True for (B, H, T, K)) and its normalised causal linear attention, in plain ops (the real one is
-    Triton, CUDA only)."""
+def _fake_fla(monkeypatch, version: str):
+    """fla.ops.linear_attn with one of flash-linear-attention's calling conventions and its normalised causal
+    linear attention in plain ops (the real one is Triton, CUDA only). "current": (B, T, H, K) with cu_seqlens;
+    "switch": versions with head_first, False by default (True raises in some); "oldest": (B, H, T, K) only."""
     def attend(q, k, v, scale):  # (B, H, T, K)
         q = q * scale
         out = torch.matmul(torch.matmul(q, k.transpose(-2, -1)).tril(), v)
         return out / ((q * k.cumsum(-2)).sum(-1, keepdim=True) + 1e-10)
 
-    if head_first:
-        def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True,
-                              head_first=True):
-            assert head_first and normalize
-            return attend(q, k, v, scale), None
-    else:
+    def time_major(q, k, v, scale):
+        return attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale).transpose(1, 2)
+
+    if version == "current":
         def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True,
                               cu_seqlens=None):
-            assert normalize
-            return attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale).transpose(1, 2), None
+            return time_major(q, k, v, scale), None
+    elif version == "switch":
+        def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True,
+                              head_first=False):
+            if head_first:
+                raise DeprecationWarning("head_first is deprecated")
+            return time_major(q, k, v, scale), None
+    else:
+        def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True):
+            return attend(q, k, v, scale), None
     fla, ops, linear_attn = (types.ModuleType(n) for n in ("fla", "fla.ops", "fla.ops.linear_attn"))
     linear_attn.chunk_linear_attn = chunk_linear_attn
     fla.ops, ops.linear_attn = ops, linear_attn
@@ -239,21 +274,35 @@ def _fake_fla(monkeypatch, head_first: bool):
         monkeypatch.setitem(sys.modules, module.__name__, module)
 
 
-@pytest.mark.parametrize("head_first", [False, True])
-def test_the_fla_peer_computes_kernel_elu_and_runs_only_causal_on_cuda(head_first, monkeypatch):
-    _fake_fla(monkeypatch, head_first)
-    case = dict(level="core", method="peer_fla", B=2, H=3, d=8, N=70, causal=True, proj_k=4, seed=0,
+FLA_CASE = dict(level="core", method="peer_fla", B=2, H=3, d=8, N=70, causal=True, proj_k=4, seed=0,
                 **{"pass": "fwd"})
-    q, k, v = benchmark_cases.make_inputs(case, torch.float64, "cpu")
-    fn, _ = benchmark_cases.build_method(case, torch.float64, "cpu")
+
+
+@pytest.mark.parametrize("version", ["current", "switch"])
+def test_the_fla_peer_computes_kernel_elu(version, monkeypatch):
+    _fake_fla(monkeypatch, version)
+    q, k, v = benchmark_cases.make_inputs(FLA_CASE, torch.float64, "cpu")
+    fn, _ = benchmark_cases.build_method(FLA_CASE, torch.float64, "cpu")
     torch.testing.assert_close(fn(q, k, v), LF.kernel(q, k, v, "elu", causal=True), rtol=1e-9, atol=1e-9)
-    assert benchmark_cases.reference_error(dict(case, N=16), "cpu", torch.float32) < 1e-5
+    assert benchmark_cases.reference_error(dict(FLA_CASE, N=16), "cpu", torch.float32) < 1e-5
+
+
+def test_the_fla_peer_refuses_an_fla_without_its_current_layout(monkeypatch):
+    _fake_fla(monkeypatch, "oldest")
+    with pytest.raises(RuntimeError, match="too old"):
+        benchmark_cases.build_method(FLA_CASE, torch.float64, "cpu")
+
+
+def test_the_fla_peer_runs_only_causal_and_only_on_cuda(monkeypatch):
+    _fake_fla(monkeypatch, "current")
+    assert benchmark_cases.available_peers("cpu")["fla"] == "not for cpu"  # not even imported
+    assert benchmark_cases.available_peers("cuda")["fla"] == "available"
     a = benchmark.parse_args(QUICK + ["--methods", "peer_fla", "kernel_elu"])
     peers = {"fla": "available"}
 
     def planned():
         return {(c["method"], c["causal"]) for group in benchmark.plan(a, peers)[0] for c in group}
-    assert planned() == {("kernel_elu", False), ("kernel_elu", True)}  # CPU: no Triton kernels to time
+    assert planned() == {("kernel_elu", False), ("kernel_elu", True)}
     a.device = "cuda"
     assert planned() == {("kernel_elu", False), ("kernel_elu", True), ("peer_fla", True)}
 
@@ -263,7 +312,8 @@ def test_optional_peers_are_benchmarked_and_their_failures_reported(monkeypatch,
     result = benchmark.main(QUICK + ["--n", "64", "128", "--passes", "fwd", "--no-memory", "--decode-contexts", "16",
                                      "--methods", "peer_lat", "peer_performer", "peer_linformer", "sdpa",
                                      "mha_sdpa", "--json", str(tmp_path / "p.json")])
-    assert set(result["meta"]["peers"].values()) == {"available"}
+    assert result["meta"]["peers"] == {"fla": "not for cpu", "linear_attention_transformer": "available",
+                                       "linformer": "available", "performer_pytorch": "available"}
     recs = _by_key(result)
     lat = [r for r in recs.values() if r["method"] == "peer_lat"]
     assert len(lat) == 4 and all(r["median_ms"] > 0 and r["ratio_vs_sdpa"] > 0 for r in lat)

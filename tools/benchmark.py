@@ -21,9 +21,10 @@ method (same weights, projections) in float64 otherwise, and for flash-linear-at
 kernel_elu in float64: the check that the peer computes the same function. Peak extra memory: tools/measure.py
 (fresh subprocess per case on CPU, CUDA peak counters on GPU). Slopes: least squares in log-log over measured
 N >= --slope-min-n (the two largest N when fewer). The recurrent decode step (kernel_step, elu) is timed at
-several context lengths, with a new state per step and in place. The header says whether linear_mha's compiled CPU kernels ran (--no-native
-turns them off) and which CPU allocator the process has (a preloaded tcmalloc, glibc's settings): at N >= 16k it
-moves CPU times by up to ~1.7x (README, "CPU: the memory allocator"); --resume refuses to mix either.
+several context lengths, with a new state per step and in place. The header says whether linear_mha's compiled
+CPU kernels ran (--no-native turns them off) and which CPU allocator the process has (a preloaded tcmalloc,
+glibc's settings; at long N it moves CPU times a good deal, README "CPU: the memory allocator"); --resume
+refuses to mix either.
 """
 import argparse
 import json
@@ -37,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cpu_allocator  # noqa: E402
 import measure as M  # noqa: E402
 from benchmark_cases import (BASELINE, METHODS, Method, available_peers, build_runner, case_key,  # noqa: E402
                              chunk_size, decode_step_times, make_data, reference_error)
@@ -45,6 +47,7 @@ from linear_mha.functional import native  # noqa: E402
 
 # -------------------------------------------------------------------------------------------------- report
 SERIES = ("level", "method", "B", "H", "d", "causal", "pass")
+NOT_RECORDED = "not recorded"
 CASE_FIELDS = SERIES + ("N", "proj_k", "seed")
 
 
@@ -111,7 +114,7 @@ def print_table(result):
     print(f"\n{meta['device']} {meta.get('gpu', meta['cpu'])}, {meta['dtype']}, {meta['threads']} threads, "
           f"matmul peak {meta['matmul_peak_gflops']:.1f} GFLOP/s, H={meta['heads']}, causal chunk "
           f"{meta['chunk_size']}, compiled CPU kernels {'on' if meta.get('native_kernels') else 'off'}, allocator "
-          f"{meta.get('allocator', 'not recorded')}; "
+          f"{meta.get('allocator', NOT_RECORDED)}; "
           f"* = extrapolated x4 per doubling, ~ = ratio against an extrapolated time")
     print("| level | B | d | mask | pass | method | N | ms | min ms | GFLOP/s | % peak | GB/s | rel err | x SDPA "
           "| extra MiB |")
@@ -362,10 +365,14 @@ def load_previous(a, meta):
         if old["meta"].get(field, False if field == "native_kernels" else None) != meta[field]:
             raise SystemExit(f"--resume: {a.json} was written with {field}={old['meta'].get(field)!r}, this run has "
                              f"{meta[field]!r}; pass the same --{field} or write to a new --json")
-    if old["meta"].get("allocator", meta["allocator"]) != meta["allocator"]:  # files from before it was recorded pass
-        raise SystemExit(f"--resume: {a.json} was written with the allocator {old['meta']['allocator']!r}, this run "
-                         f"has {meta['allocator']!r} (LD_PRELOAD / GLIBC_TUNABLES / MALLOC_* / THP_MEM_ALLOC_ENABLE); "
-                         f"launch it the same way or write to a new --json")
+    if meta["device"] == "cpu":
+        recorded = old["meta"].get("allocator", NOT_RECORDED)
+        if recorded == NOT_RECORDED:  # a file from before allocators were recorded: its rows stay unlabelled
+            meta["allocator"] = NOT_RECORDED
+        elif recorded != meta["allocator"]:
+            raise SystemExit(f"--resume: {a.json} was written under the allocator {recorded!r}, this run has "
+                             f"{meta['allocator']!r} (LD_PRELOAD, GLIBC_TUNABLES, MALLOC_*, THP_MEM_ALLOC_ENABLE); "
+                             f"launch it the same way or write to a new --json")
     for field in ("matmul_peak_gflops", "matmul_peak_gflops_float32"):  # % of peak stays comparable across sessions
         if field in old["meta"]:
             meta[field] = old["meta"][field]
@@ -379,9 +386,10 @@ def main(argv=None):
     if a.no_native:
         os.environ["LINEAR_MHA_NATIVE"] = "0"  # inherited by the memory-measuring subprocesses
         native.set_enabled(False)
-    peers = available_peers()
+    allocator = cpu_allocator.describe()  # before the peers are imported: they could map their own malloc
+    peers = available_peers(a.device)
     meta = dict(torch=torch.__version__, device=a.device, dtype=a.dtype, threads=threads, cpu=M.cpu_name(),
-                native_kernels=a.device == "cpu" and native.available(), allocator=M.allocator(),
+                native_kernels=a.device == "cpu" and native.available(), allocator=allocator,
                 cpu_count=os.cpu_count(), heads=a.heads, proj_k=a.proj_k, chunk_size=chunk_size(),
                 sdpa_max_n=a.sdpa_max_n, weights_max_n=a.weights_max_n, err_max_n=a.err_max_n, peers=peers,
                 slope_min_n=a.slope_min_n, command=" ".join(sys.argv[1:] if argv is None else argv))
@@ -397,11 +405,11 @@ def main(argv=None):
     print(f"torch {meta['torch']} | {a.device} {meta.get('gpu', meta['cpu'])} | {a.dtype} | {threads} threads | "
           f"matmul peak {meta['matmul_peak_gflops']:.1f} GFLOP/s | compiled CPU kernels: "
           f"{'on' if meta['native_kernels'] else 'off'} | allocator: {meta['allocator']} | peers: {peers}", flush=True)
-    if (a.device == "cpu" and meta["allocator"].startswith("glibc malloc (defaults)")
+    if (a.device == "cpu" and meta["allocator"] == "glibc malloc (defaults)"
             and largest_output_bytes(a, dtype) >= 32 * 2 ** 20):
         print("note: glibc's default malloc maps every block of 32 MiB or more afresh, so long outputs are "
-              "page-faulted in on each call; README, 'CPU: the memory allocator', measures 1.06-1.90x at N >= 16k "
-              "(B=1, H=8, d=64) with tcmalloc or a glibc setting", flush=True)
+              "page-faulted in on each call; README, 'CPU: the memory allocator', measures what tcmalloc or a "
+              "glibc setting gains", flush=True)
     by_key = {r["key"]: r for r in result["records"]}
     groups, beyond = plan(a, peers)
     planned = {case_key(c) for c in beyond}  # extrapolations of rows run by an earlier invocation stay in the file

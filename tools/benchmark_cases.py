@@ -25,7 +25,7 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -44,10 +44,10 @@ class Method:
     build: Callable          # (case, dtype, device) -> (fn(*inputs) -> out, [modules])
     flops: Callable          # (case) -> FLOPs of one forward of the attention (module level adds projections)
     causal: bool = True      # has a causal form
+    full: bool = True        # has a non-causal form
     kind: str = "linear"     # "sdpa" / "weights": quadratic, timed up to a cap and extrapolated beyond
     peer: Optional[str] = None  # import name of an optional third-party package
-    full: bool = True        # has a non-causal form
-    devices: tuple = ("cpu", "cuda")
+    devices: Tuple[str, ...] = ("cpu", "cuda")
     reference: Optional[str] = None  # float64 reference: this method of ours (same level), not the method itself
 
 
@@ -160,17 +160,19 @@ def _peer_linformer(c, dtype, device):
 
 def _peer_fla(c, dtype, device):
     """flash-linear-attention's chunked causal linear attention (Triton, CUDA only) on elu + 1 features,
-    normalised: the function kernel_elu computes (fla adds 1e-10 or 1e-5 to the denominator). The feature map
-    and, for fla versions that take (B, T, H, K), the layout change are inside the timing, as the map is in
-    ours."""
+    normalised: the function kernel_elu computes (fla adds 1e-10 or 1e-5 to the denominator). Timed with the
+    feature map and the change to fla's (B, T, H, K) layout, whose transposed views fla copies: a caller holding
+    (B, H, N, d) tensors pays both. In float32, fla's Triton products run in TF32 unless told otherwise."""
     op = importlib.import_module("fla.ops.linear_attn").chunk_linear_attn
-    head_first = "head_first" in inspect.signature(op).parameters  # fla before 0.2 took (B, H, T, K) this way
+    params = inspect.signature(op).parameters
+    if "cu_seqlens" not in params and "head_first" not in params:
+        raise RuntimeError("this fla is too old for the benchmark: its chunk_linear_attn takes (B, H, T, K) only; "
+                           "install a current fla-core")
+    layout = {"head_first": False} if "head_first" in params else {}  # versions that still had the switch
 
     def run(q, k, v):
         fq, fk = F.elu(q) + 1, F.elu(k) + 1
-        if head_first:
-            return op(fq, fk, v, scale=1.0, normalize=True, head_first=True)[0]
-        out = op(fq.transpose(1, 2), fk.transpose(1, 2), v.transpose(1, 2), scale=1.0, normalize=True)[0]
+        out = op(fq.transpose(1, 2), fk.transpose(1, 2), v.transpose(1, 2), scale=1.0, normalize=True, **layout)[0]
         return out.transpose(1, 2)
     return run, []
 
@@ -208,10 +210,14 @@ METHODS = {
 BASELINE = {"core": "sdpa", "module": "mha_sdpa"}
 
 
-def available_peers() -> dict:
-    """Peer import name -> "available" or why not; a missing peer only removes its rows."""
+def available_peers(device: str = "cpu") -> dict:
+    """Peer import name -> "available" or why not; a missing peer only removes its rows. Peers that cannot run
+    on ``device`` are not imported."""
     status = {}
     for peer in sorted({m.peer for m in METHODS.values() if m.peer}):
+        if not any(m.peer == peer and device in m.devices for m in METHODS.values()):
+            status[peer] = f"not for {device}"
+            continue
         try:
             importlib.import_module(peer)
             status[peer] = "available"

@@ -13,8 +13,8 @@ baseline, resets the kernel's high-water mark (``/proc/self/clear_refs``), runs 
 ``VmHWM - baseline``: the extra memory of one call, with the inputs (and anything the case keeps between calls)
 in the baseline. glibc is told to serve every allocation above 64 KiB with mmap, so freed tensors go back to the
 system at once and a cached free block cannot absorb the second call's allocations unseen; for the same reason
-the child drops the parent's allocator settings (a preloaded tcmalloc/jemalloc/mimalloc, GLIBC_TUNABLES'
-glibc.malloc entries, torch's THP_MEM_ALLOC_ENABLE), which would keep freed memory and hide the call's needs.
+the child drops the parent's allocator settings (tools/cpu_allocator.py), and a child that still finds a
+replacement malloc library in itself (one in /etc/ld.so.preload, say) reports an error instead of a number.
 Where clear_refs is not writable the child falls back to ``ru_maxrss`` (which then also covers the input build:
 an upper bound).
 
@@ -25,7 +25,6 @@ import gc
 import importlib
 import json
 import math
-import os
 import platform
 import resource
 import subprocess
@@ -35,6 +34,8 @@ from pathlib import Path
 from typing import Callable, Dict, Iterable, Optional, Sequence
 
 import torch
+
+import cpu_allocator
 
 TOOLS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TOOLS_DIR.parent
@@ -63,54 +64,11 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-MALLOC_LIBRARIES = ("tcmalloc", "jemalloc", "mimalloc")
-
-
-def _preloaded_allocators(maps_path: str = "/proc/self/maps") -> list:
-    """File names of the replacement malloc libraries mapped into this process (empty if none or not Linux)."""
-    try:
-        with open(maps_path) as f:
-            names = {Path(line.split()[-1]).name for line in f if line.split() and line.split()[-1].startswith("/")}
-    except OSError:
-        return []
-    return sorted(n for n in names if any(lib in n for lib in MALLOC_LIBRARIES))
-
-
-def allocator(environ=None, maps_path: str = "/proc/self/maps") -> str:
-    """How this process gets CPU memory, in words for a benchmark's header: a preloaded malloc library, or
-    glibc's malloc with any GLIBC_TUNABLES / MALLOC_* settings, plus torch's THP_MEM_ALLOC_ENABLE. At long
-    sequence lengths this changes CPU times by up to ~1.7x (README, "CPU: the memory allocator")."""
-    environ = os.environ if environ is None else environ
-    libraries = _preloaded_allocators(maps_path)
-    if libraries:
-        parts = [", ".join(libraries)]
-    elif sys.platform.startswith("linux"):
-        tunables = [t for t in environ.get("GLIBC_TUNABLES", "").split(":") if t.startswith("glibc.malloc.")]
-        legacy = [f"{k}={v}" for k, v in sorted(environ.items()) if k.startswith("MALLOC_")]
-        settings = tunables + legacy
-        parts = ["glibc malloc" + (f" ({', '.join(settings)})" if settings else " (defaults)")]
-    else:
-        parts = ["platform malloc"]
-    if environ.get("THP_MEM_ALLOC_ENABLE") == "1":
-        parts.append("THP_MEM_ALLOC_ENABLE=1")
-    return ", ".join(parts)
-
-
 def memory_child_environment(environ=None) -> Dict[str, str]:
-    """The environment of a memory-measuring child: the parent's, with glibc's malloc returning every freed block
-    above 64 KiB at once and no allocator setting that would keep freed memory (see the module docstring)."""
-    env = dict(os.environ if environ is None else environ)
-    preload = [p for p in env.pop("LD_PRELOAD", "").replace(":", " ").split()
-               if not any(lib in Path(p).name for lib in MALLOC_LIBRARIES)]
-    if preload:
-        env["LD_PRELOAD"] = " ".join(preload)
-    tunables = [t for t in env.pop("GLIBC_TUNABLES", "").split(":") if t and not t.startswith("glibc.malloc.")]
-    if tunables:
-        env["GLIBC_TUNABLES"] = ":".join(tunables)
-    for key in [k for k in env if k.startswith("MALLOC_")] + ["THP_MEM_ALLOC_ENABLE"]:
-        env.pop(key, None)
-    env.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="65536")
-    return env
+    """The environment of a memory-measuring child: the parent's on plain glibc malloc, which returns every freed
+    block above 64 KiB at once (see the module docstring)."""
+    return dict(cpu_allocator.plain_glibc_environment(environ), MALLOC_MMAP_THRESHOLD_="65536",
+                MALLOC_TRIM_THRESHOLD_="65536")
 
 
 def sync(device) -> None:
@@ -229,7 +187,8 @@ def measure_in_this_process(spec: dict) -> dict:
     else:
         run()
         peak, how = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "ru_maxrss (includes input build)"
-    return {"extra_bytes": max(peak - baseline, 0), "baseline_bytes": baseline, "peak_bytes": peak, "how": how}
+    return {"extra_bytes": max(peak - baseline, 0), "baseline_bytes": baseline, "peak_bytes": peak, "how": how,
+            "allocator": cpu_allocator.describe()}
 
 
 def cuda_peak_extra(run: Callable[[], object], device) -> dict:
@@ -267,7 +226,11 @@ def peak_extra_memory(spec: dict, device="cpu", timeout_s: float = 1800.0) -> di
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
         return {"error": f"memory child failed: {tail}"[:300]}
-    return json.loads(lines[-1])
+    measured = json.loads(lines[-1])
+    if not measured.get("allocator", "glibc").startswith(("glibc", "platform")):
+        return {"error": f"memory child still ran under {measured['allocator']}, which keeps freed memory and would "
+                         f"hide allocations; measure without it"[:300]}
+    return measured
 
 
 def allocation_case(mib: float = 200.0) -> Callable[[], object]:
