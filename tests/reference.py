@@ -61,3 +61,9 @@ def linformer_weights(q, k, e, f, key_padding_mask=None):
     kp = e @ k
     p = torch.softmax(q @ kp.transpose(-1, -2) / math.sqrt(q.shape[-1]), dim=-1)
     return p @ f
+
+
+def relative_error(got, ref):
+    """||got - ref|| / ||ref||, with ``got`` brought to ``ref``'s device and dtype (e.g. float32 CUDA against a
+    float64 CPU reference)."""
+    return ((got.to(ref.device, ref.dtype) - ref).norm() / ref.norm()).item()
