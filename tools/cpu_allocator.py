@@ -13,7 +13,7 @@ from typing import Dict, List, Mapping, Optional
 
 # Replacement malloc libraries, by a fragment of their file names.
 MALLOC_LIBRARIES = ("tcmalloc", "jemalloc", "mimalloc", "tbbmalloc", "snmalloc", "hoard")
-# Settings the replacement libraries read (glibc's own legacy names all start with MALLOC_ too, except these).
+# Environment variables the replacement libraries read; jemalloc's MALLOC_CONF is not one of glibc's MALLOC_*.
 LIBRARY_SETTINGS = ("MALLOC_CONF", "TCMALLOC_", "MIMALLOC_", "TBB_MALLOC_")
 
 
