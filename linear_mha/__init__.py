@@ -5,6 +5,7 @@ Layers: ``functional`` (pure attention functions) -> ``LinearMultiheadAttention`
 """
 from . import functional
 from .attention import LinearMultiheadAttention
+from .cpu_malloc import keep_freed_memory
 from .mode_attention import MODES
 from .lm import (AutoregressiveWrapper, ImageLinearAttention, LinearAttentionTransformer,
                  LinearAttentionTransformerLM, LinearImageAttention, LinearSelfAttention, Linformer,
@@ -17,5 +18,5 @@ __all__ = [
     "patch", "unpatch", "patched", "PatchReport",
     "LinearAttentionTransformerLM", "LinearAttentionTransformer", "AutoregressiveWrapper", "LinformerSettings",
     "LinformerContextSettings", "Linformer", "LinformerLM", "LinformerSelfAttention", "LinearSelfAttention",
-    "ImageLinearAttention", "LinearImageAttention",
+    "ImageLinearAttention", "LinearImageAttention", "keep_freed_memory",
 ]

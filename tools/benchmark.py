@@ -23,8 +23,8 @@ kernel_elu in float64: the check that the peer computes the same function. Peak 
 N >= --slope-min-n (the two largest N when fewer). The recurrent decode step (kernel_step, elu) is timed at
 several context lengths, with a new state per step and in place. The header says whether linear_mha's compiled
 CPU kernels ran (--no-native turns them off) and which CPU allocator the process has (a preloaded tcmalloc,
-glibc's settings; at long N it moves CPU times a good deal, README "CPU: the memory allocator"); --resume
-refuses to mix either.
+glibc's settings, or --keep-freed-memory; at long N it moves CPU times a good deal, README "CPU: the memory
+allocator"); --resume refuses to mix either.
 """
 import argparse
 import json
@@ -42,6 +42,7 @@ import cpu_allocator  # noqa: E402
 import measure as M  # noqa: E402
 from benchmark_cases import (BASELINE, METHODS, Method, available_peers, build_runner, case_key,  # noqa: E402
                              chunk_size, decode_step_times, make_data, reference_error)
+from linear_mha import keep_freed_memory  # noqa: E402
 from linear_mha.functional import native  # noqa: E402
 
 
@@ -321,6 +322,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, help="timed rounds per case (5)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--budget-s", type=float, help="stop a group's rounds after this many seconds, >= 3 rounds (20)")
+    p.add_argument("--keep-freed-memory", action="store_true",
+                   help="call linear_mha.keep_freed_memory() first: glibc keeps freed blocks for reuse (CPU)")
     p.add_argument("--no-memory", action="store_true", help="skip peak-memory measurements")
     p.add_argument("--memory-n", type=int, nargs="+", help="N at which to measure memory (1024 4096 16384 65536)")
     p.add_argument("--memory-rows", nargs="+", help="grid rows to measure memory for (core:1x64 module:1x64)")
@@ -386,6 +389,9 @@ def main(argv=None):
     if a.no_native:
         os.environ["LINEAR_MHA_NATIVE"] = "0"  # inherited by the memory-measuring subprocesses
         native.set_enabled(False)
+    if a.keep_freed_memory and not keep_freed_memory():
+        raise SystemExit("--keep-freed-memory: glibc's setting could not be made here (see the warning above); "
+                         "leave the flag out to measure this process's allocator as it is")
     allocator = cpu_allocator.describe()  # before the peers are imported: they could map their own malloc
     peers = available_peers(a.device)
     meta = dict(torch=torch.__version__, device=a.device, dtype=a.dtype, threads=threads, cpu=M.cpu_name(),
@@ -409,7 +415,7 @@ def main(argv=None):
             and largest_output_bytes(a, dtype) >= 32 * 2 ** 20):
         print("note: glibc's default malloc maps every block of 32 MiB or more afresh, so long outputs are "
               "page-faulted in on each call; README, 'CPU: the memory allocator', measures what tcmalloc or a "
-              "glibc setting gains", flush=True)
+              "glibc setting (--keep-freed-memory) gains", flush=True)
     by_key = {r["key"]: r for r in result["records"]}
     groups, beyond = plan(a, peers)
     planned = {case_key(c) for c in beyond}  # extrapolations of rows run by an earlier invocation stay in the file

@@ -1,0 +1,102 @@
+"""Keep glibc's malloc from returning large blocks to the system, from inside a running process.
+
+glibc hands every block of 32 MiB or more out as a fresh mmap and unmaps it when it is freed. At long sequence
+lengths the attention's outputs and gradients are such blocks, so on every call the kernel maps, zeroes and
+page-faults them in again; on the 2-core machine of the README that cost up to 1.9x at N >= 16,384 (README, "CPU:
+the memory allocator"). The launch-time cures are an LD_PRELOADed tcmalloc or ``GLIBC_TUNABLES``;
+``keep_freed_memory()`` is the same glibc setting made with ``mallopt`` for code that cannot choose how it is
+launched (a notebook, a job scheduler). It changes the whole process, for the rest of its life, so linear_mha
+never calls it on its own.
+"""
+import ctypes
+import os
+import platform
+import sys
+import warnings
+from pathlib import Path
+from typing import List, Mapping, Optional
+
+# Replacement malloc libraries, by a fragment of their file names.
+MALLOC_LIBRARIES = ("tcmalloc", "jemalloc", "mimalloc", "tbbmalloc", "snmalloc", "hoard")
+
+# mallopt's parameter numbers (<malloc.h>).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+# mallopt takes an int: the largest free stretch at the top of the heap it will leave unreturned.
+_TRIM_THRESHOLD = 2 ** 31 - 1
+
+_kept = False
+
+
+def is_malloc_library(path: str) -> bool:
+    return any(lib in Path(path).name for lib in MALLOC_LIBRARIES)
+
+
+def mapped_files(maps_path: str = "/proc/self/maps") -> Optional[List[str]]:
+    """Paths of the files mapped into a process (/proc/<pid>/maps), or None where that cannot be read."""
+    try:
+        with open(maps_path) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    paths = []
+    for line in lines:
+        fields = line.split(maxsplit=5)  # address perms offset dev inode [path, which may hold spaces]
+        if len(fields) == 6 and fields[5].startswith("/"):
+            paths.append(fields[5].removesuffix(" (deleted)"))
+    return paths
+
+
+def replacement_mallocs(environ: Optional[Mapping[str, str]] = None,
+                        maps_path: str = "/proc/self/maps") -> List[str]:
+    """File names of the replacement malloc libraries in the process: those mapped, else those in LD_PRELOAD."""
+    paths = mapped_files(maps_path)
+    if paths is None:
+        paths = (os.environ if environ is None else environ).get("LD_PRELOAD", "").replace(":", " ").split()
+    return sorted({Path(p).name for p in paths if is_malloc_library(p)})
+
+
+def uses_glibc() -> bool:
+    return sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+
+
+def keep_freed_memory() -> bool:
+    """Tell this process's glibc malloc to serve large blocks from its heap and keep freed memory for reuse.
+
+    Equivalent to launching with
+    ``GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=...``: ``mallopt(M_MMAP_MAX, 0)`` (no
+    block gets its own mmap) and ``mallopt(M_TRIM_THRESHOLD, 2**31 - 1)`` (free memory at the top of the heap is
+    returned only beyond 2 GiB). It applies to allocations made after the call. The cost is the process's
+    footprint: it stays near its peak instead of shrinking when tensors are freed (PyTorch's CUDA caching
+    allocator makes the same trade on the GPU). Calling it again does nothing more.
+
+    Returns True when the setting is in force. Returns False, with a warning that says why, where it cannot
+    apply: not glibc (macOS, Windows, musl), or a replacement malloc such as tcmalloc already serves the process,
+    which keeps freed memory by itself.
+    """
+    global _kept
+    if _kept:
+        return True
+    if not uses_glibc():
+        warnings.warn(f"keep_freed_memory: this process does not allocate with glibc's malloc ({sys.platform}, "
+                      f"libc {platform.libc_ver()[0] or 'unknown'}); nothing was changed. Its allocator decides "
+                      "whether freed memory is kept.", RuntimeWarning, stacklevel=2)
+        return False
+    replacements = replacement_mallocs()
+    if replacements:
+        warnings.warn(f"keep_freed_memory: this process allocates with {', '.join(replacements)}, which keeps "
+                      "freed memory by itself; glibc's malloc setting would change nothing, so it was not made.",
+                      RuntimeWarning, stacklevel=2)
+        return False
+    libc = ctypes.CDLL("libc.so.6")  # glibc's own mallopt, whatever else defines the symbol
+    if libc.mallopt(_M_MMAP_MAX, 0) != 1 or libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) != 1:
+        raise RuntimeError("keep_freed_memory: glibc's mallopt refused M_MMAP_MAX = 0 or M_TRIM_THRESHOLD; "
+                           "launch with GLIBC_TUNABLES=glibc.malloc.mmap_max=0:"
+                           "glibc.malloc.trim_threshold=4294967295 instead")
+    _kept = True
+    return True
+
+
+def freed_memory_kept() -> bool:
+    """Whether ``keep_freed_memory()`` has put its setting in force in this process."""
+    return _kept
