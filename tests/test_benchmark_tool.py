@@ -338,3 +338,22 @@ def test_largest_output_counts_each_row_up_to_its_own_cap():
     assert benchmark.largest_output_bytes(a, torch.float32) == 8 * 64 * 16384 * 4  # 32 MiB: row 1 at 16k
     a = benchmark.parse_args(["--rows", "core:4x64:4096", "--n", "1024", "16384"])
     assert benchmark.largest_output_bytes(a, torch.bfloat16) == 4 * 8 * 64 * 1024 * 2  # 16k is past the cap
+
+
+def test_decode_samples_keep_each_sample_and_take_their_median(monkeypatch):
+    medians = iter([30.0, 10.0, 20.0])  # a slow, a fast and a middling stretch of the machine
+
+    def fake_decode(heads, dim, contexts, steps, repeats, seed, device, dtype):
+        m = next(medians)
+        return [dict(context=c, B=1, H=heads, d=dim, us_median=m + c, us_min=m - 1, us_median_inplace=m / 2,
+                     us_min_inplace=m / 2 - 1) for c in contexts]
+    monkeypatch.setattr(benchmark, "decode_step_times", fake_decode)
+    monkeypatch.setattr(benchmark.time, "sleep", lambda s: None)
+    a = benchmark.parse_args(QUICK + ["--decode-samples", "3"])
+    rows = benchmark.time_decode(a, torch.device("cpu"), torch.float32)
+    assert [r["context"] for r in rows] == [16, 256]
+    assert rows[0]["us_median_samples"] == [46.0, 26.0, 36.0] and rows[0]["us_median"] == 36.0
+    assert rows[1]["us_median_inplace_samples"] == [15.0, 5.0, 10.0] and rows[1]["us_median_inplace"] == 10.0
+    assert rows[0]["us_min"] == 9.0 and rows[0]["us_min_inplace"] == 4.0
+    with pytest.raises(SystemExit, match="--decode-samples"):
+        benchmark.parse_args(QUICK + ["--decode-samples", "0"])

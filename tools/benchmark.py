@@ -30,7 +30,9 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -138,11 +140,16 @@ def print_table(result):
         print(f"| {s['level']} | {s['B']} | {s['d']} | {'causal' if s['causal'] else 'full'} | {s['pass']} | "
               f"{s['method']} | {_num(s['time_slope'], '.2f')} {s['time_fit_n']} | {_num(s['mem_slope'], '.2f')} "
               f"{s['mem_fit_n'] or ''} |")
-    print("\n| decode step (kernel_step, elu) | context | us median | us min | in place: us median | us min |")
-    print("|---|---|---|---|---|---|")
+    print("\n| decode step (kernel_step, elu) | context | us median | us min | in place: us median | us min "
+          "| samples' medians (in place) |")
+    print("|---|---|---|---|---|---|---|")
     for r in result.get("decode", []):
+        spread = "-"
+        if "us_median_samples" in r:
+            spread = " ".join(f"{x:.1f}" for x in r["us_median_samples"]) + " (" + " ".join(
+                f"{x:.1f}" for x in r["us_median_inplace_samples"]) + ")"
         print(f"| B={r['B']} H={r['H']} d={r['d']} | {r['context']} | {r['us_median']:.1f} | {r['us_min']:.1f} | "
-              f"{_num(r.get('us_median_inplace'), '.1f')} | {_num(r.get('us_min_inplace'), '.1f')} |")
+              f"{_num(r.get('us_median_inplace'), '.1f')} | {_num(r.get('us_min_inplace'), '.1f')} | {spread} |")
     print(f"decode time slope in context length: {_num(meta.get('decode_slope'), '.3f')} (0 = flat)")
 
 
@@ -284,8 +291,27 @@ def time_group(group, a, device, dtype):
 
 
 def time_decode(a, device, dtype):
-    return decode_step_times(a.heads, a.decode_dim, a.decode_contexts, a.decode_steps, max(a.repeats, 5), a.seed,
-                             device, dtype)
+    """The decode table; with --decode-samples K, K timings spread over K seconds, each context's numbers the
+    median (and least min) over them, every sample's median kept: a sample lasts a fraction of a second, so on a
+    machine whose speed drifts a single one can fall in a slow or a fast stretch."""
+    samples = []
+    for i in range(a.decode_samples):
+        if i:
+            time.sleep(1.0)
+        samples.append(decode_step_times(a.heads, a.decode_dim, a.decode_contexts, a.decode_steps,
+                                         max(a.repeats, 5), a.seed, device, dtype))
+    if len(samples) == 1:
+        return samples[0]
+    rows = []
+    for per_context in zip(*samples):
+        row = dict(per_context[0])
+        for key in ("us_median", "us_median_inplace"):
+            row[f"{key}_samples"] = [r[key] for r in per_context]
+            row[key] = statistics.median(row[f"{key}_samples"])
+        for key in ("us_min", "us_min_inplace"):
+            row[key] = min(r[key] for r in per_context)
+        rows.append(row)
+    return rows
 
 
 QUICK = dict(n=[64, 128, 256], rows=["core:1x16", "module:1x16"], heads=2, sdpa_max_n=128, weights_max_n=128,
@@ -332,6 +358,8 @@ def parse_args(argv=None):
     p.add_argument("--decode-contexts", type=int, nargs="+", help="context lengths for kernel_step (256 4096 65536)")
     p.add_argument("--decode-dim", type=int, help="head dim of the decode step (64)")
     p.add_argument("--decode-steps", type=int, help="steps per timed sample (100)")
+    p.add_argument("--decode-samples", type=int, default=1,
+                   help="time the decode step this many times, a second apart, and keep each sample (1)")
     p.add_argument("--slope-min-n", type=int, help="fit slopes over N >= this (4096)")
     p.add_argument("--peak-size", type=int, help="matrix size of the matmul-peak GEMM (2048)")
     p.add_argument("--seed", type=int, default=0)
@@ -353,6 +381,8 @@ def parse_args(argv=None):
     for name in ("n", "memory_n", "decode_contexts"):
         if min(getattr(a, name)) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} values must be >= 1")
+    if a.decode_samples < 1:
+        raise SystemExit("--decode-samples must be >= 1")
     if a.resume and a.json is None:
         raise SystemExit("--resume needs --json PATH (the results file to continue)")
     if a.device == "cuda" and not torch.cuda.is_available():
