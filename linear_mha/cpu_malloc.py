@@ -2,13 +2,14 @@
 
 glibc hands every block of 32 MiB or more out as a fresh mmap and unmaps it when it is freed. At long sequence
 lengths the attention's outputs and gradients are such blocks, so on every call the kernel maps, zeroes and
-page-faults them in again; on the 2-core machine of the README that cost up to 1.9x at N >= 16,384 (README, "CPU:
-the memory allocator"). The launch-time cures are an LD_PRELOADed tcmalloc or ``GLIBC_TUNABLES``;
+page-faults them in again; on the 2-core machine of the README keeping them made N >= 16,384 a median 1.2-1.5x
+faster (README, "CPU: the memory allocator"). The launch-time cures are an LD_PRELOADed tcmalloc or ``GLIBC_TUNABLES``;
 ``keep_freed_memory()`` is the same glibc setting made with ``mallopt`` for code that cannot choose how it is
 launched (a notebook, a job scheduler). It changes the whole process, for the rest of its life, so linear_mha
 never calls it on its own.
 """
 import ctypes
+import ctypes.util
 import os
 import platform
 import sys
@@ -22,10 +23,9 @@ MALLOC_LIBRARIES = ("tcmalloc", "jemalloc", "mimalloc", "tbbmalloc", "snmalloc",
 # mallopt's parameter numbers (<malloc.h>).
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
-# mallopt takes an int: the largest free stretch at the top of the heap it will leave unreturned.
-_TRIM_THRESHOLD = 2 ** 31 - 1
+_NEVER_TRIM = -1  # mallopt(3): a trim threshold of -1 disables trimming; any int cap would give back what lies above
 
-_kept = False
+_setting_made = False
 
 
 def is_malloc_library(path: str) -> bool:
@@ -63,19 +63,21 @@ def uses_glibc() -> bool:
 def keep_freed_memory() -> bool:
     """Tell this process's glibc malloc to serve large blocks from its heap and keep freed memory for reuse.
 
-    Equivalent to launching with
-    ``GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=...``: ``mallopt(M_MMAP_MAX, 0)`` (no
-    block gets its own mmap) and ``mallopt(M_TRIM_THRESHOLD, 2**31 - 1)`` (free memory at the top of the heap is
-    returned only beyond 2 GiB). It applies to allocations made after the call. The cost is the process's
-    footprint: it stays near its peak instead of shrinking when tensors are freed (PyTorch's CUDA caching
-    allocator makes the same trade on the GPU). Calling it again does nothing more.
+    The launch-time equivalent is ``GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=...``:
+    ``mallopt(M_MMAP_MAX, 0)`` (blocks no longer get their own mmap) and ``mallopt(M_TRIM_THRESHOLD, -1)`` (free
+    memory at the top of the heap is never returned). It applies to allocations made after the call. One limit is
+    glibc's, and the launch-time setting has it too: a thread other than the main one allocates from its own heap of
+    at most 64 MiB, so a larger block made on such a thread is still mmapped and unmapped (PyTorch runs CPU forward
+    and backward on the thread that calls them). The cost is the process's footprint: it stays near its peak instead
+    of shrinking when tensors are freed (PyTorch's CUDA caching allocator makes the same trade on the GPU). Calling
+    it again does nothing more.
 
     Returns True when the setting is in force. Returns False, with a warning that says why, where it cannot
-    apply: not glibc (macOS, Windows, musl), or a replacement malloc such as tcmalloc already serves the process,
-    which keeps freed memory by itself.
+    apply: not glibc (macOS, Windows, musl), glibc's library not loadable, or a replacement malloc such as
+    tcmalloc already serving the process, which keeps freed memory by itself.
     """
-    global _kept
-    if _kept:
+    global _setting_made
+    if _setting_made:
         return True
     if not uses_glibc():
         warnings.warn(f"keep_freed_memory: this process does not allocate with glibc's malloc ({sys.platform}, "
@@ -88,15 +90,21 @@ def keep_freed_memory() -> bool:
                       "freed memory by itself; glibc's malloc setting would change nothing, so it was not made.",
                       RuntimeWarning, stacklevel=2)
         return False
-    libc = ctypes.CDLL("libc.so.6")  # glibc's own mallopt, whatever else defines the symbol
-    if libc.mallopt(_M_MMAP_MAX, 0) != 1 or libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) != 1:
+    try:  # glibc's own mallopt, whatever else in the process defines the symbol
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError as e:
+        warnings.warn(f"keep_freed_memory: glibc's library could not be loaded ({e}); nothing was changed. Launch "
+                      "with GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967295 instead.",
+                      RuntimeWarning, stacklevel=2)
+        return False
+    if libc.mallopt(_M_MMAP_MAX, 0) != 1 or libc.mallopt(_M_TRIM_THRESHOLD, _NEVER_TRIM) != 1:
         raise RuntimeError("keep_freed_memory: glibc's mallopt refused M_MMAP_MAX = 0 or M_TRIM_THRESHOLD; "
                            "launch with GLIBC_TUNABLES=glibc.malloc.mmap_max=0:"
                            "glibc.malloc.trim_threshold=4294967295 instead")
-    _kept = True
+    _setting_made = True
     return True
 
 
 def freed_memory_kept() -> bool:
     """Whether ``keep_freed_memory()`` has put its setting in force in this process."""
-    return _kept
+    return _setting_made

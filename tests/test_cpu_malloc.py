@@ -27,16 +27,23 @@ CHILD = textwrap.dedent("""
                     ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
                      "keepcost")]
 
-    mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
-    mallinfo2.restype = MallInfo2
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
     kept = linear_mha.keep_freed_memory() if sys.argv[1] == "keep" else None
-    before = mallinfo2()
+    before = libc.mallinfo2()
     x = torch.ones(16 * 2 ** 20)  # 64 MiB, twice glibc's largest mmap threshold
-    held = mallinfo2()
+    held = libc.mallinfo2()
     del x
-    freed = mallinfo2()
+    freed = libc.mallinfo2()
+    huge = libc.malloc(3 << 30)  # never touched, so it costs address space only
+    assert huge, "malloc(3 GiB) failed"
+    libc.free(huge)
+    huge_freed = libc.mallinfo2()
     print(json.dumps(dict(kept=kept, mmapped_while_held=held.hblkhd - before.hblkhd,
-                          heap_grew=held.arena - before.arena, heap_after_free=freed.arena - before.arena)))
+                          heap_grew=held.arena - before.arena, heap_after_free=freed.arena - before.arena,
+                          heap_after_3gib_free=huge_freed.arena - before.arena)))
 """)
 
 
@@ -64,12 +71,14 @@ def test_large_blocks_come_from_the_heap_and_stay_there():
     assert kept["kept"] is True
     assert kept["mmapped_while_held"] == 0 and kept["heap_grew"] >= block
     assert kept["heap_after_free"] >= block  # freed, and kept for the next call instead of unmapped
+    # Kept however large: a trim threshold capped at 2 GiB (mallopt's int range) would give this back.
+    assert kept["heap_after_3gib_free"] >= 3 << 30 and default["heap_after_3gib_free"] < block
 
 
 @pytest.fixture
 def unkept(monkeypatch):
     """This test process's malloc must not change: the paths under test must never reach mallopt."""
-    monkeypatch.setattr(cpu_malloc, "_kept", False)
+    monkeypatch.setattr(cpu_malloc, "_setting_made", False)
 
     def no_mallopt(*args, **kwargs):
         raise AssertionError("mallopt was reached")
@@ -91,8 +100,20 @@ def test_under_a_replacement_malloc_it_changes_nothing_and_names_it(unkept, monk
 
 
 def test_a_second_call_does_nothing_more(unkept, monkeypatch):
-    monkeypatch.setattr(cpu_malloc, "_kept", True)
+    monkeypatch.setattr(cpu_malloc, "_setting_made", True)
     assert linear_mha.keep_freed_memory() is True  # CDLL is booby-trapped: mallopt was not called again
+
+
+def test_a_libc_that_cannot_be_loaded_changes_nothing_and_says_why(unkept, monkeypatch):
+    monkeypatch.setattr(cpu_malloc, "uses_glibc", lambda: True)
+    monkeypatch.setattr(cpu_malloc, "replacement_mallocs", lambda: [])
+
+    def missing(name):
+        raise OSError(f"{name}: cannot open shared object file")
+    monkeypatch.setattr(cpu_malloc.ctypes, "CDLL", missing)
+    with pytest.warns(RuntimeWarning, match="could not be loaded .*GLIBC_TUNABLES"):
+        assert linear_mha.keep_freed_memory() is False
+    assert not cpu_malloc.freed_memory_kept()
 
 
 def test_a_mallopt_that_refuses_is_an_error_naming_the_launch_time_setting(unkept, monkeypatch):
@@ -103,6 +124,7 @@ def test_a_mallopt_that_refuses_is_an_error_naming_the_launch_time_setting(unkep
         def mallopt(self, param, value):
             return 0
     monkeypatch.setattr(cpu_malloc.ctypes, "CDLL", lambda name: RefusingLibc())
+    monkeypatch.setattr(cpu_malloc.ctypes.util, "find_library", lambda name: "libc.so.6")
     with pytest.raises(RuntimeError, match="GLIBC_TUNABLES=glibc.malloc.mmap_max=0"):
         linear_mha.keep_freed_memory()
     assert not cpu_malloc.freed_memory_kept()
@@ -112,7 +134,7 @@ def test_the_benchmark_names_the_setting_and_refuses_a_flag_it_cannot_honour(tmp
     import benchmark
     maps = tmp_path / "maps"
     maps.write_text("7f00-7f01 r-xp 00000000 08:01 12 /usr/lib/libc.so.6\n")
-    monkeypatch.setattr(cpu_malloc, "_kept", True)
+    monkeypatch.setattr(cpu_malloc, "_setting_made", True)
     if cpu_malloc.uses_glibc():
         assert cpu_allocator.describe({"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0"}, str(maps)) == (
             "glibc malloc (glibc.malloc.mmap_max=0, linear_mha.keep_freed_memory())")
