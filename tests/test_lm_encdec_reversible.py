@@ -81,3 +81,35 @@ def test_reversible_gradients_equal_plain_autograd(kw):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
     if c_ref is not None:
         torch.testing.assert_close(c_eff, c_ref, rtol=1e-9, atol=1e-10)
+
+
+def test_reversible_layers_get_gradients_when_nothing_below_them_needs_one():
+    """Frozen embeddings (or a raw input) leave no input of the reversible stack asking for a gradient; the
+    layers' own weights must still get theirs, equal to plain autograd's."""
+    torch.manual_seed(0)
+    model = LinearAttentionTransformerLM(V, 32, 2, 64, heads=4, dim_head=8, causal=True, reversible=True).double()
+    model.token_emb.requires_grad_(False)
+    model.pos_emb.requires_grad_(False)
+    x = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(3))
+    layer_params = list(model.transformer.parameters())
+    grads = []
+    for memory_efficient in (True, False):
+        model.transformer.layers.memory_efficient = memory_efficient
+        model.zero_grad()
+        model(x).square().sum().backward()
+        assert all(p.grad is not None for p in layer_params), "a layer weight got no gradient"
+        grads.append([p.grad.clone() for p in layer_params])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+    assert model.token_emb.weight.grad is None  # frozen stays frozen
+
+
+def test_a_linformer_context_decoder_generates_with_prefill_like_without():
+    from linear_mha.lm import AutoregressiveWrapper
+    enc, dec = enc_dec(dict(context_linformer_settings=LinformerContextSettings(seq_len=12, k=4)))
+    src, tgt, src_mask, _ = data()
+    ctx = enc(src, input_mask=src_mask)
+    lm = AutoregressiveWrapper(dec)
+    fast = lm.generate(tgt[:, :4], 5, temperature=0, context=ctx, context_mask=src_mask)
+    slow = lm.generate(tgt[:, :4], 5, temperature=0, context=ctx, context_mask=src_mask, prefill=False)
+    assert torch.equal(fast, slow)

@@ -95,6 +95,12 @@ class LayerStack(nn.Module):
             return x
         x = torch.cat([x, x], dim=-1)
         if self.memory_efficient and torch.is_grad_enabled():
+            # The layers' weights get their gradients inside the Function's backward, but autograd records the
+            # Function only if one of its tensor inputs needs a gradient: with frozen embeddings (or a raw input)
+            # the weights would silently get none. A fresh leaf that asks for one keeps the Function recorded.
+            if not (x.requires_grad or (context is not None and context.requires_grad)) and any(
+                    p.requires_grad for p in self.parameters()):
+                x = x.detach().requires_grad_()
             x = _ReversibleFunction.apply(x, context, self, kwargs_for)
         else:
             x1, x2 = x.chunk(2, dim=-1)
