@@ -66,7 +66,17 @@ class LinformerSelfAttention(nn.Module):
 
     def step(self, x, cache, t, mask_t=None, context=None, context_mask=None, **_):
         """Decoding against a fixed context (a causal decoder's context layer): x (B, dim) -> (B, dim)."""
-        if context is None:
-            raise ValueError("Linformer self-attention is non-causal and cannot decode token by token; "
-                             "only its context-attention form (context=...) has a step")
+        _require_context(context)
         return self.forward(x[:, None], context=context, context_mask=context_mask)[:, 0]
+
+    def prefill(self, x, cache, input_mask=None, context=None, context_mask=None, **_):
+        """The prompt's pass of a causal decoder's context layer: each position attends to the context only, so
+        it is ``forward``, and ``step`` needs nothing cached from it."""
+        _require_context(context)
+        return self.forward(x, context=context, context_mask=context_mask)
+
+
+def _require_context(context):
+    if context is None:
+        raise ValueError("Linformer self-attention is non-causal and cannot decode token by token; "
+                         "only its context-attention form (context=...) has a step")
