@@ -101,9 +101,46 @@ def test_top_p_keeps_the_smallest_nucleus():
         top_p_filter(logits, 0.0)
 
 
-def test_wrapper_loss_is_shifted_cross_entropy():
+def test_wrapper_loss_is_shifted_cross_entropy_over_every_token():
     model = tiny_lm()
-    wrapper = AutoregressiveWrapper(model, ignore_index=-100)
+    wrapper = AutoregressiveWrapper(model)  # the original's default: token 0 is a token like any other
     x = tokens()
+    x[:, 5] = 0
     expected = F.cross_entropy(model(x[:, :-1]).transpose(1, 2), x[:, 1:])
     torch.testing.assert_close(wrapper(x, return_loss=True), expected)
+    ignoring = AutoregressiveWrapper(model, ignore_index=0)
+    expected = F.cross_entropy(model(x[:, :-1]).transpose(1, 2), x[:, 1:], ignore_index=0)
+    torch.testing.assert_close(ignoring(x, return_loss=True), expected)
+
+
+def test_wrapper_loss_leaves_out_the_targets_input_mask_marks_as_padding():
+    model = tiny_lm()
+    wrapper = AutoregressiveWrapper(model)
+    x = tokens()
+    padded = torch.cat([x, torch.zeros(2, 6, dtype=x.dtype)], dim=1)
+    mask = torch.cat([torch.ones(2, N, dtype=torch.bool), torch.zeros(2, 6, dtype=torch.bool)], dim=1)
+    torch.testing.assert_close(wrapper(padded, return_loss=True, input_mask=mask), wrapper(x, return_loss=True))
+
+
+def test_generate_checks_its_arguments_and_restores_training_mode():
+    model = tiny_lm().train()
+    wrapper = AutoregressiveWrapper(model)
+    prompt = tokens(n=3)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="length"):
+            wrapper.generate(prompt, bad)
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="temperature"):
+            wrapper.generate(prompt, 2, temperature=bad)
+    with pytest.raises(ValueError, match="top_k"):
+        wrapper.generate(prompt, 2, temperature=0, top_k=0)  # checked even where greedy decoding ignores it
+    with pytest.raises(ValueError, match="top_p"):
+        wrapper.generate(prompt, 2, temperature=0, top_p=1.5)
+    assert model.training
+
+    def failing_step(*args, **kwargs):
+        raise RuntimeError("a step failed")
+    model.step = failing_step
+    with pytest.raises(RuntimeError, match="a step failed"):
+        wrapper.generate(prompt, 3, temperature=0, prefill=False)
+    assert model.training  # dropout must not stay off for the rest of training

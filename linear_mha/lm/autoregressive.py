@@ -6,6 +6,8 @@ therefore constant, instead of re-running the whole window per token as the orig
 equal those of a full forward pass over the same tokens. The prompt itself is run in one parallel pass
 (the model's ``prefill``) that returns its logits and builds that same state, instead of P sequential steps.
 """
+import math
+import numbers
 from typing import Optional
 
 import torch
@@ -36,24 +38,29 @@ def top_p_filter(logits: Tensor, p: float) -> Tensor:
 
 
 class AutoregressiveWrapper(nn.Module):
-    def __init__(self, net: nn.Module, ignore_index: Optional[int] = None, pad_value: int = 0):
+    """ignore_index: target token left out of the loss (-100, cross_entropy's default and the original's: every
+    token counts). pad_value: what ``generate`` writes after a row's ``eos_token``."""
+
+    def __init__(self, net: nn.Module, ignore_index: int = -100, pad_value: int = 0):
         super().__init__()
         if not hasattr(net, "step") or not getattr(net, "causal", False):
             raise ValueError("AutoregressiveWrapper needs a causal model with a step() method, e.g. "
                              "LinearAttentionTransformerLM(..., causal=True)")
-        self.net, self.pad_value = net, pad_value
-        self.ignore_index = pad_value if ignore_index is None else ignore_index
+        self.net, self.pad_value, self.ignore_index = net, pad_value, ignore_index
         self.max_seq_len = net.max_seq_len
 
     def forward(self, x: Tensor, return_loss: bool = False, **kwargs):
-        """With return_loss: mean cross-entropy of predicting x[:, 1:] from x[:, :-1] (pad_value ignored)."""
+        """With return_loss: mean cross-entropy of predicting x[:, 1:] from x[:, :-1]. Targets equal to
+        ``ignore_index``, and with ``input_mask`` (B, N) the targets it marks False (padding), are left out."""
         if not return_loss:
             return self.net(x, **kwargs)
         mask = kwargs.pop("input_mask", None)
+        targets = x[:, 1:]
         if mask is not None and mask.shape[1] == x.shape[1]:
+            targets = targets.masked_fill(~mask[:, 1:].bool(), self.ignore_index)
             mask = mask[:, :-1]
         logits = self.net(x[:, :-1], input_mask=mask, **kwargs)
-        return F.cross_entropy(logits.transpose(1, 2), x[:, 1:], ignore_index=self.ignore_index)
+        return F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=self.ignore_index)
 
     @torch.no_grad()
     def generate(
@@ -78,14 +85,27 @@ class AutoregressiveWrapper(nn.Module):
         prompt = prompt[None] if squeeze else prompt
         if prompt.shape[1] < 1:
             raise ValueError("prompt must hold at least one token")
+        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+            raise ValueError(f"length (the number of tokens to generate) must be a positive int, got {length!r}")
         if prompt.shape[1] + length > self.max_seq_len + 1:
             raise ValueError(f"prompt ({prompt.shape[1]}) + length ({length}) - 1 exceeds max_seq_len={self.max_seq_len}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if not (isinstance(temperature, numbers.Real) and math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+        if top_k is not None:
+            top_k_filter(torch.zeros(1, 1), top_k)  # argument checks up front, greedy decoding included
+        if top_p is not None:
+            top_p_filter(torch.zeros(1, 1), top_p)
         was_training = self.net.training
         self.net.eval()
+        try:
+            result = self._decode(prompt, length, temperature, top_k, top_p, eos_token, input_mask,
+                                  dict(context=context, context_mask=context_mask), generator, prefill)
+        finally:  # an error while sampling must not leave a training model in eval mode (dropout off)
+            self.net.train(was_training)
+        return result[0] if squeeze else result
+
+    def _decode(self, prompt, length, temperature, top_k, top_p, eos_token, input_mask, kw, generator, prefill):
         cache: dict = {}
-        kw = dict(context=context, context_mask=context_mask)
         if prefill and hasattr(self.net, "prefill"):
             logits = self.net.prefill(prompt, cache, input_mask, **kw)[:, -1]
         else:
@@ -103,9 +123,7 @@ class AutoregressiveWrapper(nn.Module):
                     break
             if i + 1 < length:
                 logits = self.net.step(sample, cache, None, **kw)
-        self.net.train(was_training)
-        result = torch.stack(out, dim=1)
-        return result[0] if squeeze else result
+        return torch.stack(out, dim=1)
 
     @staticmethod
     def _sample(logits, temperature, top_k, top_p, generator):
