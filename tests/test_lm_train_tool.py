@@ -1,9 +1,12 @@
-"""Smoke test of tools/train_lm.py: outputs, finite BPC, and resume == uninterrupted training."""
+"""Smoke test of tools/train_lm.py: outputs, finite BPC, resume == uninterrupted training, also after a signal
+stopped the run between evaluations, and a log that matches its checkpoint."""
 import importlib.util
 import json
 import os
+import signal
 
 import pytest
+import torch
 
 TOOL = os.path.join(os.path.dirname(__file__), "..", "tools", "train_lm.py")
 
@@ -35,3 +38,33 @@ def test_train_resume_equals_uninterrupted_run(train_lm, tmp_path):
 def test_stdlib_corpus_is_deterministic_and_large_enough(train_lm):
     assert train_lm.stdlib_corpus(50_000) == train_lm.stdlib_corpus(50_000)
     assert len(train_lm.stdlib_corpus(10_000_000)) == 10_000_000
+
+
+def test_a_signal_stops_at_a_step_boundary_with_a_checkpoint_that_resumes_exactly(train_lm, tmp_path, monkeypatch):
+    """Ctrl-C / SIGTERM between evaluations must not lose the steps since the last one."""
+    straight = train_lm.main(ARGS + ["--steps", "4", "--out", str(tmp_path / "a")])
+    real_batch, calls = train_lm.random_batch, []
+
+    def batch_then_signal(*args):
+        calls.append(1)
+        if len(calls) == 3:  # during step 3, after the checkpoint of the evaluation at step 2
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_batch(*args)
+    monkeypatch.setattr(train_lm, "random_batch", batch_then_signal)
+    with pytest.raises(SystemExit) as stopped:
+        train_lm.main(ARGS + ["--steps", "4", "--out", str(tmp_path / "b")])
+    assert stopped.value.code == 130
+    ckpt = torch.load(tmp_path / "b" / "checkpoint.pt", weights_only=False)
+    assert ckpt["step"] == 3 and len(ckpt["train_losses"]) == 1
+    monkeypatch.setattr(train_lm, "random_batch", real_batch)
+    resumed = train_lm.main(ARGS + ["--steps", "4", "--out", str(tmp_path / "b"), "--resume"])
+    assert resumed["test_bpc"] == straight["test_bpc"]
+    logs = [[json.loads(line) for line in (tmp_path / d / "log.jsonl").read_text().splitlines()] for d in "ab"]
+    assert [r["train_bpc"] for r in logs[0]] == [r["train_bpc"] for r in logs[1]]  # step 3's loss was kept
+
+
+def test_a_fresh_run_into_an_old_directory_logs_only_itself(train_lm, tmp_path):
+    train_lm.main(ARGS + ["--steps", "6", "--out", str(tmp_path)])
+    train_lm.main(ARGS + ["--steps", "2", "--out", str(tmp_path)])  # no --resume: starts over
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2]

@@ -8,7 +8,8 @@ Data:
                   site-packages and __pycache__), concatenated in that order and split 90% / 5% / 5%. Every Python
                   install has them and nothing is downloaded; the bytes (so the numbers) depend on the Python version.
 
-Outputs in --out: log.jsonl (one JSON object per eval), checkpoint.pt (resumed with --resume), curves.png,
+Outputs in --out: log.jsonl (one JSON object per eval, the checkpoint's own records), checkpoint.pt (resumed
+with --resume; written every --checkpoint-every steps and when Ctrl-C or SIGTERM stops the run), curves.png,
 results.json (final val/test BPC, parameter count, config).
 
 Variants (--variant) for the attention ablation: baseline (plain global linear heads), conv (local_conv), gate
@@ -21,8 +22,10 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import sysconfig
+import threading
 import time
 
 import numpy as np
@@ -135,24 +138,68 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", default="runs/lm")
+    p.add_argument("--checkpoint-every", type=int, default=None,
+                   help="steps between checkpoints (default: --eval-every); Ctrl-C / SIGTERM also save one")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
+
+
+class StopRequest:
+    """SIGINT / SIGTERM ask the loop to stop at the end of the current step, so the checkpoint it then writes
+    holds a consistent model, optimiser and data stream; a second signal stops at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread only
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print(f"\n{signal.Signals(signum).name}: stopping after this step and saving a checkpoint "
+              "(send it again to stop at once)", file=sys.stderr, flush=True)
+
+
+def save_state(args, path, model, opt, gen, step, log, train_losses, seconds):
+    # Written to a temporary file and renamed, so an interruption never leaves a torn checkpoint.
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
+                "step": step, "log": log, "train_losses": train_losses, "seconds": seconds, "args": vars(args)},
+               path + ".tmp")
+    os.replace(path + ".tmp", path)
+    # The log is rewritten from the checkpoint's own records: a fresh run into an old --out, or a resume after
+    # a crash, never leaves records that the checkpoint does not have.
+    log_path = os.path.join(os.path.dirname(path), "log.jsonl")
+    with open(log_path + ".tmp", "w") as f:
+        f.writelines(json.dumps(record) + "\n" for record in log)
+    os.replace(log_path + ".tmp", log_path)
 
 
 def main(argv=None):
     args = parse_args(argv)
     if args.dim % args.heads:
         raise ValueError(f"--dim ({args.dim}) must be divisible by --heads ({args.heads})")
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        raise ValueError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
+    checkpoint_every = args.checkpoint_every or args.eval_every
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(args.seed)
     splits = load_splits(args)
     model = build_model(args).to(args.device)
-    wrapper = AutoregressiveWrapper(model)
-    wrapper.ignore_index = -100  # byte 0 is a real token, not padding
+    wrapper = AutoregressiveWrapper(model)  # every byte counts in the loss, 0 included
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(args.seed)
-    step, log = 0, []
+    step, log, train_losses, seconds_before = 0, [], [], 0.0
     ckpt_path = os.path.join(args.out, "checkpoint.pt")
     if args.resume and os.path.exists(ckpt_path):
         ckpt = torch.load(ckpt_path, map_location=args.device, weights_only=False)
@@ -160,37 +207,42 @@ def main(argv=None):
         opt.load_state_dict(ckpt["optimizer"])
         gen.set_state(ckpt["generator"])
         step, log = ckpt["step"], ckpt["log"]
+        train_losses, seconds_before = ckpt.get("train_losses", []), ckpt.get("seconds", 0.0)
+        print(f"resumed from {ckpt_path} at step {step}", file=sys.stderr)
+    elif args.resume:
+        print(f"--resume: no checkpoint at {ckpt_path} yet; starting at step 0", file=sys.stderr)
     n_params = sum(p.numel() for p in model.parameters())
     from tqdm import tqdm
     bar = tqdm(total=args.steps, initial=step, disable=args.no_progress, desc=f"{args.variant} seed {args.seed}")
-    train_losses = []
-    start = time.time()
-    while step < args.steps:
-        x = random_batch(splits["train"], args, gen).to(args.device)
-        lr = args.lr * min(1.0, (step + 1) / 100)  # short warm-up
-        for group in opt.param_groups:
-            group["lr"] = lr
-        loss = wrapper(x, return_loss=True)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        step += 1
-        train_losses.append(loss.item())
-        bar.update(1)
-        if step % args.eval_every == 0 or step == args.steps:
-            record = {"step": step, "train_bpc": float(np.mean(train_losses)) / math.log(2),
-                      "val_bpc": evaluate(wrapper, splits["val"], args, args.val_bytes),
-                      "seconds": time.time() - start}
-            train_losses = []
-            log.append(record)
-            bar.set_postfix(val_bpc=f"{record['val_bpc']:.3f}")
-            with open(os.path.join(args.out, "log.jsonl"), "a") as f:
-                f.write(json.dumps(record) + "\n")
-            # Written to a temporary file and renamed, so an interruption never leaves a torn checkpoint.
-            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
-                        "step": step, "log": log, "args": vars(args)}, ckpt_path + ".tmp")
-            os.replace(ckpt_path + ".tmp", ckpt_path)
+    start = time.time() - seconds_before  # "seconds" in the log counts training time across resumes
+    with StopRequest() as stop:
+        while step < args.steps:
+            x = random_batch(splits["train"], args, gen).to(args.device)
+            lr = args.lr * min(1.0, (step + 1) / 100)  # short warm-up
+            for group in opt.param_groups:
+                group["lr"] = lr
+            loss = wrapper(x, return_loss=True)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            step += 1
+            train_losses.append(loss.item())
+            bar.update(1)
+            if step % args.eval_every == 0 or step == args.steps:
+                record = {"step": step, "train_bpc": float(np.mean(train_losses)) / math.log(2),
+                          "val_bpc": evaluate(wrapper, splits["val"], args, args.val_bytes),
+                          "seconds": time.time() - start}
+                train_losses = []
+                log.append(record)
+                bar.set_postfix(val_bpc=f"{record['val_bpc']:.3f}")
+            if step % checkpoint_every == 0 or step % args.eval_every == 0 or step == args.steps or stop.requested:
+                save_state(args, ckpt_path, model, opt, gen, step, log, train_losses, time.time() - start)
+            if stop.requested and step < args.steps:
+                bar.close()
+                print(f"stopped at step {step} of {args.steps}; {ckpt_path} holds it, and --resume continues "
+                      "from there", file=sys.stderr)
+                raise SystemExit(130)
     bar.close()
     results = {"variant": args.variant, "seed": args.seed, "params": n_params, "steps": step,
                "tokens_seen": step * args.batch_size * args.seq_len,
