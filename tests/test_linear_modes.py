@@ -239,3 +239,28 @@ def test_gradcheck_through_the_module(name):
     mem = torch.randn(5, 2, 4, generator=g, dtype=torch.float64, requires_grad=True)
     kpm = torch.tensor([[False] * 5, [False, False, False, True, True]])
     assert torch.autograd.gradcheck(lambda a, b: m(a, b, b, key_padding_mask=kpm)[0], (x, mem))
+
+
+@pytest.mark.parametrize("native_on", [True, False])
+@pytest.mark.parametrize("name", list(MODES))
+def test_empty_batches_and_sequences_give_empty_or_zero_outputs(name, native_on, monkeypatch):
+    """nn.MultiheadAttention takes B = 0, L = 0 and S = 0; so must every mode, on every path (the compiled
+    kernels once divided by B * H = 0 and killed the process)."""
+    from linear_mha.functional import native
+    monkeypatch.setattr(native, "_enabled", native_on and native._enabled)
+    for dtype in (torch.float32, torch.float64):
+        m = module(name, dtype=dtype, batch_first=True)
+        for b, n_q, n_k in ((0, 5, 5), (2, 0, 5), (2, 5, 0), (2, 0, 0)):
+            causal_options = [False, True] if name in CAUSAL and n_q == n_k else [False]
+            for causal, grad in ((c, g) for c in causal_options for g in (False, True)):
+                q = torch.randn(b, n_q, E, dtype=dtype, requires_grad=grad)
+                kv = torch.randn(b, n_k, E, dtype=dtype, requires_grad=grad)
+                with torch.set_grad_enabled(grad):
+                    out, _ = m(q, kv, kv, need_weights=False, is_causal=causal,
+                               attn_mask=nn.Transformer.generate_square_subsequent_mask(n_q) if causal else None)
+                assert out.shape == (b, n_q, E)
+                if n_k == 0:  # no keys: the attention is zero and the output is out_proj's bias
+                    torch.testing.assert_close(out, m.out_proj.bias.expand_as(out).detach())
+                if grad:
+                    out.sum().backward()
+                    assert torch.isfinite(q.grad).all() and q.grad.shape == q.shape

@@ -196,7 +196,9 @@ def _layout(phi_q: torch.Tensor, chunk_size: int):
 
 
 def _unchunk(x: torch.Tensor, b: int, h: int, n: int, dtype: torch.dtype) -> torch.Tensor:
-    return x.view(b, h, x.shape[0] // max(1, b * h) * x.shape[1], x.shape[-1])[:, :, :n].to(dtype)
+    if b * h == 0:  # an empty batch: no rows to view, only the shape to give back
+        return x.new_empty(b, h, n, x.shape[-1], dtype=dtype)
+    return x.view(b, h, x.shape[0] // (b * h) * x.shape[1], x.shape[-1])[:, :, :n].to(dtype)
 
 
 def _forward(phi_q, phi_k, v, initial_state, chunk_size):

@@ -138,6 +138,8 @@ def kernel_inference_blocks(q, k, v, feature_map, key_padding_mask=None, initial
     initial_state (B, H, D, Dv + 1). Returns (B, H, L, Dv)."""
     b, h, n_q, d = q.shape
     n_k, dv = k.shape[2], v.shape[-1]
+    if b * h == 0 or n_q == 0:
+        return q.new_zeros(b, h, n_q, dv)
     positions = max(1, (_causal._block_positions(q.device) or b * h * max(n_q, n_k)) // (b * h))
     feature = IN_PLACE_FEATURE_MAPS[feature_map]
     buf = q.new_empty(b * h, min(positions, max(n_q, n_k)), d)

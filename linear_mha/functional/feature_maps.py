@@ -84,6 +84,8 @@ def favor_feature_map(
     x = x.to(dtype) * x.shape[-1] ** -0.25
     projection = projection.to(device=x.device, dtype=dtype)
     logits = torch.matmul(x, projection.T) - 0.5 * (x * x).sum(-1, keepdim=True)
+    if logits.numel() == 0:  # no rows to take a maximum over, and nothing it could scale
+        return logits.exp()
     if is_query:
         stabiliser = logits.amax(dim=-1, keepdim=True).detach()
     elif causal:

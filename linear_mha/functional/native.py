@@ -169,8 +169,9 @@ def supports(feature_map, *tensors: Optional[Tensor], autograd: bool = False) ->
         return False
     grad = not autograd and torch.is_grad_enabled()
     for t in tensors:
+        # Empty tensors stay in PyTorch: the kernels split work by batch x heads and by rows.
         if t is not None and (not t.is_cpu or t.dtype is not torch.float32 or (grad and t.requires_grad)
-                              or t.stride(-1) != 1):
+                              or t.stride(-1) != 1 or t.numel() == 0):
             return False
     if _is_compiling() or functorch_active() or _load() is None:
         return False
@@ -325,7 +326,7 @@ def step_ready(feature_map, q, k, v, state) -> bool:
                               or (grad and t.requires_grad) or not t.is_contiguous()):
             return False
     shape = q.shape
-    if len(shape) != 3 or k.shape != shape or v.dim() != 3 or v.shape[:2] != shape[:2]:
+    if len(shape) != 3 or k.shape != shape or v.dim() != 3 or v.shape[:2] != shape[:2] or 0 in shape:
         return False
     if state is not None and state.shape != (*shape, v.shape[2] + 1):
         return False
