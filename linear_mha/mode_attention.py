@@ -164,11 +164,14 @@ class ModeAttention(nn.Module):
         if causal and L != S:
             raise ValueError(f"causal attention needs as many queries as keys, got L={L}, S={S}")
         if self.mode == "linformer":
-            if k.shape[2] > self.seq_len:
-                extra = f" ({S} + {n_extra} from add_bias_kv/add_zero_attn)" if n_extra else ""
-                raise ValueError(f"sequence length S={k.shape[2]}{extra} exceeds seq_len={self.seq_len} of this "
-                                 f"Linformer attention; build it with seq_len >= {k.shape[2]}")
-            out, _ = LF.linformer(q, k, v, self.e_proj, self.f_proj, key_padding_mask=kpm, dropout_p=dropout_p)
+            if S > self.seq_len:
+                raise ValueError(f"sequence length S={S} exceeds seq_len={self.seq_len} of this Linformer attention; "
+                                 f"build it (or patch the model) with seq_len >= {S}")
+            # Extra keys (add_bias_kv / add_zero_attn) join after the projection: projected with the sequence,
+            # their column of E / F would move with S and with the amount of padding.
+            extras = dict(extra_k=k[:, :, S:], extra_v=v[:, :, S:]) if n_extra else {}
+            out, _ = LF.linformer(q, k[:, :, :S], v[:, :, :S], self.e_proj, self.f_proj,
+                                  key_padding_mask=None if kpm is None else kpm[:, :S], dropout_p=dropout_p, **extras)
             return out, None
         if self.mode == "efficient":
             return LF.efficient(q, k, v, key_padding_mask=kpm, dropout_p=dropout_p), None

@@ -109,9 +109,8 @@ def test_linformer_length_error_names_seq_len_and_s():
     m = LinearMultiheadAttention(E, H, seq_len=4, proj_k=2)
     with pytest.raises(ValueError, match=r"S=5.*seq_len=4.*seq_len >= 5"):
         m(x(), x(), x())
-    m = LinearMultiheadAttention(E, H, seq_len=5, proj_k=2, add_bias_kv=True)
-    with pytest.raises(ValueError, match=r"5 \+ 1 from add_bias_kv"):
-        m(x(), x(), x())
+    m = LinearMultiheadAttention(E, H, seq_len=5, proj_k=2, add_bias_kv=True, add_zero_attn=True)
+    assert m(x(), x(), x())[0].shape == x().shape  # extra keys join after the projection: seq_len covers S only
 
 
 def test_redraw_features_only_for_favor():
@@ -131,3 +130,12 @@ def test_keyword_defaults_are_the_shared_option_defaults():
     from linear_mha.mode_attention import OPTION_DEFAULTS
     signature = inspect.signature(LinearMultiheadAttention.__init__).parameters.values()
     assert {p.name: p.default for p in signature if p.kind is p.KEYWORD_ONLY} == OPTION_DEFAULTS
+
+
+def test_query_of_the_wrong_rank_is_named_with_its_shape():
+    m = LinearMultiheadAttention(E, H)
+    q = torch.randn(1, 4, 2, E)
+    with pytest.raises(ValueError, match=r"query must be 3-D .* got a 4-D tensor of shape \(1, 4, 2, 8\)"):
+        m(q, q, q)
+    with pytest.raises(ValueError, match="key is 2-D"):
+        m(x(), x()[0], x()[0])

@@ -106,6 +106,23 @@ def test_linformer_matches_reference(qkv, per_head):
     assert w.shape == (B, H, L, 3)
 
 
+def test_linformer_extra_keys_join_after_the_projection(qkv):
+    q, k, v, kpm = qkv
+    g = torch.Generator().manual_seed(1)
+    e, f = torch.randn(3, 10, generator=g, dtype=torch.float64), torch.randn(3, 10, generator=g, dtype=torch.float64)
+    extra_k, extra_v = torch.randn(B, H, 2, D, generator=g, dtype=torch.float64), torch.randn(B, H, 2, D, generator=g,
+                                                                                             dtype=torch.float64)
+    out, w = LF.linformer(q, k, v, e, f, key_padding_mask=kpm, need_weights=True, extra_k=extra_k, extra_v=extra_v)
+    keep = (~kpm)[:, None, :, None].to(k.dtype)
+    keys = torch.cat([(e[:, :S] @ (k * keep)), extra_k], 2)
+    values = torch.cat([(f[:, :S] @ (v * keep)), extra_v], 2)
+    ref = torch.softmax(q @ keys.transpose(-1, -2) / D ** 0.5, -1)
+    close(w, ref)
+    close(out, ref @ values)
+    with pytest.raises(ValueError, match="extra_k and extra_v"):
+        LF.linformer(q, k, v, e, extra_k=extra_k)
+
+
 def test_favor_estimates_softmax_attention(qkv):
     """FAVOR+ is a Monte-Carlo estimate: with many features it must approach exact softmax attention."""
     q, k, v, kpm = qkv

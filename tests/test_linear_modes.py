@@ -75,9 +75,18 @@ def test_module_matches_float64_reference(name, causal):
     assert (w is None) == (name != "softmax")
 
 
+EXTRA_KEYS = {"none": {}, "bias_kv": dict(add_bias_kv=True), "zero_attn": dict(add_zero_attn=True),
+              "both": dict(add_bias_kv=True, add_zero_attn=True)}
+
+
+@pytest.mark.parametrize("extras", list(EXTRA_KEYS))
 @pytest.mark.parametrize("name", list(MODES))
-def test_padding_with_masked_garbage_changes_nothing_and_gets_no_gradient(name):
-    m = module(name)
+def test_padding_with_masked_garbage_changes_nothing_and_gets_no_gradient(name, extras):
+    m = module(name, **EXTRA_KEYS[extras])
+    if m.bias_k is not None:
+        with torch.no_grad():  # nn.MultiheadAttention starts them at zero; padding must not move a real bias either
+            m.bias_k.normal_(generator=torch.Generator().manual_seed(5))
+            m.bias_v.normal_(generator=torch.Generator().manual_seed(6))
     g = torch.Generator().manual_seed(2)
     x = torch.randn(5, B, E, generator=g, dtype=torch.float64)
     mem = torch.randn(6, B, E, generator=g, dtype=torch.float64)

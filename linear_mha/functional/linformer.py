@@ -24,11 +24,16 @@ def linformer(
     dropout_p: float = 0.0,
     need_weights: bool = False,
     scale: Optional[float] = None,
+    extra_k: Optional[Tensor] = None,
+    extra_v: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Optional[Tensor]]:
     """q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv); e_proj, f_proj: (k, seq_len) shared by the heads or
     (H, k, seq_len) one per head; f_proj defaults to e_proj (shared key/value projection).
-    Returns out (B, H, L, Dv) and, if need_weights, the weights over the k projected keys (B, H, L, k).
-    Raises ValueError if S > seq_len.
+    extra_k (B, H, n, D), extra_v (B, H, n, Dv): keys every query sees as they are, appended after the
+    projection (nn.MultiheadAttention's add_bias_kv / add_zero_attn), so they neither count towards seq_len nor
+    depend on S or on padding.
+    Returns out (B, H, L, Dv) and, if need_weights, the weights over the k projected keys, then the extra keys
+    (B, H, L, k + n). Raises ValueError if S > seq_len.
     """
     check_qkv(q, k, v, key_padding_mask)
     f_proj = e_proj if f_proj is None else f_proj
@@ -47,4 +52,9 @@ def linformer(
     # (k, S) @ (B, H, S, D) and (H, k, S) @ (B, H, S, D) both broadcast to (B, H, k, D).
     k_proj = torch.matmul(e, mask_keys(k, key_padding_mask))
     v_proj = torch.matmul(f, mask_keys(v, key_padding_mask))
+    if (extra_k is None) != (extra_v is None):
+        raise ValueError("extra_k and extra_v come together: pass both or neither")
+    if extra_k is not None:
+        k_proj = torch.cat([k_proj.expand(*extra_k.shape[:2], *k_proj.shape[2:]), extra_k.to(k_proj.dtype)], dim=2)
+        v_proj = torch.cat([v_proj.expand(*extra_v.shape[:2], *v_proj.shape[2:]), extra_v.to(v_proj.dtype)], dim=2)
     return softmax(q, k_proj, v_proj, dropout_p=dropout_p, need_weights=need_weights, scale=scale)
