@@ -189,6 +189,27 @@ def test_initial_state_equals_prepending_keys(qkv):
     close(out, w @ torch.cat([v, extra_v], 2))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("fmap", ["elu", "favor"])
+def test_an_initial_state_equals_the_same_keys_passed_along(qkv, fmap, causal):
+    """Non-causal FAVOR+ keys take a data-dependent stabiliser; with a state from kernel_state both sums must be
+    on kernel_state's scale, or the constant stops cancelling."""
+    q, k, v, _ = qkv
+    if causal:
+        k, v = k[:, :, :L], v[:, :, :L]
+    proj = LF.orthogonal_random_features(16, D, generator=torch.Generator().manual_seed(3)).double()
+    kw = dict(projection=proj) if fmap == "favor" else {}
+    extra_k, extra_v = k[:, :, :2] * 3, v[:, :, :2]  # larger keys: a different data-dependent maximum
+    out = LF.kernel(q, k, v, fmap, causal=causal, initial_state=LF.kernel_state(extra_k, extra_v, fmap, **kw), **kw)
+    if causal:  # the state's keys come before every position
+        prefix_q = torch.cat([q[:, :, :2], q], 2)
+        ref = LF.kernel(prefix_q, torch.cat([extra_k, k], 2), torch.cat([extra_v, v], 2), fmap, causal=True,
+                        **kw)[:, :, 2:]
+    else:
+        ref = LF.kernel(q, torch.cat([k, extra_k], 2), torch.cat([v, extra_v], 2), fmap, **kw)
+    close(out, ref, 1e-9)
+
+
 @pytest.mark.parametrize("fn", [
     lambda q, k, v, m: LF.kernel(q, k, v, "elu", key_padding_mask=m),
     lambda q, k, v, m: LF.kernel(q, k, v, "elu", causal=True, key_padding_mask=m, chunk_size=2),

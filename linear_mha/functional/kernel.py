@@ -72,8 +72,11 @@ def kernel(
             and not needs_grad(q, k, v, initial_state)):
         _check_state(initial_state, q, v)
         return kernel_inference_blocks(q, k, v, feature_map, key_padding_mask, initial_state).to(out_dtype)
+    # With an initial state, the keys' FAVOR+ stabiliser must be kernel_state's data-independent one: both sums
+    # enter one normaliser, and a per-call data-dependent constant would not cancel between them.
     phi_q, phi_k = apply_feature_map(
-        feature_map, q, k, key_padding_mask=key_padding_mask, causal=causal, projection=projection
+        feature_map, q, k, key_padding_mask=key_padding_mask, causal=causal or initial_state is not None,
+        projection=projection,
     )
     if causal:
         kwargs = {} if chunk_size is None else {"chunk_size": chunk_size}
