@@ -189,6 +189,9 @@ class LinearMultiheadAttention(ModeAttention):
 
     def _prepare(self, query, key, value, key_padding_mask, attn_mask):
         """Validate nn.MHA-style inputs; project them to heads (B, H, ., head_dim) and append the extra keys."""
+        if query.dim() not in (2, 3):
+            raise ValueError(f"query must be 3-D (batched) or 2-D (unbatched (L, E)), got a {query.dim()}-D tensor "
+                             f"of shape {tuple(query.shape)}")
         unbatched = query.dim() == 2
         expected_dim = 2 if unbatched else 3
         for name, t in (("query", query), ("key", key), ("value", value)):
