@@ -264,3 +264,50 @@ def test_nested_tensor_encoder_linear_modes_respect_padding(mode):
         out, out2 = enc(x, src_key_padding_mask=pad), enc(x2, src_key_padding_mask=pad)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out[~pad], out2[~pad], rtol=1e-5, atol=1e-5)
+
+
+class DoublingMHA(nn.MultiheadAttention):
+    """A subclass that changes forward: replacing it would silently drop the doubling."""
+
+    def forward(self, *args, **kwargs):
+        out, weights = super().forward(*args, **kwargs)
+        return 2 * out, weights
+
+
+def test_subclasses_that_change_forward_or_weights_are_reported_not_patched():
+    from torch.ao.nn.quantizable import MultiheadAttention as QuantizableMHA
+    from torch.nn.utils import parametrizations
+    parametrized = nn.MultiheadAttention(16, 2)
+    parametrizations.weight_norm(parametrized, "in_proj_weight")
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"doubling": DoublingMHA(16, 2), "quantizable": QuantizableMHA(16, 2),
+                           "parametrized": parametrized, "kept": MyMHA(16, 2)}).eval()
+    x = torch.randn(5, 2, 16)
+    before = {name: m(x, x, x)[0] for name, m in model.items()}
+    keys = set(model.state_dict())
+    report = patch(model, "softmax")
+    assert [name for name, *_ in report.replaced] == ["kept"]
+    reasons = {name: why for name, _, why in report.skipped}
+    assert "overrides forward" in reasons["doubling"] and "overrides forward" in reasons["quantizable"]
+    assert "parametrized" in reasons["parametrized"]
+    assert set(model.state_dict()) == keys
+    for name, m in model.items():
+        torch.testing.assert_close(m(x, x, x)[0], before[name], rtol=1e-5, atol=1e-6)
+
+
+def test_unpatch_inside_patched_gives_torchs_class_back():
+    from linear_mha import patched
+    torch_class = nn.MultiheadAttention  # inside the block the name builds linear modules
+    with patched(mode="kernel"):
+        layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+        assert isinstance(layer.self_attn, LinearMultiheadAttention)
+        unpatch(layer)
+        assert type(layer.self_attn) is torch_class
+
+
+def test_linformer_seq_len_comes_from_the_vit_inside_a_wrapper():
+    vit, _ = _torchvision_vit()
+    model = nn.Sequential(vit)
+    patch(model, "linformer", proj_k=4)
+    assert {m.seq_len for m in model.modules() if isinstance(m, LinearMultiheadAttention)} == {vit.seq_length}
+    model(torch.randn(2, 3, 32, 32))

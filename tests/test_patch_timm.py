@@ -107,6 +107,9 @@ def test_linformer_seq_len_is_the_token_count():
         patch(_build("registers")[0], "linformer", seq_len=tokens - 1)
     with pytest.raises(ValueError, match="dynamic_img_size"):
         patch(_build("dynamic_img_size")[0], "linformer")
+    wrapped = nn.Sequential(_build("registers")[0])  # a ViT used as a backbone: its own count, not an error
+    patch(wrapped, "linformer", proj_k=4)
+    assert {m.seq_len for m in wrapped.modules() if isinstance(m, LinearTimmAttention)} == {tokens}
 
 
 def test_layerwise_and_favor_state():

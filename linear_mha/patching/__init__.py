@@ -1,6 +1,6 @@
 """Model surgery: swap linear attention into existing models, keeping their weights.
 
-    patch(model, mode, ...)   in place; nn.MultiheadAttention (+ subclasses) and timm.layers.Attention
+    patch(model, mode, ...)   in place; nn.MultiheadAttention (+ subclasses keeping its forward), timm Attention
     unpatch(model)            back to the original modules, with the current weights
     patched(mode, ...)        context manager: nn.MultiheadAttention(...) builds LinearMultiheadAttention
     PatchReport               what was replaced, skipped (and why), parameters added

@@ -3,11 +3,8 @@ for model code you cannot edit. Not thread-safe: it rebinds module attributes pr
 import contextlib
 import sys
 
-from torch import nn
-
 from ..attention import LinearMultiheadAttention
-
-_TORCH_MHA = nn.MultiheadAttention
+from .generic import TORCH_MHA as _TORCH_MHA
 
 
 class _ActsAsTorchMHA(type):

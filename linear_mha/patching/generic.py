@@ -4,6 +4,9 @@ from torch import nn
 
 from ..attention import LinearMultiheadAttention
 
+# torch's class, captured at import: inside patched() the name nn.MultiheadAttention builds linear modules.
+TORCH_MHA = nn.MultiheadAttention
+
 # The replaced module is kept (unregistered: not in state_dict, parameters() or .to()) so unpatch() can give back
 # the user's own class, subclasses included, with the Parameters the linear module trained.
 ORIGINAL_ATTR = "_linear_mha_original"
@@ -12,7 +15,7 @@ _PARAM_NAMES = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weig
                 "bias_v")
 
 
-def to_linear(mha: nn.MultiheadAttention, options: dict) -> LinearMultiheadAttention:
+def to_linear(mha: TORCH_MHA, options: dict) -> LinearMultiheadAttention:
     """The same Parameter objects (so state_dict tensors are equal and an optimizer holding them keeps working),
     device, dtype and train/eval state, with linear attention."""
     new = LinearMultiheadAttention.from_torch(mha, copy=False, **options)
@@ -20,13 +23,13 @@ def to_linear(mha: nn.MultiheadAttention, options: dict) -> LinearMultiheadAtten
     return new
 
 
-def to_torch(linear: LinearMultiheadAttention) -> nn.MultiheadAttention:
+def to_torch(linear: LinearMultiheadAttention) -> TORCH_MHA:
     """The module patch() replaced (or a new nn.MultiheadAttention for one built as linear), holding the linear
     module's current Parameters."""
     original = linear.__dict__.get(ORIGINAL_ATTR)
     if original is None:
         ref = linear.in_proj_weight if linear._qkv_same_embed_dim else linear.q_proj_weight
-        original = nn.MultiheadAttention(
+        original = TORCH_MHA(
             linear.embed_dim, linear.num_heads, dropout=linear.dropout, bias=linear.in_proj_bias is not None,
             add_bias_kv=linear.bias_k is not None, add_zero_attn=linear.add_zero_attn, kdim=linear.kdim,
             vdim=linear.vdim, batch_first=linear.batch_first, device=ref.device, dtype=ref.dtype)

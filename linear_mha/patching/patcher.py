@@ -10,7 +10,7 @@ from .generic import disable_nested_tensor, restore_nested_tensor, to_linear, to
 from .report import PatchReport
 from .selection import Selection
 from .timm_attention import LinearTimmAttention, supported_timm_classes, timm_token_count
-from .unsupported import unsupported_reason
+from .unsupported import mha_subclass_reason, unsupported_reason
 
 _LINEAR_CLASSES = (LinearMultiheadAttention, LinearTimmAttention)
 
@@ -28,12 +28,17 @@ class _Plan:
 
 
 def _default_seq_len(model: nn.Module, plan: _Plan) -> Optional[int]:
-    """Tokens the model feeds this module, where the model says so: timm ViTs (patch grid + prefix tokens) and
-    torchvision's VisionTransformer (seq_length)."""
-    if plan.kind == "timm":
-        return timm_token_count(model)
-    if type(model).__module__.startswith("torchvision.models.vision_transformer"):
-        return getattr(model, "seq_length", None)
+    """Tokens this module is fed, where the nearest enclosing model says so: a timm ViT (patch grid + prefix
+    tokens; None when its size varies) or torchvision's VisionTransformer (seq_length). The nearest one, not the
+    root: a ViT is often a backbone inside a user's wrapper."""
+    parts = plan.name.split(".")
+    for depth in range(len(parts) - 1, -1, -1):
+        owner = model.get_submodule(".".join(parts[:depth]))
+        if plan.kind == "timm" and hasattr(owner, "patch_embed"):
+            return timm_token_count(owner)
+        if (type(owner).__module__.startswith("torchvision.models.vision_transformer")
+                and isinstance(getattr(owner, "seq_length", None), int)):
+            return owner.seq_length
     return None
 
 
@@ -115,7 +120,8 @@ def _check_model(model, fn: str) -> None:
 
 def patch(model: nn.Module, mode: str = "linformer", *, include=None, exclude=None,
           filter: Optional[Callable] = None, options_for: Optional[Callable] = None, **options) -> PatchReport:
-    """Replace, in place, every selected nn.MultiheadAttention (and subclass) with LinearMultiheadAttention and
+    """Replace, in place, every selected nn.MultiheadAttention (and subclass that keeps its forward) with
+    LinearMultiheadAttention and
     every timm.layers.Attention with LinearTimmAttention, reusing the original Parameter objects.
 
     include / exclude: fnmatch patterns over qualified module names ("encoder.layers.*.self_attn");
@@ -136,7 +142,7 @@ def patch(model: nn.Module, mode: str = "linformer", *, include=None, exclude=No
             report.skipped.append((name, type(module), f"already linear (mode={module.mode!r}); call "
                                                        f"unpatch(model) first to change it"))
             continue
-        kind = "mha" if isinstance(module, nn.MultiheadAttention) else (
+        kind = "mha" if isinstance(module, nn.MultiheadAttention) and mha_subclass_reason(module) is None else (
             "timm" if type(module) in timm_classes else None)
         if kind is None:
             reason = unsupported_reason(module, timm_classes)

@@ -4,8 +4,11 @@ import re
 from typing import Optional
 
 from torch import nn
+from torch.nn.utils import parametrize
 
-_SUPPORTED = "patch() replaces nn.MultiheadAttention (and subclasses) and timm.layers.Attention"
+from .generic import TORCH_MHA
+
+_SUPPORTED = "patch() replaces nn.MultiheadAttention (and subclasses that keep its forward) and timm.layers.Attention"
 
 # (class name, module path fragment or None) -> reason
 _KNOWN = {
@@ -25,9 +28,24 @@ _KNOWN = {
 }
 
 
+def mha_subclass_reason(module: nn.Module) -> Optional[str]:
+    """Why an nn.MultiheadAttention cannot be swapped for LinearMultiheadAttention, or None if it can: the swap
+    reruns torch's forward on the same Parameters, so a subclass must keep both."""
+    cls = type(module)
+    if parametrize.is_parametrized(module):
+        return ("its weights are parametrized (torch.nn.utils.parametrize); the linear module takes plain "
+                "Parameters, so patch before adding the parametrization")
+    if cls.forward is not TORCH_MHA.forward:
+        return (f"subclass {cls.__module__}.{cls.__qualname__} overrides forward; a linear drop-in would run "
+                f"torch's forward instead and drop that code")
+    return None
+
+
 def unsupported_reason(module: nn.Module, timm_classes: tuple) -> Optional[str]:
     """The reason an attention-like module is left alone, or None if it does not look like attention."""
     cls = type(module)
+    if isinstance(module, TORCH_MHA):
+        return mha_subclass_reason(module)
     if any(issubclass(cls, c) for c in timm_classes):
         return (f"subclass of {timm_classes[0].__module__}.Attention: matched by exact class only, since a "
                 f"subclass may change forward")
