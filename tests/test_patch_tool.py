@@ -32,3 +32,20 @@ def test_linear_mode_and_dynamic_sizes():
     assert result["options"]["seq_len"] == (48 // 16) ** 2 + 1  # the largest input's token count
     assert [r["tokens"] for r in result["rows"]] == [5, 10]
     assert all(r["finite"] and r["max_rel_dev"] > 0 for r in result["rows"])
+
+
+def test_a_zero_initialised_head_is_not_read_as_a_perfect_match():
+    """torchvision zero-initialises its ViT head: equal all-zero logits say nothing, the head's input does."""
+    result = patch_model.main(["torchvision:vit_b_16", "--model-arg", "image_size=32",
+                               "--batch-sizes", "2", "--repeats", "1", "--threads", "1", "--mode", "efficient"])
+    row = result["rows"][0]
+    assert row["max_rel_dev"] is None and row["cosine"] is None
+    assert row["head_input_max_rel_dev"] > 1e-3 and row["head_input_cosine"] < 1.0
+
+
+def test_linformer_seq_len_covers_a_single_non_native_size_and_padded_grids():
+    base = TINY[:5] + ["--model-arg", "dynamic_img_size=True", "--batch-sizes", "1", "--repeats", "1",
+                       "--mode", "linformer", "--option", "proj_k=4"]
+    assert patch_model.main(base + ["--img-sizes", "48"])["options"]["seq_len"] == (48 // 16) ** 2 + 1
+    padded = patch_model.main(base + ["--model-arg", "dynamic_img_pad=True", "--img-sizes", "40"])
+    assert padded["options"]["seq_len"] == 3 ** 2 + 1 and padded["rows"][0]["tokens"] == 10  # 40 px pads to 48

@@ -8,8 +8,10 @@ and after, as a table (optionally JSON and a PNG).
     python tools/patch_model.py torchvision:vit_b_16 --mode efficient
 
 Names: a timm model name, or a torchvision one (prefix ``torchvision:`` when both libraries know the name).
-Deviation: max |patched - original| / max |original| on the model output (logits) and the cosine similarity of
-the two outputs; random weights make the linear approximation look worse than after fine-tuning.
+Deviation: max |patched - original| / max |original| and the mean cosine similarity, on the model output (logits)
+and on the head's input (the input of the model's last nn.Linear: a ViT's pooled features). Random weights make
+the linear approximation look worse than after fine-tuning, and torchvision zero-initialises its ViT head, so
+there the logits are all zero and only the head's input says anything ("n/a" for the logits).
 Peak memory: on CUDA, torch.cuda.max_memory_allocated growth during the forward; on CPU, the growth of the
 process RSS sampled every 0.2 ms with glibc's mmap threshold pinned low, so large tensors come from mmap and are
 returned to the OS when freed (approximate: spikes shorter than the sampling period can be missed).
@@ -102,7 +104,8 @@ def token_count(model, img: int):
     if pe is not None and hasattr(pe, "patch_size") and hasattr(model, "num_prefix_tokens"):
         ps = pe.patch_size[0] if isinstance(pe.patch_size, (tuple, list)) else pe.patch_size
         if type(pe).__name__ == "PatchEmbed":
-            return (img // ps) ** 2 + model.num_prefix_tokens
+            grid = -(-img // ps) if getattr(pe, "dynamic_img_pad", False) else img // ps  # padding rounds up
+            return grid ** 2 + model.num_prefix_tokens
     if hasattr(model, "patch_size") and hasattr(model, "seq_length"):  # torchvision VisionTransformer
         return (img // model.patch_size) ** 2 + 1
     return None
@@ -147,14 +150,26 @@ class _RssPeak:
         return False
 
 
+def _last_linear(model):
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    return linears[-1] if linears else None
+
+
 def measure(model, x, repeats: int, device: torch.device, rss_ok: bool):
-    """(output, median forward ms, peak memory MiB or None)."""
+    """(output, head input or None, median forward ms, peak memory MiB or None)."""
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    head, seen = _last_linear(model), {}
+    hook = None if head is None else head.register_forward_pre_hook(
+        lambda module, args: seen.setdefault("features", args[0].detach().float()))
     with torch.no_grad():
-        out = model(x)  # warm-up, and the output to compare
+        try:
+            out = model(x)  # warm-up, and the output to compare
+        finally:
+            if hook is not None:
+                hook.remove()
         out = out[0] if isinstance(out, tuple) else out
         sync()
         times = []
@@ -174,7 +189,15 @@ def measure(model, x, repeats: int, device: torch.device, rss_ok: bool):
             with _RssPeak() as rss:
                 model(x)
             peak = rss.bytes / 2 ** 20
-    return out.float(), statistics.median(times), peak
+    return out.float(), seen.get("features"), statistics.median(times), peak
+
+
+def deviation(out, ref):
+    """(max |out - ref| / max |ref|, mean cosine over the batch), or (None, None) when ref is all zero."""
+    if ref is None or out is None or not bool(ref.abs().max() > 0):
+        return None, None
+    cos = torch.nn.functional.cosine_similarity(out.flatten(1), ref.flatten(1), dim=1).mean()
+    return float((out - ref).abs().max() / ref.abs().max()), float(cos)
 
 
 def compare(args):
@@ -186,9 +209,9 @@ def compare(args):
     original, library = build_model(args.model, _key_values(args.model_arg, "--model-arg"))
     original = original.to(device=device, dtype=dtype).eval()
     img_sizes = args.img_sizes or [native_img_size(original)]
-    if args.mode == "linformer" and "seq_len" not in options and len(img_sizes) > 1:
+    if args.mode == "linformer" and "seq_len" not in options:
         longest = token_count(original, max(img_sizes))
-        if longest is not None:  # dynamic image size: cover the largest input
+        if longest is not None:  # the largest input this run feeds, native size or not
             options["seq_len"] = longest
     patched = copy.deepcopy(original)
     report = patch(patched, args.mode, **options)
@@ -197,14 +220,14 @@ def compare(args):
     for img in img_sizes:
         for batch in args.batch_sizes:
             x = torch.randn(batch, 3, img, img, device=device, dtype=dtype)
-            ref, t0, m0 = measure(original, x, args.repeats, device, rss_ok)
-            out, t1, m1 = measure(patched, x, args.repeats, device, rss_ok)
-            scale = ref.abs().max().clamp_min(1e-12)
-            cos = torch.nn.functional.cosine_similarity(out.flatten(1), ref.flatten(1), dim=1).mean()
+            ref, ref_features, t0, m0 = measure(original, x, args.repeats, device, rss_ok)
+            out, features, t1, m1 = measure(patched, x, args.repeats, device, rss_ok)
+            dev, cos = deviation(out, ref)
+            head_dev, head_cos = deviation(features, ref_features)
             rows.append({"img_size": img, "batch": batch, "tokens": token_count(original, img),
-                         "max_rel_dev": float((out - ref).abs().max() / scale), "cosine": float(cos),
-                         "finite": bool(torch.isfinite(out).all()), "ms_before": t0, "ms_after": t1,
-                         "peak_mib_before": m0, "peak_mib_after": m1})
+                         "max_rel_dev": dev, "cosine": cos, "head_input_max_rel_dev": head_dev,
+                         "head_input_cosine": head_cos, "finite": bool(torch.isfinite(out).all()),
+                         "ms_before": t0, "ms_after": t1, "peak_mib_before": m0, "peak_mib_after": m1})
     return {"model": args.model, "library": library, "mode": args.mode, "options": options,
             "device": str(device), "dtype": args.dtype, "threads": torch.get_num_threads(),
             "memory": "cuda max_memory_allocated" if device.type == "cuda" else
@@ -217,13 +240,15 @@ def _fmt(v, spec):
 
 
 def table(result) -> str:
-    head = ("img", "batch", "tokens", "max rel dev", "cosine", "ms before", "ms after", "MiB before", "MiB after")
+    head = ("img", "batch", "tokens", "max rel dev", "cosine", "head in dev", "head in cos", "ms before",
+            "ms after", "MiB before", "MiB after")
     lines = [f"{result['model']} ({result['library']}), mode={result['mode']!r} {result['options']}, "
              f"{result['device']} {result['dtype']}, {result['threads']} threads, memory: {result['memory']}",
              "  ".join(f"{h:>11}" for h in head)]
     for r in result["rows"]:
         cells = (r["img_size"], r["batch"], _fmt(r["tokens"], "d"), _fmt(r["max_rel_dev"], ".3e"),
-                 _fmt(r["cosine"], ".4f"), _fmt(r["ms_before"], ".2f"), _fmt(r["ms_after"], ".2f"),
+                 _fmt(r["cosine"], ".4f"), _fmt(r["head_input_max_rel_dev"], ".3e"),
+                 _fmt(r["head_input_cosine"], ".4f"), _fmt(r["ms_before"], ".2f"), _fmt(r["ms_after"], ".2f"),
                  _fmt(r["peak_mib_before"], ".1f"), _fmt(r["peak_mib_after"], ".1f"))
         lines.append("  ".join(f"{str(c):>11}" for c in cells) + ("" if r["finite"] else "  NON-FINITE OUTPUT"))
     return "\n".join(lines)
