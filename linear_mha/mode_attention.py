@@ -14,6 +14,7 @@ from torch import nn
 
 from . import functional as LF
 from . import masks as M
+from .functional._common import mask_keys
 
 MODES = ("linformer", "kernel", "efficient", "taylor", "softmax")
 PARAM_SHARING = ("none", "headwise", "kv", "layerwise")
@@ -88,6 +89,9 @@ class ModeAttention(nn.Module):
         if shared_projection is not None:
             if param_sharing != "layerwise":
                 raise ValueError("shared_projection is only used with param_sharing='layerwise'")
+            if not isinstance(shared_projection, nn.Parameter):
+                raise TypeError(f"shared_projection must be an nn.Parameter (a plain tensor would be neither trained "
+                                f"nor saved); got {type(shared_projection).__name__}, wrap it in nn.Parameter(...)")
             if tuple(shared_projection.shape) != (proj_k, seq_len):
                 raise ValueError(f"shared_projection must have shape (proj_k, seq_len) = {(proj_k, seq_len)}, "
                                  f"got {tuple(shared_projection.shape)}")
@@ -190,6 +194,10 @@ class ModeAttention(nn.Module):
         L, S = q.shape[2], k.shape[2] - n_extra
         bias = None
         if kpm is not None:
+            # Zeroing masked keys and values first keeps garbage out (NaN or inf there would survive a zero
+            # weight); finite values give the same result as nn.MultiheadAttention.
+            removed = F.pad(kpm if kpm.dtype == torch.bool else torch.isneginf(kpm), (0, n_extra))
+            k, v = mask_keys(k, removed), mask_keys(v, removed)
             bias = F.pad(M.to_additive(kpm, q.dtype), (0, n_extra))[:, None, None, :]
         if mask is None and is_causal:
             mask = torch.ones(L, S, dtype=torch.bool, device=q.device).triu(1)

@@ -31,6 +31,11 @@ def test_constructor_rejects_unknown_and_contradictory_options(kwargs, match):
         LinearMultiheadAttention(E, H, **kwargs)
 
 
+def test_a_shared_projection_must_be_a_parameter():
+    with pytest.raises(TypeError, match=r"nn.Parameter .*neither trained nor saved.*got Tensor"):
+        LinearMultiheadAttention(E, H, param_sharing="layerwise", shared_projection=torch.zeros(128, 100))
+
+
 def test_constructor_rejects_bad_dimensions():
     with pytest.raises(ValueError, match="divisible by num_heads"):
         LinearMultiheadAttention(10, 3)

@@ -79,9 +79,10 @@ EXTRA_KEYS = {"none": {}, "bias_kv": dict(add_bias_kv=True), "zero_attn": dict(a
               "both": dict(add_bias_kv=True, add_zero_attn=True)}
 
 
+@pytest.mark.parametrize("garbage_kind", ["large", "nonfinite"])
 @pytest.mark.parametrize("extras", list(EXTRA_KEYS))
 @pytest.mark.parametrize("name", list(MODES))
-def test_padding_with_masked_garbage_changes_nothing_and_gets_no_gradient(name, extras):
+def test_padding_with_masked_garbage_changes_nothing_and_gets_no_gradient(name, extras, garbage_kind):
     m = module(name, **EXTRA_KEYS[extras])
     if m.bias_k is not None:
         with torch.no_grad():  # nn.MultiheadAttention starts them at zero; padding must not move a real bias either
@@ -94,6 +95,8 @@ def test_padding_with_masked_garbage_changes_nothing_and_gets_no_gradient(name, 
     kpm[0, 4:] = True
     base, _ = m(x, mem, mem, key_padding_mask=kpm, need_weights=False)
     garbage = torch.randn(3, B, E, generator=g, dtype=torch.float64) * 1e3
+    if garbage_kind == "nonfinite":  # uninitialised padding: a masked key must contribute nothing, NaN included
+        garbage[0], garbage[1, :, ::2], garbage[2] = float("nan"), float("inf"), float("-inf")
     padded = torch.cat([mem, garbage]).requires_grad_(True)
     kpm_padded = torch.cat([kpm, torch.ones(B, 3, dtype=torch.bool)], dim=1)
     out, _ = m(x, padded, padded, key_padding_mask=kpm_padded, need_weights=False)
