@@ -172,7 +172,7 @@ def test_attn_mask_in_timm_convention():
 
 def test_unsupported_attention_is_reported_and_untouched():
     from timm.layers import AttentionRope, DiffAttention
-    from timm.models import beit, cait, eva, pvt_v2, swin_transformer
+    from timm.models import beit, cait, eva, pvt_v2, swin_transformer, xcit
 
     class MyAttention(Attention):
         pass
@@ -181,14 +181,17 @@ def test_unsupported_attention_is_reported_and_untouched():
         "eva": eva.EvaAttention(16, 2, scale_norm=False), "rope": AttentionRope(16, 2), "beit": beit.Attention(16, 2, window_size=(2, 2)),
         "swin": swin_transformer.WindowAttention(16, 2, window_size=2), "pvt": pvt_v2.Attention(16, 2, sr_ratio=2),
         "talking": cait.TalkingHeadAttn(16, 2), "class_attn": cait.ClassAttn(16, 2), "diff": DiffAttention(16, 2),
-        "subclass": MyAttention(16, 2), "plain": Attention(16, 2),
+        "subclass": MyAttention(16, 2), "plain": Attention(16, 2), "xca": xcit.XCA(16, 2),
+        "cait_block": cait.LayerScaleBlockClassAttn(16, 2),  # a block: only its inner ClassAttn is reported
     })
     before = dict(zoo.items())
     report = patch(zoo, "kernel")
     assert [n for n, _, _ in report.replaced] == ["plain"]
     reasons = {n: r for n, _, r in report.skipped}
-    assert set(reasons) == set(before) - {"plain"}
+    assert set(reasons) == set(before) - {"plain", "cait_block"} | {"cait_block.attn"}
+    before["cait_block.attn"] = zoo["cait_block"].attn
     for name, words in {"eva": "RoPE", "rope": "RoPE", "beit": "relative position", "swin": "window",
                         "pvt": "spatial-reduction", "talking": "talking heads", "class_attn": "class token",
-                        "diff": "differential", "subclass": "exact class"}.items():
-        assert words in reasons[name] and zoo[name] is before[name], name
+                        "diff": "differential", "subclass": "exact class", "xca": "cross-covariance",
+                        "cait_block.attn": "class token"}.items():
+        assert words in reasons[name] and zoo.get_submodule(name) is before[name], name

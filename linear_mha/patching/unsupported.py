@@ -25,6 +25,8 @@ _KNOWN = {
     ("ClassAttn", None): "class attention: only the class token queries (CaiT); already linear in the tokens",
     ("DiffAttention", None): "differential attention: the difference of two softmax maps",
     ("AttentionPoolLatent", None): "attention pooling with learned latent queries; already linear in the tokens",
+    ("XCA", None): "cross-covariance attention: attends across channels, not tokens (XCiT); already linear in "
+                   "the tokens",
 }
 
 
@@ -49,9 +51,10 @@ def unsupported_reason(module: nn.Module, timm_classes: tuple) -> Optional[str]:
     if any(issubclass(cls, c) for c in timm_classes):
         return (f"subclass of {timm_classes[0].__module__}.Attention: matched by exact class only, since a "
                 f"subclass may change forward")
-    if not re.search(r"attention|attn", cls.__name__, re.IGNORECASE):
-        return None
     for (name, where), reason in _KNOWN.items():
         if cls.__name__ == name and (where is None or where in cls.__module__):
             return reason
+    # A block (e.g. CaiT's LayerScaleBlockClassAttn) holds attention, which is reported on its own.
+    if not re.search(r"attention|attn", cls.__name__, re.IGNORECASE) or "Block" in cls.__name__:
+        return None
     return f"unsupported attention class; {_SUPPORTED}, whose computation it reproduces exactly"
