@@ -91,3 +91,38 @@ def test_two_process_gloo_step_and_eval_equal_single_process(tmp_path):
     expected = evaluator.summarize()
     assert 0 < expected[0] < 1  # a non-trivial score, so the comparison below means something
     assert ddp["stats"] == expected
+
+
+def _train_worker(rank, world, port, out_dir):
+    """main() under torchrun's environment; only rank 1 is sent SIGINT, during its second training batch."""
+    import signal
+    from integrations.detr import engine
+    from integrations.detr.train import main
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    real, calls = engine._targets_to, []
+
+    def targets_to(targets, device):
+        calls.append(1)
+        if rank == 1 and len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(targets, device)
+    engine._targets_to = targets_to
+    result = main(["--synthetic-train", "16", "--synthetic-val", "4", "--batch-size", "2", "--num-workers", "0",
+                   "--hidden-dim", "32", "--dim-feedforward", "64", "--num-queries", "6", "--no-progress",
+                   "--epochs", "1", "--output-dir", str(out_dir)])
+    torch.save(result["stopped_at"], os.path.join(out_dir, f"stopped_{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_process_stops_every_process_after_the_same_step(tmp_path):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_train_worker, args=(2, port, tmp_path), nprocs=2, join=True)
+    assert [torch.load(tmp_path / f"stopped_{r}.pt") for r in range(2)] == [(0, 2), (0, 2)]
+    ckpt = torch.load(tmp_path / "checkpoint.pth", weights_only=False)
+    assert (ckpt["epoch"], ckpt["iteration"]) == (0, 2) and len(ckpt["rng"]) == 2

@@ -1,9 +1,13 @@
-"""End-to-end training on the synthetic set: the loss falls, resume is exact, --eval reproduces the log."""
+"""End-to-end training on the synthetic set: the loss falls, resume is exact (also after a signal stopped the run
+in the middle of an epoch), --eval reproduces the log."""
 import json
+import os
+import signal
 
 import pytest
 import torch
 
+from integrations.detr import engine
 from integrations.detr.train import main
 
 TINY = ["--synthetic-train", "16", "--synthetic-val", "4", "--batch-size", "4", "--num-workers", "0",
@@ -15,7 +19,7 @@ def _states_equal(a, b):
 
 
 @pytest.mark.slow
-def test_resume_after_interruption_reproduces_the_uninterrupted_run(tmp_path):
+def test_resume_after_interruption_reproduces_the_uninterrupted_run(tmp_path, monkeypatch):
     common = TINY + ["--dropout", "0.1", "--lr-drop", "1", "--seed", "5"]  # dropout + crop use every RNG
     full = main(common + ["--epochs", "2", "--output-dir", str(tmp_path / "full")])
     main(common + ["--epochs", "1", "--output-dir", str(tmp_path / "cut")])
@@ -37,6 +41,30 @@ def test_resume_after_interruption_reproduces_the_uninterrupted_run(tmp_path):
     evaluated = main(common + ["--eval", "--output-dir", str(tmp_path / "eval"),
                                "--resume", str(tmp_path / "cut" / "checkpoint.pth")])
     assert evaluated["coco"]["coco_eval_bbox"] == log_cut[-1]["test_coco_eval_bbox"]
+
+    # Ctrl-C in the middle of epoch 1: the run stops after that step with a checkpoint, and --resume continues
+    # with the next batch to the same weights and log as the uninterrupted run.
+    real_targets_to, calls = engine._targets_to, []
+
+    def targets_to_then_signal(targets, device):
+        calls.append(1)
+        if len(calls) == 7:  # epoch 0: 4 training batches + 1 eval batch; then epoch 1's second batch
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_targets_to(targets, device)
+    monkeypatch.setattr(engine, "_targets_to", targets_to_then_signal)
+    stopped = main(common + ["--epochs", "2", "--output-dir", str(tmp_path / "signal")])
+    monkeypatch.setattr(engine, "_targets_to", real_targets_to)
+    assert stopped["stopped_at"] == (1, 2)
+    ckpt = torch.load(tmp_path / "signal" / "checkpoint.pth", weights_only=False)
+    assert (ckpt["epoch"], ckpt["iteration"]) == (1, 2) and ckpt["train_meter"]["counts"]["loss"] == 2
+    resumed = main(common + ["--epochs", "2", "--output-dir", str(tmp_path / "signal"),
+                             "--resume", str(tmp_path / "signal" / "checkpoint.pth")])
+    assert resumed["stopped_at"] is None
+    assert _states_equal(full["model"].state_dict(), resumed["model"].state_dict())
+    log_signal = [json.loads(line) for line in (tmp_path / "signal" / "log.jsonl").read_text().splitlines()]
+    assert [e["epoch"] for e in log_signal] == [0, 1]
+    for a, b in zip(log_full, log_signal):  # epoch 1's mean loss covers the batches before and after the stop
+        assert a["train_loss"] == b["train_loss"] and a["test_AP"] == b["test_AP"]
 
 
 @pytest.mark.slow

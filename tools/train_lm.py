@@ -22,16 +22,15 @@ import argparse
 import json
 import math
 import os
-import signal
 import sys
 import sysconfig
-import threading
 import time
 
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from integrations.stop import StopRequest  # noqa: E402
 from linear_mha.lm import AutoregressiveWrapper, LinearAttentionTransformerLM  # noqa: E402
 
 VARIANTS = {
@@ -145,32 +144,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-class StopRequest:
-    """SIGINT / SIGTERM ask the loop to stop at the end of the current step, so the checkpoint it then writes
-    holds a consistent model, optimiser and data stream; a second signal stops at once."""
-
-    def __init__(self):
-        self.requested = False
-        self._previous = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread only
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        print(f"\n{signal.Signals(signum).name}: stopping after this step and saving a checkpoint "
-              "(send it again to stop at once)", file=sys.stderr, flush=True)
-
-
 def save_state(args, path, model, opt, gen, step, log, train_losses, seconds):
     # Written to a temporary file and renamed, so an interruption never leaves a torn checkpoint.
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
@@ -236,9 +209,9 @@ def main(argv=None):
                 train_losses = []
                 log.append(record)
                 bar.set_postfix(val_bpc=f"{record['val_bpc']:.3f}")
-            if step % checkpoint_every == 0 or step % args.eval_every == 0 or step == args.steps or stop.requested:
+            if step % checkpoint_every == 0 or step % args.eval_every == 0 or step == args.steps or stop.agreed():
                 save_state(args, ckpt_path, model, opt, gen, step, log, train_losses, time.time() - start)
-            if stop.requested and step < args.steps:
+            if stop.agreed() and step < args.steps:
                 bar.close()
                 print(f"stopped at step {step} of {args.steps}; {ckpt_path} holds it, and --resume continues "
                       "from there", file=sys.stderr)

@@ -17,9 +17,17 @@ def _weighted_total(loss_dict, weight_dict):
     return sum(loss_dict[k] * weight_dict[k] for k in loss_dict if k in weight_dict)
 
 
-class _Meter:
-    def __init__(self):
+class Meter:
+    """Running means; ``state()`` / ``Meter(state)`` carry an interrupted epoch's sums across a resume."""
+
+    def __init__(self, state=None):
         self.sums, self.counts = defaultdict(float), defaultdict(int)
+        if state:
+            self.sums.update(state["sums"])
+            self.counts.update(state["counts"])
+
+    def state(self):
+        return {"sums": dict(self.sums), "counts": dict(self.counts)}
 
     def update(self, **values):
         for k, v in values.items():
@@ -31,17 +39,22 @@ class _Meter:
 
 
 def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, max_norm=0.0, scaler=None,
-                    amp=False, max_iters=0, progress=True):
-    """Returns the epoch's mean of every (process-averaged) loss; `loss` is the weighted total."""
+                    amp=False, max_iters=0, progress=True, start_iter=0, meter=None, should_stop=None):
+    """Trains until the loader (or --max-iters) ends, or until ``should_stop()`` says so after a step.
+    A resumed epoch passes the loader of its remaining batches, ``start_iter`` (batches already done) and the
+    ``meter`` holding their losses. Returns (meter, batches done in the epoch, whether it was stopped early);
+    ``meter.averages()`` is the epoch's mean of every (process-averaged) loss, `loss` the weighted total."""
     model.train()
     criterion.train()
-    meter = _Meter()
+    meter = Meter() if meter is None else meter
     weight_dict = criterion.weight_dict
-    total = min(len(data_loader), max_iters) if max_iters else len(data_loader)
-    bar = tqdm(data_loader, total=total, desc=f"epoch {epoch}", disable=not (progress and is_main_process()),
-               leave=False)
-    for it, (samples, targets) in enumerate(bar):
-        if max_iters and it >= max_iters:
+    end = start_iter + len(data_loader)
+    end = min(end, max_iters) if max_iters else end
+    bar = tqdm(data_loader, total=end, initial=start_iter, desc=f"epoch {epoch}",
+               disable=not (progress and is_main_process()), leave=False)
+    it = start_iter
+    for samples, targets in bar:
+        if it >= end:
             break
         samples, targets = samples.to(device), _targets_to(targets, device)
         with torch.autocast(device_type="cuda", dtype=torch.float16, enabled=amp):
@@ -69,7 +82,11 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, max
         meter.update(loss=loss_value, lr=optimizer.param_groups[0]["lr"],
                      **{k: v for k, v in logged.items() if k in weight_dict or "error" in k})
         bar.set_postfix(loss=f"{loss_value:.3f}")
-    return meter.averages()
+        it += 1
+        if should_stop is not None and it < end and should_stop():
+            bar.close()
+            return meter, it, True
+    return meter, it, False
 
 
 @torch.no_grad()
@@ -77,7 +94,7 @@ def evaluate(model, criterion, postprocessors, data_loader, coco_gt, device, amp
     """Returns (mean losses, COCO stats as a dict of the 12 names plus `coco_eval_bbox` list)."""
     model.eval()
     criterion.eval()
-    meter = _Meter()
+    meter = Meter()
     evaluator = CocoEvaluator(coco_gt)
     for samples, targets in tqdm(data_loader, desc="eval", disable=not (progress and is_main_process()), leave=False):
         samples, targets = samples.to(device), _targets_to(targets, device)

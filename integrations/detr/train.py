@@ -4,18 +4,25 @@
     python -m integrations.detr.train --coco-path /data/coco --attention linformer
     torchrun --nproc_per_node=2 -m integrations.detr.train --coco-path /data/coco
     python -m integrations.detr.train --resume runs/detr/checkpoint.pth   # continue exactly
+
+A checkpoint is written after every epoch, and when Ctrl-C or SIGTERM stops the run: every process finishes its
+step, the checkpoint records how far into the epoch it got, and --resume continues with the next batch
+(bit-for-bit with --num-workers 0; with workers the remaining batches see other augmentation draws).
     python -m integrations.detr.train --eval --pretrained detr-r50-e632da11.pth --coco-path /data/coco
 """
+import itertools
 import json
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
+from ..stop import StopRequest
 from . import distributed as dist_utils
 from .attention import apply_attention
 from .backbone import backbone_stride
@@ -23,7 +30,7 @@ from .checkpoint import load_checkpoint, load_pretrained, rng_state, save_atomic
 from .config import parse_args
 from .datasets import build_dataset
 from .detr import build_model
-from .engine import evaluate, train_one_epoch
+from .engine import Meter, evaluate, train_one_epoch
 from .misc import collate_fn
 from .plots import append_log, plot_curves, truncate_log
 from .synthetic import make_synthetic_coco
@@ -65,6 +72,30 @@ def param_groups(model, args):
     return groups
 
 
+class _SkipFirst(torch.utils.data.Sampler):
+    """The indices of ``sampler`` after its first ``count``: the rest of an interrupted epoch, in the same order."""
+
+    def __init__(self, sampler, count):
+        self.sampler, self.count = sampler, count
+
+    def __iter__(self):
+        return itertools.islice(iter(self.sampler), self.count, None)
+
+    def __len__(self):
+        return max(0, len(self.sampler) - self.count)
+
+
+def train_loader(args, dataset, sampler, epoch, rank, skip_batches=0):
+    """The epoch's training batches, from batch ``skip_batches`` on (whole batches: drop_last). Its own generator
+    seeds the workers, so making the loader draws nothing from the global RNG and a resumed epoch continues the
+    same random stream as an uninterrupted one."""
+    generator = torch.Generator().manual_seed((args.seed + rank) * 100_003 + epoch)
+    if skip_batches:
+        sampler = _SkipFirst(sampler, skip_batches * args.batch_size)
+    return DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True, generator=generator,
+                      collate_fn=collate_fn, num_workers=args.num_workers, persistent_workers=False)
+
+
 def make_loaders(args, datasets, rank, world):
     train_sampler = DistributedSampler(datasets["train"], num_replicas=world, rank=rank, shuffle=True,
                                        seed=args.seed, drop_last=False)
@@ -72,10 +103,9 @@ def make_loaders(args, datasets, rank, world):
     if len(datasets["train"]) // world < args.batch_size:
         raise ValueError(f"--batch-size {args.batch_size} exceeds the {len(datasets['train']) // world} training "
                          "images per process; lower --batch-size")
-    common = dict(collate_fn=collate_fn, num_workers=args.num_workers, persistent_workers=False)
-    train = DataLoader(datasets["train"], batch_size=args.batch_size, sampler=train_sampler, drop_last=True, **common)
-    val = DataLoader(datasets["val"], batch_size=args.batch_size, sampler=val_sampler, drop_last=False, **common)
-    return train, val, train_sampler
+    val = DataLoader(datasets["val"], batch_size=args.batch_size, sampler=val_sampler, drop_last=False,
+                     collate_fn=collate_fn, num_workers=args.num_workers, persistent_workers=False)
+    return val, train_sampler
 
 
 def main(argv=None):
@@ -110,10 +140,10 @@ def main(argv=None):
     optimizer = torch.optim.AdamW(param_groups(model_without_ddp, args), lr=args.lr, weight_decay=args.weight_decay)
     lr_scheduler = torch.optim.lr_scheduler.StepLR(optimizer, args.lr_drop)
     scaler = torch.amp.GradScaler("cuda") if amp else None
-    train_loader, val_loader, train_sampler = make_loaders(args, datasets, rank, world)
+    val_loader, train_sampler = make_loaders(args, datasets, rank, world)
     coco_gt = datasets["val"].coco
 
-    start_epoch = 0
+    start_epoch, start_iter, meter_state, seconds_before = 0, 0, None, 0.0
     if args.resume:
         ckpt = load_checkpoint(args.resume)
         model_without_ddp.load_state_dict(ckpt["model"], strict=True)
@@ -123,6 +153,9 @@ def main(argv=None):
             if scaler is not None and ckpt.get("scaler"):
                 scaler.load_state_dict(ckpt["scaler"])
             start_epoch = ckpt["epoch"] + 1
+            if ckpt.get("iteration"):  # stopped inside that epoch: continue it with the next batch
+                start_epoch, start_iter = ckpt["epoch"], ckpt["iteration"]
+                meter_state, seconds_before = ckpt.get("train_meter"), ckpt.get("train_seconds", 0.0)
             states = ckpt.get("rng", [])
             if len(states) == world:
                 set_rng_state(states[rank])
@@ -144,37 +177,90 @@ def main(argv=None):
 
     if dist_utils.is_main_process():
         truncate_log(log_path, start_epoch)
-    entries, coco = [], None
-    for epoch in range(start_epoch, args.epochs):
-        train_sampler.set_epoch(epoch)
-        t0 = time.time()
-        train_stats = train_one_epoch(model, criterion, train_loader, optimizer, device, epoch, args.clip_max_norm,
-                                      scaler, amp, args.max_iters, args.progress)
-        lr_scheduler.step()
-        train_time = time.time() - t0
-        test_stats, coco = evaluate(model, criterion, postprocessors, val_loader, coco_gt, device, amp, args.progress)
-        entry = {"epoch": epoch, **{f"train_{k}": v for k, v in train_stats.items()},
-                 **{f"test_{k}": v for k, v in test_stats.items()},
-                 **{f"test_{k}": v for k, v in coco.items()}, "n_parameters": n_parameters,
-                 "epoch_train_seconds": train_time}
-        states = dist_utils.all_gather_object(rng_state())
-        if dist_utils.is_main_process():
-            # Checkpoint before the log line: a crash in between re-runs the epoch, and truncate_log
-            # drops its stale line; the reverse order could lose a finished epoch's record.
-            save_atomic({"model": model_without_ddp.state_dict(), "optimizer": optimizer.state_dict(),
-                         "lr_scheduler": lr_scheduler.state_dict(), "epoch": epoch, "args": vars(args),
-                         "rng": states, "scaler": scaler.state_dict() if scaler else None},
-                        out_dir / "checkpoint.pth")
-            append_log(log_path, entry)
-            plot_curves(log_path, out_dir / "curves.png")
-            print(f"epoch {epoch}: train loss {train_stats.get('loss', float('nan')):.4f} "
-                  f"val loss {test_stats.get('loss', float('nan')):.4f} AP {coco['AP']:.4f} AP50 {coco['AP50']:.4f} "
-                  f"({train_time:.1f}s)")
-        entries.append(entry)
-    return {"log": entries, "coco": coco, "model": model_without_ddp}
+    run = _Run(model, model_without_ddp, criterion, postprocessors, val_loader, coco_gt, device, amp, args, out_dir,
+               optimizer, lr_scheduler, scaler, n_parameters)
+    entries, coco, stopped_at = [], None, None
+    with StopRequest() as stop:
+        for epoch in range(start_epoch, args.epochs):
+            train_sampler.set_epoch(epoch)
+            t0 = time.time() - seconds_before
+            meter, done, stopped = train_one_epoch(
+                model, criterion, train_loader(args, datasets["train"], train_sampler, epoch, rank, start_iter),
+                optimizer, device, epoch, args.clip_max_norm, scaler, amp, args.max_iters, args.progress,
+                start_iter=start_iter, meter=Meter(meter_state), should_stop=lambda: stop.agreed(device))
+            start_iter, meter_state, seconds_before = 0, None, 0.0
+            if stopped:
+                _save(run, epoch, iteration=done, train_meter=meter.state(), train_seconds=time.time() - t0)
+                stopped_at = (epoch, done)
+                if dist_utils.is_main_process():
+                    print(f"stopped in epoch {epoch} after {done} batches; --resume {out_dir / 'checkpoint.pth'} "
+                          "continues from the next one", file=sys.stderr)
+                break
+            entry, coco = _finish_epoch(run, epoch, meter.averages(), time.time() - t0)
+            entries.append(entry)
+            if epoch + 1 < args.epochs and stop.agreed(device):  # asked during the epoch's last step or its eval
+                stopped_at = (epoch + 1, 0)
+                if dist_utils.is_main_process():
+                    print(f"stopped after epoch {epoch}; --resume {out_dir / 'checkpoint.pth'} continues with the "
+                          "next one", file=sys.stderr)
+                break
+    return {"log": entries, "coco": coco, "model": model_without_ddp, "stopped_at": stopped_at}
+
+
+@dataclass
+class _Run:
+    """What evaluating and checkpointing an epoch needs."""
+    model: torch.nn.Module  # DDP-wrapped when distributed
+    model_without_ddp: torch.nn.Module
+    criterion: torch.nn.Module
+    postprocessors: dict
+    val_loader: DataLoader
+    coco_gt: object
+    device: torch.device
+    amp: bool
+    args: object
+    out_dir: Path
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: object
+    scaler: object
+    n_parameters: int
+
+
+def _save(run, epoch, **extra):
+    """The checkpoint --resume reads; every process contributes its RNG state, the main one writes."""
+    states = dist_utils.all_gather_object(rng_state())
+    if dist_utils.is_main_process():
+        save_atomic({"model": run.model_without_ddp.state_dict(), "optimizer": run.optimizer.state_dict(),
+                     "lr_scheduler": run.lr_scheduler.state_dict(), "epoch": epoch, "args": vars(run.args),
+                     "rng": states, "scaler": run.scaler.state_dict() if run.scaler else None, **extra},
+                    run.out_dir / "checkpoint.pth")
+
+
+def _finish_epoch(run, epoch, train_stats, train_time):
+    """Evaluate, checkpoint and log a finished epoch; returns its log entry and COCO stats."""
+    run.lr_scheduler.step()
+    test_stats, coco = evaluate(run.model, run.criterion, run.postprocessors, run.val_loader, run.coco_gt,
+                                run.device, run.amp, run.args.progress)
+    entry = {"epoch": epoch, **{f"train_{k}": v for k, v in train_stats.items()},
+             **{f"test_{k}": v for k, v in test_stats.items()},
+             **{f"test_{k}": v for k, v in coco.items()}, "n_parameters": run.n_parameters,
+             "epoch_train_seconds": train_time}
+    # Checkpoint before the log line: a crash in between re-runs the epoch, and truncate_log drops its stale
+    # line; the reverse order could lose a finished epoch's record.
+    _save(run, epoch)
+    if dist_utils.is_main_process():
+        log_path = run.out_dir / "log.jsonl"
+        append_log(log_path, entry)
+        plot_curves(log_path, run.out_dir / "curves.png")
+        print(f"epoch {epoch}: train loss {train_stats.get('loss', float('nan')):.4f} "
+              f"val loss {test_stats.get('loss', float('nan')):.4f} AP {coco['AP']:.4f} AP50 {coco['AP50']:.4f} "
+              f"({train_time:.1f}s)")
+    return entry, coco
 
 
 if __name__ == "__main__":
-    main()
+    result = main()
     if dist_utils.is_dist_avail_and_initialized():
         dist_utils.torch.distributed.destroy_process_group()
+    if result.get("stopped_at"):
+        sys.exit(130)  # stopped by a signal, checkpoint written: the conventional status of an interrupted program
