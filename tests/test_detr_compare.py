@@ -34,3 +34,16 @@ def test_compare_runs_every_variant_from_one_pretrained_backbone_and_resumes(tmp
     again = json.loads((tmp_path / "results.json").read_text())["training"]
     assert [(r["variant"], r["AP"]) for r in again] == [(r["variant"], r["AP"]) for r in rows]
     assert (tmp_path / "softmax" / "checkpoint.pth").stat().st_mtime == mtime
+
+
+def test_a_run_stopped_by_a_signal_stops_the_comparison(tmp_path, monkeypatch):
+    """Ctrl-C checkpoints the running variant; the comparison must not read its half-done log and go on."""
+    monkeypatch.setattr(detr_compare, "train_main", lambda argv: {"stopped_at": (0, 1)})
+    with pytest.raises(SystemExit) as stopped:
+        detr_compare.main(["--out", str(tmp_path), "--epochs", "1", "--skip-encoder", "--num-workers", "0", "--"]
+                          + TRAIN)
+    assert stopped.value.code == 130
+    monkeypatch.setattr(detr_compare, "pretrain_main", lambda argv: None)
+    with pytest.raises(SystemExit, match="130"):
+        detr_compare.main(["--out", str(tmp_path), "--epochs", "1", "--skip-encoder", "--pretrain-iters", "2",
+                           "--num-workers", "0", "--"] + TRAIN)

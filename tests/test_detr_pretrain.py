@@ -65,3 +65,25 @@ def test_resume_after_interruption_repeats_the_run(tmp_path, monkeypatch):
         torch.testing.assert_close(resumed[key], reference[key], rtol=0, atol=0, msg=key)
     iters = [json.loads(line)["iter"] for line in (tmp_path / "split" / "log.jsonl").read_text().splitlines()]
     assert iters == sorted(iters) and iters[-1] == 4
+
+
+def test_a_signal_stops_after_a_step_with_a_checkpoint_that_resumes_exactly(tmp_path, monkeypatch):
+    import os
+    import signal
+    reference = torch.load(_run(tmp_path / "whole"), weights_only=True)
+    real_batch, calls = pretrain._batch, []
+
+    def signalled(*args):
+        calls.append(1)
+        if len(calls) == 3:  # during iteration 3, between the checkpoints of iterations 2 and 4
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_batch(*args)
+    monkeypatch.setattr(pretrain, "_batch", signalled)
+    assert _run(tmp_path / "split") is None
+    assert torch.load(tmp_path / "split" / "checkpoint.pth", weights_only=False)["iter"] == 3
+    monkeypatch.setattr(pretrain, "_batch", real_batch)
+    resumed = torch.load(_run(tmp_path / "split", "--resume"), weights_only=True)
+    for key in reference:
+        torch.testing.assert_close(resumed[key], reference[key], rtol=0, atol=0, msg=key)
+    logs = [(tmp_path / d / "log.jsonl").read_text() for d in ("whole", "split")]
+    assert logs[0] == logs[1]

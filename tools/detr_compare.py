@@ -111,7 +111,16 @@ def pretrained_backbone(a):
                           "--iters", str(a.pretrain_iters), "--seed", str(a.seed),
                           "--output-dir", str(Path(a.out) / "backbone"), "--num-workers", str(a.num_workers),
                           "--resume", "--no-progress", "--"] + a.train_args)
+    if path is None:
+        _stopped("backbone pretraining")
     return ["--backbone-weights", str(path)]
+
+
+def _stopped(what):
+    """A signal stopped a run after checkpointing it: stop the comparison too; the same command resumes."""
+    print(f"detr_compare: {what} was stopped by a signal and checkpointed; run the same command again to "
+          "continue", file=sys.stderr)
+    raise SystemExit(130)
 
 
 def training_table(a, device):
@@ -127,7 +136,8 @@ def training_table(a, device):
             argv += ["--max-iters", str(a.max_iters)]
         if (run_dir / "checkpoint.pth").exists():
             argv += ["--resume", str(run_dir / "checkpoint.pth")]
-        train_main(argv)
+        if train_main(argv)["stopped_at"]:
+            _stopped(f"training of {name!r}")
         log = read_log(run_dir / "log.jsonl")
         peak_file = run_dir / "peak_memory.json"  # measured once per run directory, kept across resumes
         if peak_file.exists():
@@ -154,6 +164,8 @@ def _timed_iterations(a, device, extra):
     with tempfile.TemporaryDirectory(prefix="detr_time_") as tmp:
         run = train_main(["--epochs", "1", "--max-iters", str(a.timing_iters), "--output-dir", tmp]
                          + _run_args(a, device, 0, extra))
+    if run["stopped_at"]:
+        _stopped("the timing run")
     return run["log"][-1]["epoch_train_seconds"] / a.timing_iters
 
 

@@ -11,7 +11,8 @@ label each cell of the backbone's feature map with the category of the object co
 with a 1x1 classifier on top. The features then say what is where; learning the set prediction is
 left to DETR. Options after `--` choose the data, exactly as for `integrations.detr.train`.
 Writes backbone.pth (the body's state_dict), log.jsonl (loss and cell accuracy) and checkpoint.pth
-(every --save-every iterations; --resume continues from it).
+(every --save-every iterations, and when Ctrl-C or SIGTERM stops the run after a step; --resume continues
+from it).
 """
 import argparse
 import json
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from ..stop import StopRequest
 from .backbone import SMALL_BODIES, TinyBody, backbone_stride
 from .checkpoint import load_checkpoint, rng_state, save_atomic, set_rng_state
 from .config import parse_args
@@ -129,12 +131,14 @@ def main(argv=None):
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
         set_rng_state(ckpt["rng"])
-        start = ckpt["iter"]
+        start, running = ckpt["iter"], ckpt.get("running", [])
         if log_path.exists():  # entries past the checkpoint are redone
             log_lines = [line for line in log_path.read_text().splitlines() if json.loads(line)["iter"] <= start]
             log_path.write_text("".join(line + "\n" for line in log_lines))
-    elif log_path.exists():
-        log_path.unlink()
+    else:
+        running = []
+        if log_path.exists():
+            log_path.unlink()
 
     # Each epoch's order comes from its own seed, and a resumed run starts at the next unseen batch
     # without loading the ones before it: with --num-workers 0 it repeats the original run exactly.
@@ -143,12 +147,33 @@ def main(argv=None):
         raise ValueError(f"--batch-size {args.batch_size} exceeds the {len(datasets['train'])} training images")
     model.train()
     it, bar = start, tqdm(total=args.iters, initial=start, disable=not args.progress, desc="pretrain")
-    running = []
+    with StopRequest() as stop:
+        stopped = _train(model, optimizer, scheduler, datasets["train"], per_epoch, stride, device, args, it, bar,
+                         running, log_path, ckpt_path, stop)
+    bar.close()
+    if stopped is not None:
+        print(f"stopped after iteration {stopped}; --resume continues from {ckpt_path}", file=sys.stderr)
+        return None
+    it = args.iters
+    val = evaluate(model, datasets["val"], stride, device, args)
+    with open(log_path, "a") as f:
+        f.write(json.dumps({"iter": it, **val}) + "\n")
+    print(f"pretrained {args.backbone} for {it} iterations: val cell accuracy {val['val_cell_acc']:.3f}, "
+          f"object cells {val['val_object_cell_acc']:.3f}", file=sys.stderr)
+    path = out / "backbone.pth"
+    save_atomic(model.body.state_dict(), path)
+    return path
+
+
+def _train(model, optimizer, scheduler, dataset, per_epoch, stride, device, args, it, bar, running, log_path,
+           ckpt_path, stop):
+    """Iterations ``it`` .. --iters. Returns None when done, or the iteration after which ``stop`` ended the run
+    (its checkpoint written, with the losses since the last log line, so the resumed log reads the same)."""
     while it < args.iters:
         epoch, skip = divmod(it, per_epoch)
-        order = torch.randperm(len(datasets["train"]), generator=torch.Generator().manual_seed(args.seed + epoch))
+        order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(args.seed + epoch))
         batches = order[: per_epoch * args.batch_size].view(per_epoch, args.batch_size)[skip:].tolist()
-        loader = torch.utils.data.DataLoader(datasets["train"], batch_sampler=batches, collate_fn=collate_fn,
+        loader = torch.utils.data.DataLoader(dataset, batch_sampler=batches, collate_fn=collate_fn,
                                              num_workers=args.num_workers)
         for samples, targets in loader:
             images, labels = _batch(samples, targets, stride, device)
@@ -163,25 +188,21 @@ def main(argv=None):
             bar.update(1)
             if it % 50 == 0 or it == args.iters:
                 loss_avg, acc, obj_acc = (sum(v) / len(v) for v in zip(*running))
-                running = []
+                running.clear()
                 bar.set_postfix(loss=f"{loss_avg:.3f}", object_cells=f"{obj_acc:.2f}")
                 with open(log_path, "a") as f:
                     f.write(json.dumps({"iter": it, "loss": loss_avg, "cell_acc": acc, "object_cell_acc": obj_acc})
                             + "\n")
-            if it % args.save_every == 0 or it == args.iters:
+            stopping = it < args.iters and stop.agreed(device)
+            if it % args.save_every == 0 or it == args.iters or stopping:
                 save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                             "scheduler": scheduler.state_dict(), "iter": it, "rng": rng_state()}, ckpt_path)
+                             "scheduler": scheduler.state_dict(), "iter": it, "rng": rng_state(),
+                             "running": list(running)}, ckpt_path)
+            if stopping:
+                return it
             if it == args.iters:
                 break
-    bar.close()
-    val = evaluate(model, datasets["val"], stride, device, args)
-    with open(log_path, "a") as f:
-        f.write(json.dumps({"iter": it, **val}) + "\n")
-    print(f"pretrained {args.backbone} for {it} iterations: val cell accuracy {val['val_cell_acc']:.3f}, "
-          f"object cells {val['val_object_cell_acc']:.3f}", file=sys.stderr)
-    path = out / "backbone.pth"
-    save_atomic(model.body.state_dict(), path)
-    return path
+    return None
 
 
 @torch.no_grad()
@@ -199,4 +220,5 @@ def evaluate(model, dataset, stride, device, args):
 
 
 if __name__ == "__main__":
-    main()
+    if main() is None:
+        sys.exit(130)  # stopped by a signal, checkpoint written
