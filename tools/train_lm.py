@@ -209,9 +209,10 @@ def main(argv=None):
                 train_losses = []
                 log.append(record)
                 bar.set_postfix(val_bpc=f"{record['val_bpc']:.3f}")
-            if step % checkpoint_every == 0 or step % args.eval_every == 0 or step == args.steps or stop.agreed():
+            stopping = stop.agreed() and step < args.steps  # read once: a signal between two reads would exit unsaved
+            if step % checkpoint_every == 0 or step % args.eval_every == 0 or step == args.steps or stopping:
                 save_state(args, ckpt_path, model, opt, gen, step, log, train_losses, time.time() - start)
-            if stop.agreed() and step < args.steps:
+            if stopping:
                 bar.close()
                 print(f"stopped at step {step} of {args.steps}; {ckpt_path} holds it, and --resume continues "
                       "from there", file=sys.stderr)
