@@ -44,11 +44,11 @@ def test_resume_after_interruption_reproduces_the_uninterrupted_run(tmp_path, mo
 
     # Ctrl-C in the middle of epoch 1: the run stops after that step with a checkpoint, and --resume continues
     # with the next batch to the same weights and log as the uninterrupted run.
-    real_targets_to, calls = engine._targets_to, []
+    real_targets_to, calls, signal_at = engine._targets_to, [], [7]
 
     def targets_to_then_signal(targets, device):
         calls.append(1)
-        if len(calls) == 7:  # epoch 0: 4 training batches + 1 eval batch; then epoch 1's second batch
+        if len(calls) == signal_at[0]:  # epoch 0: 4 training batches + 1 eval batch; 7: epoch 1's second batch
             os.kill(os.getpid(), signal.SIGINT)
         return real_targets_to(targets, device)
     monkeypatch.setattr(engine, "_targets_to", targets_to_then_signal)
@@ -65,6 +65,23 @@ def test_resume_after_interruption_reproduces_the_uninterrupted_run(tmp_path, mo
     assert [e["epoch"] for e in log_signal] == [0, 1]
     for a, b in zip(log_full, log_signal):  # epoch 1's mean loss covers the batches before and after the stop
         assert a["train_loss"] == b["train_loss"] and a["test_AP"] == b["test_AP"]
+
+    # During epoch 0's evaluation (call 5): the evaluation is dropped, the trained epoch saved, and resumed runs
+    # it again; a resume with another --batch-size would skip the wrong images, so it is refused.
+    calls.clear()
+    signal_at[0] = 5
+    monkeypatch.setattr(engine, "_targets_to", targets_to_then_signal)
+    stopped = main(common + ["--epochs", "2", "--output-dir", str(tmp_path / "eval_signal")])
+    monkeypatch.setattr(engine, "_targets_to", real_targets_to)
+    assert stopped["stopped_at"] == (0, 4) and stopped["log"] == []
+    ckpt_path = str(tmp_path / "eval_signal" / "checkpoint.pth")
+    with pytest.raises(ValueError, match="same --batch-size"):
+        main([a if a != "4" else "2" for a in common] + ["--epochs", "2", "--output-dir",
+                                                          str(tmp_path / "eval_signal"), "--resume", ckpt_path])
+    resumed = main(common + ["--epochs", "2", "--output-dir", str(tmp_path / "eval_signal"), "--resume", ckpt_path])
+    assert _states_equal(full["model"].state_dict(), resumed["model"].state_dict())
+    log_eval = [json.loads(line) for line in (tmp_path / "eval_signal" / "log.jsonl").read_text().splitlines()]
+    assert [(e["train_loss"], e["test_AP"]) for e in log_eval] == [(e["train_loss"], e["test_AP"]) for e in log_full]
 
 
 @pytest.mark.slow

@@ -17,6 +17,16 @@ def _weighted_total(loss_dict, weight_dict):
     return sum(loss_dict[k] * weight_dict[k] for k in loss_dict if k in weight_dict)
 
 
+def _reduce_with_stop(values, stop, device):
+    """reduce_dict over processes, with ``stop.local`` (this process was signalled) riding along: every process
+    learns whether any was asked to stop from the reduction each step makes anyway, without a collective of its
+    own. Returns (reduced values, whether to stop)."""
+    if stop is None:
+        return reduce_dict(values), False
+    logged = reduce_dict({**values, "_stop": torch.tensor(1.0 if stop.local else 0.0, device=device)})
+    return logged, bool(logged.pop("_stop") > 0)
+
+
 class Meter:
     """Running means; ``state()`` / ``Meter(state)`` carry an interrupted epoch's sums across a resume."""
 
@@ -39,8 +49,9 @@ class Meter:
 
 
 def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, max_norm=0.0, scaler=None,
-                    amp=False, max_iters=0, progress=True, start_iter=0, meter=None, should_stop=None):
-    """Trains until the loader (or --max-iters) ends, or until ``should_stop()`` says so after a step.
+                    amp=False, max_iters=0, progress=True, start_iter=0, meter=None, stop=None):
+    """Trains until the loader (or --max-iters) ends, or stops after a step once any process's ``stop`` (an
+    integrations.stop.StopRequest) was signalled.
     A resumed epoch passes the loader of its remaining batches, ``start_iter`` (batches already done) and the
     ``meter`` holding their losses. Returns (meter, batches done in the epoch, whether it was stopped early);
     ``meter.averages()`` is the epoch's mean of every (process-averaged) loss, `loss` the weighted total."""
@@ -61,7 +72,7 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, max
             outputs = model(samples)
         loss_dict = criterion(outputs, targets)  # the criterion upcasts half-precision outputs itself
         losses = _weighted_total(loss_dict, weight_dict)
-        logged = reduce_dict(loss_dict)
+        logged, stopping = _reduce_with_stop(loss_dict, stop, device)
         loss_value = float(_weighted_total(logged, weight_dict))
         if not math.isfinite(loss_value):
             raise FloatingPointError(f"loss is {loss_value} at epoch {epoch} iteration {it} ({logged}); "
@@ -83,15 +94,16 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, max
                      **{k: v for k, v in logged.items() if k in weight_dict or "error" in k})
         bar.set_postfix(loss=f"{loss_value:.3f}")
         it += 1
-        if should_stop is not None and it < end and should_stop():
+        if stopping and it < end:
             bar.close()
             return meter, it, True
     return meter, it, False
 
 
 @torch.no_grad()
-def evaluate(model, criterion, postprocessors, data_loader, coco_gt, device, amp=False, progress=True):
-    """Returns (mean losses, COCO stats as a dict of the 12 names plus `coco_eval_bbox` list)."""
+def evaluate(model, criterion, postprocessors, data_loader, coco_gt, device, amp=False, progress=True, stop=None):
+    """Returns (mean losses, COCO stats as a dict of the 12 names plus `coco_eval_bbox` list), or None when
+    ``stop`` was signalled on any process: an evaluation is redone whole, so it ends at once."""
     model.eval()
     criterion.eval()
     meter = Meter()
@@ -100,7 +112,9 @@ def evaluate(model, criterion, postprocessors, data_loader, coco_gt, device, amp
         samples, targets = samples.to(device), _targets_to(targets, device)
         with torch.autocast(device_type="cuda", dtype=torch.float16, enabled=amp):
             outputs = model(samples)
-        logged = reduce_dict(criterion(outputs, targets))
+        logged, stopping = _reduce_with_stop(criterion(outputs, targets), stop, device)
+        if stopping:
+            return None
         meter.update(loss=float(_weighted_total(logged, criterion.weight_dict)),
                      **{k: v for k, v in logged.items() if k in criterion.weight_dict or "error" in k})
         orig_sizes = torch.stack([t["orig_size"] for t in targets])

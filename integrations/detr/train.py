@@ -4,17 +4,21 @@
     python -m integrations.detr.train --coco-path /data/coco --attention linformer
     torchrun --nproc_per_node=2 -m integrations.detr.train --coco-path /data/coco
     python -m integrations.detr.train --resume runs/detr/checkpoint.pth   # continue exactly
-
-A checkpoint is written after every epoch, and when Ctrl-C or SIGTERM stops the run: every process finishes its
-step, the checkpoint records how far into the epoch it got, and --resume continues with the next batch
-(bit-for-bit with --num-workers 0; with workers the remaining batches see other augmentation draws).
     python -m integrations.detr.train --eval --pretrained detr-r50-e632da11.pth --coco-path /data/coco
+
+A checkpoint is written after every epoch, and when a signal (Ctrl-C, SIGTERM; torchrun passes the one it gets on
+to its workers) stops the run: every process finishes its step, or drops the evaluation under way, the
+checkpoint records how far into the epoch it got, and --resume continues with the next batch or the evaluation
+(bit-for-bit with --num-workers 0; with workers the remaining batches see other augmentation draws). That takes
+one step and one checkpoint write; torchrun kills workers still running after its --shutdown-timeout (30 s by
+default), so raise it where writing a checkpoint takes longer.
 """
 import itertools
 import json
 import random
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,13 +107,17 @@ def make_loaders(args, datasets, rank, world):
     if len(datasets["train"]) // world < args.batch_size:
         raise ValueError(f"--batch-size {args.batch_size} exceeds the {len(datasets['train']) // world} training "
                          "images per process; lower --batch-size")
+    # Its own generator, as the training loader's: an evaluation, whole or dropped by a signal, draws nothing from
+    # the global RNG, so a run that redoes it after a resume continues the same random stream.
     val = DataLoader(datasets["val"], batch_size=args.batch_size, sampler=val_sampler, drop_last=False,
-                     collate_fn=collate_fn, num_workers=args.num_workers, persistent_workers=False)
+                     collate_fn=collate_fn, num_workers=args.num_workers, persistent_workers=False,
+                     generator=torch.Generator().manual_seed(args.seed + rank))
     return val, train_sampler
 
 
 def main(argv=None):
-    """Runs training (or --eval); returns {'log': [...epoch entries], 'coco': last stats, 'model': model}."""
+    """Runs training (or --eval); returns {'log': [...epoch entries], 'coco': last stats, 'model': model,
+    'stopped_at': (epoch, batches done) when a signal stopped it, else None}."""
     args = parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rank, world, local = dist_utils.init_distributed_mode(device.type)
@@ -154,6 +162,12 @@ def main(argv=None):
                 scaler.load_state_dict(ckpt["scaler"])
             start_epoch = ckpt["epoch"] + 1
             if ckpt.get("iteration"):  # stopped inside that epoch: continue it with the next batch
+                done = (ckpt.get("world"), ckpt.get("batch_size"))
+                if done != (world, args.batch_size):
+                    raise ValueError(f"--resume {args.resume} stopped inside epoch {ckpt['epoch']} after "
+                                     f"{ckpt['iteration']} batches of --batch-size {done[1]} on {done[0]} process(es); "
+                                     f"continue it with the same --batch-size and process count (now "
+                                     f"{args.batch_size} on {world}), or the batches left would be the wrong ones")
                 start_epoch, start_iter = ckpt["epoch"], ckpt["iteration"]
                 meter_state, seconds_before = ckpt.get("train_meter"), ckpt.get("train_seconds", 0.0)
             states = ckpt.get("rng", [])
@@ -173,7 +187,7 @@ def main(argv=None):
         if dist_utils.is_main_process():
             (out_dir / "eval.json").write_text(json.dumps({**{f"test_{k}": v for k, v in test_stats.items()},
                                                            **coco}, indent=1))
-        return {"log": [], "coco": coco, "model": model_without_ddp}
+        return {"log": [], "coco": coco, "model": model_without_ddp, "stopped_at": None}
 
     if dist_utils.is_main_process():
         truncate_log(log_path, start_epoch)
@@ -187,18 +201,21 @@ def main(argv=None):
             meter, done, stopped = train_one_epoch(
                 model, criterion, train_loader(args, datasets["train"], train_sampler, epoch, rank, start_iter),
                 optimizer, device, epoch, args.clip_max_norm, scaler, amp, args.max_iters, args.progress,
-                start_iter=start_iter, meter=Meter(meter_state), should_stop=lambda: stop.agreed(device))
+                start_iter=start_iter, meter=Meter(meter_state), stop=stop)
             start_iter, meter_state, seconds_before = 0, None, 0.0
-            if stopped:
-                _save(run, epoch, iteration=done, train_meter=meter.state(), train_seconds=time.time() - t0)
+            trained = rng_state()  # the evaluation's transforms draw from it; a redone evaluation must start here
+            finished = None if stopped else _finish_epoch(run, epoch, meter, time.time() - t0, stop)
+            if finished is None:  # stopped during training or the evaluation: resume at the next batch or the eval
+                _save(run, epoch, rng=trained, iteration=done, train_meter=meter.state(),
+                      train_seconds=time.time() - t0, world=world, batch_size=args.batch_size)
                 stopped_at = (epoch, done)
                 if dist_utils.is_main_process():
-                    print(f"stopped in epoch {epoch} after {done} batches; --resume {out_dir / 'checkpoint.pth'} "
-                          "continues from the next one", file=sys.stderr)
+                    print(f"stopped in epoch {epoch} after {done} batches{'' if stopped else ', before its evaluation'}"
+                          f"; --resume {out_dir / 'checkpoint.pth'} continues from there", file=sys.stderr)
                 break
-            entry, coco = _finish_epoch(run, epoch, meter.averages(), time.time() - t0)
+            entry, coco = finished
             entries.append(entry)
-            if epoch + 1 < args.epochs and stop.agreed(device):  # asked during the epoch's last step or its eval
+            if stop.agreed(device):  # asked after the evaluation's last batch: the epoch is saved, stop here
                 stopped_at = (epoch + 1, 0)
                 if dist_utils.is_main_process():
                     print(f"stopped after epoch {epoch}; --resume {out_dir / 'checkpoint.pth'} continues with the "
@@ -226,9 +243,10 @@ class _Run:
     n_parameters: int
 
 
-def _save(run, epoch, **extra):
-    """The checkpoint --resume reads; every process contributes its RNG state, the main one writes."""
-    states = dist_utils.all_gather_object(rng_state())
+def _save(run, epoch, rng=None, **extra):
+    """The checkpoint --resume reads; every process contributes its RNG state (``rng``, else the current one), the
+    main one writes."""
+    states = dist_utils.all_gather_object(rng_state() if rng is None else rng)
     if dist_utils.is_main_process():
         save_atomic({"model": run.model_without_ddp.state_dict(), "optimizer": run.optimizer.state_dict(),
                      "lr_scheduler": run.lr_scheduler.state_dict(), "epoch": epoch, "args": vars(run.args),
@@ -236,11 +254,20 @@ def _save(run, epoch, **extra):
                     run.out_dir / "checkpoint.pth")
 
 
-def _finish_epoch(run, epoch, train_stats, train_time):
-    """Evaluate, checkpoint and log a finished epoch; returns its log entry and COCO stats."""
-    run.lr_scheduler.step()
-    test_stats, coco = evaluate(run.model, run.criterion, run.postprocessors, run.val_loader, run.coco_gt,
-                                run.device, run.amp, run.args.progress)
+def _finish_epoch(run, epoch, meter, train_time, stop):
+    """Evaluate, checkpoint and log a finished epoch; returns its log entry and COCO stats, or None when a signal
+    stopped the evaluation (nothing saved: the caller checkpoints the epoch as trained but not evaluated)."""
+    evaluated = evaluate(run.model, run.criterion, run.postprocessors, run.val_loader, run.coco_gt, run.device,
+                         run.amp, run.args.progress, stop=stop)
+    if evaluated is None:
+        return None
+    test_stats, coco = evaluated
+    train_stats = meter.averages()
+    with warnings.catch_warnings():
+        # A run resumed between an epoch's last step and its evaluation steps the schedule before this process
+        # has stepped the optimizer, which the epoch's checkpointed optimizer already did.
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+        run.lr_scheduler.step()
     entry = {"epoch": epoch, **{f"train_{k}": v for k, v in train_stats.items()},
              **{f"test_{k}": v for k, v in test_stats.items()},
              **{f"test_{k}": v for k, v in coco.items()}, "n_parameters": run.n_parameters,
