@@ -14,7 +14,6 @@ from torch import nn
 
 from . import functional as LF
 from . import masks as M
-from .functional._common import mask_keys
 
 MODES = ("linformer", "kernel", "efficient", "taylor", "softmax")
 PARAM_SHARING = ("none", "headwise", "kv", "layerwise")
@@ -194,10 +193,6 @@ class ModeAttention(nn.Module):
         L, S = q.shape[2], k.shape[2] - n_extra
         bias = None
         if kpm is not None:
-            # Zeroing masked keys and values first keeps garbage out (NaN or inf there would survive a zero
-            # weight); finite values give the same result as nn.MultiheadAttention.
-            removed = F.pad(kpm if kpm.dtype == torch.bool else torch.isneginf(kpm), (0, n_extra))
-            k, v = mask_keys(k, removed), mask_keys(v, removed)
             bias = F.pad(M.to_additive(kpm, q.dtype), (0, n_extra))[:, None, None, :]
         if mask is None and is_causal:
             mask = torch.ones(L, S, dtype=torch.bool, device=q.device).triu(1)

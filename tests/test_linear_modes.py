@@ -79,9 +79,12 @@ EXTRA_KEYS = {"none": {}, "bias_kv": dict(add_bias_kv=True), "zero_attn": dict(a
               "both": dict(add_bias_kv=True, add_zero_attn=True)}
 
 
-@pytest.mark.parametrize("garbage_kind", ["large", "nonfinite"])
+# softmax mode is nn.MultiheadAttention's computation, which needs finite padding (README, "Masks").
+GARBAGE_CASES = [(n, kind) for n in MODES for kind in ("large", "nonfinite") if (n, kind) != ("softmax", "nonfinite")]
+
+
 @pytest.mark.parametrize("extras", list(EXTRA_KEYS))
-@pytest.mark.parametrize("name", list(MODES))
+@pytest.mark.parametrize("name,garbage_kind", GARBAGE_CASES)
 def test_padding_with_masked_garbage_changes_nothing_and_gets_no_gradient(name, extras, garbage_kind):
     m = module(name, **EXTRA_KEYS[extras])
     if m.bias_k is not None:
