@@ -9,9 +9,9 @@ and after, as a table (optionally JSON and a PNG).
 
 Names: a timm model name, or a torchvision one (prefix ``torchvision:`` when both libraries know the name).
 Deviation: max |patched - original| / max |original| and the mean cosine similarity, on the model output (logits)
-and on the head's input (the input of the model's last nn.Linear: a ViT's pooled features). Random weights make
-the linear approximation look worse than after fine-tuning, and torchvision zero-initialises its ViT head, so
-there the logits are all zero and only the head's input says anything ("n/a" for the logits).
+and on the head's input (the input of the classifier's final Linear: a ViT's pooled features; n/a without one).
+Random weights make the linear approximation look worse than after fine-tuning, and torchvision zero-initialises
+its ViT head, so there the logits are all zero and only the head's input says anything ("n/a" for the logits).
 Peak memory: on CUDA, torch.cuda.max_memory_allocated growth during the forward; on CPU, the growth of the
 process RSS sampled every 0.2 ms with glibc's mmap threshold pinned low, so large tensors come from mmap and are
 returned to the OS when freed (approximate: spikes shorter than the sampling period can be missed).
@@ -150,8 +150,10 @@ class _RssPeak:
         return False
 
 
-def _last_linear(model):
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+def _classifier(model):
+    """The classifier's final Linear (timm's get_classifier(), torchvision's ViT heads), or None (num_classes=0)."""
+    head = model.get_classifier() if hasattr(model, "get_classifier") else getattr(model, "heads", None)
+    linears = [m for m in head.modules() if isinstance(m, torch.nn.Linear)] if isinstance(head, torch.nn.Module) else []
     return linears[-1] if linears else None
 
 
@@ -161,7 +163,7 @@ def measure(model, x, repeats: int, device: torch.device, rss_ok: bool):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    head, seen = _last_linear(model), {}
+    head, seen = _classifier(model), {}
     hook = None if head is None else head.register_forward_pre_hook(
         lambda module, args: seen.setdefault("features", args[0].detach().float()))
     with torch.no_grad():
