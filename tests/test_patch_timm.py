@@ -177,18 +177,25 @@ def test_unsupported_attention_is_reported_and_untouched():
     class MyAttention(Attention):
         pass
 
+    class AttnBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = nn.Conv2d(4, 4, 1), nn.Conv2d(4, 4, 1), nn.Conv2d(4, 4, 1)
+
     zoo = nn.ModuleDict({
         "eva": eva.EvaAttention(16, 2, scale_norm=False), "rope": AttentionRope(16, 2), "beit": beit.Attention(16, 2, window_size=(2, 2)),
         "swin": swin_transformer.WindowAttention(16, 2, window_size=2), "pvt": pvt_v2.Attention(16, 2, sr_ratio=2),
         "talking": cait.TalkingHeadAttn(16, 2), "class_attn": cait.ClassAttn(16, 2), "diff": DiffAttention(16, 2),
         "subclass": MyAttention(16, 2), "plain": Attention(16, 2), "xca": xcit.XCA(16, 2),
         "cait_block": cait.LayerScaleBlockClassAttn(16, 2),  # a block: only its inner ClassAttn is reported
+        "attn_block": AttnBlock(),  # named like a block, but attention itself (as in a diffusion VAE)
     })
     before = dict(zoo.items())
     report = patch(zoo, "kernel")
     assert [n for n, _, _ in report.replaced] == ["plain"]
     reasons = {n: r for n, _, r in report.skipped}
     assert set(reasons) == set(before) - {"plain", "cait_block"} | {"cait_block.attn"}
+    assert "unsupported attention class" in reasons["attn_block"]
     before["cait_block.attn"] = zoo["cait_block"].attn
     for name, words in {"eva": "RoPE", "rope": "RoPE", "beit": "relative position", "swin": "window",
                         "pvt": "spatial-reduction", "talking": "talking heads", "class_attn": "class token",

@@ -51,7 +51,9 @@ class AutoregressiveWrapper(nn.Module):
 
     def forward(self, x: Tensor, return_loss: bool = False, **kwargs):
         """With return_loss: mean cross-entropy of predicting x[:, 1:] from x[:, :-1]. Targets equal to
-        ``ignore_index``, and with ``input_mask`` (B, N) the targets it marks False (padding), are left out."""
+        ``ignore_index``, and with ``input_mask`` (B, N) the targets it marks False (padding), are left out; a
+        mask of length N - 1 is taken as the inputs' mask only (it cannot say whether the last target is
+        padding), so it hides padded inputs from attention but leaves the targets in the loss."""
         if not return_loss:
             return self.net(x, **kwargs)
         mask = kwargs.pop("input_mask", None)

@@ -1,5 +1,6 @@
-"""nn.MultiheadAttention (and subclasses) <-> LinearMultiheadAttention, sharing the Parameter objects both ways,
-and the nn.TransformerEncoder nested-tensor switch that must be off once an encoder holds linear attention."""
+"""nn.MultiheadAttention (and subclasses that keep its forward) <-> LinearMultiheadAttention, sharing the Parameter
+objects both ways, and the nn.TransformerEncoder nested-tensor switch that must be off once an encoder holds linear
+attention."""
 from torch import nn
 
 from ..attention import LinearMultiheadAttention

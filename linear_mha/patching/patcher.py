@@ -121,8 +121,8 @@ def _check_model(model, fn: str) -> None:
 def patch(model: nn.Module, mode: str = "linformer", *, include=None, exclude=None,
           filter: Optional[Callable] = None, options_for: Optional[Callable] = None, **options) -> PatchReport:
     """Replace, in place, every selected nn.MultiheadAttention (and subclass that keeps its forward) with
-    LinearMultiheadAttention and
-    every timm.layers.Attention with LinearTimmAttention, reusing the original Parameter objects.
+    LinearMultiheadAttention and every timm.layers.Attention with LinearTimmAttention, reusing the original
+    Parameter objects.
 
     include / exclude: fnmatch patterns over qualified module names ("encoder.layers.*.self_attn");
     filter(name, module) -> bool; options_for(name, module) -> dict merged over ``options`` for that module.

@@ -54,7 +54,12 @@ def unsupported_reason(module: nn.Module, timm_classes: tuple) -> Optional[str]:
     for (name, where), reason in _KNOWN.items():
         if cls.__name__ == name and (where is None or where in cls.__module__):
             return reason
-    # A block (e.g. CaiT's LayerScaleBlockClassAttn) holds attention, which is reported on its own.
-    if not re.search(r"attention|attn", cls.__name__, re.IGNORECASE) or "Block" in cls.__name__:
-        return None
+    inner = (m for m in module.modules() if m is not module)
+    if not _looks_like_attention(cls) or any(_looks_like_attention(type(m)) for m in inner):
+        return None  # a block holding attention (CaiT's LayerScaleBlockClassAttn): the attention inside is reported
     return f"unsupported attention class; {_SUPPORTED}, whose computation it reproduces exactly"
+
+
+def _looks_like_attention(cls) -> bool:
+    return bool(re.search(r"attention|attn", cls.__name__, re.IGNORECASE)) or cls is TORCH_MHA or any(
+        cls.__name__ == name for name, _ in _KNOWN)
