@@ -1,4 +1,5 @@
 """One training epoch and one evaluation pass (tqdm progress, AMP on CUDA, gradient clipping)."""
+import itertools
 import math
 from collections import defaultdict
 
@@ -61,12 +62,11 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, max
     weight_dict = criterion.weight_dict
     end = start_iter + len(data_loader)
     end = min(end, max_iters) if max_iters else end
-    bar = tqdm(data_loader, total=end, initial=start_iter, desc=f"epoch {epoch}",
+    # islice: with --max-iters, no batch past the last is loaded (its transforms would draw from the RNG).
+    bar = tqdm(itertools.islice(data_loader, end - start_iter), total=end, initial=start_iter, desc=f"epoch {epoch}",
                disable=not (progress and is_main_process()), leave=False)
     it = start_iter
     for samples, targets in bar:
-        if it >= end:
-            break
         samples, targets = samples.to(device), _targets_to(targets, device)
         with torch.autocast(device_type="cuda", dtype=torch.float16, enabled=amp):
             outputs = model(samples)
