@@ -55,6 +55,6 @@ def linformer(
     if (extra_k is None) != (extra_v is None):
         raise ValueError("extra_k and extra_v come together: pass both or neither")
     if extra_k is not None:
-        k_proj = torch.cat([k_proj.expand(*extra_k.shape[:2], *k_proj.shape[2:]), extra_k.to(k_proj.dtype)], dim=2)
-        v_proj = torch.cat([v_proj.expand(*extra_v.shape[:2], *v_proj.shape[2:]), extra_v.to(v_proj.dtype)], dim=2)
+        k_proj = torch.cat([k_proj, extra_k.to(k_proj.dtype)], dim=2)
+        v_proj = torch.cat([v_proj, extra_v.to(v_proj.dtype)], dim=2)
     return softmax(q, k_proj, v_proj, dropout_p=dropout_p, need_weights=need_weights, scale=scale)
