@@ -15,10 +15,19 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
-def top_k_filter(logits: Tensor, k: int) -> Tensor:
-    """Keep the k largest logits per row; the rest become -inf."""
+def _check_top_k(k) -> None:
     if not isinstance(k, int) or k < 1:
         raise ValueError(f"top_k must be a positive int, got {k!r}")
+
+
+def _check_top_p(p) -> None:
+    if not 0.0 < p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {p}")
+
+
+def top_k_filter(logits: Tensor, k: int) -> Tensor:
+    """Keep the k largest logits per row; the rest become -inf."""
+    _check_top_k(k)
     k = min(k, logits.shape[-1])
     kth = logits.topk(k, dim=-1).values[..., -1:]
     return logits.masked_fill(logits < kth, float("-inf"))
@@ -27,8 +36,7 @@ def top_k_filter(logits: Tensor, k: int) -> Tensor:
 def top_p_filter(logits: Tensor, p: float) -> Tensor:
     """Nucleus filtering: keep the smallest set of most likely tokens whose probability sums to >= p
     (the top token is always kept). The original removed tokens once the mass passed 1 - p: inverted."""
-    if not 0.0 < p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {p}")
+    _check_top_p(p)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
@@ -93,10 +101,10 @@ class AutoregressiveWrapper(nn.Module):
             raise ValueError(f"prompt ({prompt.shape[1]}) + length ({length}) - 1 exceeds max_seq_len={self.max_seq_len}")
         if not (isinstance(temperature, numbers.Real) and math.isfinite(temperature) and temperature >= 0):
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-        if top_k is not None:
-            top_k_filter(torch.zeros(1, 1), top_k)  # argument checks up front, greedy decoding included
+        if top_k is not None:  # checked up front, greedy decoding included
+            _check_top_k(top_k)
         if top_p is not None:
-            top_p_filter(torch.zeros(1, 1), top_p)
+            _check_top_p(top_p)
         was_training = self.net.training
         self.net.eval()
         try:
