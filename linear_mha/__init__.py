@@ -1,12 +1,15 @@
 """linear_mha: linear-time drop-in replacements for torch.nn.MultiheadAttention.
 
-Layers: ``functional`` (pure attention functions) -> ``LinearMultiheadAttention`` (the module) -> ``patching``
-(model surgery) -> ``lm`` (language models and image attention built on the layers below).
+Layers: ``functional`` (pure attention functions) -> ``registry`` / ``methods`` (attention methods by name) ->
+``LinearMultiheadAttention`` (the module) -> ``patching`` (model surgery) -> ``lm`` (language models and image
+attention built on the layers below).
 """
 from . import functional
+from .registry import (AttentionMethod, Option, available_methods, method_class, register_method,
+                       unregister_method)
+from . import methods  # noqa: F401  (registers the built-in methods)
 from .attention import LinearMultiheadAttention
 from .cpu_malloc import keep_freed_memory
-from .mode_attention import MODES
 from .lm import (AutoregressiveWrapper, ImageLinearAttention, LinearAttentionTransformer,
                  LinearAttentionTransformerLM, LinearImageAttention, LinearSelfAttention, Linformer,
                  LinformerContextSettings, LinformerLM, LinformerSelfAttention, LinformerSettings)
@@ -14,7 +17,8 @@ from .patching import PatchReport, patch, patched, unpatch
 
 __version__ = "0.1.0"
 __all__ = [
-    "LinearMultiheadAttention", "MODES", "functional",
+    "LinearMultiheadAttention", "functional",
+    "AttentionMethod", "Option", "register_method", "unregister_method", "available_methods", "method_class",
     "patch", "unpatch", "patched", "PatchReport",
     "LinearAttentionTransformerLM", "LinearAttentionTransformer", "AutoregressiveWrapper", "LinformerSettings",
     "LinformerContextSettings", "Linformer", "LinformerLM", "LinformerSelfAttention", "LinearSelfAttention",

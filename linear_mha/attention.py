@@ -1,10 +1,12 @@
 """LinearMultiheadAttention: nn.MultiheadAttention's parameters, signature and return values, with linear-time
-attention inside (Linformer, kernel feature maps, Efficient Attention, Taylor) or exact softmax as the reference.
+attention inside (Linformer, kernel feature maps, Efficient Attention, Taylor, or any registered method) or exact
+softmax as the reference.
 
 Parameters carry nn.MultiheadAttention's names and shapes in all three layouts (packed in_proj_weight, or
 separate q/k/v_proj_weight when kdim/vdim differ), so ``load_state_dict(mha.state_dict())`` loads every
-attention weight. Modes with extra state (Linformer's E/F, FAVOR's projection) accept a state dict without it:
-an nn.MultiheadAttention checkpoint has no such keys, and those tensors keep their initialisation.
+attention weight. Methods with state of their own (Linformer's E/F, FAVOR's projection) accept a state dict
+without it: an nn.MultiheadAttention checkpoint has no such keys, and those tensors keep their initialisation.
+The module projects its inputs to heads; ``self.method`` (see ``registry``) attends them, through ``attend``.
 """
 from typing import Optional, Tuple
 
@@ -13,8 +15,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from . import masks as M
-from .mode_attention import ModeAttention
+from . import masks
+from .attend import attend_heads, drop_missing_state
+from .registry import DEFAULT_MODE, create_method
 
 
 def _disable_torch_fast_path(module, args):
@@ -23,20 +26,25 @@ def _disable_torch_fast_path(module, args):
     return None
 
 
-class LinearMultiheadAttention(ModeAttention):
+class LinearMultiheadAttention(nn.Module):
     r"""Drop-in replacement for :class:`torch.nn.MultiheadAttention` with linear-time attention.
 
-    Positional arguments and defaults are nn.MultiheadAttention's. Keyword options:
+    Positional arguments and defaults are nn.MultiheadAttention's. Keyword arguments: ``mode``, the attention
+    method's name (``linear_mha.available_methods()``: ``"linformer"`` (default), ``"kernel"``, ``"efficient"``,
+    ``"taylor"``, ``"softmax"`` (exact), and any method registered with ``linear_mha.register_method``), then that
+    method's own options; an option the method does not have raises a ValueError listing the ones it has.
 
-    * ``mode``: ``"linformer"`` (default), ``"kernel"``, ``"efficient"``, ``"taylor"`` or ``"softmax"`` (exact).
-    * ``seq_len`` (100), ``proj_k`` (128): Linformer projects up to ``seq_len`` keys onto ``proj_k`` positions.
-    * ``param_sharing`` (Linformer): ``"none"`` E_i, F_i per head; ``"headwise"`` one E, F per layer; ``"kv"``
+    * linformer: ``seq_len`` (100), ``proj_k`` (128): up to ``seq_len`` keys are projected onto ``proj_k``
+      positions. ``param_sharing``: ``"none"`` E_i, F_i per head; ``"headwise"`` one E, F per layer; ``"kv"``
       E = F per layer; ``"layerwise"`` one projection (E = F) shared by every layer: pass it as
       ``shared_projection`` (an ``nn.Parameter`` of shape (proj_k, seq_len)) or let the patcher tie it.
-    * ``feature_map`` (kernel mode): ``"elu"`` (default), ``"relu"``, ``"favor"`` or a callable psi(x) -> features.
-      ``num_features`` sets FAVOR's random-feature count (default d log d); ``redraw_interval`` redraws them every
-      that many training forwards (default: never; call ``redraw_features()`` yourself).
-    * ``chunk_size``: chunk length of the causal kernel product.
+    * kernel: ``feature_map``: ``"elu"`` (default), ``"relu"``, ``"favor"``, ``"taylor"`` or a callable
+      psi(x) -> features. ``num_features`` sets FAVOR's random-feature count (default d log d);
+      ``redraw_interval`` redraws them every that many training forwards (default: never; call
+      ``redraw_features()`` yourself). ``chunk_size``: chunk length of the causal product (kernel and taylor).
+
+    The configured method is ``self.method`` (its options are attributes: ``self.method.seq_len``); ``self.mode``
+    is its name.
 
     ``dropout`` is applied only in training. In ``softmax`` it drops attention probabilities, in ``linformer``
     probabilities over the projected keys; ``kernel``, ``efficient`` and ``taylor`` have no probability matrix,
@@ -51,12 +59,8 @@ class LinearMultiheadAttention(ModeAttention):
     __constants__ = ["batch_first"]
 
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
-                 kdim=None, vdim=None, batch_first=False, device=None, dtype=None, *, mode="linformer",
-                 seq_len=100, proj_k=128, param_sharing="none", feature_map=None, num_features=None,
-                 shared_projection=None, chunk_size=None, redraw_interval=None, **unknown):
-        options = dict(mode=mode, seq_len=seq_len, proj_k=proj_k, param_sharing=param_sharing,
-                       feature_map=feature_map, num_features=num_features, shared_projection=shared_projection,
-                       chunk_size=chunk_size, redraw_interval=redraw_interval, **unknown)
+                 kdim=None, vdim=None, batch_first=False, device=None, dtype=None, *, mode=DEFAULT_MODE, **options):
+        method = create_method(mode, options)  # first: a wrong option fails before anything is allocated
         if embed_dim <= 0 or num_heads <= 0:
             raise ValueError(f"embed_dim and num_heads must be > 0, got embed_dim={embed_dim}, num_heads={num_heads}")
         if embed_dim % num_heads:
@@ -98,8 +102,13 @@ class LinearMultiheadAttention(ModeAttention):
         self.add_zero_attn = add_zero_attn
 
         self._reset_parameters()
-        self._init_mode(options, factory_kwargs)
+        self.method = method
+        method.install(self, num_heads, self.head_dim, factory_kwargs)
         self.register_forward_pre_hook(_disable_torch_fast_path)
+
+    @property
+    def mode(self) -> str:
+        return self.method.name
 
     # ------------------------------------------------------------------ construction
     def _reset_parameters(self):
@@ -139,8 +148,18 @@ class LinearMultiheadAttention(ModeAttention):
             new.out_proj = mha.out_proj
         return new.train(mha.training)
 
+    def redraw_features(self, generator: Optional[torch.Generator] = None) -> None:
+        """Draw a new FAVOR+ random projection (mode='kernel' with feature_map='favor')."""
+        self.method.redraw(self, generator)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        drop_missing_state(self.method, prefix, state_dict, missing_keys)
+
     def extra_repr(self) -> str:
-        s = f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, {self.mode_repr()}"
+        s = f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, {self.method.describe()}"
         if self.batch_first:
             s += ", batch_first=True"
         return s
@@ -157,12 +176,13 @@ class LinearMultiheadAttention(ModeAttention):
         (every key masked) get a zero attention output (before ``out_proj``) in every mode.
         ``is_causal=True`` without ``attn_mask`` means a causal mask; with one, the mask is checked to be causal.
         """
-        self._count_forward_for_redraw()
+        self.method.before_forward(self)
         if query.is_nested or key.is_nested or value.is_nested:
             return self._forward_nested(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal)
-        q, k, v, kpm, mask, layout = self._prepare(query, key, value, key_padding_mask, attn_mask)
-        dropout_p = self.dropout if self.training else 0.0
-        out, weights = self._attend(q, k, v, kpm, mask, is_causal, layout["n_extra"], need_weights, dropout_p)
+        q, k, v, extra_keys, kpm, mask, layout = self._prepare(query, key, value, key_padding_mask, attn_mask)
+        out, weights = attend_heads(self.method, self.method.state(self), q, k, v, key_padding_mask=kpm,
+                                    attn_mask=mask, is_causal=is_causal, extra_keys=extra_keys,
+                                    need_weights=need_weights, dropout_p=self.dropout if self.training else 0.0)
         out = self.out_proj(out.transpose(1, 2).reshape(layout["batch"], layout["tgt_len"], self.embed_dim))
         if weights is not None and average_attn_weights:
             weights = weights.mean(dim=1)
@@ -179,16 +199,21 @@ class LinearMultiheadAttention(ModeAttention):
         value matrix (no dropout), so it is exactly what forward uses, and it costs O(L S) memory: use small
         inputs. Columns of extra keys (add_bias_kv, add_zero_attn) come last, as in nn.MultiheadAttention."""
         value = key.new_zeros(key.shape[:-1] + (self.vdim,))
-        q, k, _, kpm, mask, layout = self._prepare(query, key, value, key_padding_mask, attn_mask)
-        B, H, S_total = k.shape[0], k.shape[1], k.shape[2]
-        eye = torch.eye(S_total, dtype=q.dtype, device=q.device).expand(B, H, S_total, S_total)
-        weights, _ = self._attend(q, k, eye, kpm, mask, is_causal, layout["n_extra"], False, 0.0)
+        q, k, _, extra_keys, kpm, mask, layout = self._prepare(query, key, value, key_padding_mask, attn_mask)
+        B, H, S = k.shape[:3]
+        n_extra = 0 if extra_keys is None else extra_keys[0].shape[2]
+        eye = torch.eye(S + n_extra, dtype=q.dtype, device=q.device).expand(B, H, S + n_extra, S + n_extra)
+        if extra_keys is not None:
+            extra_keys = (extra_keys[0], eye[:, :, S:])
+        weights, _ = attend_heads(self.method, self.method.state(self), q, k, eye[:, :, :S], key_padding_mask=kpm,
+                                  attn_mask=mask, is_causal=is_causal, extra_keys=extra_keys)
         if average_attn_weights:
             weights = weights.mean(dim=1)
         return weights[0] if layout["unbatched"] else weights
 
     def _prepare(self, query, key, value, key_padding_mask, attn_mask):
-        """Validate nn.MHA-style inputs; project them to heads (B, H, ., head_dim) and append the extra keys."""
+        """Validate nn.MHA-style inputs and project them to heads (B, H, ., head_dim); the extra keys of add_bias_kv /
+        add_zero_attn come back apart, as (k, v) heads of 1 or 2 positions, or None."""
         if query.dim() not in (2, 3):
             raise ValueError(f"query must be 3-D (batched) or 2-D (unbatched (L, E)), got a {query.dim()}-D tensor "
                              f"of shape {tuple(query.shape)}")
@@ -213,23 +238,22 @@ class LinearMultiheadAttention(ModeAttention):
             raise ValueError(f"key and value must have the same batch and sequence sizes, and the batch of query; got "
                              f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)} "
                              f"(batch-major)")
-        kpm = M.check_key_padding_mask(key_padding_mask, B, S, unbatched)
-        mask = M.check_attn_mask(attn_mask, B, self.num_heads, L, S, unbatched)
+        kpm = masks.check_key_padding_mask(key_padding_mask, B, S, unbatched)
+        mask = masks.check_attn_mask(attn_mask, B, self.num_heads, L, S, unbatched)
 
         q, k, v = self._in_projection(query, key, value, same_qkv, same_kv)
         H, d = self.num_heads, self.head_dim
         q, k, v = (t.reshape(B, t.shape[1], H, d).transpose(1, 2) for t in (q, k, v))
-        n_extra = 0
+        extra_k, extra_v = [], []
         if self.bias_k is not None:
-            k = torch.cat([k, self.bias_k.reshape(1, H, 1, d).expand(B, H, 1, d).to(k.dtype)], dim=2)
-            v = torch.cat([v, self.bias_v.reshape(1, H, 1, d).expand(B, H, 1, d).to(v.dtype)], dim=2)
-            n_extra += 1
+            extra_k.append(self.bias_k.reshape(1, H, 1, d).expand(B, H, 1, d).to(k.dtype))
+            extra_v.append(self.bias_v.reshape(1, H, 1, d).expand(B, H, 1, d).to(v.dtype))
         if self.add_zero_attn:
-            k = torch.cat([k, k.new_zeros(B, H, 1, d)], dim=2)
-            v = torch.cat([v, v.new_zeros(B, H, 1, d)], dim=2)
-            n_extra += 1
-        layout = {"batch": B, "tgt_len": L, "unbatched": unbatched, "n_extra": n_extra}
-        return q, k, v, kpm, mask, layout
+            extra_k.append(k.new_zeros(B, H, 1, d))
+            extra_v.append(v.new_zeros(B, H, 1, d))
+        extra_keys = (torch.cat(extra_k, dim=2), torch.cat(extra_v, dim=2)) if extra_k else None
+        layout = {"batch": B, "tgt_len": L, "unbatched": unbatched}
+        return q, k, v, extra_keys, kpm, mask, layout
 
     def _in_projection(self, query, key, value, same_qkv, same_kv):
         E = self.embed_dim

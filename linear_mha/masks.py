@@ -5,13 +5,11 @@ nn.MultiheadAttention accepts ``key_padding_mask`` (B, S) and ``attn_mask`` (L, 
 bias to scores they never form, so this module sorts masks into what every mode can honour exactly:
 padding (a bool per key) and causality. Anything else is reported, naming the modes that support it.
 """
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
-
-LINEAR_CAUSAL_MODES = ("kernel", "taylor")
-
 
 def _check_dtype(mask: Tensor, name: str) -> None:
     if mask.dtype != torch.bool and not mask.is_floating_point():
@@ -57,6 +55,23 @@ def to_additive(mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
     return mask.to(dtype)
 
 
+def additive_bias(key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor], is_causal: bool, tgt_len: int,
+                  src_len: int, n_extra: int, dtype: torch.dtype, device) -> Optional[Tensor]:
+    """All masks as one additive float bias broadcastable to (B, H, L, S + n_extra), for exact softmax: the n_extra
+    columns of extra keys (add_bias_kv / add_zero_attn) are never masked, as in nn.MultiheadAttention.
+    key_padding_mask (B, S) and attn_mask (L, S) or (B, H, L, S) as the ``check_*`` functions return them."""
+    bias = None
+    if key_padding_mask is not None:
+        bias = F.pad(to_additive(key_padding_mask, dtype), (0, n_extra))[:, None, None, :]
+    if attn_mask is None and is_causal:
+        attn_mask = torch.ones(tgt_len, src_len, dtype=torch.bool, device=device).triu(1)
+    if attn_mask is not None:
+        mask = F.pad(to_additive(attn_mask, dtype), (0, n_extra))
+        mask = mask[None, None] if mask.dim() == 2 else mask
+        bias = mask if bias is None else bias + mask
+    return bias
+
+
 def to_forbidden(mask: Tensor, name: str, mode: str) -> Tensor:
     """bool or 0/-inf float -> bool (True = forbidden). A float mask with other values is a score bias, which
     only exact softmax can apply."""
@@ -80,8 +95,10 @@ def is_causal_pattern(forbidden: Tensor) -> bool:
     return bool((forbidden == future).all())
 
 
-def classify_attn_mask_for_linear(attn_mask: Optional[Tensor], is_causal: bool, mode: str) -> bool:
-    """Decide whether a linear mode runs causally, or raise if the mask cannot be honoured exactly.
+def classify_attn_mask_for_linear(attn_mask: Optional[Tensor], is_causal: bool, mode: str,
+                                  causal_modes: Tuple[str, ...]) -> bool:
+    """Decide whether a method without arbitrary masks runs causally, or raise if the mask cannot be honoured
+    exactly (``causal_modes``: the methods with a causal form, for the message).
 
     Returns True for causal attention, False for none. A mask that forbids nothing is no mask."""
     if attn_mask is None:
@@ -97,5 +114,5 @@ def classify_attn_mask_for_linear(attn_mask: Optional[Tensor], is_causal: bool, 
     raise ValueError(
         f"attn_mask has a pattern (not causal, not padding) that mode={mode!r} cannot apply without forming the "
         f"L x S score matrix. Supported: key padding in every mode; causal masks in modes "
-        f"{LINEAR_CAUSAL_MODES + ('softmax',)}; any mask in mode='softmax'. For padding use key_padding_mask."
+        f"{causal_modes}; any mask in mode='softmax'. For padding use key_padding_mask."
     )

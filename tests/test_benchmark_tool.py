@@ -13,7 +13,6 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import linear_mha.functional as LF
-from linear_mha.functional import native
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import benchmark  # noqa: E402
@@ -96,12 +95,12 @@ def _raw_baddbmm_(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs)
     return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[2]
 
 
-@pytest.mark.parametrize("key,causal", [(k, causal) for k, m in benchmark_cases.METHODS.items() if not m.peer
+@pytest.mark.parametrize("key,causal", [(k, causal) for k, m in benchmark_cases.methods().items() if not m.peer
                                          for causal in ((False, True) if m.causal else (False,))])
-def test_flop_formulas_match_torch_flop_counter(key, causal, monkeypatch):
+def test_flop_formulas_match_torch_flop_counter(key, causal, backends):
     # The counter sees torch ops only: the compiled CPU kernels (functional/native.py) are switched off.
-    monkeypatch.setattr(native, "_enabled", False)
-    method = benchmark_cases.METHODS[key]
+    backends(native_kernels=False)
+    method = benchmark_cases.methods()[key]
     case = dict(level=key[0], method=key[1], B=2, H=2, d=8, N=128, proj_k=16, seed=0, causal=causal)
     fn, modules = benchmark_cases.build_method(case, torch.float32, "cpu")
     for m in modules:

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from linear_mha.functional import causal as causal_module
+from linear_mha.functional import backend
 from linear_mha.functional.causal import (
     causal_linear_product,
     causal_linear_state,
@@ -81,12 +81,12 @@ def test_gradients_match_naive(n, chunk):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-10, msg=f"grad of {name}")
 
 
-# Work is done in blocks of _block_positions() positions; tiny values force every blocking path:
+# Work is done in blocks of backend.block_positions() positions; tiny values force every blocking path:
 # one chunk per segment, several segments per head (state carried between them, last one
 # shorter), one head per block, several heads per block, everything in one block.
 @pytest.mark.parametrize("block_positions", [2, 4, 6, 16, 32, None])
-def test_blocking_paths_match_naive(block_positions, monkeypatch):
-    monkeypatch.setattr(causal_module, "_block_positions", lambda device: block_positions)
+def test_blocking_paths_match_naive(block_positions, backends):
+    backends(block_positions=block_positions)
     base = make_inputs(n=13, seed=6)
     grad_out = torch.randn(2, 3, 13, 5, dtype=F64, generator=torch.Generator().manual_seed(7))
     ours = [t.clone().requires_grad_() for t in base]
@@ -103,23 +103,26 @@ def test_block_policy():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert causal_module._block_positions(torch.device("cpu")) == causal_module._BLOCK_POSITIONS
-        assert causal_module._block_positions(torch.device("meta")) is None
+        assert backend.block_positions(torch.device("cpu")) == backend.BLOCK_POSITIONS
+        assert backend.block_positions(torch.device("meta")) is None
         torch.set_num_threads(2)
-        assert causal_module._block_positions(torch.device("cpu")) == causal_module._BLOCK_POSITIONS_THREADED
+        assert backend.block_positions(torch.device("cpu")) == backend.BLOCK_POSITIONS_THREADED
+        with backend.override(block_positions=None):
+            assert backend.block_positions(torch.device("cpu")) is None
+        assert backend.block_positions(torch.device("cpu")) == backend.BLOCK_POSITIONS_THREADED
     finally:
         torch.set_num_threads(threads)
 
 
-def test_gradcheck_with_carried_segments(monkeypatch):
-    monkeypatch.setattr(causal_module, "_block_positions", lambda device: 4)
+def test_gradcheck_with_carried_segments(backends):
+    backends(block_positions=4)
     inputs = [t.requires_grad_() for t in make_inputs(b=1, h=2, n=11, dk=2, dv=3)]
     assert torch.autograd.gradcheck(lambda *a: causal_linear_product(*a, chunk_size=2), inputs)
 
 
 @pytest.mark.parametrize("subset", [s for r in range(1, 5) for s in itertools.combinations(range(4), r)])
-def test_requires_grad_on_any_subset(subset, monkeypatch):
-    monkeypatch.setattr(causal_module, "_block_positions", lambda device: 8)  # 3 chunks of 4, segments of 2
+def test_requires_grad_on_any_subset(subset, backends):
+    backends(block_positions=8)  # 3 chunks of 4, segments of 2
     base = make_inputs(n=9, seed=3)
     ours = [t.clone().requires_grad_(i in subset) for i, t in enumerate(base)]
     ref = [t.clone().requires_grad_(i in subset) for i, t in enumerate(base)]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import linear_mha.functional as LF
+from linear_mha.functional import backend
 from linear_mha.functional._common import append_ones, split_normalise
 from linear_mha.functional.causal_kernel import causal_kernel
 from linear_mha.functional.feature_maps import apply_feature_map
@@ -56,12 +57,11 @@ def test_equals_composed_ops_values_and_grads(feature_map, state):
 
 
 @pytest.mark.parametrize("block_positions", [3, 6, 9, 12, 10_000])  # chunk segments, whole groups, one block
-def test_every_blocking_of_the_forward_gives_the_same_values(block_positions, monkeypatch):
-    import linear_mha.functional.causal as causal_module
+def test_every_blocking_of_the_forward_gives_the_same_values(block_positions, backends):
     q, k, v, init, kpm = inputs(n=13)
     v = v.masked_fill(kpm[:, None, :, None], 0.0)
     ref = composed(q, k, v, "elu", kpm, init)
-    monkeypatch.setattr(causal_module, "_block_positions", lambda device: block_positions)
+    backends(block_positions=block_positions)
     with torch.no_grad():
         out = causal_kernel(q, k, v, "elu", key_padding_mask=kpm, initial_state=init, chunk_size=3)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
@@ -85,6 +85,10 @@ def test_kernel_dispatches_elementwise_maps_to_the_fused_function(monkeypatch):
         LF.kernel(q, k, v, fm, causal=True)
     LF.kernel(q, k, v, "elu")
     assert calls == ["elu", "relu"]
+    # ... exactly where the one function that chooses says so, and it says why
+    chosen = {fm: backend.kernel_backend(q, k, v, fm, causal=True) for fm in ("elu", "relu", "taylor")}
+    assert [c.backend for c in chosen.values()] == [backend.FUSED_CAUSAL, backend.FUSED_CAUSAL, backend.COMPOSED]
+    assert "taylor" in chosen["taylor"].reason and "float64" in chosen["elu"].reason
 
 
 def test_keeps_only_inputs_output_and_normaliser_for_backward():
@@ -126,8 +130,7 @@ def test_inference_path_leaves_inputs_untouched_and_equals_the_autograd_path(fea
 
 @pytest.mark.parametrize("block_positions", [6, 12, 30, 10_000])  # 1, 2 or 5 positions per head, one block
 @pytest.mark.parametrize("feature_map", ["elu", "relu"])
-def test_blocked_non_causal_inference_equals_the_autograd_path(block_positions, feature_map, monkeypatch):
-    import linear_mha.functional.causal as causal_module
+def test_blocked_non_causal_inference_equals_the_autograd_path(block_positions, feature_map):
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 3, 7, 4, generator=g, dtype=torch.float64)
     k, v = torch.randn(2, 3, 9, 4, generator=g, dtype=torch.float64), torch.randn(2, 3, 9, 5, generator=g,
@@ -137,20 +140,17 @@ def test_blocked_non_causal_inference_equals_the_autograd_path(block_positions, 
     state = torch.rand(2, 3, 4, 6, generator=g, dtype=torch.float64)
     for kw in ({}, {"key_padding_mask": kpm}, {"initial_state": state}):
         ref = LF.kernel(q.requires_grad_(), k, v, feature_map, **kw).detach()  # the composed autograd path
-        monkeypatch.setattr(causal_module, "_block_positions", lambda device: block_positions)
-        with torch.no_grad():
+        with backend.override(block_positions=block_positions), torch.no_grad():
             out = LF.kernel(q, k, v, feature_map, **kw)
-        monkeypatch.undo()
         torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
 
 
-def test_blocked_non_causal_inference_takes_strided_inputs(monkeypatch):
+def test_blocked_non_causal_inference_takes_strided_inputs(backends):
     """A module's q, k, v are transposed views of its projections: (B, N, H, D) memory seen as (B, H, N, D)."""
-    import linear_mha.functional.causal as causal_module
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(2, n, 3, 4, generator=g, dtype=torch.float64).transpose(1, 2) for n in (7, 9, 9))
     ref = LF.kernel(q.contiguous().requires_grad_(), k, v, "elu").detach()
-    monkeypatch.setattr(causal_module, "_block_positions", lambda device: 6)
+    backends(block_positions=6)
     with torch.no_grad():
         out = LF.kernel(q, k, v, "elu")
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)

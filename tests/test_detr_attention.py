@@ -9,6 +9,7 @@ from integrations.detr.detr import build_model
 from integrations.detr.misc import NestedTensor
 from integrations.detr.position_encoding import PositionEmbeddingSine
 from integrations.detr.transformer import Transformer
+import modes
 
 ARGS = ["--backbone", "tiny", "--hidden-dim", "32", "--nheads", "4", "--enc-layers", "2", "--dec-layers", "2",
         "--dim-feedforward", "64", "--num-queries", "5", "--num-classes", "4"]
@@ -38,7 +39,7 @@ def test_linformer_on_encoder_uses_the_data_bound_and_one_shared_projection():
         apply_attention(build_model(parse_args(ARGS))[0], {"attention": "linformer"})
 
 
-@pytest.mark.parametrize("mode", ["linformer", "kernel", "efficient", "taylor"])
+@pytest.mark.parametrize("mode", modes.LINEAR)
 def test_padding_stays_exact_with_linear_attention(mode):
     torch.manual_seed(0)
     model = Transformer(d_model=16, nhead=4, num_encoder_layers=2, num_decoder_layers=1, dim_feedforward=32,

@@ -9,9 +9,8 @@ from torch import nn
 
 import linear_mha.functional as LF
 from linear_mha import LinearMultiheadAttention
-from linear_mha.functional import causal as causal_module
-from linear_mha.functional import native
 from lm_checks import DECODING_CONFIGS, assert_causal, assert_steps_equal_full, tiny_lm
+import modes
 from reference import relative_error
 
 B, H, N, D = 2, 3, 70, 16  # N crosses a causal chunk boundary (64)
@@ -19,12 +18,10 @@ B, H, N, D = 2, 3, 70, 16  # N crosses a causal chunk boundary (64)
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device"))])
-def device(request, monkeypatch):
+def device(request, backends):
     if request.param == "cuda":
         return torch.device("cuda")
-    monkeypatch.setattr(causal_module, "_block_positions", lambda device: None)  # one block, as on CUDA
-    previous = native.set_enabled(False)  # PyTorch ops only, as on CUDA
-    request.addfinalizer(lambda: native.set_enabled(previous))
+    backends(native_kernels=False, block_positions=None)  # PyTorch ops in one block of work, as on CUDA
     return torch.device("cpu")
 
 
@@ -44,7 +41,7 @@ FUNCTIONS = {
                                                         projection=x["projection"]), True),
     "taylor": (lambda q, k, v, m, c, x: LF.taylor(q, k, v, causal=c, key_padding_mask=m), True),
     "softmax": (lambda q, k, v, m, c, x: LF.softmax(q, k, v, causal=c, key_padding_mask=m)[0], True),
-    "efficient": (lambda q, k, v, m, c, x: LF.efficient(q, k, v, key_padding_mask=m), False),
+    "efficient": (lambda q, k, v, m, c, x: LF.efficient_attention(q, k, v, key_padding_mask=m), False),
     "linformer": (lambda q, k, v, m, c, x: LF.linformer(q, k, v, x["e"], key_padding_mask=m)[0], False),
 }
 CASES = [(name, causal) for name, (_, has_causal) in FUNCTIONS.items() for causal in (False, True)
@@ -120,12 +117,12 @@ def test_softmax_mode_is_nn_multihead_attention(device):
     torch.testing.assert_close(weights, expected_weights, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["kernel", "taylor", "efficient", "linformer"])
+@pytest.mark.parametrize("mode", modes.LINEAR)
 def test_modules_agree_with_their_float64_copy_on_the_cpu(device, mode):
     torch.manual_seed(0)
-    m = LinearMultiheadAttention(32, 4, batch_first=True, mode=mode, seq_len=N, proj_k=12)
+    m = LinearMultiheadAttention(32, 4, batch_first=True, mode=mode, **modes.sized(mode, N, proj_k=12))
     x = torch.randn(2, N, 32, dtype=torch.float64)
-    causal = mode in ("kernel", "taylor")
+    causal = mode in modes.LINEAR_CAUSAL
 
     def run(module, dev, dtype):
         module = module.to(dev, dtype)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from linear_mha import LinearMultiheadAttention
+import modes
 
 E, H = 16, 2
 LONG_MODES = [dict(mode="kernel"), dict(mode="kernel", feature_map="favor"), dict(mode="taylor"),
@@ -28,10 +29,11 @@ def test_bfloat16_long_sequence_is_finite_and_close_to_float32(options):
     assert rel < 0.05, rel
 
 
-@pytest.mark.parametrize("mode", ["kernel", "taylor", "efficient", "linformer", "softmax"])
+@pytest.mark.parametrize("mode", modes.BUILT_IN)
 def test_float32_agrees_with_float64(mode):
     torch.manual_seed(0)
-    m = LinearMultiheadAttention(E, H, mode=mode, seq_len=64, proj_k=8).double()
+    m = LinearMultiheadAttention(E, H, mode=mode, **modes.sized(mode, 64, proj_k=8))
+    m = m.double()
     x = torch.randn(64, 2, E, dtype=torch.float64)
     ref, _ = m(x, x, x)
     out, _ = m.float()(x.float(), x.float(), x.float())

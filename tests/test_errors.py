@@ -2,7 +2,9 @@
 import pytest
 import torch
 
+import linear_mha
 from linear_mha import LinearMultiheadAttention
+import modes
 
 E, H = 8, 2
 
@@ -11,11 +13,18 @@ def x(n=5, b=2, e=E):
     return torch.randn(n, b, e)
 
 
+def linear(mode):
+    return LinearMultiheadAttention(E, H, mode=mode, **modes.sized(mode, 8))
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(mode="performer"), "mode must be one of"),
     (dict(param_sharing="global"), "param_sharing must be one of"),
-    (dict(mode="kernel", param_sharing="kv"), "only applies to mode='linformer'"),
-    (dict(mode="softmax", feature_map="elu"), "feature_map only applies to mode='kernel'"),
+    (dict(mode="kernel", param_sharing="kv"), r"mode='kernel' has no option 'param_sharing' \(an option of 'linformer'\)"),
+    (dict(mode="softmax", feature_map="elu"), r"mode='softmax' has no option 'feature_map' \(an option of 'kernel'\)"),
+    (dict(mode="kernel", proj_k=64), r"mode='kernel' has no option 'proj_k'.*its options are: feature_map, "),
+    (dict(mode="linformer", chunk_size=64), r"mode='linformer' has no option 'chunk_size' \(an option of 'kernel', "
+                                            r"'taylor'\); its options are: seq_len, proj_k"),
     (dict(mode="kernel", feature_map="softplus"), "feature_map must be one of"),
     (dict(mode="kernel", num_features=8), "num_features only applies"),
     (dict(mode="kernel", feature_map="favor", num_features=0), "num_features must be a positive int"),
@@ -45,7 +54,7 @@ def test_constructor_rejects_bad_dimensions():
 
 @pytest.mark.parametrize("mode", ["softmax", "kernel", "linformer"])
 def test_uint8_masks_are_rejected_as_torch_does(mode):
-    m = LinearMultiheadAttention(E, H, mode=mode, seq_len=8)
+    m = linear(mode)
     q = x()
     with pytest.raises(TypeError, match=r"key_padding_mask must be a bool.*\.bool\(\)"):
         m(q, q, q, key_padding_mask=torch.zeros(2, 5, dtype=torch.uint8))
@@ -72,9 +81,9 @@ def test_inputs_are_checked():
         m(x(), x(n=5), x(n=4))
 
 
-@pytest.mark.parametrize("mode", ["linformer", "kernel", "efficient", "taylor"])
+@pytest.mark.parametrize("mode", modes.LINEAR)
 def test_masks_a_linear_mode_cannot_apply_are_refused_naming_the_modes(mode):
-    m = LinearMultiheadAttention(E, H, mode=mode, seq_len=8)
+    m = linear(mode)
     q = x()
     arbitrary = torch.zeros(5, 5, dtype=torch.bool)
     arbitrary[0, 3] = True
@@ -86,9 +95,9 @@ def test_masks_a_linear_mode_cannot_apply_are_refused_naming_the_modes(mode):
         m(q, q, q, key_padding_mask=torch.randn(2, 5))
 
 
-@pytest.mark.parametrize("mode", ["linformer", "efficient"])
+@pytest.mark.parametrize("mode", modes.LINEAR_NON_CAUSAL)
 def test_causal_is_refused_by_modes_without_a_causal_form(mode):
-    m = LinearMultiheadAttention(E, H, mode=mode, seq_len=8)
+    m = linear(mode)
     q = x()
     with pytest.raises(ValueError, match=r"has no causal form.*supported by modes"):
         m(q, q, q, is_causal=True)
@@ -128,13 +137,13 @@ def test_from_torch_needs_an_mha():
         LinearMultiheadAttention.from_torch(torch.nn.Linear(2, 2))
 
 
-def test_keyword_defaults_are_the_shared_option_defaults():
-    """The constructor's signature and the options every other entry point (patch, patched, timm) validates
-    against must not drift apart."""
-    import inspect
-    from linear_mha.mode_attention import OPTION_DEFAULTS
-    signature = inspect.signature(LinearMultiheadAttention.__init__).parameters.values()
-    assert {p.name: p.default for p in signature if p.kind is p.KEYWORD_ONLY} == OPTION_DEFAULTS
+@pytest.mark.parametrize("mode", linear_mha.available_methods())
+def test_every_option_default_passes_its_own_check(mode):
+    """A default that its check would refuse means the method cannot be built with that option given explicitly
+    as its documented default."""
+    cls = linear_mha.method_class(mode)
+    defaults = {key: option.default for key, option in cls.options.items() if option.default is not None}
+    assert cls.validate(defaults) == cls.validate({})
 
 
 def test_query_of_the_wrong_rank_is_named_with_its_shape():

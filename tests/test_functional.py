@@ -90,7 +90,7 @@ def test_taylor_is_the_documented_formula(qkv):
 
 def test_efficient_matches_reference(qkv):
     q, k, v, kpm = qkv
-    close(LF.efficient(q, k, v, key_padding_mask=kpm), efficient_weights(q, k, kpm) @ v)
+    close(LF.efficient_attention(q, k, v, key_padding_mask=kpm), efficient_weights(q, k, kpm) @ v)
     # The implied rows sum to one: it is a proper averaging of values.
     close(efficient_weights(q, k, kpm).sum(-1), torch.ones(B, H, L, dtype=torch.float64))
 
@@ -214,7 +214,7 @@ def test_an_initial_state_equals_the_same_keys_passed_along(qkv, fmap, causal):
     lambda q, k, v, m: LF.kernel(q, k, v, "elu", key_padding_mask=m),
     lambda q, k, v, m: LF.kernel(q, k, v, "elu", causal=True, key_padding_mask=m, chunk_size=2),
     lambda q, k, v, m: LF.taylor(q, k, v, key_padding_mask=m),
-    lambda q, k, v, m: LF.efficient(q, k, v, key_padding_mask=m),
+    lambda q, k, v, m: LF.efficient_attention(q, k, v, key_padding_mask=m),
     lambda q, k, v, m: LF.linformer(q, k, v, torch.randn(3, 6, dtype=torch.float64,
                                                           generator=torch.Generator().manual_seed(0)),
                                     key_padding_mask=m)[0],
@@ -241,7 +241,7 @@ def test_functional_errors(qkv):
     with pytest.raises(TypeError, match="key_padding_mask"):
         LF.kernel(q, k, v, key_padding_mask=kpm.to(torch.uint8))
     with pytest.raises(ValueError, match="4-D"):
-        LF.efficient(q[0], k[0], v[0])
+        LF.efficient_attention(q[0], k[0], v[0])
 
 
 def test_gradcheck_linformer_projections():

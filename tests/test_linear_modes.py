@@ -6,7 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from linear_mha import LinearMultiheadAttention
+import modes
+from linear_mha import LinearMultiheadAttention, method_class
 from reference import efficient_weights, elu1, kernel_weights, linformer_weights, softmax_weights, taylor_weights
 
 E, HEADS, B = 8, 2, 3
@@ -47,13 +48,19 @@ def reference_weights(m, q, k, kpm, causal):
         return taylor_weights(q, k, kpm, causal)
     if m.mode == "softmax":
         return softmax_weights(q, k, kpm, causal)
-    if m.feature_map == "favor":
+    if m.method.feature_map == "favor":
         from linear_mha.functional import favor_feature_map
         proj = m.favor_projection.double()
         w = favor_feature_map(q, proj, is_query=True) @ favor_feature_map(k, proj, is_query=False, causal=True).transpose(-1, -2)
         from reference import _visible, normalised
         return normalised(w, _visible(q.shape[-2], k.shape[-2], kpm, causal, q.device))
-    return kernel_weights({"elu": elu1, "relu": torch.relu}[m.feature_map], q, k, kpm, causal)
+    return kernel_weights({"elu": elu1, "relu": torch.relu}[m.method.feature_map], q, k, kpm, causal)
+
+
+def test_the_references_cover_every_built_in_method():
+    """A method added to the library must get a float64 reference here (and its causal form a causal one)."""
+    assert {options["mode"] for options in MODES.values()} == set(modes.BUILT_IN)
+    assert {MODES[name]["mode"] for name in CAUSAL} == {m for m in modes.BUILT_IN if method_class(m).causal}
 
 
 @pytest.mark.parametrize("name,causal", [(n, False) for n in MODES] + [(n, True) for n in CAUSAL])
@@ -258,11 +265,11 @@ def test_gradcheck_through_the_module(name):
 
 @pytest.mark.parametrize("native_on", [True, False])
 @pytest.mark.parametrize("name", list(MODES))
-def test_empty_batches_and_sequences_give_empty_or_zero_outputs(name, native_on, monkeypatch):
+def test_empty_batches_and_sequences_give_empty_or_zero_outputs(name, native_on, backends):
     """nn.MultiheadAttention takes B = 0, L = 0 and S = 0; so must every mode, on every path (the compiled
     kernels once divided by B * H = 0 and killed the process)."""
-    from linear_mha.functional import native
-    monkeypatch.setattr(native, "_enabled", native_on and native._enabled)
+    if not native_on:
+        backends(native_kernels=False)
     for dtype in (torch.float32, torch.float64):
         m = module(name, dtype=dtype, batch_first=True)
         for b, n_q, n_k in ((0, 5, 5), (2, 0, 5), (2, 5, 0), (2, 0, 0)):

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+import modes
 from linear_mha import LinearMultiheadAttention
 
 E, HEADS, L, S, B = 8, 2, 4, 6, 3
@@ -111,14 +112,18 @@ def test_is_causal_without_mask_is_causal():
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("mode", ["softmax", "kernel", "efficient", "taylor"])
-def test_state_dict_loads_strictly_and_names_match(layout, mode):
+@pytest.mark.parametrize("variant", list(modes.VARIANTS))
+def test_state_dict_loads_strictly_and_names_match(layout, variant):
+    """nn.MultiheadAttention's keys, in its order, then the method's own tensors; its checkpoint loads strictly."""
     kw = LAYOUTS[layout]
+    options = dict(modes.VARIANTS[variant])
+    mode = options.pop("mode")
     ref = nn.MultiheadAttention(E, HEADS, **kw)
-    ours = LinearMultiheadAttention(E, HEADS, mode=mode, **kw)
-    assert list(ours.state_dict()) == list(ref.state_dict())
-    for (n1, p1), (n2, p2) in zip(ref.named_parameters(), ours.named_parameters()):
-        assert n1 == n2 and p1.shape == p2.shape
+    ours = LinearMultiheadAttention(E, HEADS, mode=mode, **options, **modes.sized(mode, S), **kw)
+    keys = list(ours.state_dict())
+    assert [k for k in keys if k not in ours.method.state_names] == list(ref.state_dict())
+    shared = [(n, p) for n, p in ours.named_parameters() if n not in ours.method.state_names]
+    assert [(n, p.shape) for n, p in ref.named_parameters()] == [(n, p.shape) for n, p in shared]
     ours.load_state_dict(ref.state_dict(), strict=True)
     for key, value in ref.state_dict().items():
         assert torch.equal(ours.state_dict()[key], value)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import linear_mha.functional as LF
-from linear_mha.functional import native
+from linear_mha.functional import native, native_build
 from linear_mha.functional._common import append_ones, split_normalise
 from linear_mha.functional.feature_maps import apply_feature_map
 
@@ -271,7 +271,7 @@ def test_a_failed_build_warns_once_and_falls_back(tmp_path):
     script = textwrap.dedent("""
         import warnings, torch
         import linear_mha.functional as LF
-        from linear_mha.functional import native
+        from linear_mha.functional import native, native_build
         q = torch.randn(1, 2, 16, 8)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -332,9 +332,9 @@ def test_an_unwritable_home_builds_in_the_temporary_directory(tmp_path):
         pytest.skip("no C compiler on this machine")
     script = textwrap.dedent("""
         import tempfile
-        from linear_mha.functional import native
+        from linear_mha.functional import native, native_build
         assert native.available(), native.build_error()
-        assert native._library._name.startswith(tempfile.gettempdir()), native._library._name
+        assert native.library_path().startswith(tempfile.gettempdir()), native.library_path()
     """)
     env = {key: value for key, value in os.environ.items() if key != "LINEAR_MHA_CACHE"}
     env.update(HOME="/dev/null", TMPDIR=str(tmp_path))  # ~/.cache cannot be created under a file
@@ -363,11 +363,11 @@ def test_efficient_attention_and_gradients_match_float64(b, h, n_q, n_k, d, dv, 
     mask = torch.rand(b, n_k, generator=g) < 0.3 if masked else None
     grad_out = torch.randn(b, h, n_q, dv, generator=g)
     with torch.inference_mode():
-        assert relative_error(LF.efficient(q, k, v, key_padding_mask=mask), efficient_reference(q, k, v, mask)) < 2e-6
+        assert relative_error(LF.efficient_attention(q, k, v, key_padding_mask=mask), efficient_reference(q, k, v, mask)) < 2e-6
 
     def grads(dtype):
         leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-        out = LF.efficient(*leaves, key_padding_mask=mask)
+        out = LF.efficient_attention(*leaves, key_padding_mask=mask)
         out.backward(grad_out.to(dtype))
         return out, [t.grad for t in leaves]
 
@@ -387,7 +387,7 @@ def test_efficient_attention_masked_garbage_and_empty_samples():
     mask[1] = True  # batch 1 sees no key: output 0
     k[0, :, ::3], v[0, :, ::3] = float("nan"), float("inf")
     k.requires_grad_(), v.requires_grad_()
-    out = LF.efficient(q, k, v, key_padding_mask=mask)
+    out = LF.efficient_attention(q, k, v, key_padding_mask=mask)
     out.sum().backward()
     assert torch.isfinite(out).all() and (out[1] == 0).all()
     assert torch.isfinite(k.grad).all() and torch.isfinite(v.grad).all()
@@ -462,22 +462,105 @@ def test_package_data_ships_every_kernel_source():
     csrc = root / "linear_mha" / "functional" / "csrc"
     for path in csrc.iterdir():
         assert any(fnmatch.fnmatch(f"csrc/{path.name}", p) for p in patterns), path.name
-    assert set(native._SOURCES) <= {p.name for p in csrc.iterdir()}
+    assert set(native_build.SOURCES) <= {p.name for p in csrc.iterdir()}
 
 
 @needs_native
 def test_a_build_without_openmp_leaves_threaded_sequences_to_torch(monkeypatch):
     q = torch.randn(1, 2, 32, 8)
-    assert native.supports("elu", q)
+    assert native.why_not_kernel("elu", q) is None
     monkeypatch.setattr(native, "_threaded", False)
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        assert not native.supports("elu", q)
+        assert "without OpenMP" in native.why_not_kernel("elu", q)
         torch.set_num_threads(1)
-        assert native.supports("elu", q)
+        assert native.why_not_kernel("elu", q) is None
     finally:
         torch.set_num_threads(previous)
     with torch.inference_mode():  # the one-thread decoding step is worth it whatever the thread count
         token = q[:, :, 0].contiguous()
         assert native.step_ready("elu", token, token, token, None)
+
+
+PLANTED = r"""
+#include <stdio.h>
+__attribute__((constructor)) static void planted(void) {
+    FILE *f = fopen(MARKER, "w");
+    if (f) { fputs("the planted library ran", f); fclose(f); }
+}
+"""
+
+LOADS_THE_KERNELS = textwrap.dedent("""
+    import warnings
+    from linear_mha.functional import native
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert native.available(), native.build_error()
+    print(native.library_path())
+    print(" | ".join(str(w.message) for w in caught))
+""")
+
+
+def _plant(folder, marker):
+    """A library that writes ``marker`` when loaded, under every name the build would look for in ``folder``."""
+    compiler = next(iter(native_build.compilers()), None)
+    if compiler is None:
+        pytest.skip("no C compiler on this machine")
+    source = folder / "planted.c"
+    source.write_text(PLANTED)
+    planted = folder / "planted.so"
+    subprocess.run([compiler, "-shared", "-fPIC", f'-DMARKER="{marker}"', "-o", str(planted), str(source)],
+                   check=True)
+    for c in native_build.compilers():
+        for flags in native_build.FLAG_SETS:
+            shutil.copy(planted, folder / native_build.library_name(c, flags))
+
+
+def _run_with_cache(folder, check=True):
+    env = dict(os.environ, LINEAR_MHA_CACHE=str(folder))
+    result = subprocess.run([sys.executable, "-c", LOADS_THE_KERNELS], env=env, capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert result.returncode == 0 or not check, result.stderr
+    return result.stdout.splitlines()
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid"), reason="user ids are POSIX")
+def test_a_cache_folder_others_can_write_is_never_loaded_from(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    marker = tmp_path / "planted-ran"
+    _plant(shared, marker)
+    os.chmod(shared, 0o777)  # a folder another local user created first, or anyone can write to
+    for library in shared.glob("kernel_attention-*.so"):
+        os.chmod(library, 0o755)
+    path, warning = _run_with_cache(shared)
+    assert not marker.exists(), "a library from a folder others can write was loaded"
+    assert not path.startswith(str(shared)) and "writable by other users" in warning
+    # The control: the same planted folder, made private, is trusted; so the refusal above was the rule at work.
+    os.chmod(shared, 0o700)
+    _run_with_cache(shared, check=False)  # it lacks the kernels' symbols: the child fails after loading it
+    assert marker.exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0, reason="giving a folder away needs root")
+def test_a_cache_folder_owned_by_another_user_is_never_loaded_from(tmp_path):
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    marker = tmp_path / "planted-ran"
+    _plant(foreign, marker)
+    os.chmod(foreign, 0o755)
+    os.chown(foreign, 65534, 65534)  # nobody
+    path, warning = _run_with_cache(foreign)
+    assert not marker.exists() and not path.startswith(str(foreign)) and "owned by user id 65534" in warning
+
+
+def test_a_library_someone_else_wrote_into_our_cache_is_replaced_not_loaded(tmp_path):
+    ours = tmp_path / "ours"
+    ours.mkdir(mode=0o700)
+    marker = tmp_path / "planted-ran"
+    _plant(ours, marker)
+    for library in ours.glob("kernel_attention-*.so"):
+        os.chmod(library, 0o777)
+    path, _ = _run_with_cache(ours)
+    assert not marker.exists() and path.startswith(str(ours))  # rebuilt in place, then loaded

@@ -7,10 +7,12 @@ import torch
 from torch import nn
 from torchvision.models.vision_transformer import VisionTransformer
 
+from linear_mha import attention as attention_module
 from linear_mha.attention import LinearMultiheadAttention
 from linear_mha.patching import PatchReport, patch, unpatch
+import modes
 
-LINEAR_MODES = ["linformer", "kernel", "efficient", "taylor"]
+LINEAR_MODES = modes.LINEAR
 OPTIONS = {"linformer": {"seq_len": 20, "proj_k": 4}}
 
 
@@ -158,7 +160,7 @@ def test_idempotent_and_root_and_hooks():
 def test_linformer_seq_len_from_torchvision_vit():
     model, inp = _build("torchvision_vit")
     patch(model, "linformer", proj_k=4)
-    assert {m.seq_len for m in model.modules() if isinstance(m, LinearMultiheadAttention)} == {(32 // 8) ** 2 + 1}
+    assert {m.method.seq_len for m in model.modules() if isinstance(m, LinearMultiheadAttention)} == {(32 // 8) ** 2 + 1}
     assert model(*inp).shape == (2, 10)
     model2, _ = _build("torchvision_vit")
     with pytest.raises(ValueError, match="seq_len >= 17"):
@@ -186,8 +188,8 @@ def test_selection_include_exclude_filter_options_for():
     report = patch(model, "linformer", filter=lambda n, m: m.kdim == m.embed_dim and n.startswith("decoder"),
                    options_for=lambda n, m: seen.append(n) or {"seq_len": 6 if "self_attn" in n else 9}, proj_k=3)
     assert seen == names[1:] and report.num_replaced == 2
-    assert model.decoder.layers[0].self_attn.seq_len == 6 and model.decoder.layers[0].multihead_attn.seq_len == 9
-    assert model.decoder.layers[0].self_attn.proj_k == 3
+    assert model.decoder.layers[0].self_attn.method.seq_len == 6 and model.decoder.layers[0].multihead_attn.method.seq_len == 9
+    assert model.decoder.layers[0].self_attn.method.proj_k == 3
     assert ("encoder.layers.0.self_attn", nn.MultiheadAttention, "filter returned False") in report.skipped
 
 
@@ -218,7 +220,7 @@ def test_layerwise_shares_one_parameter():
                    options_for=lambda n, m: {"seq_len": sizes.get(n, 5)})
     mods = [m for m in model.modules() if isinstance(m, LinearMultiheadAttention)]
     assert len(mods) == 3 and all(m.e_proj is mods[0].e_proj and m.f_proj is None for m in mods)
-    assert tuple(mods[0].e_proj.shape) == (4, 9) and all(m.seq_len == 9 for m in mods)  # max seq_len
+    assert tuple(mods[0].e_proj.shape) == (4, 9) and all(m.method.seq_len == 9 for m in mods)  # max seq_len
     assert report.parameters_added == 4 * 9  # counted once
     model(*inp).sum().backward()
     assert mods[0].e_proj.grad is not None
@@ -245,8 +247,8 @@ def test_nested_tensor_encoder_runs_the_new_forward(monkeypatch):
     report = patch(enc, "softmax")
     assert not enc.use_nested_tensor and any("use_nested_tensor" in n for n in report.notes)
     calls = []
-    attend = LinearMultiheadAttention._attend
-    monkeypatch.setattr(LinearMultiheadAttention, "_attend", lambda self, *a: calls.append(1) or attend(self, *a))
+    attend = attention_module.attend_heads
+    monkeypatch.setattr(attention_module, "attend_heads", lambda *a, **kw: calls.append(1) or attend(*a, **kw))
     with torch.no_grad():
         out = enc(x, src_key_padding_mask=pad)
     assert len(calls) == 2  # the C++ fast path would have bypassed both layers
@@ -309,5 +311,5 @@ def test_linformer_seq_len_comes_from_the_vit_inside_a_wrapper():
     vit, _ = _torchvision_vit()
     model = nn.Sequential(vit)
     patch(model, "linformer", proj_k=4)
-    assert {m.seq_len for m in model.modules() if isinstance(m, LinearMultiheadAttention)} == {vit.seq_length}
+    assert {m.method.seq_len for m in model.modules() if isinstance(m, LinearMultiheadAttention)} == {vit.seq_length}
     model(torch.randn(2, 3, 32, 32))

@@ -8,8 +8,9 @@ from timm.layers import Attention  # noqa: E402
 from timm.models.vision_transformer import VisionTransformer  # noqa: E402
 
 from linear_mha.patching import LinearTimmAttention, patch, unpatch  # noqa: E402
+import modes
 
-LINEAR_MODES = ["linformer", "kernel", "efficient", "taylor"]
+LINEAR_MODES = modes.LINEAR
 TINY = dict(img_size=32, depth=2, embed_dim=32, num_heads=2, num_classes=10)
 
 
@@ -102,14 +103,14 @@ def test_linformer_seq_len_is_the_token_count():
     tokens = model.forward_features(x).shape[1]  # 4 patches + 4 registers (this model has no class token)
     assert tokens == 8
     patch(model, "linformer", proj_k=4)
-    assert {m.seq_len for m in model.modules() if isinstance(m, LinearTimmAttention)} == {tokens}
+    assert {m.method.seq_len for m in model.modules() if isinstance(m, LinearTimmAttention)} == {tokens}
     with pytest.raises(ValueError, match=f"seq_len >= {tokens}"):
         patch(_build("registers")[0], "linformer", seq_len=tokens - 1)
     with pytest.raises(ValueError, match="dynamic_img_size"):
         patch(_build("dynamic_img_size")[0], "linformer")
     wrapped = nn.Sequential(_build("registers")[0])  # a ViT used as a backbone: its own count, not an error
     patch(wrapped, "linformer", proj_k=4)
-    assert {m.seq_len for m in wrapped.modules() if isinstance(m, LinearTimmAttention)} == {tokens}
+    assert {m.method.seq_len for m in wrapped.modules() if isinstance(m, LinearTimmAttention)} == {tokens}
 
 
 def test_layerwise_and_favor_state():

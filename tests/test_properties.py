@@ -4,19 +4,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import modes
 from linear_mha import LinearMultiheadAttention
 
-MODES = ["linformer", "kernel", "kernel_favor", "efficient", "taylor", "softmax"]
-CAUSAL = ["kernel", "kernel_favor", "taylor", "softmax"]
+MODES = list(modes.VARIANTS)
+CAUSAL = modes.CAUSAL_VARIANTS
 SETTINGS = settings(max_examples=25, deadline=None)
 
 
 def build(name, heads, head_dim, seq_len, seed):
     torch.manual_seed(seed)
-    options = {"kernel_favor": dict(mode="kernel", feature_map="favor")}.get(name, dict(mode=name))
-    if name == "linformer":
-        options.update(seq_len=seq_len, proj_k=4)
-    return LinearMultiheadAttention(heads * head_dim, heads, **options).double()
+    options = dict(modes.VARIANTS[name])
+    mode = options.pop("mode")
+    return LinearMultiheadAttention(heads * head_dim, heads, mode=mode,
+                                    **options, **modes.sized(mode, seq_len, proj_k=4)).double()
 
 
 shapes = st.fixed_dictionaries({
@@ -61,7 +62,7 @@ def test_padding_invariance(name, s, valid, pad):
 def test_causality(name, s, t):
     t = min(t, s["length"] - 1)
     m = build(name, s["heads"], s["head_dim"], s["length"], s["seed"])
-    m.chunk_size = 4  # several chunks even for short sequences
+    m.method.chunk_size = 4  # several chunks even for short sequences
     g = torch.Generator().manual_seed(s["seed"])
     x = torch.randn(s["length"], s["batch"], m.embed_dim, generator=g, dtype=torch.float64)
     out, _ = m(x, x, x, is_causal=True)

@@ -4,6 +4,8 @@ from pathlib import Path
 
 import pytest
 
+import linear_mha
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 SNIPPETS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 
@@ -15,4 +17,9 @@ def test_the_readme_has_snippets():
 @pytest.mark.parametrize("index", range(len(SNIPPETS)))
 def test_readme_snippet_runs(index, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    exec(compile(SNIPPETS[index], f"README.md snippet {index}", "exec"), {"__name__": "__readme__"})
+    methods = linear_mha.available_methods()
+    try:
+        exec(compile(SNIPPETS[index], f"README.md snippet {index}", "exec"), {"__name__": "__readme__"})
+    finally:  # a snippet that registers a method must not leave it to the other tests
+        for name in set(linear_mha.available_methods()) - set(methods):
+            linear_mha.unregister_method(name)

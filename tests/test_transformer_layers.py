@@ -8,6 +8,8 @@ import torch
 from torch import nn
 
 from linear_mha import LinearMultiheadAttention
+from linear_mha import attention as attention_module
+from linear_mha.patching.generic import to_torch
 
 E, H = 16, 2
 
@@ -18,14 +20,15 @@ def swap(layer, attr="self_attn", **options):
 
 
 def count_attend_calls(monkeypatch):
+    """The names of the methods LinearMultiheadAttention's forward reaches, in call order."""
     calls = []
-    original = LinearMultiheadAttention._attend
+    original = attention_module.attend_heads
 
-    def spy(self, *args, **kwargs):
-        calls.append(self.mode)
-        return original(self, *args, **kwargs)
+    def spy(method, *args, **kwargs):
+        calls.append(method.name)
+        return original(method, *args, **kwargs)
 
-    monkeypatch.setattr(LinearMultiheadAttention, "_attend", spy)
+    monkeypatch.setattr(attention_module, "attend_heads", spy)
     return calls
 
 
@@ -88,11 +91,10 @@ def test_nested_tensor_from_an_encoder_built_before_the_swap():
     valid = ~kpm
     torch.testing.assert_close(nested_path[valid], reference.detach()[valid], rtol=1e-5, atol=1e-5)
     # and it really was the linear attention, not a softmax fallback
-    softmax_ref = encoder
-    for layer in softmax_ref.layers:
-        layer.self_attn.mode = "softmax"
+    for layer in encoder.layers:
+        layer.self_attn = LinearMultiheadAttention.from_torch(to_torch(layer.self_attn), mode="softmax").eval()
     with torch.no_grad():
-        exact = softmax_ref(src, src_key_padding_mask=kpm)
+        exact = encoder(src, src_key_padding_mask=kpm)
     assert not torch.allclose(exact[valid], nested_path[valid], atol=1e-3)
 
 

@@ -27,6 +27,7 @@ glibc's settings, or --keep-freed-memory; at long N it moves CPU times a good de
 allocator"); --resume refuses to mix either.
 """
 import argparse
+import importlib
 import json
 import math
 import os
@@ -42,8 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cpu_allocator  # noqa: E402
 import measure as M  # noqa: E402
-from benchmark_cases import (BASELINE, METHODS, Method, available_peers, build_runner, case_key,  # noqa: E402
-                             chunk_size, decode_step_times, make_data, reference_error)
+from benchmark_cases import (BASELINE, Method, available_peers, build_runner, case_key, chunk_size,  # noqa: E402
+                             decode_step_times, make_data, methods, reference_error)
 from linear_mha import keep_freed_memory  # noqa: E402
 from linear_mha.functional import native  # noqa: E402
 
@@ -83,9 +84,11 @@ def finalize(result, beyond):
         if "median_ms" not in r:
             continue
         fwdbwd = r["pass"] == "fwdbwd"
-        r["flops"] = METHODS[(r["level"], r["method"])].flops(r) * (3 if fwdbwd else 1)
-        r["gflops"] = r["flops"] / r["median_ms"] / 1e6
-        r["pct_peak"] = 100.0 * r["gflops"] / meta["matmul_peak_gflops"]
+        flops = methods()[(r["level"], r["method"])].flops(r)
+        if flops is not None:  # a registered method without a FLOP formula has no GFLOP/s
+            r["flops"] = flops * (3 if fwdbwd else 1)
+            r["gflops"] = r["flops"] / r["median_ms"] / 1e6
+            r["pct_peak"] = 100.0 * r["gflops"] / meta["matmul_peak_gflops"]
         r["bytes"] = 4 * r["B"] * r["H"] * r["N"] * r["d"] * itemsize * (2 if fwdbwd else 1)
         r["gbps"] = r["bytes"] / r["median_ms"] / 1e6
         base = index.get(case_key(dict(r, method=BASELINE[r["level"]])))
@@ -131,8 +134,9 @@ def print_table(result):
         star = "*" if r.get("extrapolated") else ""
         ratio = _num(r.get("ratio_vs_sdpa"), ".1f") + ("~" if r.get("ratio_extrapolated") else "")
         mem = _num(r.get("mem_extra_mib"), ".1f") if "mem_error" not in r else "error"
-        print(head + f"{r['median_ms']:.3f}{star} | {r['min_ms']:.3f}{star} | {r['gflops']:.1f} | "
-              f"{r['pct_peak']:.1f} | {r['gbps']:.2f} | {_num(r.get('rel_err'), '.1e')} | {ratio} | {mem} |")
+        print(head + f"{r['median_ms']:.3f}{star} | {r['min_ms']:.3f}{star} | {_num(r.get('gflops'), '.1f')} | "
+              f"{_num(r.get('pct_peak'), '.1f')} | {r['gbps']:.2f} | {_num(r.get('rel_err'), '.1e')} | {ratio} | "
+              f"{mem} |")
     print_pivot(result)
     print("\n| level | B | d | mask | pass | method | time slope (N range) | memory slope (N range) |")
     print("|" + "---|" * 8)
@@ -238,7 +242,7 @@ def plan(a, peers: dict):
             for causal in a.causal:
                 for pss in a.passes:
                     group = []
-                    for (lv, name), method in METHODS.items():
+                    for (lv, name), method in methods().items():
                         if (lv != level or (causal and not method.causal) or (not causal and not method.full)
                                 or a.device not in method.devices or (a.methods and name not in a.methods)):
                             continue
@@ -338,6 +342,9 @@ def parse_args(argv=None):
                    help="level:BxD[:maxN] grid rows (default core:1x64 core:4x64 core:1x128:16384 module:1x64)")
     p.add_argument("--heads", type=int, help="H (default 8)")
     p.add_argument("--methods", nargs="+", default=[], help="only these method names (default: all)")
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="import MODULE first, e.g. one that registers your own attention method with "
+                        "linear_mha.register_method (memory children import it too); repeatable")
     p.add_argument("--passes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
     p.add_argument("--masks", nargs="+", choices=["full", "causal"], default=["full", "causal"],
                    help="non-causal and/or causal attention (default both; causal only for the modes that have it)")
@@ -373,7 +380,10 @@ def parse_args(argv=None):
     a.causal = [m == "causal" for m in dict.fromkeys(a.masks)]
     for row in a.rows + a.memory_rows:
         parse_row(row)  # exits with the expected format on a typo, before any measuring
-    known = sorted({name for _, name in METHODS})
+    sys.path.insert(0, os.getcwd())  # a user's own module, as `python -c "import MODULE"` would find it
+    for module in a.imports:
+        importlib.import_module(module)
+    known = sorted({name for _, name in methods()})
     for flag in ("methods", "memory_methods"):
         unknown = sorted(set(getattr(a, flag)) - set(known))
         if unknown:
@@ -474,7 +484,7 @@ def main(argv=None):
                     print(f"  {rec['key']:<52} float64 reference failed: {rec['rel_err_error']}", flush=True)
                 save(a.json, finalize(result, beyond))
             if needs_memory(c, a) and "mem_extra_mib" not in rec and "mem_error" not in rec:
-                spec = dict(builder="benchmark_cases:memory_case",
+                spec = dict(builder="benchmark_cases:memory_case", imports=a.imports, paths=[os.getcwd()],
                             kwargs=dict(case=c, device=a.device, dtype=a.dtype, threads=threads))
                 mem = M.peak_extra_memory(spec, device)
                 if "error" in mem:

@@ -35,14 +35,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import linear_mha.functional as LF  # noqa: E402
 import measure as M  # noqa: E402
-from linear_mha import LinearMultiheadAttention  # noqa: E402
+from linear_mha import LinearMultiheadAttention, available_methods, method_class  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------- methods
 @dataclass(frozen=True)
 class Method:
     build: Callable          # (case, dtype, device) -> (fn(*inputs) -> out, [modules])
-    flops: Callable          # (case) -> FLOPs of one forward of the attention (module level adds projections)
+    flops: Callable          # (case) -> FLOPs of one forward of the attention (module level adds projections), or None
     causal: bool = True      # has a causal form
     full: bool = True        # has a non-causal form
     kind: str = "linear"     # "sdpa" / "weights": quadratic, timed up to a cap and extrapolated beyond
@@ -122,10 +122,15 @@ def _linformer_core(c, dtype, device):
     return lambda q, k, v: LF.linformer(q, k, v, e)[0]
 
 
-def _module(**options):
+def _module(mode, **options):
+    cls = method_class(mode)
+    extra = {"proj_k": None} if "proj_k" in cls.options else {}  # the case's --proj-k
+
     def build(c, dtype, device):
-        extra = dict(seq_len=c["N"], proj_k=c["proj_k"]) if options.get("mode") == "linformer" else {}
-        m = LinearMultiheadAttention(c["H"] * c["d"], c["H"], batch_first=True, **options, **extra)
+        sized = {key: c["proj_k"] for key in extra}
+        if cls.sequence_length_option is not None:
+            sized[cls.sequence_length_option] = c["N"]
+        m = LinearMultiheadAttention(c["H"] * c["d"], c["H"], batch_first=True, mode=mode, **options, **sized)
         m = m.to(device=device, dtype=dtype)
         return (lambda x: m(x, x, x, is_causal=c["causal"])[0]), [m]
     return build
@@ -178,7 +183,39 @@ def _peer_fla(c, dtype, device):
 
 
 def _plus_projections(flops):
-    return lambda c: flops(c) + projection_flops(c)
+    return lambda c: None if flops is None else flops(c) + projection_flops(c)
+
+
+def method_flops(mode: str, options: dict) -> Optional[Callable]:
+    """The FLOP formula of a registered method with these options, or None for methods without one."""
+    fmap = options.get("feature_map", "elu")
+    if mode == "kernel" and fmap == "favor":
+        return favor_flops
+    if (mode == "kernel" and fmap in ("elu", "relu")) or mode == "taylor" or (mode == "kernel" and fmap == "taylor"):
+        extra = 1 if "taylor" in (mode, fmap) else 0
+        return lambda c: kernel_flops(c, c["d"] + extra)
+    return {"efficient": efficient_flops, "linformer": linformer_flops}.get(mode)
+
+
+def registry_methods() -> dict:
+    """("module", name) -> Method for every registered linear method (exact ones are nn.MultiheadAttention's rows),
+    one per preset, named "<method>_<preset>", read when called: methods registered before the benchmark runs are
+    measured too."""
+    methods = {}
+    for mode in available_methods():
+        cls = method_class(mode)
+        if cls.exact:
+            continue
+        for preset, options in (cls.presets or {None: {}}).items():
+            name = mode if preset is None else f"{mode}_{preset}"
+            methods[("module", name)] = Method(_module(mode, **options), _plus_projections(method_flops(mode, options)),
+                                               causal=cls.causal)
+    return methods
+
+
+def methods() -> dict:
+    """Every method of the benchmark: the fixed core, softmax and peer rows, and the registry's module rows."""
+    return {**METHODS, **registry_methods()}
 
 
 METHODS = {
@@ -186,7 +223,7 @@ METHODS = {
     ("core", "kernel_favor"): Method(_core(_favor_core), favor_flops),
     ("core", "taylor"): Method(_core(lambda c, t, d: lambda q, k, v: LF.taylor(q, k, v, causal=c["causal"])),
                                lambda c: kernel_flops(c, c["d"] + 1)),
-    ("core", "efficient"): Method(_core(lambda c, t, d: LF.efficient), efficient_flops, causal=False),
+    ("core", "efficient"): Method(_core(lambda c, t, d: LF.efficient_attention), efficient_flops, causal=False),
     ("core", "linformer"): Method(_core(_linformer_core), linformer_flops, causal=False),
     ("core", "sdpa"): Method(_core(lambda c, t, d: lambda q, k, v: F.scaled_dot_product_attention(
         q, k, v, is_causal=c["causal"])), softmax_flops, kind="sdpa"),
@@ -197,11 +234,6 @@ METHODS = {
                                        peer="performer_pytorch"),
     ("core", "peer_fla"): Method(_peer_fla, lambda c: kernel_flops(c, c["d"]), peer="fla", full=False,
                                  devices=("cuda",), reference="kernel_elu"),
-    ("module", "kernel_elu"): Method(_module(mode="kernel"), _plus_projections(lambda c: kernel_flops(c, c["d"]))),
-    ("module", "kernel_favor"): Method(_module(mode="kernel", feature_map="favor"), _plus_projections(favor_flops)),
-    ("module", "taylor"): Method(_module(mode="taylor"), _plus_projections(lambda c: kernel_flops(c, c["d"] + 1))),
-    ("module", "efficient"): Method(_module(mode="efficient"), _plus_projections(efficient_flops), causal=False),
-    ("module", "linformer"): Method(_module(mode="linformer"), _plus_projections(linformer_flops), causal=False),
     ("module", "mha_sdpa"): Method(_torch_mha(False), _plus_projections(softmax_flops), kind="sdpa"),
     ("module", "mha_weights"): Method(_torch_mha(True), _plus_projections(softmax_flops), kind="weights"),
     ("module", "peer_linformer"): Method(_peer_linformer, _plus_projections(linformer_flops), causal=False,
@@ -241,7 +273,7 @@ def make_inputs(c, dtype, device):
 
 def build_method(c, dtype, device):
     torch.manual_seed(c["seed"])  # the same module weights / random features in every dtype
-    return METHODS[(c["level"], c["method"])].build(c, dtype, device)
+    return methods()[(c["level"], c["method"])].build(c, dtype, device)
 
 
 def make_data(c, dtype, device):
@@ -308,10 +340,11 @@ def reference_error(c, device, dtype) -> float:
         m.eval()
     out = fn(*inputs)
     x64 = M.to_float64(inputs)
-    if c["level"] == "core" and METHODS[(c["level"], c["method"])].kind != "linear":
+    method = methods()[(c["level"], c["method"])]
+    if c["level"] == "core" and method.kind != "linear":
         ref = exact_softmax64(*x64, causal=c["causal"])
     else:
-        reference = METHODS[(c["level"], c["method"])].reference
+        reference = method.reference
         fn64, modules64 = build_method(c if reference is None else dict(c, method=reference), torch.float64, device)
         for m in modules64:
             m.eval()

@@ -165,12 +165,15 @@ def _reset_high_water_mark() -> bool:
 
 
 def load_builder(spec: dict) -> Callable:
-    """Import ``spec['builder']`` ("module:function") with ``spec['paths']`` and the tools dir on sys.path."""
+    """Import ``spec['builder']`` ("module:function") with ``spec['paths']`` and the tools dir on sys.path, after the
+    modules of ``spec['imports']`` (which may register attention methods the case uses)."""
     if not isinstance(spec, dict) or ":" not in str(spec.get("builder", "")):
         raise ValueError(f"memory spec needs 'builder': 'module:function', got {spec!r}")
     for path in [str(TOOLS_DIR), str(REPO_ROOT), *spec.get("paths", [])]:
         if path not in sys.path:
             sys.path.insert(0, path)
+    for name in spec.get("imports", []):
+        importlib.import_module(name)
     module, function = spec["builder"].split(":", 1)
     return getattr(importlib.import_module(module), function)
 

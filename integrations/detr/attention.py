@@ -1,19 +1,22 @@
 """The attention choice of DETR (`--attention ...`), applied through the linear_mha patcher.
 
-`softmax` leaves nn.MultiheadAttention untouched. Other modes replace the selected modules via
-`linear_mha.patch(model, mode=..., include=[fnmatch pattern], **options)`. Linformer projects the key
-axis of a fixed length, so its `seq_len` is the largest number of keys the module can ever see:
-memory tokens of the largest padded feature map for encoder self-attention and cross-attention,
-the number of object queries for decoder self-attention.
+`--attention` takes any method in linear_mha's registry (`linear_mha.available_methods()`), including one a user
+script registered before calling the trainer's `main`. `softmax` leaves nn.MultiheadAttention untouched. Other
+methods replace the selected modules via `linear_mha.patch(model, mode=..., include=[fnmatch pattern], **options)`.
+A method whose keys are bounded by an option (Linformer's `seq_len`) gets the largest number of keys the module can
+ever see: memory tokens of the largest padded feature map for encoder self-attention and cross-attention, the number
+of object queries for decoder self-attention. `--proj-k`, `--param-sharing` and `--feature-map` reach the methods
+that have those options; `--attention-option NAME=VALUE` sets any option of the chosen method.
 """
+import ast
 from types import SimpleNamespace
 
-from linear_mha import patch
+from linear_mha import method_class, patch
 
 TARGETS = {"encoder": "transformer.encoder.layers.*.self_attn",
            "decoder": "transformer.decoder.layers.*.self_attn",
            "cross": "transformer.decoder.layers.*.multihead_attn"}
-MODES = ("softmax", "linformer", "kernel", "efficient", "taylor")
+FLAG_OPTIONS = ("proj_k", "param_sharing", "feature_map")  # trainer flags passed to methods with these options
 
 
 def parse_targets(text):
@@ -27,15 +30,35 @@ def parse_targets(text):
     return [n for n in TARGETS if n in names]
 
 
+def parse_attention_options(items):
+    """['proj_k=64', 'feature_map=relu'] -> {'proj_k': 64, 'feature_map': 'relu'}: values are Python literals where
+    they parse as one, else strings."""
+    options = {}
+    for item in items or ():
+        name, sep, text = item.partition("=")
+        if not sep or not name.strip().isidentifier():
+            raise ValueError(f"--attention-option {item!r}: expected NAME=VALUE, e.g. proj_k=64")
+        try:
+            value = ast.literal_eval(text.strip())
+        except (ValueError, SyntaxError):
+            value = text.strip()
+        options[name.strip()] = value
+    return options
+
+
 def _options(mode, target, cfg, max_tokens, num_queries):
-    if mode == "linformer":
+    cls = method_class(mode)
+    options = {name: getattr(cfg, name) for name in FLAG_OPTIONS if name in cls.options}
+    length_option = cls.sequence_length_option
+    if length_option is not None:
         seq_len = num_queries if target == "decoder" else max_tokens
         if seq_len is None:
-            raise ValueError("linformer needs max_tokens (the largest feature-map token count the data can produce)")
-        return {"seq_len": int(seq_len), "proj_k": min(cfg.proj_k, int(seq_len)), "param_sharing": cfg.param_sharing}
-    if mode == "kernel":
-        return {"feature_map": cfg.feature_map}
-    return {}
+            raise ValueError(f"{mode} needs max_tokens (the largest feature-map token count the data can produce)")
+        options[length_option] = int(seq_len)
+        if "proj_k" in options:
+            options["proj_k"] = min(options["proj_k"], int(seq_len))
+    options.update(parse_attention_options(cfg.attention_option))
+    return options
 
 
 def apply_attention(model, args_or_kwargs=None, max_tokens=None, **kwargs):
@@ -49,9 +72,11 @@ def apply_attention(model, args_or_kwargs=None, max_tokens=None, **kwargs):
         else dict(args_or_kwargs or {})
     values.update(kwargs)
     cfg = SimpleNamespace(**{"attention": "softmax", "attention_on": "encoder", "proj_k": 256,
-                             "param_sharing": "layerwise", "feature_map": "elu", **values})
-    if cfg.attention not in MODES:
-        raise ValueError(f"--attention {cfg.attention!r}: choose one of {MODES}")
+                             "param_sharing": "layerwise", "feature_map": "elu", "attention_option": None, **values})
+    try:
+        method_class(cfg.attention)
+    except ValueError as err:
+        raise ValueError(f"--attention {cfg.attention!r}: {err}") from None
     targets = parse_targets(cfg.attention_on)
     if cfg.attention == "softmax":
         return [{"target": t, "include": [TARGETS[t]], "mode": "softmax", "options": {}, "patch_report": None}

@@ -6,7 +6,7 @@ given explicitly overrides the preset.
 """
 import argparse
 
-ATTENTIONS = ("softmax", "linformer", "kernel", "efficient", "taylor")
+from linear_mha import available_methods
 
 PRESETS = {
     "coco": dict(backbone="resnet50", hidden_dim=256, enc_layers=6, dec_layers=6, dim_feedforward=2048, nheads=8,
@@ -58,12 +58,15 @@ def get_args_parser():
     a("--no-aux-loss", dest="aux_loss", action="store_false")
     a("--num-classes", type=int, help="largest category id + 1 (default: from the training annotations)")
     # attention (applied through linear_mha.patch)
-    a("--attention", default="softmax", choices=ATTENTIONS)
+    a("--attention", default="softmax", choices=available_methods(),
+      help="attention method of the patched modules (linear_mha's registry, read when the parser is built)")
     a("--attention-on", default="encoder", help="comma list of encoder,decoder,cross or all")
     a("--proj-k", type=int, default=256, help="linformer projected length")
     a("--param-sharing", default="layerwise", choices=("none", "headwise", "kv", "layerwise"),
       help="linformer projection sharing (layerwise = one projection for all layers)")
     a("--feature-map", default="elu", choices=("elu", "relu", "favor"), help="kernel attention feature map")
+    a("--attention-option", action="append", metavar="NAME=VALUE",
+      help="any option of the --attention method (repeatable; values are Python literals or strings)")
     # matcher and loss
     a("--set-cost-class", type=float, default=1.0)
     a("--set-cost-bbox", type=float, default=5.0)

@@ -3,15 +3,17 @@
     softmax    exact reference (SDPA when no weights are needed)
     linformer  keys/values projected along the sequence (Wang et al.)
     kernel     phi(Q)(phi(K)^T V) normalised; elu / relu / favor / taylor / callable feature maps
-    efficient  softmax(Q over features) (softmax(K over sequence)^T V) (Shen et al.)
+    efficient_attention  softmax(Q over features) (softmax(K over sequence)^T V) (Shen et al.)
     taylor     first-order Taylor of exp on L2-normalised Q, K
     causal_linear_product / causal_linear_step  the chunked causal product and its recurrent form
     append_ones / split_normalise / drop_keys   the building blocks other layers reuse with the product
-    native     compiled CPU kernels that ``kernel`` / ``kernel_step`` use for float32 inference when built
+    backend    which implementation runs a call (compiled CPU kernels, fused causal, blocked, composed) and why
+    native     compiled CPU kernels (``native_build`` compiles and caches them)
 """
+from . import backend, native  # noqa: F401  (public submodules)
 from ._common import append_ones, drop_keys, split_normalise
 from .causal import causal_linear_product, causal_linear_state, causal_linear_step
-from .efficient import efficient
+from .efficient import efficient_attention
 from .feature_maps import (
     FEATURE_MAPS,
     apply_feature_map,
@@ -29,7 +31,7 @@ from .softmax import softmax
 from .taylor import taylor
 
 __all__ = [
-    "softmax", "linformer", "kernel", "kernel_state", "kernel_step", "efficient", "taylor",
+    "softmax", "linformer", "kernel", "kernel_state", "kernel_step", "efficient_attention", "taylor",
     "causal_linear_product", "causal_linear_state", "causal_linear_step",
     "append_ones", "split_normalise", "drop_keys",
     "FEATURE_MAPS", "apply_feature_map", "resolve_feature_map", "default_num_favor_features",

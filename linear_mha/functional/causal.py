@@ -13,14 +13,14 @@ is an exclusive prefix sum of the per-chunk states ``k_c^T v_c`` (Dk x Dv each).
 O(N * (C + d)) plus O(N / C * Dk * Dv) transient; a per-position Dk x Dv state is never built.
 The backward recomputes the chunk states from the saved inputs instead of keeping them.
 On CPU the chunks are processed in blocks of a few thousand positions with reused buffers and the
-state carried between blocks; on accelerators everything is one block (see _block_positions).
+state carried between blocks; on accelerators everything is one block (see backend.block_positions).
 """
 import contextlib
-from typing import Optional
 
 import torch
 from torch.autograd.function import once_differentiable
 
+from . import backend
 from ._common import functorch_active, needs_grad
 
 __all__ = ["causal_linear_product", "causal_linear_state", "causal_linear_step"]
@@ -94,29 +94,6 @@ def _to_chunks(x: torch.Tensor, n_chunks: int, chunk: int, dtype: torch.dtype) -
     return x.reshape(b * h * n_chunks, chunk, d)
 
 
-# Positions per block of work on CPU. Every temporary (scores, chunk states) is sized to one block
-# and reused, so it is not a fresh multi-megabyte allocation (page faults cost as much as the
-# matmuls) and transient memory does not grow with N. Single-threaded, a few thousand positions keep
-# the temporaries in cache and still give each bmm a large batch: measured 1.5x faster than one
-# block at N = 16k. With several threads every op is a fork/join of the thread pool, and on a
-# shared machine each join can wait a scheduler tick (2048-position blocks measured 10x slower than
-# one block with 2 threads), so blocks are 8x larger: few joins, temporaries still bounded.
-_BLOCK_POSITIONS = 2048
-_BLOCK_POSITIONS_THREADED = 16384
-
-
-def _block_positions(device: torch.device) -> Optional[int]:
-    """Positions per block of work, or None for a single block.
-
-    One block on accelerators (caching allocators, launch overhead favours few large kernels) and
-    while compiling (a traced graph would unroll the loop once per block).
-    """
-    compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)()
-    if device.type != "cpu" or compiling or functorch_active():  # blocks write into buffers with out=
-        return None
-    return _BLOCK_POSITIONS if torch.get_num_threads() == 1 else _BLOCK_POSITIONS_THREADED
-
-
 def _blocks(groups: int, n_chunks: int, target: int):
     """Split the flat chunk axis (groups * n_chunks) into contiguous blocks [a, b).
 
@@ -188,7 +165,7 @@ def _layout(phi_q: torch.Tensor, chunk_size: int):
     b, h, n, _ = phi_q.shape
     chunk = min(chunk_size, n)
     n_chunks = -(-n // chunk)
-    positions = _block_positions(phi_q.device)
+    positions = backend.block_positions(phi_q.device)
     target = b * h * n_chunks if positions is None else max(1, positions // chunk)
     max_block = min(b * h * n_chunks, target if n_chunks > target else max(1, target // n_chunks) * n_chunks)
     blocks = list(_blocks(b * h, n_chunks, target))

@@ -18,13 +18,11 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from . import backend
 from ._common import append_ones, needs_grad, safe_normaliser
-from . import causal as _causal
 from .causal import _PrefixStates, _causal_scores_into, _layout, _no_autocast, _to_chunks, _unchunk
 from .causal import _backward as _product_backward
 from .feature_maps import IN_PLACE_FEATURE_MAPS, apply_feature_map
-
-FUSED_FEATURE_MAPS = tuple(IN_PLACE_FEATURE_MAPS)
 
 
 def _features(q, k, v, key_padding_mask, feature_map):
@@ -48,7 +46,7 @@ def _forward(q, k, v, initial_state, key_padding_mask, feature_map, chunk_size):
 def _forward_blocks(q, k, v, initial_state, key_padding_mask, feature_map, chunk_size):
     """The chunked product of ``causal.py`` with the feature map, the ones column and the normalisation done
     block by block in reused buffers: no N-sized temporaries, and every elementwise pass runs on data the
-    block's matmuls are about to read (see causal._block_positions for the block sizes)."""
+    block's matmuls are about to read (see backend.block_positions for the block sizes)."""
     b, h, n, chunk, n_chunks, dtype, blocks, max_block = _layout(q, chunk_size)
     qc, kc, vc = (_to_chunks(t, n_chunks, chunk, dtype) for t in (q, k, v))
     dk, dv = q.shape[-1], v.shape[-1]
@@ -118,7 +116,7 @@ def causal_kernel(
     initial_state: Optional[Tensor] = None,
     chunk_size: int = 64,
 ) -> Tensor:
-    """Normalised causal kernel attention for feature_map in FUSED_FEATURE_MAPS; no argument checks
+    """Normalised causal kernel attention for feature_map in backend.FUSED_FEATURE_MAPS; no argument checks
     (``kernel.kernel`` does them and calls this).
 
     Shapes: q, k (B, H, N, D), v (B, H, N, Dv), all of one float32/float64 dtype; key_padding_mask
@@ -131,7 +129,7 @@ def causal_kernel(
 
 def kernel_inference_blocks(q, k, v, feature_map, key_padding_mask=None, initial_state=None):
     """Non-causal kernel attention without autograd, a block of positions at a time (CPU; see
-    causal._block_positions): keys first, accumulating phi(k)^T v and sum phi(k), then queries, each
+    backend.block_positions): keys first, accumulating phi(k)^T v and sum phi(k), then queries, each
     block's features made in place in a reused buffer and divided straight into the output. q, k, v
     are read once and the output written once, so at long N the elementwise passes run on cached
     data. Shapes as ``kernel.kernel``: q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv), one dtype;
@@ -140,7 +138,7 @@ def kernel_inference_blocks(q, k, v, feature_map, key_padding_mask=None, initial
     n_k, dv = k.shape[2], v.shape[-1]
     if b * h == 0 or n_q == 0:
         return q.new_zeros(b, h, n_q, dv)
-    positions = max(1, (_causal._block_positions(q.device) or b * h * max(n_q, n_k)) // (b * h))
+    positions = max(1, (backend.block_positions(q.device) or b * h * max(n_q, n_k)) // (b * h))
     feature = IN_PLACE_FEATURE_MAPS[feature_map]
     buf = q.new_empty(b * h, min(positions, max(n_q, n_k)), d)
 

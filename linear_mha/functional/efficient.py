@@ -7,11 +7,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import native
+from . import backend, native
 from ._common import check_qkv, compute_dtype, drop_keys, key_mask_4d, mask_keys
 
 
-def efficient(
+def efficient_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -27,7 +27,7 @@ def efficient(
     check_qkv(q, k, v, key_padding_mask)
     out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
     q, k, v = q.to(dtype), k.to(dtype), drop_keys(v.to(dtype), dropout_p)
-    if native.supports(None, q, k, v, autograd=True):
+    if backend.efficient_backend(q, k, v).backend == backend.NATIVE:
         # The compiled kernel skips masked keys itself, so v is not copied to zero them.
         return native.efficient_attention(q, k, v, key_padding_mask).to(out_dtype)
     q_soft = torch.softmax(q, dim=-1)

@@ -15,12 +15,11 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from . import backend, native
 from ._common import (append_ones, check_qkv, compute_dtype, drop_keys, functorch_active, mask_keys, needs_grad,
                       normalise, safe_normaliser, split_normalise)
-from . import causal as _causal
-from . import native
 from .causal import causal_linear_product, check_chunk_size, step_unchecked
-from .causal_kernel import FUSED_FEATURE_MAPS, causal_kernel, kernel_inference_blocks
+from .causal_kernel import causal_kernel, kernel_inference_blocks
 from .feature_maps import FeatureMap, apply_feature_map, elementwise_feature_map
 
 
@@ -55,21 +54,20 @@ def kernel(
     q, k, v = q.to(dtype), k.to(dtype), drop_keys(v.to(dtype), dropout_p)
     if initial_state is not None:
         initial_state = initial_state.to(dtype)
-    if native.supports(feature_map, q, k, v, initial_state, autograd=True):
+    chosen = backend.kernel_backend(q, k, v, feature_map, causal=causal, initial_state=initial_state).backend
+    if chosen == backend.NATIVE:
         # The compiled kernels skip masked keys themselves, so v is not copied to zero them.
         _check_state(initial_state, q, v)
         if chunk_size is not None:
             check_chunk_size(chunk_size)  # the kernels pick their own block size; the argument is still checked
         return native.kernel_attention(q, k, v, feature_map, key_padding_mask, initial_state, causal).to(out_dtype)
     v = mask_keys(v, key_padding_mask)
-    fused = isinstance(feature_map, str) and feature_map in FUSED_FEATURE_MAPS
-    if causal and fused and not functorch_active():
+    if chosen == backend.FUSED_CAUSAL:
         _check_state(initial_state, q, v)
         kwargs = {} if chunk_size is None else {"chunk_size": check_chunk_size(chunk_size)}
         return causal_kernel(q, k, v, feature_map, key_padding_mask=key_padding_mask,
                              initial_state=initial_state, **kwargs).to(out_dtype)
-    if (not causal and fused and _causal._block_positions(q.device) is not None
-            and not needs_grad(q, k, v, initial_state)):
+    if chosen == backend.BLOCKED:
         _check_state(initial_state, q, v)
         return kernel_inference_blocks(q, k, v, feature_map, key_padding_mask, initial_state).to(out_dtype)
     # With an initial state, the keys' FAVOR+ stabiliser must be kernel_state's data-independent one: both sums

@@ -1,39 +1,30 @@
-"""The compiled CPU kernels of ``csrc/``: built on first use, called through ctypes.
+"""The compiled CPU kernels of ``csrc/``, called through ctypes on torch tensors.
 
 Kernel attention with an elementwise map spends most of its CPU time in elementwise passes over N-sized
 tensors, not in its two GEMMs; the C kernels fuse those passes into the GEMMs (see kernel_attention.c). They
 cover float32 CPU tensors: kernel attention with elu/relu (non-causal and causal, with gradients, and the
 recurrent decoding step) and Efficient Attention (with gradients). Everything else (other maps and dtypes,
-accelerators) stays in PyTorch, and so does everything when the kernels are unavailable.
+accelerators) stays in PyTorch, and so does everything when the kernels are unavailable; ``backend.py`` decides
+which calls come here.
 
-The library is compiled with the system C compiler (``$CC``, else cc/gcc/clang) for the host CPU and cached
-under ``$LINEAR_MHA_CACHE`` (default ``~/.cache/linear_mha``, or the temporary directory where the home is
-read-only), keyed by the source, the flags and the CPU, so the first call in a fresh environment takes about a
-second. ``LINEAR_MHA_NATIVE=0`` (or ``set_enabled(False)``) turns the kernels off; ``available()`` says whether
-they are in use, ``build_error()`` why not.
+``native_build.py`` compiles and caches the library on first use. ``LINEAR_MHA_NATIVE=0`` (or
+``set_enabled(False)``) turns the kernels off; ``available()`` says whether they are in use, ``build_error()`` why
+not.
 """
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 import warnings
-from pathlib import Path
 from typing import Optional
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from . import native_build
 from ._common import functorch_active
 
-_CSRC = Path(__file__).with_name("csrc")
-_SOURCES = ("kernel_attention.c", "kernel_attention_backward.c", "efficient_attention.c")
-_MAPS = {"elu": 0, "relu": 1}
-_FLAG_SETS = tuple(["-O3", "-Wno-psabi", *arch, *omp] for arch in (["-march=native"], []) for omp in (["-fopenmp"], []))
+MAPS = {"elu": 0, "relu": 1}  # the elementwise feature maps the C code computes
 
 _lock = threading.Lock()
 _library = None
@@ -53,68 +44,11 @@ def set_enabled(enabled: bool) -> bool:
     return previous
 
 
+def enabled() -> bool:
+    return _enabled
+
+
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
-
-
-def _cpu_signature() -> str:
-    # -march=native code must not be reused on another CPU: the cache key includes the CPU's model and flags.
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        lines = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features"))]
-        return "\n".join(sorted(set(lines)))
-    except OSError:
-        return platform.processor() + platform.machine()
-
-
-def _compilers():
-    names = [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc", "clang"]
-    return [path for path in map(shutil.which, names) if path]
-
-
-def _cache_dir() -> Path:
-    """$LINEAR_MHA_CACHE, else ~/.cache/linear_mha, else (a read-only home, as in some containers) a folder in
-    the temporary directory."""
-    if os.environ.get("LINEAR_MHA_CACHE"):
-        return Path(os.environ["LINEAR_MHA_CACHE"])
-    user = getattr(os, "getuid", lambda: "user")()
-    for cache in (Path.home() / ".cache" / "linear_mha", Path(tempfile.gettempdir()) / f"linear_mha-{user}"):
-        try:
-            cache.mkdir(parents=True, exist_ok=True)
-            if os.access(cache, os.W_OK):
-                return cache
-        except OSError:
-            pass
-    raise RuntimeError("no writable cache folder for the compiled kernels; set LINEAR_MHA_CACHE")
-
-
-def _build() -> ctypes.CDLL:
-    # The cache key covers every file the build reads, the header included.
-    source = b"".join(path.read_bytes() for path in sorted(_CSRC.iterdir()) if path.suffix in (".c", ".h"))
-    cache, cpu = _cache_dir(), _cpu_signature().encode()
-    errors = []
-    for compiler in _compilers():
-        for flags in _FLAG_SETS:
-            key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(flags).encode(), cpu])).hexdigest()[:16]
-            target = cache / f"kernel_attention-{key}.so"
-            if not target.exists():
-                cache.mkdir(parents=True, exist_ok=True)
-                # Build beside the target and rename: concurrent processes (DDP ranks, test workers) may race.
-                with tempfile.TemporaryDirectory(dir=cache) as tmp:
-                    built = Path(tmp) / target.name
-                    sources = [str(_CSRC / name) for name in _SOURCES]
-                    result = subprocess.run([compiler, *flags, "-shared", "-fPIC", "-o", str(built), *sources, "-lm"],
-                                            capture_output=True, text=True)
-                    if result.returncode != 0:
-                        errors.append(f"{compiler} {' '.join(flags)}: {result.stderr.strip()[-400:]}")
-                        continue
-                    os.replace(built, target)
-            library = ctypes.CDLL(str(target))
-            _declare(library)
-            global _threaded
-            _threaded = "-fopenmp" in flags
-            return library
-    raise RuntimeError("no C compiler could build the kernels" + (": " + " | ".join(errors) if errors else
-                                                                    " (none of $CC, cc, gcc, clang was found)"))
 
 
 def _declare(library: ctypes.CDLL) -> None:
@@ -134,14 +68,16 @@ def _declare(library: ctypes.CDLL) -> None:
 
 
 def _load():
-    global _library, _error, _tried
+    global _library, _error, _tried, _threaded
     if _tried:  # the per-call path: no lock once the build was attempted
         return _library
     with _lock:
         if not _tried:
             _tried = True
             try:
-                _library = _build()
+                library, threaded = native_build.build()
+                _declare(library)
+                _library, _threaded = library, threaded
             except Exception as exc:  # a missing or broken compiler must never break attention
                 _error = str(exc)
                 warnings.warn(f"linear_mha: compiled CPU kernels unavailable, using PyTorch ops ({_error})",
@@ -154,29 +90,53 @@ def available() -> bool:
     return _enabled and _load() is not None
 
 
+def library_path() -> Optional[str]:
+    """The file of the loaded kernels (builds them on the first call), or None."""
+    return None if _load() is None else _library._name
+
+
 def build_error() -> Optional[str]:
     """Why the kernels could not be built, or None."""
     _load()
     return _error
 
 
-def supports(feature_map, *tensors: Optional[Tensor], autograd: bool = False) -> bool:
-    """Whether a call on these tensors can take the compiled path: float32 CPU tensors whose last dimension is
-    contiguous, an elementwise map the C code knows (None for Efficient Attention, which has its own), not
-    inside torch.compile or a torch.func transform, no autograd unless the caller has a backward for it
-    (``autograd=True``), and a build with OpenMP unless torch itself runs on one thread."""
-    if not _enabled or (feature_map is not None and feature_map not in _MAPS):
-        return False
-    grad = not autograd and torch.is_grad_enabled()
+def why_not_kernel(feature_map, *tensors: Optional[Tensor]) -> Optional[str]:
+    """Why kernel attention with ``feature_map`` on these tensors cannot run in the compiled kernels, or None if it
+    can (the caller has a backward for it)."""
+    if not isinstance(feature_map, str) or feature_map not in MAPS:
+        name = getattr(feature_map, "__name__", feature_map)
+        return f"feature_map {name!r} is not one the compiled kernels compute ({', '.join(MAPS)})"
+    return why_not(*tensors)
+
+
+def why_not(*tensors: Optional[Tensor]) -> Optional[str]:
+    """Why a call on these tensors cannot take the compiled path, or None: it needs float32 CPU tensors whose last
+    dimension is contiguous, no torch.compile or torch.func transform around it, a build, and OpenMP in that build
+    unless torch itself runs on one thread."""
+    if not _enabled:
+        return "the compiled kernels are switched off (LINEAR_MHA_NATIVE=0 or native.set_enabled(False))"
     for t in tensors:
-        # Empty tensors stay in PyTorch: the kernels split work by batch x heads and by rows.
-        if t is not None and (not t.is_cpu or t.dtype is not torch.float32 or (grad and t.requires_grad)
-                              or t.stride(-1) != 1 or t.numel() == 0):
-            return False
-    if _is_compiling() or functorch_active() or _load() is None:
-        return False
+        if t is None:
+            continue
+        if not t.is_cpu:
+            return f"a tensor is on {t.device}; the compiled kernels run on the CPU"
+        if t.dtype is not torch.float32:
+            return f"a tensor is {t.dtype}; the compiled kernels take float32"
+        if t.stride(-1) != 1:
+            return "a tensor's last dimension is not contiguous"
+        if t.numel() == 0:  # the kernels split work by batch x heads and by rows
+            return "a tensor is empty"
+    if _is_compiling():
+        return "inside torch.compile, which traces PyTorch ops"
+    if functorch_active():
+        return "inside a torch.func transform, whose tensors have no data pointers"
+    if _load() is None:
+        return f"the compiled kernels could not be built: {_error}"
     # A one-thread build (a compiler without OpenMP) loses to torch's threaded ops on whole sequences.
-    return _threaded or torch.get_num_threads() == 1
+    if not (_threaded or torch.get_num_threads() == 1):
+        return "the kernels were built without OpenMP and torch runs on several threads"
+    return None
 
 
 def _lib() -> ctypes.CDLL:
@@ -224,7 +184,7 @@ def _forward(q, k, v, mask, init, feature_map, causal, keep):
     den = q.new_empty(b, h, n_q) if keep else None
     state = q.new_empty(b, h, d, dv + 1) if keep and not causal else None
     pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), _pointer(mask), _pointer(init), out.data_ptr())
-    tail = (*_sizes(q, k, v, causal), _MAPS[feature_map], torch.get_num_threads())
+    tail = (*_sizes(q, k, v, causal), MAPS[feature_map], torch.get_num_threads())
     if causal:
         status = _lib().lm_causal_kernel_attention_f32(*pointers, _pointer(den), *tail)
     else:
@@ -256,7 +216,7 @@ class _KernelAttention(torch.autograd.Function):
         grad_out = grad_out.contiguous()  # held in a name: a temporary's memory would be freed before the call
         pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), _pointer(mask))
         tail = (out.data_ptr(), grad_out.data_ptr(), *map(_pointer, grads), *_sizes(q, k, v, ctx.causal),
-                _MAPS[ctx.feature_map], torch.get_num_threads())
+                MAPS[ctx.feature_map], torch.get_num_threads())
         if ctx.causal:
             status = _lib().lm_causal_kernel_attention_backward_f32(*pointers, _pointer(init), den.data_ptr(), *tail)
         else:
@@ -318,7 +278,7 @@ def step_ready(feature_map, q, k, v, state) -> bool:
     consistent shapes (q, k (B, H, D), v (B, H, Dv), state (B, H, D, Dv + 1) or None). Anything else, invalid
     input included, goes the PyTorch way, whose checks explain the problem. Decoding is bound by per-call
     overhead, so this one pass replaces the separate argument checks."""
-    if not _enabled or feature_map not in _MAPS or (_library is None and _load() is None):
+    if not _enabled or feature_map not in MAPS or (_library is None and _load() is None):
         return False
     grad = torch.is_grad_enabled()
     for t in (q, k, v, state):
@@ -343,5 +303,5 @@ def kernel_step(q: Tensor, k: Tensor, v: Tensor, state: Optional[Tensor], featur
     new_state = state if inplace and state is not None else q.new_empty(b, h, d, dv + 1)
     _check(_lib().lm_kernel_step_f32(q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                        None if state is None else state.data_ptr(), new_state.data_ptr(),
-                                       out.data_ptr(), b * h, d, dv, _MAPS[feature_map]))
+                                       out.data_ptr(), b * h, d, dv, MAPS[feature_map]))
     return out, new_state

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..functional import (append_ones, causal_linear_product, causal_linear_state, causal_linear_step, drop_keys,
-                          efficient, split_normalise)
+                          efficient_attention, split_normalise)
 
 
 def _features(x: Tensor) -> Tensor:
@@ -33,7 +33,7 @@ def global_attention(
 ) -> Tensor:
     """Non-causal: q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv); key_mask (B, S) True = keep.
     dropout_p: key dropout (the linear heads have no weight matrix to drop from)."""
-    return efficient(q, k, v, key_padding_mask=None if key_mask is None else ~key_mask, dropout_p=dropout_p)
+    return efficient_attention(q, k, v, key_padding_mask=None if key_mask is None else ~key_mask, dropout_p=dropout_p)
 
 
 def causal_global_attention(

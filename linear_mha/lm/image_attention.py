@@ -1,4 +1,4 @@
-"""ImageLinearAttention: efficient (softmax-kernel) attention over the pixels of a (B, C, H, W) feature map.
+"""ImageLinearAttention: Efficient Attention (softmax kernels) over the pixels of a (B, C, H, W) feature map.
 
 Queries, keys and values are convolutions of the image; keys are softmax-normalised over the positions and, with
 ``norm_queries``, queries over their features (Shen et al.), so the cost is linear in H * W. An optional
@@ -8,7 +8,7 @@ original, strided convolutions work: the output grid is taken from the convoluti
 import torch
 from torch import nn
 
-from ..functional import efficient
+from ..functional import efficient_attention
 
 
 class ImageLinearAttention(nn.Module):
@@ -47,7 +47,7 @@ class ImageLinearAttention(nn.Module):
             v = torch.cat([v, tokens(self.to_v(ctx), self.value_dim)], dim=2)
         q, k = q * scale, k * scale
         if self.norm_queries:
-            out = efficient(q, k, v)
+            out = efficient_attention(q, k, v)
         else:
             # Un-normalised queries: Q (softmax_seq(K)^T V), the original's norm_queries=False form.
             out = q @ (k.softmax(dim=-2).transpose(-1, -2) @ v)

@@ -4,6 +4,7 @@ import contextlib
 import sys
 
 from ..attention import LinearMultiheadAttention
+from ..registry import DEFAULT_MODE, validate_options
 from .generic import TORCH_MHA as _TORCH_MHA
 
 
@@ -29,14 +30,14 @@ def _stand_in(options: dict):
 
 
 @contextlib.contextmanager
-def patched(mode: str = "linformer", **options):
+def patched(mode: str = DEFAULT_MODE, **options):
     """Inside ``with linear_mha.patched(mode=...):`` every ``nn.MultiheadAttention(...)`` (also spelled
     ``torch.nn.modules.activation.MultiheadAttention``, inside nn.TransformerEncoderLayer / DecoderLayer /
     nn.Transformer, or imported earlier as ``from torch.nn import MultiheadAttention`` by a loaded module) builds a
     ``LinearMultiheadAttention(..., mode=mode, **options)``. Restored on exit, also when the block raises.
     Modules built inside keep being linear after the block. Only the name ``MultiheadAttention`` is rebound: a
     module that imported it under another name (``import ... as MHA``) keeps torch's class."""
-    LinearMultiheadAttention.validate_options({"mode": mode, **options})  # fail before anything is rebound
+    validate_options(mode, options)  # fail before anything is rebound
     stand_in = _stand_in({"mode": mode, **options})
     # Every loaded module that bound the name to torch's class at import time (torch.nn, torch.nn.modules.
     # activation, torch.nn.modules.transformer, user code doing `from torch.nn import MultiheadAttention`), or to

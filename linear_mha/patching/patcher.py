@@ -5,7 +5,7 @@ from typing import Callable, Optional
 from torch import nn
 
 from ..attention import LinearMultiheadAttention
-from ..mode_attention import OPTION_DEFAULTS as _DEFAULTS
+from ..registry import DEFAULT_MODE, method_class, validate_options
 from .generic import disable_nested_tensor, restore_nested_tensor, to_linear, to_torch
 from .report import PatchReport
 from .selection import Selection
@@ -42,22 +42,25 @@ def _default_seq_len(model: nn.Module, plan: _Plan) -> Optional[int]:
     return None
 
 
-def _resolve_linformer_lengths(model: nn.Module, plans) -> None:
+def _resolve_sequence_lengths(model: nn.Module, plans) -> None:
+    """Methods whose keys are bounded by an option (Linformer's seq_len) get the token count the model feeds the
+    module when the option is left out, and an error when it is too small."""
     for plan in plans:
-        opts = plan.options
-        if opts.get("mode", _DEFAULTS["mode"]) != "linformer":
+        option = method_class(plan.options["mode"]).sequence_length_option
+        if option is None:
             continue
+        opts = plan.options
         tokens = _default_seq_len(model, plan)
-        if "seq_len" not in opts:
+        if option not in opts:
             if tokens is not None:
-                opts["seq_len"] = tokens
+                opts[option] = tokens
             elif plan.kind == "timm":
                 raise ValueError(f"patch(): {plan.name!r} is timm attention in a model whose token count varies "
-                                 f"(dynamic_img_size=True) or is unknown; pass seq_len= the largest token count "
+                                 f"(dynamic_img_size=True) or is unknown; pass {option}= the largest token count "
                                  f"you will feed (patch grid + class/register tokens)")
-        elif tokens is not None and opts["seq_len"] < tokens:
-            raise ValueError(f"patch(): seq_len={opts['seq_len']} for {plan.name!r}, but the model feeds it "
-                             f"{tokens} tokens; pass seq_len >= {tokens} (or leave it out to use {tokens})")
+        elif tokens is not None and opts[option] < tokens:
+            raise ValueError(f"patch(): {option}={opts[option]} for {plan.name!r}, but the model feeds it "
+                             f"{tokens} tokens; pass {option} >= {tokens} (or leave it out to use {tokens})")
 
 
 def _build(plan: _Plan) -> nn.Module:
@@ -69,33 +72,47 @@ def _build(plan: _Plan) -> nn.Module:
         raise type(err)(f"patch(): cannot patch {plan.name!r} ({type(plan.module).__name__}): {err}") from err
 
 
+def _layer_shared(plan: _Plan):
+    """(state name, option name) of a tensor this plan's method shares across layers, or None."""
+    return method_class(plan.options["mode"]).layer_shared(plan.options)
+
+
 def _build_all(plans) -> list:
-    """One new module per plan. param_sharing='layerwise' gets ONE projection for all of them: the first module
-    draws it (with the core's initialisation) and the others receive it as shared_projection."""
-    shared = None
-    layerwise = [p for p in plans if p.options.get("mode", _DEFAULTS["mode"]) == "linformer"
-                 and p.options.get("param_sharing") == "layerwise"]
-    if layerwise:
-        proj_ks = sorted({p.options.get("proj_k", _DEFAULTS["proj_k"]) for p in layerwise})
-        if len(proj_ks) > 1:
-            raise ValueError(f"patch(): param_sharing='layerwise' ties one (proj_k, seq_len) projection across "
-                             f"modules, but they were given proj_k values {proj_ks}; use a single proj_k")
-        seq_len = max(p.options.get("seq_len", _DEFAULTS["seq_len"]) for p in layerwise)
-        devices = {next(p.module.parameters()).device for p in layerwise}
+    """One new module per plan. A method that shares one tensor across layers (Linformer's param_sharing=
+    'layerwise') gets ONE for all of them: the first module draws it (with the method's initialisation) and the
+    others receive it through the method's option."""
+    tied = [p for p in plans if _layer_shared(p) is not None]
+    shared, state_name, option = None, None, None
+    if tied:
+        modes = sorted({p.options["mode"] for p in tied})
+        if len(modes) > 1:
+            raise ValueError(f"patch(): one shared tensor cannot serve modes {modes}")
+        state_name, option = _layer_shared(tied[0])
+        length_option = method_class(modes[0]).sequence_length_option
+        defaults = {key: opt.default for key, opt in method_class(modes[0]).options.items()}
+        for key in sorted({k for p in tied for k in p.options} - {length_option, option}):
+            values = sorted({repr(p.options.get(key, defaults.get(key))) for p in tied})
+            if len(values) > 1:
+                raise ValueError(f"patch(): {option} ties one tensor across modules, which needs the same {key} in "
+                                 f"each, but they were given {key} values {', '.join(values)}; use a single {key}")
+        devices = {next(p.module.parameters()).device for p in tied}
         if len(devices) > 1:
-            raise ValueError(f"patch(): param_sharing='layerwise' needs all patched modules on one device, found "
-                             f"{sorted(map(str, devices))}; patch before splitting the model across devices")
-        shared = layerwise[0].options.get("shared_projection")
-        for plan in layerwise:
-            plan.options["seq_len"] = seq_len  # a shared projection must cover the longest sequence
-    tied = {id(p) for p in layerwise}
+            raise ValueError(f"patch(): {option} ties one tensor across modules, which needs all patched modules on "
+                             f"one device; found {sorted(map(str, devices))}; patch before splitting the model")
+        if length_option is not None:  # a shared tensor must cover the longest sequence
+            longest = max(p.options.get(length_option, method_class(modes[0]).options[length_option].default)
+                          for p in tied)
+            for plan in tied:
+                plan.options[length_option] = longest
+        shared = tied[0].options.get(option)
+    tied_ids = {id(p) for p in tied}
     built = []
     for plan in plans:
-        if id(plan) in tied and shared is not None:
-            plan.options["shared_projection"] = shared
+        if id(plan) in tied_ids and shared is not None:
+            plan.options[option] = shared
         new = _build(plan)
-        if id(plan) in tied and shared is None:
-            shared = new.e_proj
+        if id(plan) in tied_ids and shared is None:
+            shared = getattr(new, state_name)
         built.append(new)
     return built
 
@@ -118,7 +135,7 @@ def _check_model(model, fn: str) -> None:
                         f"container (e.g. nn.Sequential(module))")
 
 
-def patch(model: nn.Module, mode: str = "linformer", *, include=None, exclude=None,
+def patch(model: nn.Module, mode: str = DEFAULT_MODE, *, include=None, exclude=None,
           filter: Optional[Callable] = None, options_for: Optional[Callable] = None, **options) -> PatchReport:
     """Replace, in place, every selected nn.MultiheadAttention (and subclass that keeps its forward) with
     LinearMultiheadAttention and every timm.layers.Attention with LinearTimmAttention, reusing the original
@@ -156,7 +173,9 @@ def patch(model: nn.Module, mode: str = "linformer", *, include=None, exclude=No
             continue
         plans.append(_Plan(name, module, kind, selection.options(name, module, base)))
     selection.warn_unused()
-    _resolve_linformer_lengths(model, plans)
+    if not plans:  # a misspelt mode or option fails even where nothing is patched (else _build names the module)
+        validate_options(mode, options)
+    _resolve_sequence_lengths(model, plans)
     built = _build_all(plans)
 
     before = {id(p) for p in model.parameters()} | {id(b) for b in model.buffers()}

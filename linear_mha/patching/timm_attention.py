@@ -1,8 +1,8 @@
 """Linear attention for timm ViTs: ``timm.layers.Attention`` (and the older
 ``timm.models.vision_transformer.Attention``) swapped for an adapter that REUSES the original qkv / q_norm /
 k_norm / norm / gate / proj / dropout submodules, so state_dict keys and tensors are unchanged and timm
-checkpoints load strictly. Only the softmax(q k^T) v step changes; it runs through ``ModeAttention``, the base class
-LinearMultiheadAttention also derives from, so both classes approximate attention identically.
+checkpoints load strictly. Only the softmax(q k^T) v step changes; it runs through ``attend.attend_heads`` with a
+method from the registry, as in LinearMultiheadAttention, so both classes approximate attention identically.
 """
 import sys
 from typing import Optional
@@ -10,8 +10,9 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .. import masks as M
-from ..mode_attention import ModeAttention
+from .. import masks
+from ..attend import attend_heads, drop_missing_state
+from ..registry import create_method
 
 _REUSED = ("qkv", "q_norm", "k_norm", "attn_drop", "norm", "gate", "proj", "proj_drop")
 
@@ -37,7 +38,7 @@ def timm_token_count(model: nn.Module) -> Optional[int]:
     return num_patches + int(getattr(model, "num_prefix_tokens", 0))
 
 
-def _timm_mask_to_nn(attn_mask: Tensor, batch: int, heads: int, n: int, mode: str):
+def _timm_mask_to_nn(attn_mask: Tensor, batch: int, heads: int, n: int, method):
     """timm passes SDPA masks (bool True = MAY attend, or additive float), broadcastable to (B, H, N, N).
     Returns (key_padding_mask (B, N) or None, attn_mask (B, H, N, N) or None) in nn.MultiheadAttention's
     convention (True = masked). A mask that is the same for every query and head is key padding, which every
@@ -52,20 +53,20 @@ def _timm_mask_to_nn(attn_mask: Tensor, batch: int, heads: int, n: int, mode: st
     except RuntimeError:
         raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (B, H, N, N) = "
                          f"{(batch, heads, n, n)}") from None
-    if mode == "softmax":
+    if method.any_mask:
         return None, mask
-    forbidden = M.to_forbidden(mask, "attn_mask", mode)
+    forbidden = masks.to_forbidden(mask, "attn_mask", method.name)
     if bool((forbidden == forbidden[:, :1, :1, :]).all()):
         return forbidden[:, 0, 0, :], None
     return None, forbidden
 
 
-class LinearTimmAttention(ModeAttention):
-    """timm ``Attention`` with linear attention. Options are LinearMultiheadAttention's keyword options
-    (mode, seq_len, proj_k, param_sharing, feature_map, num_features, shared_projection, chunk_size,
-    redraw_interval). Build it with :meth:`from_timm`; :meth:`to_timm` gives the timm module back."""
+class LinearTimmAttention(nn.Module):
+    """timm ``Attention`` with linear attention. Options are LinearMultiheadAttention's keyword options: ``mode``
+    and that method's options. Build it with :meth:`from_timm`; :meth:`to_timm` gives the timm module back."""
 
-    def __init__(self, attn: nn.Module, **options):
+    def __init__(self, attn: nn.Module, mode: str = "linformer", **options):
+        method = create_method(mode, options)
         super().__init__()
         self.num_heads = attn.num_heads
         self.head_dim = getattr(attn, "head_dim", None) or attn.qkv.in_features // attn.num_heads
@@ -77,7 +78,8 @@ class LinearTimmAttention(ModeAttention):
                 module = nn.Identity()  # older timm: no such step
             setattr(self, name, module)
         weight = attn.qkv.weight
-        self._init_mode(options, {"device": weight.device, "dtype": weight.dtype})
+        self.method = method
+        method.install(self, self.num_heads, self.head_dim, {"device": weight.device, "dtype": weight.dtype})
         # Kept unregistered (not in state_dict or parameters()) so to_timm() returns the user's module itself.
         self.__dict__["_timm_original"] = attn
         self.train(attn.training)
@@ -88,8 +90,22 @@ class LinearTimmAttention(ModeAttention):
             raise TypeError(f"from_timm expects timm.layers.Attention (exact class), got {type(attn).__name__}")
         return cls(attn, **options)
 
+    @property
+    def mode(self) -> str:
+        return self.method.name
+
+    def redraw_features(self, generator: Optional[torch.Generator] = None) -> None:
+        """Draw a new FAVOR+ random projection (mode='kernel' with feature_map='favor')."""
+        self.method.redraw(self, generator)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        drop_missing_state(self.method, prefix, state_dict, missing_keys)
+
     def extra_repr(self) -> str:
-        return f"attn_dim={self.attn_dim}, num_heads={self.num_heads}, {self.mode_repr()}"
+        return f"attn_dim={self.attn_dim}, num_heads={self.num_heads}, {self.method.describe()}"
 
     def to_timm(self) -> nn.Module:
         """The original timm module, holding this adapter's current submodules (and so its trained weights)."""
@@ -101,15 +117,15 @@ class LinearTimmAttention(ModeAttention):
 
     def forward(self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False) -> Tensor:
         """x (B, N, C) -> (B, N, C_out), as timm's Attention.forward (attn_mask in SDPA's convention)."""
-        self._count_forward_for_redraw()
+        self.method.before_forward(self)
         B, N, _ = x.shape
         gate = self.gate(x).sigmoid() if self.gate is not None else None
         q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         q, k = self.q_norm(q), self.k_norm(k)
         kpm, mask = (None, None) if attn_mask is None else _timm_mask_to_nn(attn_mask, B, self.num_heads, N,
-                                                                           self.mode)
-        dropout_p = self.attn_drop.p if self.training else 0.0
-        out, _ = self._attend(q, k, v, kpm, mask, is_causal, 0, False, dropout_p)
+                                                                           self.method)
+        out, _ = attend_heads(self.method, self.method.state(self), q, k, v, key_padding_mask=kpm, attn_mask=mask,
+                              is_causal=is_causal, dropout_p=self.attn_drop.p if self.training else 0.0)
         out = self.norm(out.transpose(1, 2).reshape(B, N, self.attn_dim))
         if gate is not None:
             out = out * gate

@@ -1,0 +1,121 @@
+"""Which implementation runs an attention call, and why: the one place that decides.
+
+    native             the compiled C kernels of ``native.py`` (float32 CPU; kernel attention with elu/relu,
+                       Efficient Attention), forward and backward
+    fused_causal       ``causal_kernel.py``: causal elu/relu kernel attention as one autograd Function, the feature
+                       map and the division done block by block in reused buffers
+    blocked_inference  ``causal_kernel.kernel_inference_blocks``: non-causal elu/relu inference without autograd, a
+                       block of positions at a time (CPU)
+    composed           plain PyTorch ops (any map, dtype and device, torch.func, autograd through every op), with
+                       the chunked causal product of ``causal.py`` for causal attention
+
+``kernel_backend`` / ``efficient_backend`` / ``step_backend`` return a :class:`Choice` naming the backend and the
+reason, so a user can ask why a call was not fast (``str(choice)``), as torch's ``why_not_fast_path`` does.
+:func:`override` switches choices for a block of code (tests, comparisons): ``native=False`` runs PyTorch ops
+instead of the compiled kernels; ``block_positions=None`` runs CPU work as one block, as on accelerators.
+"""
+import contextlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import native
+from ._common import functorch_active, needs_grad
+from .feature_maps import IN_PLACE_FEATURE_MAPS
+
+NATIVE, FUSED_CAUSAL, BLOCKED, COMPOSED = "native", "fused_causal", "blocked_inference", "composed"
+FUSED_FEATURE_MAPS = tuple(IN_PLACE_FEATURE_MAPS)  # the maps causal_kernel.py and the blocked path apply in place
+
+
+@dataclass(frozen=True)
+class Choice:
+    backend: str
+    reason: str
+
+    def __str__(self):
+        return f"{self.backend}: {self.reason}"
+
+
+# Positions per block of work on CPU. Every temporary (scores, chunk states) is sized to one block
+# and reused, so it is not a fresh multi-megabyte allocation (page faults cost as much as the
+# matmuls) and transient memory does not grow with N. Single-threaded, a few thousand positions keep
+# the temporaries in cache and still give each bmm a large batch: measured 1.5x faster than one
+# block at N = 16k. With several threads every op is a fork/join of the thread pool, and on a
+# shared machine each join can wait a scheduler tick (2048-position blocks measured 10x slower than
+# one block with 2 threads), so blocks are 8x larger: few joins, temporaries still bounded.
+BLOCK_POSITIONS = 2048
+BLOCK_POSITIONS_THREADED = 16384
+
+_UNSET = object()
+_block_override = _UNSET
+
+
+def block_positions(device: torch.device) -> Optional[int]:
+    """Positions per block of CPU work, or None for a single block: on accelerators (caching allocators, launch
+    overhead favours few large kernels), while compiling (a traced graph would unroll the loop once per block) and
+    under torch.func (blocks write into buffers with out=)."""
+    compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)()
+    if device.type != "cpu" or compiling or functorch_active():
+        return None
+    if _block_override is not _UNSET:
+        return _block_override
+    return BLOCK_POSITIONS if torch.get_num_threads() == 1 else BLOCK_POSITIONS_THREADED
+
+
+@contextlib.contextmanager
+def override(*, native_kernels: Optional[bool] = None, block_positions=_UNSET):
+    """Within the block: ``native_kernels`` True/False switches the compiled CPU kernels on/off; ``block_positions``
+    None makes CPU work one block (the code path CUDA runs), an int sets the block size. Restored on exit."""
+    global _block_override
+    previous_native = None if native_kernels is None else native.set_enabled(native_kernels)
+    previous_block = _block_override
+    if block_positions is not _UNSET:
+        if block_positions is not None and (not isinstance(block_positions, int) or block_positions < 1):
+            raise ValueError(f"block_positions must be None or a positive int, got {block_positions!r}")
+        _block_override = block_positions
+    try:
+        yield
+    finally:
+        _block_override = previous_block
+        if previous_native is not None:
+            native.set_enabled(previous_native)
+
+
+def kernel_backend(q: Tensor, k: Tensor, v: Tensor, feature_map, *, causal: bool,
+                   initial_state: Optional[Tensor] = None) -> Choice:
+    """The backend ``functional.kernel`` uses for these tensors (as it holds them: half inputs are float32 by then)."""
+    why_not_native = native.why_not_kernel(feature_map, q, k, v, initial_state)
+    if why_not_native is None:
+        return Choice(NATIVE, f"float32 CPU tensors and the {feature_map!r} map, which the compiled kernels fuse")
+    fused = isinstance(feature_map, str) and feature_map in FUSED_FEATURE_MAPS
+    if not fused:
+        name = getattr(feature_map, "__name__", feature_map)
+        return Choice(COMPOSED, f"feature_map {name!r} has no fused path (only {FUSED_FEATURE_MAPS})")
+    if causal:
+        if functorch_active():
+            return Choice(COMPOSED, "inside a torch.func transform, which custom autograd Functions do not support")
+        return Choice(FUSED_CAUSAL, f"not native because {why_not_native}")
+    if needs_grad(q, k, v, initial_state):
+        return Choice(COMPOSED, f"not native because {why_not_native}; gradients are needed, and the blocked path "
+                                f"has no backward")
+    if block_positions(q.device) is None:
+        return Choice(COMPOSED, f"not native because {why_not_native}; work on {q.device.type} is one block")
+    return Choice(BLOCKED, f"not native because {why_not_native}; inference, a block of positions at a time")
+
+
+def efficient_backend(q: Tensor, k: Tensor, v: Tensor) -> Choice:
+    """The backend ``functional.efficient_attention`` uses for these tensors."""
+    why_not_native = native.why_not(q, k, v)
+    if why_not_native is None:
+        return Choice(NATIVE, "float32 CPU tensors")
+    return Choice(COMPOSED, f"not native because {why_not_native}")
+
+
+def step_backend(q: Tensor, k: Tensor, v: Tensor, state: Optional[Tensor], feature_map) -> Choice:
+    """The backend ``functional.kernel_step`` uses (its hot path asks ``native.step_ready`` directly)."""
+    if native.step_ready(feature_map, q, k, v, state):
+        return Choice(NATIVE, "contiguous float32 CPU tensors without autograd and an elu/relu map")
+    return Choice(COMPOSED, "the compiled step needs contiguous float32 CPU tensors of consistent shapes, no "
+                            "autograd, an elu/relu map and a build; " + (native.why_not(q, k, v, state) or "see above"))

@@ -1,0 +1,17 @@
+"""mode='efficient': Efficient Attention (Shen et al., 2021), softmax(q over features) (softmax(k over the
+sequence)ᵀ v): O(N·d²), non-causal."""
+from .. import functional
+from ..registry import AttentionMethod, append_extra_keys, register_method
+
+
+@register_method
+class Efficient(AttentionMethod):
+    name = "efficient"
+    extra_keys = True
+    cost = "O(N·d²)"
+    summary = "softmax of q over features times softmax of k over the sequence (Shen et al.)"
+
+    def attend(self, q, k, v, state, *, key_padding_mask=None, causal=False, dropout_p=0.0, extra_keys=None):
+        if extra_keys is not None:
+            k, v, key_padding_mask = append_extra_keys(k, v, key_padding_mask, extra_keys)
+        return functional.efficient_attention(q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p)
