@@ -9,6 +9,7 @@ from .registry import (AttentionMethod, Option, available_methods, method_class,
                        unregister_method)
 from . import methods  # noqa: F401  (registers the built-in methods)
 from .attention import LinearMultiheadAttention
+from .token_grid import TokenGrid, track_token_grid
 from .cpu_malloc import keep_freed_memory
 from .lm import (AutoregressiveWrapper, ImageLinearAttention, LinearAttentionTransformer,
                  LinearAttentionTransformerLM, LinearImageAttention, LinearSelfAttention, Linformer,
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "LinearMultiheadAttention", "functional",
     "AttentionMethod", "Option", "register_method", "unregister_method", "available_methods", "method_class",
+    "TokenGrid", "track_token_grid",
     "patch", "unpatch", "patched", "PatchReport",
     "LinearAttentionTransformerLM", "LinearAttentionTransformer", "AutoregressiveWrapper", "LinformerSettings",
     "LinformerContextSettings", "Linformer", "LinformerLM", "LinformerSelfAttention", "LinearSelfAttention",

@@ -1,12 +1,18 @@
 """The attention step every linear_mha module shares: (q, k, v) heads and nn.MultiheadAttention's masks in, the
 method's output out. Masks are turned here, once, into what the method declares it honours (``registry``), and
-anything it cannot honour exactly is refused before it runs."""
-from typing import Mapping, Optional, Tuple
+anything it cannot honour exactly is refused before it runs. The optional local term (``dwc_kernel``: a depthwise
+convolution of the values over the token grid, ``functional.grid_conv``) is added here too, for every method."""
+from typing import Iterable, Mapping, Optional, Tuple
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 
 from . import masks
+from .functional.grid_conv import token_grid_conv
 from .registry import AttentionMethod, causal_methods
+from .token_grid import TokenGrid
+
+LOCAL_TERM_STATE = ("dwc_weight", "dwc_bias")
 
 
 def attend_heads(method: AttentionMethod, state: Mapping[str, Optional[Tensor]], q: Tensor, k: Tensor, v: Tensor, *,
@@ -44,9 +50,53 @@ def attend_heads(method: AttentionMethod, state: Mapping[str, Optional[Tensor]],
     return method.attend(q, k, v, state, dropout_p=dropout_p, **kwargs), None
 
 
-def drop_missing_state(method: AttentionMethod, prefix: str, state_dict, missing_keys: list) -> None:
+def drop_missing_state(names: Iterable[str], prefix: str, state_dict, missing_keys: list) -> None:
     """After ``_load_from_state_dict``: a checkpoint of the original model (nn.MultiheadAttention, timm) has none of
-    the method's own tensors, which then keep their initialisation instead of being reported missing."""
-    owned = [prefix + name for name in method.state_names]
+    the tensors linear_mha adds (``names``: the method's state, the local term's), which then keep their
+    initialisation instead of being reported missing."""
+    owned = [prefix + name for name in names]
     if owned and not any(key in state_dict for key in owned):
         missing_keys[:] = [key for key in missing_keys if key not in owned]
+
+
+def check_dwc_kernel(dwc_kernel) -> Optional[int]:
+    if dwc_kernel is not None and (isinstance(dwc_kernel, bool) or not isinstance(dwc_kernel, int)
+                                   or dwc_kernel < 1 or dwc_kernel % 2 == 0):
+        raise ValueError(f"dwc_kernel must be None or an odd positive int (the k of a k x k convolution), "
+                         f"got {dwc_kernel!r}")
+    return dwc_kernel
+
+
+def install_local_term(module: nn.Module, channels: int, dwc_kernel: Optional[int], factory_kwargs: dict) -> None:
+    """Register the local term's parameters on ``module``: ``dwc_weight`` (channels, 1, k, k) and ``dwc_bias``
+    (channels,), zero at first, so a patched model starts as its linear attention alone (or None without one)."""
+    if check_dwc_kernel(dwc_kernel) is None:
+        for name in LOCAL_TERM_STATE:
+            module.register_parameter(name, None)
+        return
+    module.dwc_weight = nn.Parameter(torch.zeros(channels, 1, dwc_kernel, dwc_kernel, **factory_kwargs))
+    module.dwc_bias = nn.Parameter(torch.zeros(channels, **factory_kwargs))
+
+
+def add_local_term(module: nn.Module, out: Tensor, v: Tensor, key_padding_mask: Optional[Tensor],
+                   attn_mask: Optional[Tensor], is_causal: bool, token_grid: Optional[TokenGrid]) -> Tensor:
+    """out + the local term of ``module`` (a no-op without one). v (B, H, S, d) are the values of this call."""
+    if module.dwc_weight is None:
+        return out
+    if out.shape[2] != v.shape[2]:
+        raise ValueError(f"dwc_kernel adds a convolution of the values at the queries' own grid positions, so it "
+                         f"needs self-attention (as many queries as keys); got L={out.shape[2]}, S={v.shape[2]}")
+    forbidding = attn_mask is not None and (attn_mask.dtype != torch.bool or bool(attn_mask.any()))
+    if is_causal or forbidding:
+        raise ValueError("dwc_kernel mixes neighbouring tokens in every direction over the grid: it has no causal "
+                         "form and applies no attn_mask; use key_padding_mask for padding, or build the module "
+                         "without dwc_kernel")
+    grid = token_grid if token_grid is not None else getattr(module.__dict__.get("token_grid_source"), "grid", None)
+    if grid is None:
+        raise ValueError("dwc_kernel needs the token grid of this call: patch() finds it for DETR, timm and "
+                         "torchvision ViTs; elsewhere call linear_mha.track_token_grid(model, source=...) or pass "
+                         "token_grid=TokenGrid(height, width, prefix) to forward")
+    if key_padding_mask is not None:
+        key_padding_mask = masks.to_forbidden(key_padding_mask, "key_padding_mask", "with dwc_kernel")
+    return out + token_grid_conv(v, module.dwc_weight, module.dwc_bias, grid.height, grid.width, grid.prefix,
+                                 key_padding_mask).to(out.dtype)

@@ -16,8 +16,9 @@ from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from . import masks
-from .attend import attend_heads, drop_missing_state
+from .attend import LOCAL_TERM_STATE, add_local_term, attend_heads, drop_missing_state, install_local_term
 from .registry import DEFAULT_MODE, create_method
+from .token_grid import TokenGrid
 
 
 def _disable_torch_fast_path(module, args):
@@ -46,6 +47,13 @@ class LinearMultiheadAttention(nn.Module):
     The configured method is ``self.method`` (its options are attributes: ``self.method.seq_len``); ``self.mode``
     is its name.
 
+    ``dwc_kernel`` (any method; default None): add a depthwise ``dwc_kernel`` x ``dwc_kernel`` convolution of the
+    values over the image's token grid to the attention output (FLatten's DWC, MLLA's LePE), the local term linear
+    attention lacks. Self-attention over an image only, non-causal; the grid comes from ``forward(...,
+    token_grid=TokenGrid(h, w, prefix))`` or from the model (``patch`` finds it for DETR, timm and torchvision ViTs;
+    ``linear_mha.track_token_grid`` elsewhere). Its parameters ``dwc_weight``, ``dwc_bias`` start at zero and may
+    be absent from a checkpoint.
+
     ``dropout`` is applied only in training. In ``softmax`` it drops attention probabilities, in ``linformer``
     probabilities over the projected keys; ``kernel``, ``efficient`` and ``taylor`` have no probability matrix,
     so each key is dropped from the numerator with probability ``dropout`` (per sample and head) and survivors are
@@ -59,7 +67,8 @@ class LinearMultiheadAttention(nn.Module):
     __constants__ = ["batch_first"]
 
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
-                 kdim=None, vdim=None, batch_first=False, device=None, dtype=None, *, mode=DEFAULT_MODE, **options):
+                 kdim=None, vdim=None, batch_first=False, device=None, dtype=None, *, mode=DEFAULT_MODE,
+                 dwc_kernel=None, **options):
         method = create_method(mode, options)  # first: a wrong option fails before anything is allocated
         if embed_dim <= 0 or num_heads <= 0:
             raise ValueError(f"embed_dim and num_heads must be > 0, got embed_dim={embed_dim}, num_heads={num_heads}")
@@ -104,6 +113,7 @@ class LinearMultiheadAttention(nn.Module):
         self._reset_parameters()
         self.method = method
         method.install(self, num_heads, self.head_dim, factory_kwargs)
+        install_local_term(self, embed_dim, dwc_kernel, factory_kwargs)
         self.register_forward_pre_hook(_disable_torch_fast_path)
 
     @property
@@ -156,10 +166,12 @@ class LinearMultiheadAttention(nn.Module):
                               error_msgs):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        drop_missing_state(self.method, prefix, state_dict, missing_keys)
+        drop_missing_state(self.method.state_names + LOCAL_TERM_STATE, prefix, state_dict, missing_keys)
 
     def extra_repr(self) -> str:
         s = f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, {self.method.describe()}"
+        if self.dwc_weight is not None:
+            s += f", dwc_kernel={self.dwc_weight.shape[-1]}"
         if self.batch_first:
             s += ", batch_first=True"
         return s
@@ -167,7 +179,7 @@ class LinearMultiheadAttention(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor] = None,
                 need_weights: bool = True, attn_mask: Optional[Tensor] = None, average_attn_weights: bool = True,
-                is_causal: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+                is_causal: bool = False, token_grid: Optional[TokenGrid] = None) -> Tuple[Tensor, Optional[Tensor]]:
         r"""Same arguments, shapes and return values as :meth:`torch.nn.MultiheadAttention.forward`.
 
         query (L, N, E) / key (S, N, kdim) / value (S, N, vdim); (N, L, E) ... with ``batch_first``; or unbatched
@@ -175,6 +187,7 @@ class LinearMultiheadAttention(nn.Module):
         mode='softmax' (see :meth:`attention_matrix` for the linear modes). Queries that can see no key at all
         (every key masked) get a zero attention output (before ``out_proj``) in every mode.
         ``is_causal=True`` without ``attn_mask`` means a causal mask; with one, the mask is checked to be causal.
+        ``token_grid`` (not in nn.MultiheadAttention): the grid of the tokens, for ``dwc_kernel``.
         """
         self.method.before_forward(self)
         if query.is_nested or key.is_nested or value.is_nested:
@@ -183,6 +196,7 @@ class LinearMultiheadAttention(nn.Module):
         out, weights = attend_heads(self.method, self.method.state(self), q, k, v, key_padding_mask=kpm,
                                     attn_mask=mask, is_causal=is_causal, extra_keys=extra_keys,
                                     need_weights=need_weights, dropout_p=self.dropout if self.training else 0.0)
+        out = add_local_term(self, out, v, kpm, mask, is_causal, token_grid)
         out = self.out_proj(out.transpose(1, 2).reshape(layout["batch"], layout["tgt_len"], self.embed_dim))
         if weights is not None and average_attn_weights:
             weights = weights.mean(dim=1)
@@ -197,7 +211,8 @@ class LinearMultiheadAttention(nn.Module):
         """The (N, L, S) (or (N, H, L, S)) matrix A with attn_output = A @ V that this module's approximation
         implies, for visualisation. It is computed by running the mode's own attention path on an identity
         value matrix (no dropout), so it is exactly what forward uses, and it costs O(L S) memory: use small
-        inputs. Columns of extra keys (add_bias_kv, add_zero_attn) come last, as in nn.MultiheadAttention."""
+        inputs. Columns of extra keys (add_bias_kv, add_zero_attn) come last, as in nn.MultiheadAttention. The local
+        term of ``dwc_kernel`` is not attention and is not included."""
         value = key.new_zeros(key.shape[:-1] + (self.vdim,))
         q, k, _, extra_keys, kpm, mask, layout = self._prepare(query, key, value, key_padding_mask, attn_mask)
         B, H, S = k.shape[:3]

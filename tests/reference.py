@@ -30,6 +30,14 @@ def elu1(x):
     return F.elu(x) + 1
 
 
+def focused_features(x, p, scale=None):
+    """FLatten's focused map as the paper writes it: (|y| / |y**p|) y**p with y = (relu(x) + 1e-6) / scale."""
+    y = torch.relu(x) + 1e-6
+    if scale is not None:
+        y = y / scale
+    return y.norm(dim=-1, keepdim=True) / (y ** p).norm(dim=-1, keepdim=True) * y ** p
+
+
 def taylor_weights(q, k, key_padding_mask=None, causal=False):
     w = 1 + F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-1, -2)
     return normalised(w, _visible(q.shape[-2], k.shape[-2], key_padding_mask, causal, q.device))

@@ -13,27 +13,59 @@ TRAIN = ["--synthetic-train", "8", "--synthetic-val", "4", "--batch-size", "4", 
          "--val-size", "64"]
 
 
+VARIANTS = ["softmax", "focused-dwc3", "kernel:feature_map='relu'"]
+
+
 @pytest.mark.slow
-def test_compare_runs_every_variant_from_one_pretrained_backbone_and_resumes(tmp_path):
+def test_compare_runs_every_variant_and_seed_from_one_pretrained_backbone_and_resumes(tmp_path):
+    records = tmp_path / "records.json"
     argv = ["--out", str(tmp_path), "--epochs", "1", "--max-iters", "1", "--skip-encoder", "--num-workers", "0",
-            "--pretrain-iters", "2", "--timing-iters", "1", "--"] + TRAIN
+            "--pretrain-iters", "2", "--timing-iters", "1", "--seeds", "3", "4", "--variants", *VARIANTS,
+            "--records", str(records), "--"] + TRAIN
     detr_compare.main(argv)
     result = json.loads((tmp_path / "results.json").read_text())
     rows = result["training"]
-    assert [r["variant"] for r in rows] == list(detr_compare.VARIANTS)
+    assert [(r["variant"], r["seed"]) for r in rows] == [(v, s) for s in (3, 4) for v in VARIANTS]
     weights = str(tmp_path / "backbone" / "backbone.pth")
     for r in rows:
-        assert 0 <= r["AP"] <= 1 and r["peak_MiB"] > 0 and r["timed_s_per_iter"] > 0
-        args = json.loads((tmp_path / r["variant"] / "args.json").read_text())
-        assert args["backbone_weights"] == weights
+        assert 0 <= r["AP"] <= 1 and r["peak_mib"] > 0 and r["sec_per_iter"] > 0
+        args = json.loads((tmp_path / r["variant"] / f"seed{r['seed']}" / "args.json").read_text())
+        assert args["backbone_weights"] == weights and args["seed"] == r["seed"]
+    args = json.loads((tmp_path / "focused-dwc3" / "seed3" / "args.json").read_text())
+    assert args["attention"] == "focused" and args["dwc_kernel"] == 3
+    assert json.loads((tmp_path / "kernel:feature_map='relu'" / "seed3" / "args.json").read_text())[
+        "attention_option"] == ["feature_map='relu'"]
+    summary = {s["variant"]: s for s in result["summary"]}
+    assert summary["softmax"]["seeds"] == [3, 4]
+    assert summary["softmax"]["AP"] == 0 or summary["softmax"]["AP_vs_softmax"] == pytest.approx(1.0)
+    saved = json.loads(records.read_text())
+    assert set(saved) >= {"machine", "torch", "command", "records"} and len(saved["records"]) == 6
+    assert set(saved["records"][0]) == {"variant", "seed", "AP", "AP50", "AP75", "sec_per_iter", "peak_mib"}
     assert (tmp_path / "ap_curves.png").stat().st_size > 0
 
     # A second call finds every run finished: it resumes instead of training again, same table.
-    mtime = (tmp_path / "softmax" / "checkpoint.pth").stat().st_mtime
+    mtime = (tmp_path / "softmax" / "seed3" / "checkpoint.pth").stat().st_mtime
     detr_compare.main(argv)
     again = json.loads((tmp_path / "results.json").read_text())["training"]
     assert [(r["variant"], r["AP"]) for r in again] == [(r["variant"], r["AP"]) for r in rows]
-    assert (tmp_path / "softmax" / "checkpoint.pth").stat().st_mtime == mtime
+    assert (tmp_path / "softmax" / "seed3" / "checkpoint.pth").stat().st_mtime == mtime
+
+
+def test_variant_names_become_trainer_options():
+    assert detr_compare.variant_args("focused-dwc5:focusing_factor=2,learnable_scale=False") == [
+        "--attention", "focused", "--dwc-kernel", "5", "--attention-option", "focusing_factor=2",
+        "--attention-option", "learnable_scale=False"]
+    assert detr_compare.variant_args("linformer-shared")[:2] == ["--attention", "linformer"]
+    with pytest.raises(ValueError, match="mode must be one of"):
+        detr_compare.variant_args("kernal")
+
+
+@pytest.mark.slow
+def test_encoder_table_runs_every_variant_with_the_grid(tmp_path):
+    result = detr_compare.main(["--out", str(tmp_path), "--encoder-only", "--sizes", "64", "--repeats", "1",
+                                "--variants", "softmax", "focused-dwc3", "--device", "cpu"])
+    assert [r["variant"] for r in result["encoder"]] == ["softmax", "focused-dwc3"]
+    assert all(r["ms"] > 0 and r["tokens"] > 0 for r in result["encoder"])
 
 
 def test_a_run_stopped_by_a_signal_stops_the_comparison(tmp_path, monkeypatch):

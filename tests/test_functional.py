@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import linear_mha.functional as LF
-from reference import (efficient_weights, elu1, kernel_weights, linformer_weights, softmax_weights,
+from reference import (efficient_weights, elu1, focused_features, kernel_weights, linformer_weights, softmax_weights,
                        taylor_weights)
 
 B, H, L, S, D = 2, 3, 5, 7, 4
@@ -219,13 +219,41 @@ def test_an_initial_state_equals_the_same_keys_passed_along(qkv, fmap, causal):
                                                           generator=torch.Generator().manual_seed(0)),
                                     key_padding_mask=m)[0],
     lambda q, k, v, m: LF.softmax(q, k, v, key_padding_mask=m, causal=True)[0],
-], ids=["kernel", "kernel_causal", "taylor", "efficient", "linformer", "softmax_causal"])
+    lambda q, k, v, m: LF.focused(q, k, v, key_padding_mask=m, scale=torch.tensor([0.5, 1.0, 2.0]).double()),
+    lambda q, k, v, m: LF.focused(q, k, v, key_padding_mask=m, causal=True, chunk_size=2, focusing_factor=2.5),
+], ids=["kernel", "kernel_causal", "taylor", "efficient", "linformer", "softmax_causal", "focused",
+        "focused_causal"])
 def test_gradcheck(fn):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 6, 3, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
     m = torch.zeros(1, 6, dtype=torch.bool)
     m[0, 5] = True
     assert torch.autograd.gradcheck(lambda q, k, v: fn(q, k, v, m), (q, k, v))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("p", [1.0, 3.0, 5.5])
+def test_focused_matches_the_published_formula(qkv, causal, p):
+    q, k, v, kpm = qkv
+    if causal:
+        k, v, kpm = q, q.flip(-1), kpm[:, :q.shape[2]]
+    scale = torch.rand(q.shape[1], 1, q.shape[-1], dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    scale = scale + 0.5
+    weights = kernel_weights(lambda x: focused_features(x, p, scale), q, k, kpm, causal)
+    close(LF.focused(q, k, v, focusing_factor=p, scale=scale, key_padding_mask=kpm, causal=causal), weights @ v, 1e-9)
+
+
+def test_focused_map_keeps_the_norm_sharpens_and_never_overflows():
+    x = torch.tensor([[3.0, 1.0, -2.0, 0.5]], dtype=torch.float64)
+    phi = LF.focused_feature_map(x, 3.0)
+    relu = torch.relu(x) + 1e-6
+    torch.testing.assert_close(phi.norm(dim=-1), relu.norm(dim=-1))  # the norm is relu(x)'s
+    assert phi[0, 0] / phi[0, 1] > relu[0, 0] / relu[0, 1]  # the direction moves toward the largest feature
+    big = torch.randn(4, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) * 1e20
+    out32 = LF.focused_feature_map(big.float(), 3.0)  # (1e20)**2 and **3 overflow float32 without the rescaling
+    assert torch.isfinite(out32).all()
+    ref = focused_features(big, 3.0)
+    torch.testing.assert_close(out32.double(), ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item())
 
 
 def test_functional_errors(qkv):
@@ -242,6 +270,8 @@ def test_functional_errors(qkv):
         LF.kernel(q, k, v, key_padding_mask=kpm.to(torch.uint8))
     with pytest.raises(ValueError, match="4-D"):
         LF.efficient_attention(q[0], k[0], v[0])
+    with pytest.raises(ValueError, match="focusing_factor must be a positive number"):
+        LF.focused(q, k, v, focusing_factor=0)
 
 
 def test_gradcheck_linformer_projections():

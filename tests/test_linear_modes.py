@@ -8,7 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import modes
 from linear_mha import LinearMultiheadAttention, method_class
-from reference import efficient_weights, elu1, kernel_weights, linformer_weights, softmax_weights, taylor_weights
+from reference import efficient_weights, elu1, focused_features, kernel_weights, linformer_weights, softmax_weights, taylor_weights
 
 E, HEADS, B = 8, 2, 3
 MODES = {
@@ -20,14 +20,20 @@ MODES = {
     "kernel_favor": dict(mode="kernel", feature_map="favor", num_features=12),
     "efficient": dict(mode="efficient"),
     "taylor": dict(mode="taylor"),
+    "focused": dict(mode="focused"),
+    "focused_p2_fixed_scale": dict(mode="focused", focusing_factor=2.0, learnable_scale=False),
     "softmax": dict(mode="softmax"),
 }
-CAUSAL = ["kernel_elu", "kernel_relu", "kernel_favor", "taylor", "softmax"]
+CAUSAL = ["kernel_elu", "kernel_relu", "kernel_favor", "taylor", "focused", "softmax"]
 
 
 def module(name, dtype=torch.float64, **kw):
     torch.manual_seed(0)
-    return LinearMultiheadAttention(E, HEADS, **MODES[name], **kw).to(dtype)
+    m = LinearMultiheadAttention(E, HEADS, **MODES[name], **kw).to(dtype)
+    if "focus_scale" in m.method.state_names:
+        with torch.no_grad():  # a trained scale, not softplus(0) everywhere: channels weigh differently
+            m.focus_scale.normal_(generator=torch.Generator().manual_seed(4))
+    return m
 
 
 def project(m, x, which):
@@ -48,6 +54,9 @@ def reference_weights(m, q, k, kpm, causal):
         return taylor_weights(q, k, kpm, causal)
     if m.mode == "softmax":
         return softmax_weights(q, k, kpm, causal)
+    if m.mode == "focused":
+        scale = F.softplus(m.focus_scale) if "focus_scale" in m.method.state_names else None
+        return kernel_weights(lambda x: focused_features(x, m.method.focusing_factor, scale), q, k, kpm, causal)
     if m.method.feature_map == "favor":
         from linear_mha.functional import favor_feature_map
         proj = m.favor_projection.double()

@@ -67,7 +67,9 @@ def test_linear_modes(family, mode):
     new_sd = model.state_dict()
     assert all(torch.equal(new_sd[k], v) for k, v in sd.items())
     extra = set(new_sd) - set(sd)
-    assert bool(extra) == (mode == "linformer") and all(k.endswith(("e_proj", "f_proj")) for k in extra)
+    own = {f"{name}.{key}" for name, m in model.named_modules() if isinstance(m, LinearTimmAttention)
+           for key, tensor in m.method.state(m).items() if tensor is not None}
+    assert extra == own  # the method's own tensors (Linformer's E/F, focused's scale), nothing else
     model.load_state_dict(sd, strict=True)  # a timm checkpoint loads strictly
     for x in inputs:
         out = _run(model, x)
@@ -150,7 +152,7 @@ def test_attn_mask_in_timm_convention():
     for mode in ["softmax"] + LINEAR_MODES:
         attn = _attn()
         model = nn.Sequential(attn)
-        patch(model, mode, **({"seq_len": 6, "proj_k": 3} if mode == "linformer" else {}))
+        patch(model, mode, **modes.sized(mode, 6, proj_k=3))
         for mask in masks.values():
             out = model[0](x, attn_mask=mask)
             if mode == "softmax":

@@ -191,7 +191,8 @@ def method_flops(mode: str, options: dict) -> Optional[Callable]:
     fmap = options.get("feature_map", "elu")
     if mode == "kernel" and fmap == "favor":
         return favor_flops
-    if (mode == "kernel" and fmap in ("elu", "relu")) or mode == "taylor" or (mode == "kernel" and fmap == "taylor"):
+    if (mode == "kernel" and fmap in ("elu", "relu")) or mode in ("taylor", "focused") or (
+            mode == "kernel" and fmap == "taylor"):
         extra = 1 if "taylor" in (mode, fmap) else 0
         return lambda c: kernel_flops(c, c["d"] + extra)
     return {"efficient": efficient_flops, "linformer": linformer_flops}.get(mode)

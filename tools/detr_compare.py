@@ -1,21 +1,31 @@
-"""DETR (softmax) vs Linear-DETR on the synthetic set with the same budget and seeds, plus an encoder
-memory/time table at growing image sizes through DETR's real call path.
+"""DETR (softmax) against Linear-DETRs on the synthetic set, with the same data, budget, backbone and seeds for every
+variant, plus an encoder time / memory table at growing image sizes through DETR's real call path.
 
-    python tools/detr_compare.py --out runs/detr_compare --epochs 30            # training table + plots
-    python tools/detr_compare.py --out runs/detr_compare --encoder-only --sizes 256,512,800 --dc5
-    python tools/detr_compare.py --out runs/detr_cmp --epochs 16 --pretrain-iters 2000 --timing-iters 40 \
-        -- --backbone small --synthetic-train 2000 --no-crop --lr 3e-4 --lr-backbone 3e-5 --lr-drop 12
+    python tools/detr_compare.py --out runs/detr_cmp --epochs 16 --pretrain-iters 2000 --seeds 42 43 44 \\
+        --variants softmax kernel focused focused-dwc3 --records docs/results/linear_detr.json --timing-iters 40 \\
+        -- --backbone small --synthetic-train 2000 --synthetic-val 200 --no-crop --lr 3e-4 --lr-backbone 3e-5 \\
+        --lr-drop 12
+    python tools/detr_compare.py --out runs/detr_enc --encoder-only --sizes 256,512,800 --dc5 --variants softmax focused-dwc3
 
-From scratch DETR barely leaves AP 0 on a CPU budget; the last form (the README's setup in one command) first
-pretrains the small backbone once and starts every variant from it. Options after `--` go to every training
-run; --variants splits the runs over processes sharing one --out.
+A variant is a method of linear_mha's registry for the encoder's self-attention ("kernel", "focused", or your own
+registered one), optionally with the local term ("-dwc3": a 3 x 3 depthwise convolution of the values over the
+feature map) and method options (":focusing_factor=2"), or one of the named variants in VARIANTS. Every seed is a
+separate training run of every variant, in <out>/<variant>/seed<seed>, which a later call resumes or reuses, so
+runs can go in parallel processes (after the backbone is pretrained) and a last call with all of them makes the
+tables. The backbone is pretrained once, on the first seed's training images, and shared by every run.
 
-Peak memory is CUDA's max_memory_allocated. On CPU it is the peak extra RSS measured by tools/measure.py in a
-fresh process: for the training table, of a short probe run of the same variant (1 epoch, 2 iterations, no data
-workers: model, optimizer state, activations and evaluation); for the encoder table, of one encoder forward.
+Outputs: <out>/results.json (every run, and the summary), <out>/ap_curves.png (mean val AP per epoch, one band of
++-1 std over seeds per variant), and with --records a list of {"variant", "seed", "AP", "AP50", "AP75",
+"sec_per_iter", "peak_mib"} records with the machine, torch version and command. sec_per_iter comes from
+--timing-iters iterations of each variant run alone after training (the training runs may share the machine).
+Peak memory is CUDA's max_memory_allocated, or on CPU the peak extra RSS of a 2-iteration run of the variant in a
+fresh process (tools/measure.py).
 """
 import argparse
 import json
+import platform
+import re
+import statistics
 import sys
 import tempfile
 import time
@@ -34,11 +44,28 @@ from integrations.detr.plots import read_log  # noqa: E402
 from integrations.detr.pretrain import main as pretrain_main  # noqa: E402
 from integrations.detr.train import main as train_main  # noqa: E402
 from integrations.detr.transforms import feature_tokens, resized_hw  # noqa: E402
+from linear_mha import TokenGrid, method_class  # noqa: E402
 
-VARIANTS = {"softmax": ["--attention", "softmax"],
-            "linformer-shared": ["--attention", "linformer", "--param-sharing", "layerwise", "--proj-k", "64"],
-            "kernel": ["--attention", "kernel", "--feature-map", "elu"],
-            "efficient": ["--attention", "efficient"]}
+VARIANTS = {"linformer-shared": ["--attention", "linformer", "--param-sharing", "layerwise", "--proj-k", "64"]}
+DEFAULT_VARIANTS = ["softmax", "linformer-shared", "kernel", "efficient", "focused", "focused-dwc3"]
+
+
+def variant_args(name: str) -> list:
+    """Trainer options of a variant: '<method or named variant>[-dwc<K>][:<option>=<value>,...]'."""
+    base, _, options = name.partition(":")
+    local = re.fullmatch(r"(.+)-dwc(\d+)", base)
+    if local:
+        base = local.group(1)
+    if base in VARIANTS:
+        args = list(VARIANTS[base])
+    else:
+        method_class(base)  # an unknown method raises, listing the registered ones
+        args = ["--attention", base]
+    if local:
+        args += ["--dwc-kernel", local.group(2)]
+    for option in filter(None, options.split(",")):
+        args += ["--attention-option", option]
+    return args
 
 
 def _peak_reset(device):
@@ -70,45 +97,53 @@ def training_case(argv):
 
 
 def _build_encoder(size, name, batch, dc5, device):
-    """DETR's encoder for one variant at one image size, with its inputs."""
+    """DETR-R50's encoder (6 layers, d = 256) for one variant at one image size, with its inputs."""
     stride = backbone_stride("resnet18", dc5)
     h, w = resized_hw((size, int(size * 1333 / 800)), size, 1333)
     tokens = feature_tokens((h, w), stride)
-    args = parse_args(["--coco-path", "unused", "--num-classes", "91", "--backbone", "resnet18"] + VARIANTS[name])
+    args = parse_args(["--coco-path", "unused", "--num-classes", "91", "--backbone", "resnet18"] + variant_args(name))
     model, _, _ = build_model(args)
     apply_attention(model, args, max_tokens=tokens)
-    enc = model.transformer.encoder.to(device).eval()
     hf, wf = -(-h // stride), -(-w // stride)
-    src = torch.randn(hf * wf, batch, 256, device=device)
+    src = torch.randn(batch, 256, hf, wf, device=device)
+    mask = torch.zeros(batch, hf, wf, dtype=torch.bool, device=device)
     pos = torch.randn_like(src)
-    mask = torch.zeros(batch, hf * wf, dtype=torch.bool, device=device)
-    return (h, w), tokens, enc, (src, mask, pos)
+    encoder = model.transformer.encoder.to(device).eval()
+    for module in encoder.modules():  # the grid the transformer's input would give the local term (dwc_kernel)
+        tracker = module.__dict__.get("token_grid_source")
+        if tracker is not None:
+            tracker.grid = TokenGrid(hf, wf)
+    seq, seq_mask, seq_pos = src.flatten(2).permute(2, 0, 1), mask.flatten(1), pos.flatten(2).permute(2, 0, 1)
+
+    def encode():  # the encoder as DETR's transformer calls it: sequence-first, positions added to q and k
+        return encoder(seq, src_key_padding_mask=seq_mask, pos=seq_pos)
+    return (h, w), tokens, encode
 
 
 def encoder_case(size, name, batch, dc5):
     """Builder for the CPU memory probe: one encoder forward."""
-    _, _, enc, (src, mask, pos) = _build_encoder(size, name, batch, dc5, torch.device("cpu"))
+    _, _, encode = _build_encoder(size, name, batch, dc5, torch.device("cpu"))
 
     def run():
         with torch.no_grad():
-            enc(src, src_key_padding_mask=mask, pos=pos)
+            encode()
     return run
 
 
-def _run_args(a, device, num_workers, extra):
+def _run_args(a, seed, device, num_workers, extra):
     """Options every training run of a variant shares: seed, device, the options after `--`, the variant's."""
-    return (["--seed", str(a.seed), "--device", str(device), "--no-progress", "--num-workers", str(num_workers)]
+    return (["--seed", str(seed), "--device", str(device), "--no-progress", "--num-workers", str(num_workers)]
             + a.train_args + extra)
 
 
 def pretrained_backbone(a):
-    """With --pretrain-iters, pretrains the backbone the training runs use, once, on their training data;
+    """With --pretrain-iters, pretrains the backbone once, on the first seed's training data, for every run;
     returns the options that load it (none without)."""
     if not a.pretrain_iters:
         return []
     train_args = parse_args(a.train_args)
     path = pretrain_main(["--backbone", train_args.backbone, "--batch-size", str(train_args.batch_size),
-                          "--iters", str(a.pretrain_iters), "--seed", str(a.seed),
+                          "--iters", str(a.pretrain_iters), "--seed", str(a.seeds[0]),
                           "--output-dir", str(Path(a.out) / "backbone"), "--num-workers", str(a.num_workers),
                           "--resume", "--no-progress", "--"] + a.train_args)
     if path is None:
@@ -123,64 +158,84 @@ def _stopped(what):
     raise SystemExit(130)
 
 
-def training_table(a, device):
-    """Trains every variant (resuming any whose checkpoint exists) and tabulates the last epoch."""
-    rows, weights = [], pretrained_backbone(a)
-    for name in a.variants:
-        extra = VARIANTS[name]
-        _peak_reset(device)
-        run_dir = Path(a.out) / name
-        argv = ["--epochs", str(a.epochs), "--output-dir", str(run_dir)] + _run_args(a, device, a.num_workers,
-                                                                                     extra + weights)
-        if a.max_iters:
-            argv += ["--max-iters", str(a.max_iters)]
-        if (run_dir / "checkpoint.pth").exists():
-            argv += ["--resume", str(run_dir / "checkpoint.pth")]
-        if train_main(argv)["stopped_at"]:
-            _stopped(f"training of {name!r}")
-        log = read_log(run_dir / "log.jsonl")
-        peak_file = run_dir / "peak_memory.json"  # measured once per run directory, kept across resumes
-        if peak_file.exists():
-            peak = json.loads(peak_file.read_text())["peak_MiB"]
-        else:
-            peak = _peak_mib(device) if device.type == "cuda" else _cpu_peak_mib(
-                "training_case", argv=["--epochs", "1", "--max-iters", "2"] + _run_args(a, "cpu", 0, extra + weights))
-            peak_file.write_text(json.dumps({"peak_MiB": peak}))
-        last = log[-1]
-        iters = a.max_iters or None
-        per_iter = sum(e["epoch_train_seconds"] for e in log) / (len(log) * (iters or 1))
-        rows.append({"variant": name, "AP": last["test_AP"], "AP50": last["test_AP50"],
-                     "train_s_per_iter" if iters else "train_s_per_epoch": per_iter,
-                     "peak_MiB": peak, "log": [e["test_AP"] for e in log]})
-    if a.timing_iters:
-        for row in rows:
-            row["timed_s_per_iter"] = _timed_iterations(a, device, VARIANTS[row["variant"]] + weights)
-    return rows
+def train_run(a, name, seed, device, weights):
+    """Trains (or resumes, or reuses) one variant and seed; returns its row."""
+    extra = variant_args(name) + weights
+    run_dir = Path(a.out) / name / f"seed{seed}"
+    argv = ["--epochs", str(a.epochs), "--output-dir", str(run_dir)] + _run_args(a, seed, device, a.num_workers, extra)
+    if a.max_iters:
+        argv += ["--max-iters", str(a.max_iters)]
+    if (run_dir / "checkpoint.pth").exists():
+        argv += ["--resume", str(run_dir / "checkpoint.pth")]
+    _peak_reset(device)
+    if train_main(argv)["stopped_at"]:
+        _stopped(f"training of {name!r} (seed {seed})")
+    log = read_log(run_dir / "log.jsonl")
+    peak_file = run_dir / "peak_memory.json"  # measured once per run directory, kept across resumes
+    if peak_file.exists():
+        peak = json.loads(peak_file.read_text())["peak_MiB"]
+    else:
+        peak = _peak_mib(device) if device.type == "cuda" else _cpu_peak_mib(
+            "training_case", argv=["--epochs", "1", "--max-iters", "2"] + _run_args(a, seed, "cpu", 0, extra))
+        peak_file.write_text(json.dumps({"peak_MiB": peak}))
+    last = log[-1]
+    return {"variant": name, "seed": seed, "AP": last["test_AP"], "AP50": last["test_AP50"],
+            "AP75": last["test_AP75"], "train_s_per_epoch": sum(e["epoch_train_seconds"] for e in log) / len(log),
+            "peak_mib": peak, "log": [e["test_AP"] for e in log]}
 
 
 def _timed_iterations(a, device, extra):
-    """Seconds per training iteration of a short run on its own (the training runs of the table may have
-    shared the machine): one epoch of --timing-iters iterations in a throwaway directory."""
+    """Seconds per training iteration of a short run on its own: one epoch of --timing-iters iterations."""
     with tempfile.TemporaryDirectory(prefix="detr_time_") as tmp:
         run = train_main(["--epochs", "1", "--max-iters", str(a.timing_iters), "--output-dir", tmp]
-                         + _run_args(a, device, 0, extra))
+                         + _run_args(a, a.seeds[0], device, 0, extra))
     if run["stopped_at"]:
         _stopped("the timing run")
     return run["log"][-1]["epoch_train_seconds"] / a.timing_iters
 
 
+def training_table(a, device):
+    """Every variant and seed trained (resumed, or reused when finished); clean time per iteration per variant."""
+    weights = pretrained_backbone(a)
+    rows = [train_run(a, name, seed, device, weights) for seed in a.seeds for name in a.variants]
+    if a.timing_iters:
+        timed = {name: _timed_iterations(a, device, variant_args(name) + weights) for name in a.variants}
+        for row in rows:
+            row["sec_per_iter"] = timed[row["variant"]]
+    return rows
+
+
+def summarize(rows):
+    """Mean and std over seeds of each variant's numbers."""
+    summary = []
+    for name in dict.fromkeys(r["variant"] for r in rows):
+        of = [r for r in rows if r["variant"] == name]
+        entry = {"variant": name, "seeds": [r["seed"] for r in of]}
+        for key in ("AP", "AP50", "AP75", "sec_per_iter", "peak_mib"):
+            values = [r[key] for r in of if key in r]
+            if values:
+                entry[key] = statistics.mean(values)
+                entry[f"{key}_std"] = statistics.stdev(values) if len(values) > 1 else 0.0
+        summary.append(entry)
+    softmax = next((s for s in summary if s["variant"].startswith("softmax")), None)
+    for entry in summary:
+        if softmax and softmax["AP"] > 0:
+            entry["AP_vs_softmax"] = entry["AP"] / softmax["AP"]
+    return summary
+
+
 @torch.no_grad()
 def encoder_table(a, device):
-    """Encoder forward (DETR-R50 width: 6 layers, d=256) on feature maps of real image sizes."""
+    """Encoder forward (DETR-R50 width: 6 layers, d = 256) on feature maps of real image sizes."""
     rows = []
     for size in a.sizes:
-        for name in VARIANTS:
-            (h, w), tokens, enc, (src, mask, pos) = _build_encoder(size, name, a.batch, a.dc5, device)
-            enc(src, src_key_padding_mask=mask, pos=pos)  # warm-up
+        for name in a.variants:
+            (h, w), tokens, encode = _build_encoder(size, name, a.batch, a.dc5, device)
+            encode()  # warm-up
             _peak_reset(device)
             t0 = time.perf_counter()
             for _ in range(a.repeats):
-                enc(src, src_key_padding_mask=mask, pos=pos)
+                encode()
             if device.type == "cuda":
                 torch.cuda.synchronize()
             ms = 1000 * (time.perf_counter() - t0) / a.repeats
@@ -194,24 +249,58 @@ def _print(rows, keys):
     print(" | ".join(keys))
     print(" | ".join("---" for _ in keys))
     for r in rows:
-        print(" | ".join(f"{r[k]:.4g}" if isinstance(r[k], float) else str(r[k]) for k in keys))
+        print(" | ".join(f"{r[k]:.4g}" if isinstance(r.get(k), float) else str(r.get(k, "-")) for k in keys))
 
 
-def main(argv=None):
+def plot_curves(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in dict.fromkeys(r["variant"] for r in rows):
+        logs = [r["log"] for r in rows if r["variant"] == name]
+        epochs = min(len(log) for log in logs)
+        mean = [statistics.mean(log[e] for log in logs) for e in range(epochs)]
+        std = [statistics.stdev(log[e] for log in logs) if len(logs) > 1 else 0.0 for e in range(epochs)]
+        line, = ax.plot(range(epochs), mean, marker="o", markersize=3, label=f"{name} (n={len(logs)})")
+        ax.fill_between(range(epochs), [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+                        color=line.get_color(), alpha=0.15)
+    ax.set(xlabel="epoch", ylabel="val AP (mean, band: ±1 std over seeds)",
+           title="synthetic set: same data, budget, backbone and seeds")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_records(a, rows, path, argv):
+    records = [{key: r.get(key) for key in ("variant", "seed", "AP", "AP50", "AP75", "sec_per_iter", "peak_mib")}
+               for r in rows]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"machine": f"{platform.processor() or platform.machine()} ({measure.cpu_name()}), "
+                                           f"{torch.get_num_threads()} threads", "torch": torch.__version__,
+                                "device": a.device, "command": "python tools/detr_compare.py " + " ".join(argv),
+                                "records": records, "summary": summarize(rows)}, indent=1))
+
+
+def parse(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="runs/detr_compare")
+    p.add_argument("--out", default="runs/detr_compare", help="run directories, results.json and ap_curves.png")
     p.add_argument("--epochs", type=int, default=30)
-    p.add_argument("--max-iters", type=int, default=0)
-    p.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS),
-                   help=f"comma list of {','.join(VARIANTS)}; runs of one --out can go in parallel processes "
-                        "(after the backbone is pretrained) and a last call with all of them makes the table")
+    p.add_argument("--max-iters", type=int, default=0, help="cap on iterations per epoch (0 = whole epoch)")
+    p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS,
+                   help="methods of the registry, '-dwcK' for the local term, ':opt=value,...' for options, or "
+                        f"the named {list(VARIANTS)}")
+    p.add_argument("--seeds", type=int, nargs="+", default=[42], help="one training run per variant and seed")
     p.add_argument("--timing-iters", type=int, default=0,
-                   help="also time this many training iterations of each variant, one variant at a time, "
-                        "after training (clean s/iter when the training runs shared the machine)")
+                   help="after training, time this many iterations of each variant alone (clean s/iter)")
     p.add_argument("--pretrain-iters", type=int, default=0,
-                   help="pretrain the (tiny/small) backbone this long first, shared by every variant "
+                   help="pretrain the (tiny/small) backbone this long first, shared by every run "
                         "(integrations/detr/pretrain.py); from scratch DETR stays at AP ~ 0 on CPU budgets")
-    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--records", help="also write the runs as a list of records (JSON) here, with machine and command")
     p.add_argument("--num-workers", type=int, default=2)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--encoder-only", action="store_true")
@@ -224,31 +313,34 @@ def main(argv=None):
                    help="after --: options passed to every training run, e.g. -- --synthetic-train 4000 --no-crop")
     a = p.parse_args(argv)
     a.train_args = [t for t in a.train_args if t != "--"]
-    unknown = [v for v in a.variants if v not in VARIANTS]
-    if unknown:
-        p.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
+    for name in a.variants:
+        try:
+            variant_args(name)
+        except ValueError as err:
+            p.error(f"--variants {name!r}: {err}")
+    return a
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    a = parse(argv)
     device = torch.device(a.device)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"device": str(device), "torch": torch.__version__}
     if not a.encoder_only:
-        result["training"] = training_table(a, device)
-        _print(result["training"], [k for k in result["training"][0] if k != "log"])
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for r in result["training"]:
-            ax.plot(range(len(r["log"])), r["log"], marker="o", label=r["variant"])
-        ax.set(xlabel="epoch", ylabel="val AP", title="synthetic set, same budget and seed")
-        ax.legend()
-        fig.savefig(out / "ap_curves.png", dpi=100)
+        rows = training_table(a, device)
+        result["training"], result["summary"] = rows, summarize(rows)
+        _print(result["summary"], ["variant", "seeds", "AP", "AP_std", "AP50", "AP50_std", "AP75", "AP75_std",
+                                   "AP_vs_softmax", "sec_per_iter", "peak_mib"])
+        plot_curves(rows, out / "ap_curves.png")
+        if a.records:
+            write_records(a, rows, a.records, argv)
     if not a.skip_encoder:
         result["encoder"] = encoder_table(a, device)
         _print(result["encoder"], ["image", "tokens", "variant", "ms", "peak_MiB"])
     (out / "results.json").write_text(json.dumps(result, indent=1))
+    return result
 
 
 if __name__ == "__main__":

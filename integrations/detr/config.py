@@ -65,6 +65,9 @@ def get_args_parser():
     a("--param-sharing", default="layerwise", choices=("none", "headwise", "kv", "layerwise"),
       help="linformer projection sharing (layerwise = one projection for all layers)")
     a("--feature-map", default="elu", choices=("elu", "relu", "favor"), help="kernel attention feature map")
+    a("--dwc-kernel", type=int, default=0, metavar="K",
+      help="add a K x K depthwise convolution of the values over the feature map to encoder self-attention "
+           "(FLatten's DWC / MLLA's LePE; odd K; 0 = none)")
     a("--attention-option", action="append", metavar="NAME=VALUE",
       help="any option of the --attention method (repeatable; values are Python literals or strings)")
     # matcher and loss

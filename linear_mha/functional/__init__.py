@@ -5,6 +5,8 @@
     kernel     phi(Q)(phi(K)^T V) normalised; elu / relu / favor / taylor / callable feature maps
     efficient_attention  softmax(Q over features) (softmax(K over sequence)^T V) (Shen et al.)
     taylor     first-order Taylor of exp on L2-normalised Q, K
+    focused    kernel attention with FLatten's focused map (ReLU features, direction raised to a power)
+    token_grid_conv  the local term: a depthwise convolution of the values over the token grid
     causal_linear_product / causal_linear_step  the chunked causal product and its recurrent form
     append_ones / split_normalise / drop_keys   the building blocks other layers reuse with the product
     backend    which implementation runs a call (compiled CPU kernels, fused causal, blocked, composed) and why
@@ -14,6 +16,8 @@ from . import backend, native  # noqa: F401  (public submodules)
 from ._common import append_ones, drop_keys, split_normalise
 from .causal import causal_linear_product, causal_linear_state, causal_linear_step
 from .efficient import efficient_attention
+from .focused import focused, focused_feature_map
+from .grid_conv import token_grid_conv
 from .feature_maps import (
     FEATURE_MAPS,
     apply_feature_map,
@@ -31,7 +35,8 @@ from .softmax import softmax
 from .taylor import taylor
 
 __all__ = [
-    "softmax", "linformer", "kernel", "kernel_state", "kernel_step", "efficient_attention", "taylor",
+    "softmax", "linformer", "kernel", "kernel_state", "kernel_step", "efficient_attention", "taylor", "focused",
+    "focused_feature_map", "token_grid_conv",
     "causal_linear_product", "causal_linear_state", "causal_linear_step",
     "append_ones", "split_normalise", "drop_keys",
     "FEATURE_MAPS", "apply_feature_map", "resolve_feature_map", "default_num_favor_features",

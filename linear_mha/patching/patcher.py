@@ -6,6 +6,7 @@ from torch import nn
 
 from ..attention import LinearMultiheadAttention
 from ..registry import DEFAULT_MODE, method_class, validate_options
+from ..token_grid import GridTracker, attach_tracker, feature_map_grid
 from .generic import disable_nested_tensor, restore_nested_tensor, to_linear, to_torch
 from .report import PatchReport
 from .selection import Selection
@@ -117,6 +118,50 @@ def _build_all(plans) -> list:
     return built
 
 
+def _grid_source(model: nn.Module, plan: _Plan):
+    """(name of the module whose input is the image-shaped tensor, reader of its grid) for a module with a local
+    term: the nearest enclosing timm ViT (its patch embedding), torchvision VisionTransformer, or DETR-style
+    transformer (a module with an encoder and a decoder, fed a (B, C, H, W) feature map); None if there is none."""
+    parts = plan.name.split(".")
+    for depth in range(len(parts) - 1, -1, -1):
+        name = ".".join(parts[:depth])
+        owner = model.get_submodule(name)
+        patch_embed = getattr(owner, "patch_embed", None)
+        if plan.kind == "timm" and patch_embed is not None:
+            stride = getattr(patch_embed, "patch_size", (1,))[0]
+            return (f"{name}.patch_embed" if name else "patch_embed",
+                    feature_map_grid(int(getattr(owner, "num_prefix_tokens", 0)), stride,
+                                     round_up=bool(getattr(patch_embed, "dynamic_img_pad", False))))
+        if (type(owner).__module__.startswith("torchvision.models.vision_transformer")
+                and isinstance(getattr(owner, "patch_size", None), int)):
+            return name, feature_map_grid(1, owner.patch_size)  # the class token comes first
+        if (isinstance(getattr(owner, "encoder", None), nn.Module) and isinstance(getattr(owner, "decoder", None),
+                                                                                 nn.Module)
+                and plan.name.startswith(f"{name}.encoder." if name else "encoder.")):
+            return name, feature_map_grid(0)
+    return None
+
+
+def _track_grids(model: nn.Module, plans, built, grid_source, grid_prefix, grid_stride) -> list:
+    """Give every new module with a local term a tracker of its token grid; returns the trackers."""
+    trackers = {}
+    for plan, new in zip(plans, built):
+        if getattr(new, "dwc_weight", None) is None:
+            continue
+        found = ((grid_source, feature_map_grid(grid_prefix, grid_stride)) if grid_source is not None
+                 else _grid_source(model, plan))
+        if found is None:
+            raise ValueError(f"patch(): dwc_kernel needs the token grid of {plan.name!r}, and no DETR transformer or "
+                             f"timm / torchvision ViT encloses it; pass grid_source='<module whose first input is the "
+                             f"(B, C, H, W) feature map>' (with grid_prefix= tokens before the grid and grid_stride= "
+                             f"pixels per token)")
+        name, grid_of = found
+        if name not in trackers:
+            trackers[name] = GridTracker(name, grid_of).watch(model.get_submodule(name))
+        attach_tracker([new], trackers[name])
+    return list(trackers.values())
+
+
 def _swap(model: nn.Module, replacement: dict) -> None:
     """replacement: id(old) -> new. Every slot holding old gets new, so a module shared by two parents stays
     shared."""
@@ -136,7 +181,8 @@ def _check_model(model, fn: str) -> None:
 
 
 def patch(model: nn.Module, mode: str = DEFAULT_MODE, *, include=None, exclude=None,
-          filter: Optional[Callable] = None, options_for: Optional[Callable] = None, **options) -> PatchReport:
+          filter: Optional[Callable] = None, options_for: Optional[Callable] = None, grid_source: Optional[str] = None,
+          grid_prefix: int = 0, grid_stride: int = 1, **options) -> PatchReport:
     """Replace, in place, every selected nn.MultiheadAttention (and subclass that keeps its forward) with
     LinearMultiheadAttention and every timm.layers.Attention with LinearTimmAttention, reusing the original
     Parameter objects.
@@ -144,7 +190,9 @@ def patch(model: nn.Module, mode: str = DEFAULT_MODE, *, include=None, exclude=N
     include / exclude: fnmatch patterns over qualified module names ("encoder.layers.*.self_attn");
     filter(name, module) -> bool; options_for(name, module) -> dict merged over ``options`` for that module.
     options: LinearMultiheadAttention's keyword options. For Linformer, seq_len defaults to the model's token
-    count for timm ViTs and torchvision's VisionTransformer. Returns a PatchReport. Modules already linear are
+    count for timm ViTs and torchvision's VisionTransformer. With ``dwc_kernel`` the token grid is read from the
+    enclosing DETR transformer, timm or torchvision ViT, or from ``grid_source``: a submodule name whose first input
+    is (B, C, H, W), giving an H / grid_stride x W / grid_stride grid after ``grid_prefix`` tokens. Returns a PatchReport. Modules already linear are
     skipped (patching twice is a no-op); unsupported attention classes are reported, never touched.
     """
     _check_model(model, "patch")
@@ -177,6 +225,7 @@ def patch(model: nn.Module, mode: str = DEFAULT_MODE, *, include=None, exclude=N
         validate_options(mode, options)
     _resolve_sequence_lengths(model, plans)
     built = _build_all(plans)
+    trackers = _track_grids(model, plans, built, grid_source, grid_prefix, grid_stride)
 
     before = {id(p) for p in model.parameters()} | {id(b) for b in model.buffers()}
     _swap(model, {id(plan.module): new for plan, new in zip(plans, built)})
@@ -186,6 +235,8 @@ def patch(model: nn.Module, mode: str = DEFAULT_MODE, *, include=None, exclude=N
         report.replaced.append((plan.name, type(plan.module), type(new)))
         if plan.module._forward_hooks or plan.module._forward_pre_hooks:
             report.notes.append(f"forward hooks on {plan.name!r} stay on the replaced module; register them again")
+    for tracker in trackers:
+        report.notes.append(f"token grid for dwc_kernel read from the input of {tracker.source_name or '<root>'!r}")
     for name in disable_nested_tensor(model, _is_linear):
         report.notes.append(f"nn.TransformerEncoder {name or '<root>'!r}: use_nested_tensor set to False (its "
                             f"nested-tensor fast path would run softmax attention)")
@@ -195,12 +246,15 @@ def patch(model: nn.Module, mode: str = DEFAULT_MODE, *, include=None, exclude=N
 def unpatch(model: nn.Module) -> PatchReport:
     """Put back, in place, the module each linear attention replaced (its own class, subclasses included; a plain
     nn.MultiheadAttention for a LinearMultiheadAttention built directly), holding the current, possibly
-    fine-tuned, Parameters. The mode's extra parameters (Linformer E/F, FAVOR+ projection) are dropped."""
+    fine-tuned, Parameters. The mode's extra parameters (Linformer E/F, FAVOR+ projection, the dwc_kernel term)
+    are dropped, and the hooks that read token grids removed."""
     _check_model(model, "unpatch")
     report = PatchReport(mode="unpatch")
-    olds, news = [], []
+    olds, news, trackers = [], [], set()
     for name, module in model.named_modules():
         if _is_linear(module):
+            if module.__dict__.get("token_grid_source") is not None:
+                trackers.add(module.__dict__.pop("token_grid_source"))
             new = to_torch(module) if isinstance(module, LinearMultiheadAttention) else module.to_timm()
             olds.append(module)
             news.append(new)
@@ -210,6 +264,8 @@ def unpatch(model: nn.Module) -> PatchReport:
     removed = len(before - {id(p) for p in model.parameters()})
     if removed:
         report.notes.append(f"{removed} parameter tensor(s) of the linear modes removed")
+    for tracker in trackers:  # the hooks that read token grids for dwc_kernel
+        tracker.remove()
     for name in restore_nested_tensor(model, _is_linear):
         report.notes.append(f"nn.TransformerEncoder {name or '<root>'!r}: use_nested_tensor restored to True")
     return report

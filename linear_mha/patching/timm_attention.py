@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import masks
-from ..attend import attend_heads, drop_missing_state
+from ..attend import LOCAL_TERM_STATE, add_local_term, attend_heads, drop_missing_state, install_local_term
 from ..registry import create_method
 
 _REUSED = ("qkv", "q_norm", "k_norm", "attn_drop", "norm", "gate", "proj", "proj_drop")
@@ -65,7 +65,7 @@ class LinearTimmAttention(nn.Module):
     """timm ``Attention`` with linear attention. Options are LinearMultiheadAttention's keyword options: ``mode``
     and that method's options. Build it with :meth:`from_timm`; :meth:`to_timm` gives the timm module back."""
 
-    def __init__(self, attn: nn.Module, mode: str = "linformer", **options):
+    def __init__(self, attn: nn.Module, mode: str = "linformer", dwc_kernel=None, **options):
         method = create_method(mode, options)
         super().__init__()
         self.num_heads = attn.num_heads
@@ -79,7 +79,9 @@ class LinearTimmAttention(nn.Module):
             setattr(self, name, module)
         weight = attn.qkv.weight
         self.method = method
-        method.install(self, self.num_heads, self.head_dim, {"device": weight.device, "dtype": weight.dtype})
+        factory_kwargs = {"device": weight.device, "dtype": weight.dtype}
+        method.install(self, self.num_heads, self.head_dim, factory_kwargs)
+        install_local_term(self, self.num_heads * self.head_dim, dwc_kernel, factory_kwargs)
         # Kept unregistered (not in state_dict or parameters()) so to_timm() returns the user's module itself.
         self.__dict__["_timm_original"] = attn
         self.train(attn.training)
@@ -102,10 +104,11 @@ class LinearTimmAttention(nn.Module):
                               error_msgs):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        drop_missing_state(self.method, prefix, state_dict, missing_keys)
+        drop_missing_state(self.method.state_names + LOCAL_TERM_STATE, prefix, state_dict, missing_keys)
 
     def extra_repr(self) -> str:
-        return f"attn_dim={self.attn_dim}, num_heads={self.num_heads}, {self.method.describe()}"
+        s = f"attn_dim={self.attn_dim}, num_heads={self.num_heads}, {self.method.describe()}"
+        return s + (f", dwc_kernel={self.dwc_weight.shape[-1]}" if self.dwc_weight is not None else "")
 
     def to_timm(self) -> nn.Module:
         """The original timm module, holding this adapter's current submodules (and so its trained weights)."""
@@ -126,6 +129,7 @@ class LinearTimmAttention(nn.Module):
                                                                            self.method)
         out, _ = attend_heads(self.method, self.method.state(self), q, k, v, key_padding_mask=kpm, attn_mask=mask,
                               is_causal=is_causal, dropout_p=self.attn_drop.p if self.training else 0.0)
+        out = add_local_term(self, out, v, kpm, mask, is_causal, None)
         out = self.norm(out.transpose(1, 2).reshape(B, N, self.attn_dim))
         if gate is not None:
             out = out * gate

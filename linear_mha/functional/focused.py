@@ -1,0 +1,59 @@
+"""Focused linear attention (FLatten Transformer, Han et al., ICCV 2023): kernel attention whose feature map keeps
+ReLU features' norm but raises their direction to a power, so a query can sharpen its attention:
+
+    phi_p(x) = f_p(relu(x) / s),   f_p(y) = (|y| / |y**p|) * y**p   (elementwise power p, the focusing factor)
+
+s is a learnable per-channel scale (FLatten: softplus of a parameter initialised at 0). Plain kernel maps give
+phi(q).phi(k) whose spread over keys cannot grow with the query's confidence; y**p pulls each feature vector
+toward its largest components, making similar vectors more similar and the rest less (FLatten, section 4.1).
+FLatten normalises over a whole token's channels; here, as for every method, each head is one vector.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .kernel import kernel
+
+RELU_EPS = 1e-6  # FLatten's relu(x) + 1e-6: no feature vector is exactly zero, so no normaliser vanishes
+
+
+def focused_feature_map(x: Tensor, focusing_factor: float = 3.0, scale: Optional[Tensor] = None) -> Tensor:
+    """phi_p(x) on the last dimension: x (..., d) -> (..., d); ``scale`` broadcastable to x, positive."""
+    y = torch.relu(x) + RELU_EPS
+    if scale is not None:
+        y = y / scale
+    # Everything is computed on y / max(y), in [0, 1]: |y| = max(y) |y / max(y)| and y**p / |y**p| does not depend
+    # on y's scale, so neither the norm nor the power can overflow, whatever p and the size of x.
+    peak = y.amax(dim=-1, keepdim=True)
+    unit = y / peak
+    powered = unit ** focusing_factor
+    norm = peak * torch.linalg.vector_norm(unit, dim=-1, keepdim=True)
+    return powered / torch.linalg.vector_norm(powered, dim=-1, keepdim=True) * norm
+
+
+def focused(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    focusing_factor: float = 3.0,
+    scale: Optional[Tensor] = None,
+    causal: bool = False,
+    key_padding_mask: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    initial_state: Optional[Tensor] = None,
+    chunk_size: Optional[int] = None,
+) -> Tensor:
+    """Focused linear attention: q (B, H, L, d), k (B, H, S, d), v (B, H, S, d_v) -> (B, H, L, d_v).
+
+    scale: positive, broadcastable to (B, H, N, d), e.g. (H, 1, d) per head and channel (None: 1). Masks, causality,
+    dropout and initial_state as in ``kernel`` (the state has feature size d)."""
+    if isinstance(focusing_factor, bool) or not isinstance(focusing_factor, (int, float)) or focusing_factor <= 0:
+        raise ValueError(f"focusing_factor must be a positive number, got {focusing_factor!r}")
+
+    def feature(x):
+        return focused_feature_map(x, focusing_factor, scale)
+
+    return kernel(q, k, v, feature, causal=causal, key_padding_mask=key_padding_mask, dropout_p=dropout_p,
+                  initial_state=initial_state, chunk_size=chunk_size)

@@ -1,0 +1,84 @@
+"""Where the image's token grid reaches the attention modules, for the local convolution term (``dwc_kernel``).
+
+nn.MultiheadAttention is never told the height and width of the feature map its tokens come from. A
+``GridTracker`` is told instead: a forward pre-hook on the module that receives the image-shaped input (DETR's
+transformer, a ViT's patch embedding) records the grid of every forward, and the attention modules inside read it.
+``patch`` attaches one for DETR, timm and torchvision ViTs; ``track_token_grid`` attaches one to any model; a
+caller can also pass ``token_grid=TokenGrid(h, w)`` to LinearMultiheadAttention's forward directly.
+"""
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class TokenGrid:
+    """A sequence of ``prefix`` tokens (class / register) followed by a row-major ``height x width`` grid."""
+    height: int
+    width: int
+    prefix: int = 0
+
+    def __post_init__(self):
+        for name in ("height", "width", "prefix"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "prefix" else 1):
+                raise ValueError(f"TokenGrid.{name} must be a {'non-negative' if name == 'prefix' else 'positive'} "
+                                 f"int, got {value!r}")
+
+    @property
+    def tokens(self) -> int:
+        return self.prefix + self.height * self.width
+
+
+class GridTracker:
+    """The token grid of the latest forward of the module it watches (None before the first, or when that input
+    was not image-shaped). Shared by the attention modules inside; a plain object, not part of any state dict."""
+
+    def __init__(self, source_name: str, grid_of: Callable[[Optional[Tensor]], Optional[TokenGrid]]):
+        self.source_name, self.grid_of = source_name, grid_of
+        self.grid: Optional[TokenGrid] = None
+        self.handle = None
+
+    def watch(self, source: nn.Module) -> "GridTracker":
+        def record(module, args, kwargs):
+            first = args[0] if args else next(iter(kwargs.values()), None)
+            self.grid = self.grid_of(first)
+        self.handle = source.register_forward_pre_hook(record, with_kwargs=True)
+        return self
+
+    def remove(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+    def __repr__(self):
+        return f"GridTracker(source={self.source_name!r}, grid={self.grid})"
+
+
+def feature_map_grid(prefix: int = 0, stride: int = 1, round_up: bool = False) -> Callable:
+    """A grid reader for a module whose first input is (B, C, H, W): the grid is H / stride x W / stride (rounded
+    up for a patch embedding that pads, else down), after ``prefix`` tokens. Any other input gives no grid."""
+    def grid_of(x):
+        if not isinstance(x, Tensor) or x.dim() != 4:
+            return None
+        h, w = x.shape[-2:]
+        if round_up:
+            return TokenGrid(-(-h // stride), -(-w // stride), prefix)
+        return TokenGrid(h // stride, w // stride, prefix)
+    return grid_of
+
+
+def attach_tracker(modules, tracker: GridTracker) -> None:
+    """Let ``modules`` (attention modules with a local term) read ``tracker``'s grid."""
+    for module in modules:
+        module.__dict__["token_grid_source"] = tracker  # unregistered: not a submodule, not in any state dict
+
+
+def track_token_grid(model: nn.Module, source: str, *, prefix: int = 0, stride: int = 1) -> GridTracker:
+    """Make every LinearMultiheadAttention / LinearTimmAttention in ``model`` with a local convolution term read
+    its token grid from ``source`` (a submodule name) whose first input is a (B, C, H, W) feature map: grid
+    H / stride x W / stride after ``prefix`` tokens. Returns the tracker (``tracker.remove()`` detaches it)."""
+    tracker = GridTracker(source, feature_map_grid(prefix, stride)).watch(model.get_submodule(source))
+    attach_tracker([m for m in model.modules() if getattr(m, "dwc_weight", None) is not None], tracker)
+    return tracker
