@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from integrations.checkpoint_io import check_same_args, safe_load  # noqa: E402
 from integrations.stop import StopRequest  # noqa: E402
 from linear_mha.lm import AutoregressiveWrapper, LinearAttentionTransformerLM  # noqa: E402
 
@@ -70,6 +71,9 @@ def load_splits(args):
         cut = (int(len(data) * 0.9), int(len(data) * 0.95))
     arr = np.frombuffer(data, dtype=np.uint8)
     return {"train": arr[:cut[0]], "val": arr[cut[0]:cut[1]], "test": arr[cut[1]:]}
+
+
+MODEL_ARGS = ("variant", "dim", "depth", "heads", "seq_len", "enwik8", "corpus_bytes")  # --resume keeps these
 
 
 def build_model(args):
@@ -175,7 +179,11 @@ def main(argv=None):
     step, log, train_losses, seconds_before = 0, [], [], 0.0
     ckpt_path = os.path.join(args.out, "checkpoint.pt")
     if args.resume and os.path.exists(ckpt_path):
-        ckpt = torch.load(ckpt_path, map_location=args.device, weights_only=False)
+        ckpt = safe_load(ckpt_path, "--resume", map_location="cpu")
+        if not isinstance(ckpt, dict) or not {"model", "optimizer", "generator", "step", "log"} <= set(ckpt):
+            raise ValueError(f"--resume: {ckpt_path} is not a checkpoint written by tools/train_lm.py (it lacks "
+                             f"model, optimizer, generator, step or log); point --out at a run of this tool")
+        check_same_args(ckpt.get("args"), vars(args), MODEL_ARGS, "--resume", ckpt_path)
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
         gen.set_state(ckpt["generator"])

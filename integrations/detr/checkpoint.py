@@ -6,17 +6,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..checkpoint_io import numpy_rng_state, plain_rng_state, safe_load
+
 
 def rng_state():
+    """Every RNG's state as plain data (lists, numbers, tensors), which a weights_only load accepts."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+    return plain_rng_state(state)
 
 
 def set_rng_state(state):
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    np.random.set_state(numpy_rng_state(state["numpy"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -30,20 +33,16 @@ def save_atomic(obj, path):
     os.replace(tmp, path)
 
 
-def load_checkpoint(path):
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"--resume {path} does not exist; pass a checkpoint.pth written by a previous run")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # a torn or foreign file: say which and why
-        raise ValueError(f"--resume {path} is not a readable checkpoint ({exc})") from None
+def load_checkpoint(path, flag="--resume"):
+    """A checkpoint with a 'model' entry, loaded without running anything from the file (checkpoint_io)."""
+    ckpt = safe_load(path, flag)
     if not isinstance(ckpt, dict) or "model" not in ckpt:
-        raise ValueError(f"checkpoint {path} has no 'model' entry; pass a checkpoint.pth written by this trainer")
+        raise ValueError(f"{flag} {path} has no 'model' entry; pass a checkpoint.pth written by this trainer or an "
+                         f"official DETR release")
     return ckpt
 
 
 def load_pretrained(model, path):
     """Loads a DETR checkpoint's weights (official release or ours) strictly."""
-    ckpt = load_checkpoint(path)
+    ckpt = load_checkpoint(path, "--pretrained")
     model.load_state_dict(ckpt["model"], strict=True)

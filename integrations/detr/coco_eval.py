@@ -6,7 +6,7 @@ import io
 import numpy as np
 from pycocotools.cocoeval import COCOeval
 
-from .distributed import all_gather_object
+from .distributed import all_gather_json
 
 STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
 
@@ -32,7 +32,7 @@ class CocoEvaluator:
         """Merges every process's predictions (a dict, so samples a sampler duplicated count once) and
         returns the 12 COCOeval bbox stats; every process gets the same numbers."""
         merged = {}
-        for part in all_gather_object(self.predictions):
+        for part in all_gather_json(self.predictions):
             merged.update(part)
         image_ids = sorted(merged)
         detections = [d for i in image_ids for d in merged[i]]

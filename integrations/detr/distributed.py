@@ -1,4 +1,7 @@
-"""torch.distributed helpers: torchrun initialisation (nccl on CUDA, gloo on CPU) and reductions."""
+"""torch.distributed helpers: torchrun initialisation (nccl on CUDA, gloo on CPU), reductions, and a gather of
+plain Python values that goes through JSON, never pickle: what one process sends another cannot make it run code
+(torch's all_gather_object unpickles)."""
+import json
 import os
 
 import torch
@@ -57,10 +60,43 @@ def reduce_dict(values, average=True):
         return dict(zip(names, stacked))
 
 
-def all_gather_object(obj):
-    """List of obj from every process (just [obj] when not distributed)."""
+def _encode(obj):
+    """Plain values -> JSON-ready values, keeping what JSON would lose: tuples, tensors, non-string dict keys."""
+    if isinstance(obj, torch.Tensor):
+        return {"__tensor__": obj.detach().cpu().tolist(), "dtype": str(obj.dtype).removeprefix("torch.")}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v) for v in obj]}
+    if isinstance(obj, list):
+        return [_encode(v) for v in obj]
+    if isinstance(obj, dict):
+        return {"__dict__": [[_encode(k), _encode(v)] for k, v in obj.items()]}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"all_gather_json sends plain values and tensors only, got {type(obj).__name__}")
+
+
+def _decode(obj):
+    if isinstance(obj, list):
+        return [_decode(v) for v in obj]
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return torch.tensor(obj["__tensor__"], dtype=getattr(torch, obj["dtype"]))
+        if "__tuple__" in obj:
+            return tuple(_decode(v) for v in obj["__tuple__"])
+        return {_decode(k): _decode(v) for k, v in obj["__dict__"]}
+    return obj
+
+
+def all_gather_json(obj):
+    """List of obj (plain values and tensors) from every process, through JSON (just [obj] when not
+    distributed)."""
     if get_world_size() < 2:
         return [obj]
-    out = [None] * get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    data = torch.tensor(list(json.dumps(_encode(obj)).encode()), dtype=torch.uint8, device=device)
+    sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(get_world_size())]
+    dist.all_gather(sizes, torch.tensor([data.numel()], device=device))
+    longest = max(int(s) for s in sizes)
+    parts = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes]
+    dist.all_gather(parts, torch.nn.functional.pad(data, (0, longest - data.numel())))
+    return [_decode(json.loads(bytes(part[:int(size)].cpu().tolist()).decode())) for part, size in zip(parts, sizes)]

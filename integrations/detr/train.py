@@ -30,6 +30,7 @@ from ..stop import StopRequest
 from . import distributed as dist_utils
 from .attention import apply_attention
 from .backbone import backbone_stride
+from ..checkpoint_io import check_same_args
 from .checkpoint import load_checkpoint, load_pretrained, rng_state, save_atomic, set_rng_state
 from .config import parse_args
 from .datasets import build_dataset
@@ -45,6 +46,12 @@ def seed_everything(seed):
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+# Options that change the model a checkpoint holds: --resume refuses a run that changes any of them.
+MODEL_ARGS = ("backbone", "dilation", "position_embedding", "enc_layers", "dec_layers", "dim_feedforward",
+              "hidden_dim", "nheads", "num_queries", "pre_norm", "aux_loss", "num_classes", "attention", "attention_on",
+              "proj_k", "param_sharing", "feature_map", "attention_option", "dwc_kernel")
 
 
 def prepare_data_args(args):
@@ -154,6 +161,7 @@ def main(argv=None):
     start_epoch, start_iter, meter_state, seconds_before = 0, 0, None, 0.0
     if args.resume:
         ckpt = load_checkpoint(args.resume)
+        check_same_args(ckpt.get("args"), vars(args), MODEL_ARGS, "--resume", args.resume)
         model_without_ddp.load_state_dict(ckpt["model"], strict=True)
         if not args.eval:
             optimizer.load_state_dict(ckpt["optimizer"])
@@ -246,7 +254,7 @@ class _Run:
 def _save(run, epoch, rng=None, **extra):
     """The checkpoint --resume reads; every process contributes its RNG state (``rng``, else the current one), the
     main one writes."""
-    states = dist_utils.all_gather_object(rng_state() if rng is None else rng)
+    states = dist_utils.all_gather_json(rng_state() if rng is None else rng)
     if dist_utils.is_main_process():
         save_atomic({"model": run.model_without_ddp.state_dict(), "optimizer": run.optimizer.state_dict(),
                      "lr_scheduler": run.lr_scheduler.state_dict(), "epoch": epoch, "args": vars(run.args),
