@@ -10,7 +10,6 @@ from .registry import (AttentionMethod, Option, available_methods, method_class,
 from . import methods  # noqa: F401  (registers the built-in methods)
 from .attention import LinearMultiheadAttention
 from .token_grid import TokenGrid, track_token_grid
-from .cpu_malloc import keep_freed_memory
 from .lm import (AutoregressiveWrapper, ImageLinearAttention, LinearAttentionTransformer,
                  LinearAttentionTransformerLM, LinearImageAttention, LinearSelfAttention, Linformer,
                  LinformerContextSettings, LinformerLM, LinformerSelfAttention, LinformerSettings)
@@ -24,5 +23,5 @@ __all__ = [
     "patch", "unpatch", "patched", "PatchReport",
     "LinearAttentionTransformerLM", "LinearAttentionTransformer", "AutoregressiveWrapper", "LinformerSettings",
     "LinformerContextSettings", "Linformer", "LinformerLM", "LinformerSelfAttention", "LinearSelfAttention",
-    "ImageLinearAttention", "LinearImageAttention", "keep_freed_memory",
+    "ImageLinearAttention", "LinearImageAttention",
 ]

@@ -14,11 +14,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import linear_mha.functional as LF
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import benchmark  # noqa: E402
-import benchmark_cases  # noqa: E402
-import cpu_allocator  # noqa: E402
-import measure  # noqa: E402
+from tools import benchmark
+from tools import benchmark_cases
+from tools import cpu_allocator
+from tools import measure
 
 QUICK = ["--quick", "--threads", "1"]
 
@@ -159,7 +158,8 @@ def test_memory_child_drops_settings_that_keep_freed_memory():
         "GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:glibc.rtld.nns=2", "THP_MEM_ALLOC_ENABLE": "1",
         "TCMALLOC_RELEASE_RATE": "0", "MALLOC_ARENA_MAX": "1"})
     assert env == {"PATH": "/bin", "LD_PRELOAD": "/opt/libiomp5.so", "GLIBC_TUNABLES": "glibc.rtld.nns=2",
-                   "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
+                   "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536",
+                   "PYTHONPATH": str(measure.REPO_ROOT)}  # the child runs `python -m tools.measure`
     assert "LD_PRELOAD" not in measure.memory_child_environment({"LD_PRELOAD": "libtcmalloc.so"})
 
 
@@ -173,7 +173,7 @@ def test_a_memory_child_that_keeps_a_malloc_library_reports_an_error(monkeypatch
         proc.stdout = json.dumps(measured) + "\n"
         return proc
     monkeypatch.setattr(measure.subprocess, "run", run_reporting_tcmalloc)
-    mem = measure.peak_extra_memory({"builder": "measure:allocation_case", "kwargs": {"mib": 8}})
+    mem = measure.peak_extra_memory({"builder": "tools.measure:allocation_case", "kwargs": {"mib": 8}})
     assert "libtcmalloc.so.4" in mem["error"] and "extra_bytes" not in mem
 
 
@@ -338,7 +338,7 @@ def test_optional_peers_are_benchmarked_and_their_failures_reported(monkeypatch,
 def test_fresh_process_memory_sees_a_known_allocation(keep_freed, monkeypatch):
     if keep_freed:  # the README's faster glibc setting keeps freed blocks; the child must not inherit it
         monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967295")
-    mem = measure.peak_extra_memory({"builder": "measure:allocation_case", "kwargs": {"mib": 200}})
+    mem = measure.peak_extra_memory({"builder": "tools.measure:allocation_case", "kwargs": {"mib": 200}})
     assert "error" not in mem, mem
     assert 150 * measure.MIB <= mem["extra_bytes"] <= 260 * measure.MIB, mem
     assert measure.peak_extra_memory({"builder": "measure:no_such_case"})["error"].startswith("memory child failed")

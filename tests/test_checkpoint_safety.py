@@ -14,7 +14,6 @@ from integrations import checkpoint_io
 from integrations.detr import distributed
 from integrations.detr.checkpoint import load_checkpoint, load_pretrained, rng_state, set_rng_state
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 class Payload:
     """Unpickling this calls open(marker, 'w'): a stand-in for any code a crafted file could run."""
@@ -63,7 +62,7 @@ def test_backbone_pretraining_refuses_a_crafted_checkpoint(tmp_path):
 
 
 def test_the_lm_trainer_refuses_a_crafted_checkpoint(tmp_path):
-    import train_lm
+    from tools import train_lm
     marker = tmp_path / "ran"
     crafted(tmp_path / "checkpoint.pt", marker)
     with pytest.raises(ValueError, match="--resume .*checkpoint.pt was refused"):
@@ -156,7 +155,7 @@ def test_resuming_with_options_that_change_the_model_is_refused_by_name(tmp_path
     with pytest.raises(ValueError, match=r"--hidden-dim 32; this run has --hidden-dim 16"):
         main(TINY + run + ["--resume", ckpt, "--hidden-dim", "16", "--nheads", "4"])
 
-    import train_lm
+    from tools import train_lm
     lm = ["--corpus-bytes", "60000", "--steps", "1", "--depth", "1", "--seq-len", "32", "--batch-size", "2",
           "--eval-every", "1", "--val-bytes", "256", "--test-bytes", "256", "--out", str(tmp_path / "lm"),
           "--no-progress"]

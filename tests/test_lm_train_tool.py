@@ -1,6 +1,5 @@
 """Smoke test of tools/train_lm.py: outputs, finite BPC, resume == uninterrupted training, also after a signal
 stopped the run between evaluations, and a log that matches its checkpoint."""
-import importlib.util
 import json
 import os
 import signal
@@ -8,15 +7,12 @@ import signal
 import pytest
 import torch
 
-TOOL = os.path.join(os.path.dirname(__file__), "..", "tools", "train_lm.py")
+from tools import train_lm as train_lm_tool
 
 
 @pytest.fixture(scope="module")
 def train_lm():
-    spec = importlib.util.spec_from_file_location("train_lm_tool", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return train_lm_tool
 
 
 ARGS = ["--corpus-bytes", "60000", "--dim", "16", "--depth", "1", "--heads", "2", "--seq-len", "16",

@@ -223,7 +223,7 @@ def test_a_model_without_a_known_grid_names_grid_source():
             return self.encoder(self.stem(image).flatten(2).transpose(1, 2))
 
     model = ConvThenEncoder()
-    report = patch(model, "kernel", dwc_kernel=3, grid_source="stem", grid_stride=4)  # the image, 4 px per token
+    patch(model, "kernel", dwc_kernel=3, grid_source="stem", grid_stride=4)  # the image, 4 px per token
     assert model(torch.randn(1, 3, 16, 20)).shape == (1, 20, E)
     assert model.encoder.layers[0].self_attn.__dict__["token_grid_source"].grid == TokenGrid(4, 5)
     unpatch(model)

@@ -13,7 +13,6 @@ import linear_mha
 import modes
 import user_method
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from integrations.detr import config as detr_config
 from linear_mha import LinearMultiheadAttention, patch, registry
 
@@ -90,7 +89,7 @@ def test_the_detr_trainer_trains_with_a_user_method(registered, tmp_path):
 
 def test_the_benchmark_measures_a_user_method(tmp_path, monkeypatch):
     """`--import user_method_plugin` registers it in the benchmark and in the fresh processes that measure memory."""
-    import benchmark
+    from tools import benchmark
     monkeypatch.chdir(Path(__file__).parent)  # where the user's module lies
     monkeypatch.delitem(sys.modules, "user_method_plugin", raising=False)
     try:

@@ -2,8 +2,8 @@
 are installed, linear-attention-transformer / performer-pytorch / linformer, and flash-linear-attention's causal
 kernel on CUDA), over sequence length N, in ONE process, round-robin, with the thread count pinned and reported.
 
-    python tools/benchmark.py --threads 2 --json runs/bench/cpu.json --png runs/bench/cpu.png --resume
-    python tools/benchmark.py --quick --json /tmp/quick.json --png /tmp/quick.png     # tiny smoke run
+    python -m tools.benchmark --threads 2 --json runs/bench/cpu.json --png runs/bench/cpu.png --resume
+    python -m tools.benchmark --quick --json /tmp/quick.json --png /tmp/quick.png     # tiny smoke run
 
 Levels. core: the attention function on q, k, v (B, H, N, d): linear_mha.functional, raw SDPA, and exact softmax
 with materialised weights (what nn.MultiheadAttention(need_weights=True) computes inside). module:
@@ -39,177 +39,14 @@ from typing import Optional
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import cpu_allocator  # noqa: E402
-import measure as M  # noqa: E402
-from benchmark_cases import (BASELINE, Method, available_peers, build_runner, case_key, chunk_size,  # noqa: E402
-                             decode_step_times, make_data, methods, reference_error)
-from linear_mha import keep_freed_memory  # noqa: E402
-from linear_mha.functional import native  # noqa: E402
+from linear_mha.functional import native
 
-
-# -------------------------------------------------------------------------------------------------- report
-SERIES = ("level", "method", "B", "H", "d", "causal", "pass")
-NOT_RECORDED = "not recorded"
-CASE_FIELDS = SERIES + ("N", "proj_k", "seed")
-
-
-def series_key(r):
-    return tuple(r[f] for f in SERIES)
-
-
-def _fit(rs, field, min_n):
-    pts = [(r["N"], r[field]) for r in rs if r.get(field) is not None]
-    use = [p for p in pts if p[0] >= min_n]
-    use = use if len(use) >= 2 else pts[-2:]
-    return M.loglog_slope([p[0] for p in use], [p[1] for p in use]), ([use[0][0], use[-1][0]] if use else None)
-
-
-def finalize(result, beyond):
-    """Extrapolated records, derived columns (FLOP/s, % of peak, GB/s, ratio to SDPA) and slopes, recomputed
-    from the measured records each time, so a resumed run and a straight run give the same file."""
-    meta = result["meta"]
-    records = [r for r in result["records"] if not r.get("extrapolated")]
-    for c in beyond:
-        src = [r for r in records if series_key(r) == series_key(c) and "median_ms" in r]
-        if src:
-            src = max(src, key=lambda r: r["N"])
-            grow = (c["N"] / src["N"]) ** 2  # x4 per doubling
-            records.append(dict(c, key=case_key(c), median_ms=src["median_ms"] * grow, min_ms=src["min_ms"] * grow,
-                                extrapolated=True, extrapolated_from_n=src["N"]))
-    itemsize = torch.empty(0, dtype=getattr(torch, meta["dtype"])).element_size()
-    index = {r["key"]: r for r in records}
-    for r in records:
-        if "median_ms" not in r:
-            continue
-        fwdbwd = r["pass"] == "fwdbwd"
-        flops = methods()[(r["level"], r["method"])].flops(r)
-        if flops is not None:  # a registered method without a FLOP formula has no GFLOP/s
-            r["flops"] = flops * (3 if fwdbwd else 1)
-            r["gflops"] = r["flops"] / r["median_ms"] / 1e6
-            r["pct_peak"] = 100.0 * r["gflops"] / meta["matmul_peak_gflops"]
-        r["bytes"] = 4 * r["B"] * r["H"] * r["N"] * r["d"] * itemsize * (2 if fwdbwd else 1)
-        r["gbps"] = r["bytes"] / r["median_ms"] / 1e6
-        base = index.get(case_key(dict(r, method=BASELINE[r["level"]])))
-        if base is not None and "median_ms" in base:
-            r["ratio_vs_sdpa"] = base["median_ms"] / r["median_ms"]
-            r["ratio_extrapolated"] = bool(base.get("extrapolated") or r.get("extrapolated"))
-    records.sort(key=lambda r: (r["level"], r["B"], r["d"], r["causal"], r["pass"], r["method"], r["N"]))
-    groups = {}
-    for r in records:
-        if "median_ms" in r and not r.get("extrapolated"):
-            groups.setdefault(series_key(r), []).append(r)
-    slopes = []
-    for key, rs in groups.items():
-        time_slope, time_n = _fit(rs, "median_ms", meta["slope_min_n"])
-        mem_slope, mem_n = _fit(rs, "mem_extra_mib", meta["slope_min_n"])
-        slopes.append(dict(zip(SERIES, key), time_slope=time_slope, time_fit_n=time_n, mem_slope=mem_slope,
-                           mem_fit_n=mem_n))
-    decode = result.get("decode") or []
-    meta["decode_slope"] = M.loglog_slope([r["context"] for r in decode], [r["us_median"] for r in decode])
-    return dict(result, records=records, slopes=slopes)
-
-
-def _num(x, fmt):
-    return "-" if x is None else format(x, fmt)
-
-
-def print_table(result):
-    meta = result["meta"]
-    print(f"\n{meta['device']} {meta.get('gpu', meta['cpu'])}, {meta['dtype']}, {meta['threads']} threads, "
-          f"matmul peak {meta['matmul_peak_gflops']:.1f} GFLOP/s, H={meta['heads']}, causal chunk "
-          f"{meta['chunk_size']}, compiled CPU kernels {'on' if meta.get('native_kernels') else 'off'}, allocator "
-          f"{meta.get('allocator', NOT_RECORDED)}; "
-          f"* = extrapolated x4 per doubling, ~ = ratio against an extrapolated time")
-    print("| level | B | d | mask | pass | method | N | ms | min ms | GFLOP/s | % peak | GB/s | rel err | x SDPA "
-          "| extra MiB |")
-    print("|" + "---|" * 15)
-    for r in result["records"]:
-        head = (f"| {r['level']} | {r['B']} | {r['d']} | {'causal' if r['causal'] else 'full'} | {r['pass']} | "
-                f"{r['method']} | {r['N']} | ")
-        if "median_ms" not in r:
-            print(head + f"error: {r.get('error')} |")
-            continue
-        star = "*" if r.get("extrapolated") else ""
-        ratio = _num(r.get("ratio_vs_sdpa"), ".1f") + ("~" if r.get("ratio_extrapolated") else "")
-        mem = _num(r.get("mem_extra_mib"), ".1f") if "mem_error" not in r else "error"
-        print(head + f"{r['median_ms']:.3f}{star} | {r['min_ms']:.3f}{star} | {_num(r.get('gflops'), '.1f')} | "
-              f"{_num(r.get('pct_peak'), '.1f')} | {r['gbps']:.2f} | {_num(r.get('rel_err'), '.1e')} | {ratio} | "
-              f"{mem} |")
-    print_pivot(result)
-    print("\n| level | B | d | mask | pass | method | time slope (N range) | memory slope (N range) |")
-    print("|" + "---|" * 8)
-    for s in result["slopes"]:
-        print(f"| {s['level']} | {s['B']} | {s['d']} | {'causal' if s['causal'] else 'full'} | {s['pass']} | "
-              f"{s['method']} | {_num(s['time_slope'], '.2f')} {s['time_fit_n']} | {_num(s['mem_slope'], '.2f')} "
-              f"{s['mem_fit_n'] or ''} |")
-    print("\n| decode step (kernel_step, elu) | context | us median | us min | in place: us median | us min "
-          "| samples' medians (in place) |")
-    print("|---|---|---|---|---|---|---|")
-    for r in result.get("decode", []):
-        spread = "-"
-        if "us_median_samples" in r:
-            spread = " ".join(f"{x:.1f}" for x in r["us_median_samples"]) + " (" + " ".join(
-                f"{x:.1f}" for x in r["us_median_inplace_samples"]) + ")"
-        print(f"| B={r['B']} H={r['H']} d={r['d']} | {r['context']} | {r['us_median']:.1f} | {r['us_min']:.1f} | "
-              f"{_num(r.get('us_median_inplace'), '.1f')} | {_num(r.get('us_min_inplace'), '.1f')} | {spread} |")
-    print(f"decode time slope in context length: {_num(meta.get('decode_slope'), '.3f')} (0 = flat)")
-
-
-def print_pivot(result):
-    """The same numbers in one line per series: 'ms (x SDPA)' at every N, for reading and for the README."""
-    ns = sorted({r["N"] for r in result["records"]})
-    series = {}
-    for r in result["records"]:
-        if "median_ms" in r:
-            star = "*" if r.get("extrapolated") else ""
-            ratio = r.get("ratio_vs_sdpa")
-            cell = f"{r['median_ms']:.4g}{star}" + ("" if ratio is None else f" ({ratio:.3g}x)")
-            series.setdefault(series_key(r), {})[r["N"]] = cell
-    print("\n| level | B | d | mask | pass | method | " + " | ".join(f"N={n}" for n in ns) + " |")
-    print("|" + "---|" * (6 + len(ns)))
-    for key, cells in series.items():
-        level, method, b, _, d, causal, pss = key
-        print(f"| {level} | {b} | {d} | {'causal' if causal else 'full'} | {pss} | {method} | "
-              + " | ".join(cells.get(n, "") for n in ns) + " |")
-
-
-def plot(result, path: Path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    recs = [r for r in result["records"] if "median_ms" in r]
-    cols = sorted({(r["causal"], r["pass"]) for r in recs})
-    panels = []  # (grid row, field): a memory panel only where memory was measured
-    for row in sorted({(r["level"], r["B"], r["d"]) for r in recs}):
-        of_row = [r for r in recs if (r["level"], r["B"], r["d"]) == row]
-        panels += [(row, field) for field in ("median_ms", "mem_extra_mib") if any(r.get(field) for r in of_row)]
-    fig, axes = plt.subplots(len(panels), len(cols), figsize=(4.5 * len(cols), 3.6 * len(panels)), squeeze=False)
-    for (row, field), ax_row in zip(panels, axes):
-        for col, ax in zip(cols, ax_row):
-            sub = [r for r in recs if (r["level"], r["B"], r["d"]) == row and (r["causal"], r["pass"]) == col]
-            for method in sorted({r["method"] for r in sub}):
-                pts = sorted((r["N"], r[field], bool(r.get("extrapolated"))) for r in sub
-                             if r["method"] == method and (r.get(field) or 0) > 0)
-                measured, tail = [p for p in pts if not p[2]], [p for p in pts if p[2]]
-                if measured:
-                    line, = ax.loglog([p[0] for p in measured], [p[1] for p in measured], marker="o", label=method)
-                    if tail:
-                        ax.loglog([p[0] for p in measured[-1:] + tail], [p[1] for p in measured[-1:] + tail],
-                                  linestyle="--", color=line.get_color())
-            ax.set_title(f"{row[0]} B={row[1]} d={row[2]} {'causal' if col[0] else 'full'} {col[1]}", fontsize=9)
-            ax.set_xlabel("N")
-            ax.set_ylabel("time [ms] (dashed: extrapolated)" if field == "median_ms" else "extra memory [MiB]")
-            ax.grid(True, which="both", alpha=0.3)
-            if ax.lines:
-                ax.legend(fontsize=6)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+from . import cpu_allocator
+from . import measure as M
+from .benchmark_cases import (BASELINE, Method, available_peers, build_runner, case_key, chunk_size,
+                              decode_step_times, make_data, methods, reference_error)
+from .benchmark_report import CASE_FIELDS, NOT_RECORDED, finalize, plot, print_table
+from .cpu_allocator import keep_freed_memory
 
 
 # ------------------------------------------------------------------------------------------------ planning
@@ -484,7 +321,7 @@ def main(argv=None):
                     print(f"  {rec['key']:<52} float64 reference failed: {rec['rel_err_error']}", flush=True)
                 save(a.json, finalize(result, beyond))
             if needs_memory(c, a) and "mem_extra_mib" not in rec and "mem_error" not in rec:
-                spec = dict(builder="benchmark_cases:memory_case", imports=a.imports, paths=[os.getcwd()],
+                spec = dict(builder="tools.benchmark_cases:memory_case", imports=a.imports, paths=[os.getcwd()],
                             kwargs=dict(case=c, device=a.device, dtype=a.dtype, threads=threads))
                 mem = M.peak_extra_memory(spec, device)
                 if "error" in mem:

@@ -22,20 +22,17 @@ import functools
 import importlib
 import inspect
 import math
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import linear_mha.functional as LF  # noqa: E402
-import measure as M  # noqa: E402
-from linear_mha import LinearMultiheadAttention, available_methods, method_class  # noqa: E402
+import linear_mha.functional as LF
+from linear_mha import LinearMultiheadAttention, available_methods, method_class
+
+from . import measure as M
 
 
 # ------------------------------------------------------------------------------------------------- methods

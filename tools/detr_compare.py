@@ -1,11 +1,11 @@
 """DETR (softmax) against Linear-DETRs on the synthetic set, with the same data, budget, backbone and seeds for every
 variant, plus an encoder time / memory table at growing image sizes through DETR's real call path.
 
-    python tools/detr_compare.py --out runs/detr_cmp --epochs 16 --pretrain-iters 2000 --seeds 42 43 44 \\
+    python -m tools.detr_compare --out runs/detr_cmp --epochs 16 --pretrain-iters 2000 --seeds 42 43 44 \\
         --variants softmax kernel focused focused-dwc3 --records docs/results/linear_detr.json --timing-iters 40 \\
         -- --backbone small --synthetic-train 2000 --synthetic-val 200 --no-crop --lr 3e-4 --lr-backbone 3e-5 \\
         --lr-drop 12
-    python tools/detr_compare.py --out runs/detr_enc --encoder-only --sizes 256,512,800 --dc5 --variants softmax focused-dwc3
+    python -m tools.detr_compare --out runs/detr_enc --encoder-only --sizes 256,512,800 --dc5 --variants softmax focused-dwc3
 
 A variant is a method of linear_mha's registry for the encoder's self-attention ("kernel", "focused", or your own
 registered one), optionally with the local term ("-dwc3": a 3 x 3 depthwise convolution of the values over the
@@ -28,23 +28,21 @@ import re
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import measure  # noqa: E402
-from integrations.detr.attention import apply_attention  # noqa: E402
-from integrations.detr.backbone import backbone_stride  # noqa: E402
-from integrations.detr.config import parse_args  # noqa: E402
-from integrations.detr.detr import build_model  # noqa: E402
-from integrations.detr.plots import read_log  # noqa: E402
-from integrations.detr.pretrain import main as pretrain_main  # noqa: E402
-from integrations.detr.train import main as train_main  # noqa: E402
-from integrations.detr.transforms import feature_tokens, resized_hw  # noqa: E402
-from linear_mha import TokenGrid, method_class  # noqa: E402
+from integrations.detr.attention import apply_attention
+from integrations.detr.backbone import backbone_stride
+from integrations.detr.config import parse_args
+from integrations.detr.detr import build_model
+from integrations.detr.plots import read_log
+from integrations.detr.pretrain import main as pretrain_main
+from integrations.detr.train import main as train_main
+from integrations.detr.transforms import feature_tokens, resized_hw
+from linear_mha import TokenGrid, method_class
+
+from . import measure
 
 VARIANTS = {"linformer-shared": ["--attention", "linformer", "--param-sharing", "layerwise", "--proj-k", "64"]}
 DEFAULT_VARIANTS = ["softmax", "linformer-shared", "kernel", "efficient", "focused", "focused-dwc3"]
@@ -68,23 +66,9 @@ def variant_args(name: str) -> list:
     return args
 
 
-def _peak_reset(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-
-
-def _peak_mib(device):
-    return torch.cuda.max_memory_allocated() / 2 ** 20 if device.type == "cuda" else float("nan")
-
-
 def _cpu_peak_mib(builder, **kwargs):
     """Peak extra RSS (MiB) of one call of a case of this file, in a fresh process (tools/measure.py)."""
-    mem = measure.peak_extra_memory({"builder": f"detr_compare:{builder}", "kwargs": kwargs})
-    if "error" in mem:
-        print(f"CPU memory measurement failed ({builder} {kwargs}): {mem['error']}", file=sys.stderr)
-        return float("nan")
-    return mem["extra_bytes"] / 2 ** 20
+    return measure.peak_extra_mib({"builder": f"tools.detr_compare:{builder}", "kwargs": kwargs})
 
 
 def training_case(argv):
@@ -167,7 +151,7 @@ def train_run(a, name, seed, device, weights):
         argv += ["--max-iters", str(a.max_iters)]
     if (run_dir / "checkpoint.pth").exists():
         argv += ["--resume", str(run_dir / "checkpoint.pth")]
-    _peak_reset(device)
+    measure.reset_cuda_peak(device)
     if train_main(argv)["stopped_at"]:
         _stopped(f"training of {name!r} (seed {seed})")
     log = read_log(run_dir / "log.jsonl")
@@ -175,7 +159,7 @@ def train_run(a, name, seed, device, weights):
     if peak_file.exists():
         peak = json.loads(peak_file.read_text())["peak_MiB"]
     else:
-        peak = _peak_mib(device) if device.type == "cuda" else _cpu_peak_mib(
+        peak = measure.cuda_peak_mib(device) if device.type == "cuda" else _cpu_peak_mib(
             "training_case", argv=["--epochs", "1", "--max-iters", "2"] + _run_args(a, seed, "cpu", 0, extra))
         peak_file.write_text(json.dumps({"peak_MiB": peak}))
     last = log[-1]
@@ -231,17 +215,11 @@ def encoder_table(a, device):
     for size in a.sizes:
         for name in a.variants:
             (h, w), tokens, encode = _build_encoder(size, name, a.batch, a.dc5, device)
-            encode()  # warm-up
-            _peak_reset(device)
-            t0 = time.perf_counter()
-            for _ in range(a.repeats):
-                encode()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            ms = 1000 * (time.perf_counter() - t0) / a.repeats
-            peak = _peak_mib(device) if device.type == "cuda" else _cpu_peak_mib(
+            measure.reset_cuda_peak(device)
+            ms = measure.round_robin({name: encode}, repeats=a.repeats, warmup=1, device=device)[name]["median_ms"]
+            peak = measure.cuda_peak_mib(device) if device.type == "cuda" else _cpu_peak_mib(
                 "encoder_case", size=size, name=name, batch=a.batch, dc5=a.dc5)
-            rows.append({"image": f"{h}x{w}", "tokens": tokens, "variant": name, "ms": ms, "peak_MiB": peak})
+            rows.append({"image": f"{h}x{w}", "tokens": tokens, "variant": name, "ms_median": ms, "peak_MiB": peak})
     return rows
 
 
@@ -282,7 +260,7 @@ def write_records(a, rows, path, argv):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"machine": f"{platform.processor() or platform.machine()} ({measure.cpu_name()}), "
                                            f"{torch.get_num_threads()} threads", "torch": torch.__version__,
-                                "device": a.device, "command": "python tools/detr_compare.py " + " ".join(argv),
+                                "device": a.device, "command": "python -m tools.detr_compare " + " ".join(argv),
                                 "records": records, "summary": summarize(rows)}, indent=1))
 
 
@@ -338,7 +316,7 @@ def main(argv=None):
             write_records(a, rows, a.records, argv)
     if not a.skip_encoder:
         result["encoder"] = encoder_table(a, device)
-        _print(result["encoder"], ["image", "tokens", "variant", "ms", "peak_MiB"])
+        _print(result["encoder"], ["image", "tokens", "variant", "ms_median", "peak_MiB"])
     (out / "results.json").write_text(json.dumps(result, indent=1))
     return result
 

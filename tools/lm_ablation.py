@@ -2,27 +2,21 @@
 """Attention ablation for the LM: Baseline (plain linear attention) vs Conv_Only vs Gate_Only vs Full_Improved
 (gate + conv) vs a softmax transformer with the same parameters; same corpus, same token budget, several seeds.
 
-Each run is ``tools/train_lm.py`` with --variant baseline/conv/gate/full/softmax; this script prints a table of
+Each run is ``python -m tools.train_lm`` with --variant baseline/conv/gate/full/softmax; this script prints a table of
 mean +- sample standard deviation of test BPC over seeds and the parameter counts, and writes
 OUT/ablation.json and OUT/ablation.png. Every extra argument is passed to train_lm.py (model size, steps, data).
 
-Example:  python tools/lm_ablation.py --seeds 0 1 2 --out runs/ablation -- --steps 2000 --dim 256 --depth 4
+Example:  python -m tools.lm_ablation --seeds 0 1 2 --out runs/ablation -- --steps 2000 --dim 256 --depth 4
 """
 import argparse
-import importlib.util
 import json
 import os
 import statistics
 
+from . import train_lm
+
 LABELS = {"baseline": "Baseline", "conv": "Conv_Only", "gate": "Gate_Only", "full": "Full_Improved",
           "softmax": "Softmax"}
-
-
-def load_trainer():
-    spec = importlib.util.spec_from_file_location("train_lm", os.path.join(os.path.dirname(__file__), "train_lm.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def run_once(trainer, extra, variant, seed, out):
@@ -49,7 +43,7 @@ def main(argv=None):
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="arguments for train_lm.py (after --)")
     args = p.parse_args(argv)
     extra = [a for a in args.train_args if a != "--"]
-    trainer = load_trainer()
+    trainer = train_lm
     rows = []
     for variant in args.variants:
         runs = [run_once(trainer, extra, variant, seed, os.path.join(args.out, f"{variant}_seed{seed}"))

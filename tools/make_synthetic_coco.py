@@ -1,14 +1,11 @@
 """CLI: generate the synthetic COCO-format shapes detection set (see integrations/detr/synthetic.py).
 
-    python tools/make_synthetic_coco.py --out data/synthetic --num-train 240 --num-val 48 --seed 0
+    python -m tools.make_synthetic_coco --out data/synthetic --num-train 240 --num-val 48 --seed 0
 """
 import argparse
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from integrations.detr.synthetic import make_synthetic_coco  # noqa: E402
+from integrations.detr.synthetic import make_synthetic_coco
 
 
 def main(argv=None):

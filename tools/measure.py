@@ -18,13 +18,14 @@ replacement malloc library in itself (one in /etc/ld.so.preload, say) reports an
 Where clear_refs is not writable the child falls back to ``ru_maxrss`` (which then also covers the input build:
 an upper bound).
 
-    python tools/measure.py --memory-spec '{"builder": "measure:allocation_case", "kwargs": {"mib": 200}}'
+    python -m tools.measure --memory-spec '{"builder": "tools.measure:allocation_case", "kwargs": {"mib": 200}}'
 """
 import argparse
 import gc
 import importlib
 import json
 import math
+import os
 import platform
 import resource
 import subprocess
@@ -35,10 +36,9 @@ from typing import Callable, Dict, Iterable, Optional, Sequence
 
 import torch
 
-import cpu_allocator
+from . import cpu_allocator
 
-TOOLS_DIR = Path(__file__).resolve().parent
-REPO_ROOT = TOOLS_DIR.parent
+REPO_ROOT = Path(__file__).resolve().parents[1]
 MIB = 2 ** 20
 
 
@@ -66,9 +66,11 @@ def cpu_name() -> str:
 
 def memory_child_environment(environ=None) -> Dict[str, str]:
     """The environment of a memory-measuring child: the parent's on plain glibc malloc, which returns every freed
-    block above 64 KiB at once (see the module docstring)."""
-    return dict(cpu_allocator.plain_glibc_environment(environ), MALLOC_MMAP_THRESHOLD_="65536",
-                MALLOC_TRIM_THRESHOLD_="65536")
+    block above 64 KiB at once (see the module docstring), with the repository on its path (``-m tools.measure``)."""
+    env = dict(cpu_allocator.plain_glibc_environment(environ), MALLOC_MMAP_THRESHOLD_="65536",
+               MALLOC_TRIM_THRESHOLD_="65536")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    return env
 
 
 def sync(device) -> None:
@@ -165,11 +167,11 @@ def _reset_high_water_mark() -> bool:
 
 
 def load_builder(spec: dict) -> Callable:
-    """Import ``spec['builder']`` ("module:function") with ``spec['paths']`` and the tools dir on sys.path, after the
-    modules of ``spec['imports']`` (which may register attention methods the case uses)."""
+    """Import ``spec['builder']`` ("package.module:function") with the repository and ``spec['paths']`` on sys.path,
+    after the modules of ``spec['imports']`` (which may register attention methods the case uses)."""
     if not isinstance(spec, dict) or ":" not in str(spec.get("builder", "")):
         raise ValueError(f"memory spec needs 'builder': 'module:function', got {spec!r}")
-    for path in [str(TOOLS_DIR), str(REPO_ROOT), *spec.get("paths", [])]:
+    for path in [str(REPO_ROOT), *spec.get("paths", [])]:
         if path not in sys.path:
             sys.path.insert(0, path)
     for name in spec.get("imports", []):
@@ -220,7 +222,7 @@ def peak_extra_memory(spec: dict, device="cpu", timeout_s: float = 1800.0) -> di
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory: reported in the table, the run goes on
             return {"error": f"{type(exc).__name__}: {exc}"[:300]}
     env = memory_child_environment()
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--memory-spec", json.dumps(spec)]
+    cmd = [sys.executable, "-m", "tools.measure", "--memory-spec", json.dumps(spec)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -234,6 +236,26 @@ def peak_extra_memory(spec: dict, device="cpu", timeout_s: float = 1800.0) -> di
         return {"error": f"memory child still ran under {measured['allocator']}, which keeps freed memory and would "
                          f"hide allocations; measure without it"[:300]}
     return measured
+
+
+def peak_extra_mib(spec: dict, device="cpu") -> float:
+    """:func:`peak_extra_memory` in MiB, or NaN with the error printed to stderr (a report shows the gap)."""
+    mem = peak_extra_memory(spec, device)
+    if "error" in mem:
+        print(f"memory measurement failed ({spec.get('builder')}): {mem['error']}", file=sys.stderr)
+        return float("nan")
+    return mem["extra_bytes"] / MIB
+
+
+def reset_cuda_peak(device) -> None:
+    """Start a CUDA peak-memory window (no-op on other devices); read it with :func:`cuda_peak_mib`."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def cuda_peak_mib(device) -> float:
+    return torch.cuda.max_memory_allocated(device) / MIB if torch.device(device).type == "cuda" else float("nan")
 
 
 def allocation_case(mib: float = 200.0) -> Callable[[], object]:

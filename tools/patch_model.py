@@ -2,36 +2,31 @@
 the original: the patch report, then per input size the output deviation, forward time and peak memory before
 and after, as a table (optionally JSON and a PNG).
 
-    python tools/patch_model.py vit_tiny_patch16_224 --mode linformer --option proj_k=64 --batch-sizes 1 8
-    python tools/patch_model.py vit_small_patch16_224 --model-arg dynamic_img_size=True --img-sizes 224 448 \\
+    python -m tools.patch_model vit_tiny_patch16_224 --mode linformer --option proj_k=64 --batch-sizes 1 8
+    python -m tools.patch_model vit_small_patch16_224 --model-arg dynamic_img_size=True --img-sizes 224 448 \\
         --mode kernel --option feature_map='"favor"' --png vit_favor.png --json vit_favor.json
-    python tools/patch_model.py torchvision:vit_b_16 --mode efficient
+    python -m tools.patch_model torchvision:vit_b_16 --mode efficient
 
 Names: a timm model name, or a torchvision one (prefix ``torchvision:`` when both libraries know the name).
 Deviation: max |patched - original| / max |original| and the mean cosine similarity, on the model output (logits)
 and on the head's input (the input of the classifier's final Linear: a ViT's pooled features; n/a without one).
 Random weights make the linear approximation look worse than after fine-tuning, and torchvision zero-initialises
 its ViT head, so there the logits are all zero and only the head's input says anything ("n/a" for the logits).
-Peak memory: on CUDA, torch.cuda.max_memory_allocated growth during the forward; on CPU, the growth of the
-process RSS sampled every 0.2 ms with glibc's mmap threshold pinned low, so large tensors come from mmap and are
-returned to the OS when freed (approximate: spikes shorter than the sampling period can be missed).
+Time: the original's and the patched model's forwards interleaved (tools/measure.py's round_robin), median.
+Peak memory: the extra memory of one forward, measured by tools/measure.py (CPU: in a fresh process that builds
+the same model from the same seed; CUDA: torch's peak counters).
 """
 import argparse
 import ast
 import copy
-import ctypes
 import json
-import os
-import statistics
-import sys
-import threading
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from linear_mha.patching import patch  # noqa: E402
+from linear_mha.patching import patch
+
+from . import measure as M
 
 
 def _literal(text):
@@ -64,6 +59,8 @@ def parse_args(argv=None):
                         "them, e.g. timm with dynamic_img_size=True)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
     p.add_argument("--repeats", type=int, default=3, help="timed forwards per point; the median is reported")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement (a fresh process per "
+                                                            "point on CPU)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16", "float64"], default="float32")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
@@ -111,45 +108,6 @@ def token_count(model, img: int):
     return None
 
 
-class _RssPeak:
-    """Peak RSS growth (bytes) of this process while the block runs, sampled by a thread (Linux only)."""
-
-    M_MMAP_THRESHOLD = -3
-
-    @classmethod
-    def available(cls) -> bool:
-        if not os.path.exists("/proc/self/statm"):
-            return False
-        try:  # fixed, low threshold: large tensors are mmapped and unmapped on free, so RSS tracks live memory
-            return bool(ctypes.CDLL("libc.so.6").mallopt(cls.M_MMAP_THRESHOLD, 64 * 1024))
-        except OSError:
-            return False
-
-    @staticmethod
-    def _rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def __enter__(self):
-        self.base = self.peak = self._rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._rss())
-            time.sleep(0.0002)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._rss())
-        self.bytes = self.peak - self.base
-        return False
-
-
 def _classifier(model):
     """The classifier's final Linear (timm's get_classifier(), torchvision's ViT heads), or None (num_classes=0)."""
     head = model.get_classifier() if hasattr(model, "get_classifier") else getattr(model, "heads", None)
@@ -157,41 +115,46 @@ def _classifier(model):
     return linears[-1] if linears else None
 
 
-def measure(model, x, repeats: int, device: torch.device, rss_ok: bool):
-    """(output, head input or None, median forward ms, peak memory MiB or None)."""
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
+def outputs(model, x):
+    """(output, input of the classifier's final Linear or None), in float32."""
     head, seen = _classifier(model), {}
     hook = None if head is None else head.register_forward_pre_hook(
         lambda module, args: seen.setdefault("features", args[0].detach().float()))
-    with torch.no_grad():
-        try:
-            out = model(x)  # warm-up, and the output to compare
-        finally:
-            if hook is not None:
-                hook.remove()
-        out = out[0] if isinstance(out, tuple) else out
-        sync()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            model(x)
-            sync()
-            times.append((time.perf_counter() - start) * 1e3)
-        peak = None
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device)
-            model(x)
-            sync()
-            peak = (torch.cuda.max_memory_allocated(device) - base) / 2 ** 20
-        elif rss_ok:
-            with _RssPeak() as rss:
-                model(x)
-            peak = rss.bytes / 2 ** 20
-    return out.float(), seen.get("features"), statistics.median(times), peak
+    try:
+        with torch.no_grad():
+            out = model(x)
+    finally:
+        if hook is not None:
+            hook.remove()
+    out = out[0] if isinstance(out, tuple) else out
+    return out.float(), seen.get("features")
+
+
+def forward_case(model, model_args, mode, options, img, batch, dtype, seed, patched):
+    """Builder for tools/measure.py's memory measurement: the model (patched or not), built as compare() builds it,
+    and one forward of a (batch, 3, img, img) input."""
+    torch.manual_seed(seed)
+    net, _ = build_model(model, model_args)
+    net = net.to(dtype=getattr(torch, dtype)).eval()
+    if patched:
+        patch(net, mode, **options)
+    x = torch.randn(batch, 3, img, img, dtype=getattr(torch, dtype))
+
+    def run():
+        with torch.no_grad():
+            net(x)
+    return run
+
+
+def peak_mib(args, model_args, options, img, batch, patched, device, model):
+    if device.type == "cuda":
+        x = torch.randn(batch, 3, img, img, device=device, dtype=getattr(torch, args.dtype))
+        mem = M.cuda_peak_extra(lambda: model(x), device)
+    else:
+        mem = M.peak_extra_memory({"builder": "tools.patch_model:forward_case", "kwargs": dict(
+            model=args.model, model_args=model_args, mode=args.mode, options=options, img=img, batch=batch,
+            dtype=args.dtype, seed=args.seed, patched=patched)})
+    return None if "error" in mem else mem["extra_bytes"] / M.MIB
 
 
 def deviation(out, ref):
@@ -208,7 +171,8 @@ def compare(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     options = _key_values(args.option, "--option")
-    original, library = build_model(args.model, _key_values(args.model_arg, "--model-arg"))
+    model_args = _key_values(args.model_arg, "--model-arg")
+    original, library = build_model(args.model, model_args)
     original = original.to(device=device, dtype=dtype).eval()
     img_sizes = args.img_sizes or [native_img_size(original)]
     if args.mode == "linformer" and "seq_len" not in options:
@@ -217,13 +181,19 @@ def compare(args):
             options["seq_len"] = longest
     patched = copy.deepcopy(original)
     report = patch(patched, args.mode, **options)
-    rss_ok = device.type == "cpu" and _RssPeak.available()
     rows = []
     for img in img_sizes:
         for batch in args.batch_sizes:
             x = torch.randn(batch, 3, img, img, device=device, dtype=dtype)
-            ref, ref_features, t0, m0 = measure(original, x, args.repeats, device, rss_ok)
-            out, features, t1, m1 = measure(patched, x, args.repeats, device, rss_ok)
+            ref, ref_features = outputs(original, x)
+            out, features = outputs(patched, x)
+            with torch.no_grad():
+                timed = M.round_robin({"before": lambda: original(x), "after": lambda: patched(x)},
+                                      repeats=args.repeats, device=device)
+            t0, t1 = (timed[k].get("median_ms") for k in ("before", "after"))
+            m0, m1 = (None, None) if args.no_memory else (
+                peak_mib(args, model_args, options, img, batch, p, device, m) for p, m in ((False, original),
+                                                                                          (True, patched)))
             dev, cos = deviation(out, ref)
             head_dev, head_cos = deviation(features, ref_features)
             rows.append({"img_size": img, "batch": batch, "tokens": token_count(original, img),
@@ -232,8 +202,8 @@ def compare(args):
                          "ms_before": t0, "ms_after": t1, "peak_mib_before": m0, "peak_mib_after": m1})
     return {"model": args.model, "library": library, "mode": args.mode, "options": options,
             "device": str(device), "dtype": args.dtype, "threads": torch.get_num_threads(),
-            "memory": "cuda max_memory_allocated" if device.type == "cuda" else
-            ("cpu sampled RSS growth" if rss_ok else "unavailable"),
+            "memory": "not measured" if args.no_memory else (
+                "cuda max_memory_allocated" if device.type == "cuda" else "cpu peak RSS, fresh process"),
             "report": report, "rows": rows}
 
 

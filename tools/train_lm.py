@@ -16,7 +16,7 @@ Variants (--variant) for the attention ablation: baseline (plain global linear h
 (attn_gate), full (gate + conv), softmax (every head local with window = seq_len, i.e. exact causal softmax
 attention with the same parameters).
 
-Example:  python tools/train_lm.py --steps 2000 --out runs/lm_baseline
+Example:  python -m tools.train_lm --steps 2000 --out runs/lm_baseline
 """
 import argparse
 import json
@@ -29,10 +29,9 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from integrations.checkpoint_io import check_same_args, safe_load  # noqa: E402
-from integrations.stop import StopRequest  # noqa: E402
-from linear_mha.lm import AutoregressiveWrapper, LinearAttentionTransformerLM  # noqa: E402
+from integrations.checkpoint_io import check_same_args, safe_load
+from integrations.stop import StopRequest
+from linear_mha.lm import AutoregressiveWrapper, LinearAttentionTransformerLM
 
 VARIANTS = {
     "baseline": {},

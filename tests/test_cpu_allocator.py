@@ -1,4 +1,4 @@
-"""linear_mha.keep_freed_memory: in a fresh glibc process it stops large blocks from being mmapped and unmapped
+"""tools.cpu_allocator.keep_freed_memory: in a fresh glibc process it stops large blocks from being mmapped and unmapped
 (glibc's own counters show it), and where it cannot apply it says why instead of pretending."""
 import ctypes
 import json
@@ -10,11 +10,8 @@ from pathlib import Path
 
 import pytest
 
-import linear_mha
-from linear_mha import cpu_malloc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import cpu_allocator  # noqa: E402
+from tools import cpu_allocator
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # around a 64 MiB tensor's life. Differences of the heap's size (arena) are not used: where the heap already had free
 # room it grows by less than the block.
 CHILD = textwrap.dedent("""
-    import ctypes, json, sys, torch, linear_mha
+    import ctypes, json, sys, torch
+    from tools import cpu_allocator
 
     class MallInfo2(ctypes.Structure):
         _fields_ = [(name, ctypes.c_size_t) for name in
@@ -33,7 +31,7 @@ CHILD = textwrap.dedent("""
     libc.mallinfo2.restype = MallInfo2
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
-    kept = linear_mha.keep_freed_memory() if sys.argv[1] == "keep" else None
+    kept = cpu_allocator.keep_freed_memory() if sys.argv[1] == "keep" else None
     before = libc.mallinfo2()
     x = torch.ones(16 * 2 ** 20)  # 64 MiB, twice glibc's largest mmap threshold
     held = libc.mallinfo2()
@@ -67,7 +65,7 @@ def _run_child(mode):
 
 def _has_mallinfo2():
     try:
-        return cpu_malloc.uses_glibc() and hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2")
+        return cpu_allocator.uses_glibc() and hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2")
     except OSError:
         return False
 
@@ -89,66 +87,66 @@ def test_large_blocks_come_from_the_heap_and_stay_there():
 @pytest.fixture
 def unkept(monkeypatch):
     """This test process's malloc must not change: the paths under test must never reach mallopt."""
-    monkeypatch.setattr(cpu_malloc, "_setting_made", False)
+    monkeypatch.setattr(cpu_allocator, "_setting_made", False)
 
     def no_mallopt(*args, **kwargs):
         raise AssertionError("mallopt was reached")
-    monkeypatch.setattr(cpu_malloc.ctypes, "CDLL", no_mallopt)
+    monkeypatch.setattr(cpu_allocator.ctypes, "CDLL", no_mallopt)
 
 
 def test_without_glibc_it_changes_nothing_and_says_why(unkept, monkeypatch):
-    monkeypatch.setattr(cpu_malloc, "uses_glibc", lambda: False)
+    monkeypatch.setattr(cpu_allocator, "uses_glibc", lambda: False)
     with pytest.warns(RuntimeWarning, match="does not allocate with glibc's malloc"):
-        assert linear_mha.keep_freed_memory() is False
-    assert not cpu_malloc.freed_memory_kept()
+        assert cpu_allocator.keep_freed_memory() is False
+    assert not cpu_allocator.freed_memory_kept()
 
 
 def test_under_a_replacement_malloc_it_changes_nothing_and_names_it(unkept, monkeypatch):
-    monkeypatch.setattr(cpu_malloc, "uses_glibc", lambda: True)
-    monkeypatch.setattr(cpu_malloc, "replacement_mallocs", lambda: ["libtcmalloc_minimal.so.4"])
+    monkeypatch.setattr(cpu_allocator, "uses_glibc", lambda: True)
+    monkeypatch.setattr(cpu_allocator, "replacement_mallocs", lambda: ["libtcmalloc_minimal.so.4"])
     with pytest.warns(RuntimeWarning, match="libtcmalloc_minimal.so.4, which keeps freed memory by itself"):
-        assert linear_mha.keep_freed_memory() is False
+        assert cpu_allocator.keep_freed_memory() is False
 
 
 def test_a_second_call_does_nothing_more(unkept, monkeypatch):
-    monkeypatch.setattr(cpu_malloc, "_setting_made", True)
-    assert linear_mha.keep_freed_memory() is True  # CDLL is booby-trapped: mallopt was not called again
+    monkeypatch.setattr(cpu_allocator, "_setting_made", True)
+    assert cpu_allocator.keep_freed_memory() is True  # CDLL is booby-trapped: mallopt was not called again
 
 
 def test_a_libc_that_cannot_be_loaded_changes_nothing_and_says_why(unkept, monkeypatch):
-    monkeypatch.setattr(cpu_malloc, "uses_glibc", lambda: True)
-    monkeypatch.setattr(cpu_malloc, "replacement_mallocs", lambda: [])
+    monkeypatch.setattr(cpu_allocator, "uses_glibc", lambda: True)
+    monkeypatch.setattr(cpu_allocator, "replacement_mallocs", lambda: [])
 
     def missing(name):
         raise OSError(f"{name}: cannot open shared object file")
-    monkeypatch.setattr(cpu_malloc.ctypes, "CDLL", missing)
+    monkeypatch.setattr(cpu_allocator.ctypes, "CDLL", missing)
     with pytest.warns(RuntimeWarning, match="could not be loaded .*GLIBC_TUNABLES"):
-        assert linear_mha.keep_freed_memory() is False
-    assert not cpu_malloc.freed_memory_kept()
+        assert cpu_allocator.keep_freed_memory() is False
+    assert not cpu_allocator.freed_memory_kept()
 
 
 def test_a_mallopt_that_refuses_is_an_error_naming_the_launch_time_setting(unkept, monkeypatch):
-    monkeypatch.setattr(cpu_malloc, "uses_glibc", lambda: True)
-    monkeypatch.setattr(cpu_malloc, "replacement_mallocs", lambda: [])
+    monkeypatch.setattr(cpu_allocator, "uses_glibc", lambda: True)
+    monkeypatch.setattr(cpu_allocator, "replacement_mallocs", lambda: [])
 
     class RefusingLibc:
         def mallopt(self, param, value):
             return 0
-    monkeypatch.setattr(cpu_malloc.ctypes, "CDLL", lambda name: RefusingLibc())
-    monkeypatch.setattr(cpu_malloc.ctypes.util, "find_library", lambda name: "libc.so.6")
+    monkeypatch.setattr(cpu_allocator.ctypes, "CDLL", lambda name: RefusingLibc())
+    monkeypatch.setattr(cpu_allocator.ctypes.util, "find_library", lambda name: "libc.so.6")
     with pytest.raises(RuntimeError, match="GLIBC_TUNABLES=glibc.malloc.mmap_max=0"):
-        linear_mha.keep_freed_memory()
-    assert not cpu_malloc.freed_memory_kept()
+        cpu_allocator.keep_freed_memory()
+    assert not cpu_allocator.freed_memory_kept()
 
 
 def test_the_benchmark_names_the_setting_and_refuses_a_flag_it_cannot_honour(tmp_path, monkeypatch):
-    import benchmark
+    from tools import benchmark
     maps = tmp_path / "maps"
     maps.write_text("7f00-7f01 r-xp 00000000 08:01 12 /usr/lib/libc.so.6\n")
-    monkeypatch.setattr(cpu_malloc, "_setting_made", True)
-    if cpu_malloc.uses_glibc():
+    monkeypatch.setattr(cpu_allocator, "_setting_made", True)
+    if cpu_allocator.uses_glibc():
         assert cpu_allocator.describe({"GLIBC_TUNABLES": "glibc.malloc.mmap_max=0"}, str(maps)) == (
-            "glibc malloc (glibc.malloc.mmap_max=0, linear_mha.keep_freed_memory())")
+            "glibc malloc (glibc.malloc.mmap_max=0, tools.cpu_allocator.keep_freed_memory())")
     monkeypatch.setattr(benchmark, "keep_freed_memory", lambda: False)
     with pytest.raises(SystemExit, match="--keep-freed-memory"):
         benchmark.main(["--quick", "--keep-freed-memory", "--json", str(tmp_path / "r.json")])

@@ -1,0 +1,143 @@
+"""Why linear attention loses AP in DETR's encoder: each method's attention on the exact inputs a trained DETR's
+encoder sees (positions added to queries and keys, image padding masked), against that DETR's own softmax attention.
+
+    python -m tools.detr_diagnose runs/detr_cmp/softmax/seed42/checkpoint.pth --images 32 --json diag.json
+
+For every encoder layer of the (softmax-trained) checkpoint, on validation images: the norms of q and k per head and
+the spread of the softmax scores (how peaked trained attention is), then for each method the weights it would use
+on the same q, k (its L x S matrix, from the functional layer on an identity value matrix) compared with
+softmax's: the mean total-variation distance per query row (0 = the same weights, 1 = disjoint), the rows'
+entropy against softmax's, the largest weight per row (how far a method can focus), the error of its output on the
+layer's values, and the same output in float32 against float64 (accumulation error).
+"""
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import linear_mha.functional as LF
+from integrations.detr.checkpoint import load_checkpoint
+from integrations.detr.config import parse_args
+from integrations.detr.datasets import build_dataset
+from integrations.detr.detr import build_model
+from integrations.detr.misc import collate_fn
+
+
+def _focused(p):
+    return lambda q, k, v, m: LF.focused(q, k, v, focusing_factor=p, key_padding_mask=m)
+
+
+METHODS = {  # functional forms of the methods, without learnable state (the focused scale at its start, s = 1)
+    "kernel (elu)": lambda q, k, v, m: LF.kernel(q, k, v, "elu", key_padding_mask=m),
+    "kernel (relu)": lambda q, k, v, m: LF.kernel(q, k, v, "relu", key_padding_mask=m),
+    "taylor": lambda q, k, v, m: LF.taylor(q, k, v, key_padding_mask=m),
+    "efficient": lambda q, k, v, m: LF.efficient_attention(q, k, v, key_padding_mask=m),
+    "focused p=3": _focused(3.0),
+    "focused p=6": _focused(6.0),
+    "kernel (elu) on q/sqrt(d)": lambda q, k, v, m: LF.kernel(q / q.shape[-1] ** 0.5, k, v, "elu", key_padding_mask=m),
+}
+
+
+def capture_encoder_inputs(model, samples):
+    """(q, k, v, key_padding_mask) as each encoder layer's self-attention receives them."""
+    captured = []
+
+    def hook(module, args, kwargs):
+        q, k, v = args[:3] if len(args) >= 3 else (args[0], args[1], kwargs["value"])
+        captured.append((q.detach(), k.detach(), v.detach(), kwargs.get("key_padding_mask")))
+    handles = [layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True)
+               for layer in model.transformer.encoder.layers]
+    with torch.no_grad():
+        model(samples)
+    for h in handles:
+        h.remove()
+    return captured
+
+
+@torch.no_grad()
+def heads(attn, q, k, v):
+    """nn.MultiheadAttention's in-projection to (B, H, N, d) heads, in float64."""
+    E, H = attn.embed_dim, attn.num_heads
+    w, b = attn.in_proj_weight.double(), attn.in_proj_bias.double()
+    out = []
+    for i, x in enumerate((q, k, v)):
+        y = F.linear(x.double(), w[i * E:(i + 1) * E], b[i * E:(i + 1) * E])  # (N, B, E)
+        out.append(y.reshape(y.shape[0], y.shape[1], H, E // H).permute(1, 2, 0, 3))
+    return out
+
+
+def row_stats(weights, valid):
+    """Mean over valid query rows of entropy and largest weight; weights (B, H, L, S), valid (B, L)."""
+    entropy = -(weights.clamp_min(1e-300).log() * weights).sum(-1)
+    mask = valid[:, None, :].expand_as(entropy)
+    return float(entropy[mask].mean()), float(weights.amax(-1)[mask].mean())
+
+
+@torch.no_grad()
+def diagnose_layer(q, k, v, kpm):
+    d = q.shape[-1]
+    valid = ~kpm
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(d)
+    ref_w = torch.softmax(scores.masked_fill(kpm[:, None, None, :], float("-inf")), -1)
+    ref_out = ref_w @ v
+    eye = torch.eye(k.shape[2], dtype=q.dtype).expand(*k.shape[:2], -1, -1)
+    ent, peak = row_stats(ref_w, valid)
+    score_valid = scores.masked_fill(~(valid[:, None, :, None] & valid[:, None, None, :]), float("nan"))
+    layer = {"q_norm": float(q.norm(dim=-1)[valid[:, None].expand(q.shape[:3])].mean()),
+             "k_norm": float(k.norm(dim=-1)[valid[:, None].expand(k.shape[:3])].mean()),
+             "score_std": float(torch.nanmean((score_valid - torch.nanmean(score_valid, -1, keepdim=True)) ** 2) ** 0.5),
+             "softmax": {"entropy": ent, "max_weight": peak}, "methods": {}}
+    for name, fn in METHODS.items():
+        w = fn(q, k, eye, kpm)
+        out = w @ v
+        tv = 0.5 * (w - ref_w).abs().sum(-1)
+        ent, peak = row_stats(w.clamp_min(0), valid)
+        mask = valid[:, None, :].expand_as(tv)
+        out32 = fn(q.float(), k.float(), v.float(), kpm)
+        layer["methods"][name] = {
+            "tv_distance": float(tv[mask].mean()), "entropy": ent, "max_weight": peak,
+            "output_rel_err": float((out - ref_out)[mask].norm() / ref_out[mask].norm()),
+            "float32_rel_err": float((out32.double() - out)[mask].norm() / out[mask].norm())}
+    return layer
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", help="a softmax DETR checkpoint written by integrations.detr.train")
+    p.add_argument("--images", type=int, default=32, help="validation images to run (one batch)")
+    p.add_argument("--json", help="write the numbers here")
+    a = p.parse_args(argv)
+    ckpt = load_checkpoint(a.checkpoint, "checkpoint")
+    saved = ckpt["args"]
+    args = parse_args(["--backbone", saved["backbone"]])
+    vars(args).update({k: v for k, v in saved.items() if k in vars(args)})
+    args.attention, args.dwc_kernel = "softmax", 0
+    model, _, _ = build_model(args)
+    model.load_state_dict(ckpt["model"])
+    model.eval()
+    dataset = build_dataset("val", args)
+    samples, _ = collate_fn([dataset[i] for i in range(min(a.images, len(dataset)))])
+    layers = []
+    for layer, (q, k, v, kpm) in zip(model.transformer.encoder.layers, capture_encoder_inputs(model, samples)):
+        qh, kh, vh = heads(layer.self_attn, q, k, v)
+        layers.append(diagnose_layer(qh, kh, vh, kpm))
+    for i, layer in enumerate(layers):
+        print(f"\nencoder layer {i}: |q| {layer['q_norm']:.2f}, |k| {layer['k_norm']:.2f}, softmax score std "
+              f"{layer['score_std']:.2f}, softmax row entropy {layer['softmax']['entropy']:.2f} (uniform: "
+              f"{math.log(qh.shape[2]):.2f}), largest weight {layer['softmax']['max_weight']:.3f}")
+        print("| method | TV distance to softmax | row entropy | largest weight | output error | float32 error |")
+        print("|---|---|---|---|---|---|")
+        for name, m in layer["methods"].items():
+            print(f"| {name} | {m['tv_distance']:.3f} | {m['entropy']:.2f} | {m['max_weight']:.3f} | "
+                  f"{m['output_rel_err']:.3f} | {m['float32_rel_err']:.1e} |")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"checkpoint": a.checkpoint, "images": a.images, "layers": layers},
+                                           indent=1))
+    return layers
+
+
+if __name__ == "__main__":
+    main()
