@@ -13,20 +13,41 @@ from .registry import AttentionMethod, causal_methods
 from .token_grid import TokenGrid
 
 LOCAL_TERM_STATE = ("dwc_weight", "dwc_bias")
+NO_GRID = ("needs the token grid of this call: patch() finds it for DETR, timm and torchvision ViTs; elsewhere call "
+           "linear_mha.track_token_grid(model, source=...) or pass token_grid=TokenGrid(height, width, prefix) to "
+           "forward")
+
+
+def needs_token_grid(module: nn.Module) -> bool:
+    """Whether ``module`` (LinearMultiheadAttention, LinearTimmAttention) reads the token grid of its input."""
+    return getattr(module, "dwc_weight", None) is not None or module.method.needs_grid
+
+
+def resolve_token_grid(module: nn.Module, token_grid: Optional[TokenGrid]) -> Optional[TokenGrid]:
+    """The grid passed to forward, else the one the module's tracker recorded for this forward, else None."""
+    if token_grid is not None:
+        return token_grid
+    return getattr(module.__dict__.get("token_grid_source"), "grid", None)
 
 
 def attend_heads(method: AttentionMethod, state: Mapping[str, Optional[Tensor]], q: Tensor, k: Tensor, v: Tensor, *,
                  key_padding_mask: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
                  is_causal: bool = False, extra_keys: Optional[Tuple[Tensor, Tensor]] = None,
-                 need_weights: bool = False, dropout_p: float = 0.0) -> Tuple[Tensor, Optional[Tensor]]:
+                 need_weights: bool = False, dropout_p: float = 0.0,
+                 token_grid: Optional[TokenGrid] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """q (B, H, L, d), k (B, H, S, d), v (B, H, S, d_v) -> (out (B, H, L, d_v), weights (B, H, L, S + n) or None).
 
     key_padding_mask (B, S) and attn_mask (L, S) or (B, H, L, S) as ``masks.check_*`` return them (bool, True =
     forbidden, or float, additive). extra_keys: (k, v) of n keys every query sees (add_bias_kv / add_zero_attn).
-    Weights come back only from methods that form them, and only when asked.
+    Weights come back only from methods that form them, and only when asked. token_grid: for methods that declare
+    ``needs_grid`` (None: refused with how to give it).
     """
     L, S = q.shape[2], k.shape[2]
     kwargs = {}
+    if method.needs_grid:
+        if token_grid is None:
+            raise ValueError(f"mode={method.name!r} {NO_GRID}")
+        kwargs["token_grid"] = token_grid
     if extra_keys is not None:
         if not method.extra_keys:
             raise ValueError(f"mode={method.name!r} does not handle the extra keys of add_bias_kv / add_zero_attn")
@@ -91,11 +112,9 @@ def add_local_term(module: nn.Module, out: Tensor, v: Tensor, key_padding_mask: 
         raise ValueError("dwc_kernel mixes neighbouring tokens in every direction over the grid: it has no causal "
                          "form and applies no attn_mask; use key_padding_mask for padding, or build the module "
                          "without dwc_kernel")
-    grid = token_grid if token_grid is not None else getattr(module.__dict__.get("token_grid_source"), "grid", None)
+    grid = resolve_token_grid(module, token_grid)
     if grid is None:
-        raise ValueError("dwc_kernel needs the token grid of this call: patch() finds it for DETR, timm and "
-                         "torchvision ViTs; elsewhere call linear_mha.track_token_grid(model, source=...) or pass "
-                         "token_grid=TokenGrid(height, width, prefix) to forward")
+        raise ValueError(f"dwc_kernel {NO_GRID}")
     if key_padding_mask is not None:
         key_padding_mask = masks.to_forbidden(key_padding_mask, "key_padding_mask", "with dwc_kernel")
     return out + token_grid_conv(v, module.dwc_weight, module.dwc_bias, grid.height, grid.width, grid.prefix,

@@ -16,7 +16,8 @@ from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from . import masks
-from .attend import LOCAL_TERM_STATE, add_local_term, attend_heads, drop_missing_state, install_local_term
+from .attend import (LOCAL_TERM_STATE, add_local_term, attend_heads, drop_missing_state, install_local_term,
+                     resolve_token_grid)
 from .registry import DEFAULT_MODE, create_method
 from .token_grid import TokenGrid
 
@@ -187,15 +188,18 @@ class LinearMultiheadAttention(nn.Module):
         mode='softmax' (see :meth:`attention_matrix` for the linear modes). Queries that can see no key at all
         (every key masked) get a zero attention output (before ``out_proj``) in every mode.
         ``is_causal=True`` without ``attn_mask`` means a causal mask; with one, the mask is checked to be causal.
-        ``token_grid`` (not in nn.MultiheadAttention): the grid of the tokens, for ``dwc_kernel``.
+        ``token_grid`` (not in nn.MultiheadAttention): the grid of the tokens, for ``dwc_kernel`` and methods
+        that need it (``agent``), when the model does not provide it (``patch`` / ``track_token_grid``).
         """
         self.method.before_forward(self)
         if query.is_nested or key.is_nested or value.is_nested:
             return self._forward_nested(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal)
         q, k, v, extra_keys, kpm, mask, layout = self._prepare(query, key, value, key_padding_mask, attn_mask)
+        token_grid = resolve_token_grid(self, token_grid)
         out, weights = attend_heads(self.method, self.method.state(self), q, k, v, key_padding_mask=kpm,
                                     attn_mask=mask, is_causal=is_causal, extra_keys=extra_keys,
-                                    need_weights=need_weights, dropout_p=self.dropout if self.training else 0.0)
+                                    need_weights=need_weights, dropout_p=self.dropout if self.training else 0.0,
+                                    token_grid=token_grid)
         out = add_local_term(self, out, v, kpm, mask, is_causal, token_grid)
         out = self.out_proj(out.transpose(1, 2).reshape(layout["batch"], layout["tgt_len"], self.embed_dim))
         if weights is not None and average_attn_weights:
@@ -207,7 +211,7 @@ class LinearMultiheadAttention(nn.Module):
     @torch.no_grad()
     def attention_matrix(self, query: Tensor, key: Tensor, key_padding_mask: Optional[Tensor] = None,
                          attn_mask: Optional[Tensor] = None, average_attn_weights: bool = True,
-                         is_causal: bool = False) -> Tensor:
+                         is_causal: bool = False, token_grid: Optional[TokenGrid] = None) -> Tensor:
         """The (N, L, S) (or (N, H, L, S)) matrix A with attn_output = A @ V that this module's approximation
         implies, for visualisation. It is computed by running the mode's own attention path on an identity
         value matrix (no dropout), so it is exactly what forward uses, and it costs O(L S) memory: use small
@@ -221,7 +225,8 @@ class LinearMultiheadAttention(nn.Module):
         if extra_keys is not None:
             extra_keys = (extra_keys[0], eye[:, :, S:])
         weights, _ = attend_heads(self.method, self.method.state(self), q, k, eye[:, :, :S], key_padding_mask=kpm,
-                                  attn_mask=mask, is_causal=is_causal, extra_keys=extra_keys)
+                                  attn_mask=mask, is_causal=is_causal, extra_keys=extra_keys,
+                                  token_grid=resolve_token_grid(self, token_grid))
         if average_attn_weights:
             weights = weights.mean(dim=1)
         return weights[0] if layout["unbatched"] else weights

@@ -88,6 +88,7 @@ class AttentionMethod:
     returns_weights: ClassVar[bool] = False  # can return the (B, H, L, S) weights: implements attend_with_weights
     extra_keys: ClassVar[bool] = False       # handles add_bias_kv / add_zero_attn keys (``extra_keys=(k, v)``)
     exact: ClassVar[bool] = False            # computes exact softmax attention: the reference, not a linear method
+    needs_grid: ClassVar[bool] = False       # attends over the image's token grid: receives ``token_grid=``
     sequence_length_option: ClassVar[Optional[str]] = None  # option bounding the key length (Linformer's seq_len)
     presets: ClassVar[Mapping[str, dict]] = {}  # named option sets worth comparing (benchmarks, tests)
     cost: ClassVar[str] = ""                 # for the modes table, e.g. "O(N·d²)"
@@ -177,7 +178,8 @@ class AttentionMethod:
         dropout_p: attention dropout (0 in eval). state: :meth:`state`. Methods that declare ``extra_keys`` also get
         ``extra_keys=(k_extra (B, H, n, d), v_extra (B, H, n, d_v))``: keys every query sees, after the sequence,
         never masked. Methods that declare ``any_mask`` get ``attn_bias`` (additive, broadcastable to
-        (B, H, L, S + n)) instead of ``key_padding_mask`` and ``causal``."""
+        (B, H, L, S + n)) instead of ``key_padding_mask`` and ``causal``; methods that declare ``needs_grid`` get
+        ``token_grid`` (a ``TokenGrid``: the sequence is its prefix tokens, then a row-major height x width grid)."""
         raise NotImplementedError(f"method {self.name!r} does not implement attend()")
 
     def attend_with_weights(self, q, k, v, state, **kwargs) -> Tuple[Tensor, Tensor]:

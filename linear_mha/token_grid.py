@@ -76,9 +76,10 @@ def attach_tracker(modules, tracker: GridTracker) -> None:
 
 
 def track_token_grid(model: nn.Module, source: str, *, prefix: int = 0, stride: int = 1) -> GridTracker:
-    """Make every LinearMultiheadAttention / LinearTimmAttention in ``model`` with a local convolution term read
-    its token grid from ``source`` (a submodule name) whose first input is a (B, C, H, W) feature map: grid
+    """Make every LinearMultiheadAttention / LinearTimmAttention in ``model`` that needs the token grid (a local
+    convolution term, or a method such as ``agent``) read it from ``source`` (a submodule name) whose first input is a (B, C, H, W) feature map: grid
     H / stride x W / stride after ``prefix`` tokens. Returns the tracker (``tracker.remove()`` detaches it)."""
+    from .attend import needs_token_grid
     tracker = GridTracker(source, feature_map_grid(prefix, stride)).watch(model.get_submodule(source))
-    attach_tracker([m for m in model.modules() if getattr(m, "dwc_weight", None) is not None], tracker)
+    attach_tracker([m for m in model.modules() if hasattr(m, "method") and needs_token_grid(m)], tracker)
     return tracker

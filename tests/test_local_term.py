@@ -70,14 +70,14 @@ def module(mode, k=3, **kw):
 
 
 @pytest.mark.parametrize("mode", modes.BUILT_IN)
-def test_the_local_term_is_added_to_every_methods_output(mode):
+def test_the_local_term_is_added_to_every_methods_output(mode):  # grid methods too: the grid below serves both
     m = module(mode)
     x = torch.randn(2, 13, E, dtype=torch.float64)
     grid = TokenGrid(3, 4, prefix=1)
     with_term, _ = m(x, x, x, token_grid=grid, need_weights=False)
     weight, bias = m.dwc_weight, m.dwc_bias
     m.dwc_weight, m.dwc_bias = None, None
-    without, _ = m(x, x, x, need_weights=False)
+    without, _ = m(x, x, x, need_weights=False, token_grid=grid)
     v = nn.functional.linear(x, m.in_proj_weight[2 * E:], m.in_proj_bias[2 * E:]).view(2, 13, H, E // H)
     local = naive_grid_conv(v.transpose(1, 2), weight, bias, 3, 4, 1).transpose(1, 2).reshape(2, 13, E)
     torch.testing.assert_close(with_term, without + m.out_proj(local) - m.out_proj.bias, rtol=1e-10, atol=1e-10)

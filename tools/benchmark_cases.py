@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import linear_mha.functional as LF
-from linear_mha import LinearMultiheadAttention, available_methods, method_class
+from linear_mha import LinearMultiheadAttention, TokenGrid, available_methods, method_class
 
 from . import measure as M
 
@@ -129,8 +129,15 @@ def _module(mode, **options):
             sized[cls.sequence_length_option] = c["N"]
         m = LinearMultiheadAttention(c["H"] * c["d"], c["H"], batch_first=True, mode=mode, **options, **sized)
         m = m.to(device=device, dtype=dtype)
-        return (lambda x: m(x, x, x, is_causal=c["causal"])[0]), [m]
+        grid = {"token_grid": square_grid(c["N"])} if cls.needs_grid else {}  # methods over an image's tokens
+        return (lambda x: m(x, x, x, is_causal=c["causal"], **grid)[0]), [m]
     return build
+
+
+def square_grid(n: int) -> TokenGrid:
+    """The most nearly square h x w = n grid (n tokens of an image), h <= w."""
+    h = max(f for f in range(1, int(n ** 0.5) + 1) if n % f == 0)
+    return TokenGrid(h, n // h)
 
 
 def _torch_mha(need_weights: bool):
@@ -192,6 +199,8 @@ def method_flops(mode: str, options: dict) -> Optional[Callable]:
             mode == "kernel" and fmap == "taylor"):
         extra = 1 if "taylor" in (mode, fmap) else 0
         return lambda c: kernel_flops(c, c["d"] + extra)
+    if mode == "agent":  # agents x keys, their values, queries x agents, and the agents' values read
+        return lambda c: 8.0 * c["B"] * c["H"] * c["N"] * options.get("agents_per_side", 7) ** 2 * c["d"]
     return {"efficient": efficient_flops, "linformer": linformer_flops}.get(mode)
 
 

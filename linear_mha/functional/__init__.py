@@ -7,6 +7,7 @@
     taylor     first-order Taylor of exp on L2-normalised Q, K
     focused    kernel attention with FLatten's focused map (ReLU features, direction raised to a power)
     token_grid_conv  the local term: a depthwise convolution of the values over the token grid
+    agent_attention  softmax through a x a agent tokens pooled from the queries over the token grid (Han et al.)
     causal_linear_product / causal_linear_step  the chunked causal product and its recurrent form
     append_ones / split_normalise / drop_keys   the building blocks other layers reuse with the product
     backend    which implementation runs a call (compiled CPU kernels, fused causal, blocked, composed) and why
@@ -15,6 +16,7 @@
 from . import backend, native  # noqa: F401  (public submodules)
 from ._common import append_ones, drop_keys, split_normalise
 from .causal import causal_linear_product, causal_linear_state, causal_linear_step
+from .agent import agent_attention, pool_agents
 from .efficient import efficient_attention
 from .focused import focused, focused_feature_map
 from .grid_conv import token_grid_conv
@@ -36,7 +38,7 @@ from .taylor import taylor
 
 __all__ = [
     "softmax", "linformer", "kernel", "kernel_state", "kernel_step", "efficient_attention", "taylor", "focused",
-    "focused_feature_map", "token_grid_conv",
+    "focused_feature_map", "token_grid_conv", "agent_attention", "pool_agents",
     "causal_linear_product", "causal_linear_state", "causal_linear_step",
     "append_ones", "split_normalise", "drop_keys",
     "FEATURE_MAPS", "apply_feature_map", "resolve_feature_map", "default_num_favor_features",

@@ -6,6 +6,7 @@ from torch import nn
 
 from ..attention import LinearMultiheadAttention
 from ..registry import DEFAULT_MODE, method_class, validate_options
+from ..attend import needs_token_grid
 from ..token_grid import GridTracker, attach_tracker, feature_map_grid
 from .generic import disable_nested_tensor, restore_nested_tensor, to_linear, to_torch
 from .report import PatchReport
@@ -146,12 +147,13 @@ def _track_grids(model: nn.Module, plans, built, grid_source, grid_prefix, grid_
     """Give every new module with a local term a tracker of its token grid; returns the trackers."""
     trackers = {}
     for plan, new in zip(plans, built):
-        if getattr(new, "dwc_weight", None) is None:
+        if not needs_token_grid(new):
             continue
         found = ((grid_source, feature_map_grid(grid_prefix, grid_stride)) if grid_source is not None
                  else _grid_source(model, plan))
         if found is None:
-            raise ValueError(f"patch(): dwc_kernel needs the token grid of {plan.name!r}, and no DETR transformer or "
+            raise ValueError(f"patch(): {plan.name!r} needs the token grid (dwc_kernel, or mode={new.mode!r}), and no "
+                             f"DETR transformer or "
                              f"timm / torchvision ViT encloses it; pass grid_source='<module whose first input is the "
                              f"(B, C, H, W) feature map>' (with grid_prefix= tokens before the grid and grid_stride= "
                              f"pixels per token)")

@@ -11,7 +11,8 @@ import torch
 from torch import Tensor, nn
 
 from .. import masks
-from ..attend import LOCAL_TERM_STATE, add_local_term, attend_heads, drop_missing_state, install_local_term
+from ..attend import (LOCAL_TERM_STATE, add_local_term, attend_heads, drop_missing_state, install_local_term,
+                      resolve_token_grid)
 from ..registry import create_method
 
 _REUSED = ("qkv", "q_norm", "k_norm", "attn_drop", "norm", "gate", "proj", "proj_drop")
@@ -127,9 +128,11 @@ class LinearTimmAttention(nn.Module):
         q, k = self.q_norm(q), self.k_norm(k)
         kpm, mask = (None, None) if attn_mask is None else _timm_mask_to_nn(attn_mask, B, self.num_heads, N,
                                                                            self.method)
+        grid = resolve_token_grid(self, None)
         out, _ = attend_heads(self.method, self.method.state(self), q, k, v, key_padding_mask=kpm, attn_mask=mask,
-                              is_causal=is_causal, dropout_p=self.attn_drop.p if self.training else 0.0)
-        out = add_local_term(self, out, v, kpm, mask, is_causal, None)
+                              is_causal=is_causal, dropout_p=self.attn_drop.p if self.training else 0.0,
+                              token_grid=grid)
+        out = add_local_term(self, out, v, kpm, mask, is_causal, grid)
         out = self.norm(out.transpose(1, 2).reshape(B, N, self.attn_dim))
         if gate is not None:
             out = out * gate
