@@ -202,3 +202,14 @@ def test_bad_inputs_raise_clear_errors():
         lm(blindspot_size=2)
     with pytest.raises(ValueError, match="num_tokens"):
         m(torch.full((1, 3), V))
+
+
+def test_a_misspelt_keyword_reaches_no_catch_all():
+    """Every layer of the stack names the keywords it takes: a typo is a TypeError, never silently ignored."""
+    from linear_mha.lm.feedforward import FeedForward
+    from linear_mha.lm.self_attention import SelfAttention
+    x = torch.randn(1, 4, 8)
+    for layer in (FeedForward(8), SelfAttention(8, heads=2, causal=True)):
+        layer(x, input_mask=torch.ones(1, 4, dtype=torch.bool))
+        with pytest.raises(TypeError, match="input_msk"):
+            layer(x, input_msk=torch.ones(1, 4, dtype=torch.bool))

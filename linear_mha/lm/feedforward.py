@@ -20,7 +20,7 @@ class FeedForward(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.w2 = nn.Linear(dim * mult, dim)
 
-    def forward(self, x, **_):
+    def forward(self, x, input_mask=None):  # position-wise: no mask changes a position's output
         if self.glu:
             h, gate = self.w1(x).chunk(2, dim=-1)
             h = F.gelu(h) * gate
@@ -28,11 +28,11 @@ class FeedForward(nn.Module):
             h = F.gelu(self.w1(x))
         return self.w2(self.dropout(h))
 
-    def step(self, x, cache, t, mask_t=None, **_):
+    def step(self, x, cache, t, mask_t=None):
         return self.forward(x)
 
-    def prefill(self, x, cache, **kwargs):
-        return self.forward(x, **kwargs)
+    def prefill(self, x, cache, input_mask=None):
+        return self.forward(x)
 
 
 class Chunk(nn.Module):
@@ -45,13 +45,13 @@ class Chunk(nn.Module):
             raise ValueError(f"ff_chunks must be a positive int, got {chunks!r}")
         self.chunks, self.fn, self.dim = chunks, fn, along_dim
 
-    def forward(self, x, **kwargs):
+    def forward(self, x, input_mask=None):  # fn is position-wise: the mask changes nothing
         if self.chunks == 1:
-            return self.fn(x, **kwargs)
-        return torch.cat([self.fn(c, **kwargs) for c in x.chunk(self.chunks, dim=self.dim)], dim=self.dim)
+            return self.fn(x)
+        return torch.cat([self.fn(c) for c in x.chunk(self.chunks, dim=self.dim)], dim=self.dim)
 
-    def step(self, x, cache, t, mask_t=None, **kwargs):
-        return self.fn.step(x, cache, t, mask_t, **kwargs)
+    def step(self, x, cache, t, mask_t=None):
+        return self.fn.step(x, cache, t, mask_t)
 
-    def prefill(self, x, cache, **kwargs):
-        return self.forward(x, **kwargs)  # fn is position-wise: it keeps no decoding state
+    def prefill(self, x, cache, input_mask=None):
+        return self.forward(x)  # fn is position-wise: it keeps no decoding state

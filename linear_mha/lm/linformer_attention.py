@@ -46,7 +46,7 @@ class LinformerSelfAttention(nn.Module):
         t = t.reshape(*t.shape[:-1], n_heads, self.dim_head).transpose(1, 2)
         return t.expand(t.shape[0], self.heads, *t.shape[2:]) if n_heads == 1 else t
 
-    def forward(self, x, context=None, input_mask=None, context_mask=None, **_):
+    def forward(self, x, context=None, input_mask=None, context_mask=None):
         """x (B, N, dim); context (B, S, dim) or None; masks bool, True = keep."""
         src, mask = (x, input_mask) if context is None else (context, context_mask)
         if src.shape[1] > self.seq_len:
@@ -64,12 +64,12 @@ class LinformerSelfAttention(nn.Module):
         )
         return self.to_out(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
 
-    def step(self, x, cache, t, mask_t=None, context=None, context_mask=None, **_):
+    def step(self, x, cache, t, mask_t=None, context=None, context_mask=None):
         """Decoding against a fixed context (a causal decoder's context layer): x (B, dim) -> (B, dim)."""
         _require_context(context)
         return self.forward(x[:, None], context=context, context_mask=context_mask)[:, 0]
 
-    def prefill(self, x, cache, input_mask=None, context=None, context_mask=None, **_):
+    def prefill(self, x, cache, input_mask=None, context=None, context_mask=None):
         """The prompt's pass of a causal decoder's context layer: each position attends to the context only, so
         it is ``forward``, and ``step`` needs nothing cached from it."""
         _require_context(context)

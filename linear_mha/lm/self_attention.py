@@ -89,7 +89,7 @@ class SelfAttention(nn.Module):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return q, k, v
 
-    def forward(self, x, input_mask=None, context=None, context_mask=None, positions=None, **_):
+    def forward(self, x, input_mask=None, context=None, context_mask=None, positions=None):
         """x (B, N, dim); input_mask (B, N), context_mask (B, S) bool, True = keep."""
         q, k, v = self._project(x, context, positions)
         return self._attend(x, q, k, v, input_mask, context_mask)
@@ -117,7 +117,7 @@ class SelfAttention(nn.Module):
             attn = attn * torch.sigmoid(self.gate(x))
         return self.dropout(self.to_out(attn))
 
-    def prefill(self, x, cache, input_mask=None, context=None, context_mask=None, **_):
+    def prefill(self, x, cache, input_mask=None, context=None, context_mask=None):
         """``forward`` over positions 0..N-1 that also leaves in ``cache`` what ``step`` would have after them."""
         if not (self.causal or self.receives_context):
             raise ValueError("prefill() decodes causal models; build the model with causal=True")
@@ -147,7 +147,7 @@ class SelfAttention(nn.Module):
         flat = F.pad(flat, (2, 0) if self.causal else (1, 1))
         return self.conv(flat).reshape(b, h, d, n).permute(0, 1, 3, 2)
 
-    def step(self, x, cache, t, mask_t=None, context=None, context_mask=None, **_):
+    def step(self, x, cache, t, mask_t=None, context=None, context_mask=None):
         """Decode position t: x (B, dim) -> (B, dim); ``cache`` (a dict) carries this layer's state."""
         if not (self.causal or self.receives_context):
             raise ValueError("step() decodes causal models; build the model with causal=True")
