@@ -38,6 +38,18 @@ def focused_features(x, p, scale=None):
     return y.norm(dim=-1, keepdim=True) / (y ** p).norm(dim=-1, keepdim=True) * y ** p
 
 
+def hedgehog_features(x, weight, bias):
+    """[softmax(x W + b), softmax(-(x W + b))] over the features, per head: x (B, H, N, d), W (H, d, m), b (H, m)."""
+    z = torch.einsum("bhnd,hdm->bhnm", x, weight) + bias[None, :, None, :]
+    return torch.cat([torch.softmax(z, -1), torch.softmax(-z, -1)], -1)
+
+
+def two_map_weights(phi_q, phi_k, key_padding_mask=None, causal=False):
+    """Normalised phi_q phi_k^T for feature maps of their own (B, H, L, F), (B, H, S, F)."""
+    w = phi_q @ phi_k.transpose(-1, -2)
+    return normalised(w, _visible(phi_q.shape[-2], phi_k.shape[-2], key_padding_mask, causal, phi_q.device))
+
+
 def taylor_weights(q, k, key_padding_mask=None, causal=False):
     w = 1 + F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-1, -2)
     return normalised(w, _visible(q.shape[-2], k.shape[-2], key_padding_mask, causal, q.device))

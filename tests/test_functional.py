@@ -221,8 +221,11 @@ def test_an_initial_state_equals_the_same_keys_passed_along(qkv, fmap, causal):
     lambda q, k, v, m: LF.softmax(q, k, v, key_padding_mask=m, causal=True)[0],
     lambda q, k, v, m: LF.focused(q, k, v, key_padding_mask=m, scale=torch.tensor([0.5, 1.0, 2.0]).double()),
     lambda q, k, v, m: LF.focused(q, k, v, key_padding_mask=m, causal=True, chunk_size=2, focusing_factor=2.5),
+    lambda q, k, v, m: LF.hedgehog(q, k, v, (torch.eye(3, dtype=torch.float64).expand(2, 3, 3) * 0.7, None),
+                                   (torch.eye(3, dtype=torch.float64).expand(2, 3, 3), torch.ones(2, 3).double()),
+                                   key_padding_mask=m, causal=True, chunk_size=2),
 ], ids=["kernel", "kernel_causal", "taylor", "efficient", "linformer", "softmax_causal", "focused",
-        "focused_causal"])
+        "focused_causal", "hedgehog_causal"])
 def test_gradcheck(fn):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 6, 3, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
@@ -254,6 +257,16 @@ def test_focused_map_keeps_the_norm_sharpens_and_never_overflows():
     assert torch.isfinite(out32).all()
     ref = focused_features(big, 3.0)
     torch.testing.assert_close(out32.double(), ref, rtol=1e-5, atol=1e-6 * ref.abs().max().item())
+
+
+def test_hedgehog_gradients_reach_its_feature_maps():
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 5, 3, generator=g, dtype=torch.float64) for _ in range(3))
+    maps = [torch.randn(2, 3, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    biases = [torch.randn(2, 4, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    m = torch.tensor([[False, False, False, True, True]])
+    assert torch.autograd.gradcheck(
+        lambda wq, wk, bq, bk: LF.hedgehog(q, k, v, (wq, bq), (wk, bk), key_padding_mask=m), (*maps, *biases))
 
 
 def test_functional_errors(qkv):

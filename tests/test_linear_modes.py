@@ -8,7 +8,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import modes
 from linear_mha import LinearMultiheadAttention, method_class
-from reference import efficient_weights, elu1, focused_features, kernel_weights, linformer_weights, softmax_weights, taylor_weights
+from reference import (efficient_weights, elu1, focused_features, hedgehog_features, kernel_weights, linformer_weights,
+                       softmax_weights, taylor_weights, two_map_weights)
 
 E, HEADS, B = 8, 2, 3
 MODES = {
@@ -22,9 +23,11 @@ MODES = {
     "taylor": dict(mode="taylor"),
     "focused": dict(mode="focused"),
     "focused_p2_fixed_scale": dict(mode="focused", focusing_factor=2.0, learnable_scale=False),
+    "hedgehog": dict(mode="hedgehog"),
+    "hedgehog_m3": dict(mode="hedgehog", feature_dim=3),
     "softmax": dict(mode="softmax"),
 }
-CAUSAL = ["kernel_elu", "kernel_relu", "kernel_favor", "taylor", "focused", "softmax"]
+CAUSAL = ["kernel_elu", "kernel_relu", "kernel_favor", "taylor", "focused", "hedgehog", "softmax"]
 
 
 def module(name, dtype=torch.float64, **kw):
@@ -33,6 +36,10 @@ def module(name, dtype=torch.float64, **kw):
     if "focus_scale" in m.method.state_names:
         with torch.no_grad():  # a trained scale, not softplus(0) everywhere: channels weigh differently
             m.focus_scale.normal_(generator=torch.Generator().manual_seed(4))
+    if m.mode == "hedgehog":
+        with torch.no_grad():  # trained maps, not the identity they start as
+            for name in m.method.state_names:
+                getattr(m, name).normal_(generator=torch.Generator().manual_seed(len(name)))
     return m
 
 
@@ -54,6 +61,9 @@ def reference_weights(m, q, k, kpm, causal):
         return taylor_weights(q, k, kpm, causal)
     if m.mode == "softmax":
         return softmax_weights(q, k, kpm, causal)
+    if m.mode == "hedgehog":
+        return two_map_weights(hedgehog_features(q, m.hedgehog_q_weight, m.hedgehog_q_bias),
+                               hedgehog_features(k, m.hedgehog_k_weight, m.hedgehog_k_bias), kpm, causal)
     if m.mode == "focused":
         scale = F.softplus(m.focus_scale) if "focus_scale" in m.method.state_names else None
         return kernel_weights(lambda x: focused_features(x, m.method.focusing_factor, scale), q, k, kpm, causal)

@@ -199,6 +199,11 @@ def method_flops(mode: str, options: dict) -> Optional[Callable]:
             mode == "kernel" and fmap == "taylor"):
         extra = 1 if "taylor" in (mode, fmap) else 0
         return lambda c: kernel_flops(c, c["d"] + extra)
+    if mode == "hedgehog":  # the two feature maps (d x m per head) and kernel attention on their 2m features
+        def hedgehog_flops(c):
+            m = options.get("feature_dim") or c["d"]
+            return kernel_flops(c, 2 * m) + 4.0 * c["B"] * c["H"] * c["N"] * c["d"] * m
+        return hedgehog_flops
     if mode == "agent":  # agents x keys, their values, queries x agents, and the agents' values read
         return lambda c: 8.0 * c["B"] * c["H"] * c["N"] * options.get("agents_per_side", 7) ** 2 * c["d"]
     return {"efficient": efficient_flops, "linformer": linformer_flops}.get(mode)

@@ -6,6 +6,7 @@
     efficient_attention  softmax(Q over features) (softmax(K over sequence)^T V) (Shen et al.)
     taylor     first-order Taylor of exp on L2-normalised Q, K
     focused    kernel attention with FLatten's focused map (ReLU features, direction raised to a power)
+    hedgehog   kernel attention with learnable per-head maps [softmax(xW), softmax(-xW)] (Zhang et al.)
     token_grid_conv  the local term: a depthwise convolution of the values over the token grid
     agent_attention  softmax through a x a agent tokens pooled from the queries over the token grid (Han et al.)
     causal_linear_product / causal_linear_step  the chunked causal product and its recurrent form
@@ -19,6 +20,7 @@ from .causal import causal_linear_product, causal_linear_state, causal_linear_st
 from .agent import agent_attention, pool_agents
 from .efficient import efficient_attention
 from .focused import focused, focused_feature_map
+from .hedgehog import hedgehog, hedgehog_features
 from .grid_conv import token_grid_conv
 from .feature_maps import (
     FEATURE_MAPS,
@@ -38,7 +40,7 @@ from .taylor import taylor
 
 __all__ = [
     "softmax", "linformer", "kernel", "kernel_state", "kernel_step", "efficient_attention", "taylor", "focused",
-    "focused_feature_map", "token_grid_conv", "agent_attention", "pool_agents",
+    "focused_feature_map", "token_grid_conv", "agent_attention", "pool_agents", "hedgehog", "hedgehog_features",
     "causal_linear_product", "causal_linear_state", "causal_linear_step",
     "append_ones", "split_normalise", "drop_keys",
     "FEATURE_MAPS", "apply_feature_map", "resolve_feature_map", "default_num_favor_features",

@@ -1,0 +1,73 @@
+"""Hedgehog (Zhang et al., "The Hedgehog & the Porcupine", ICLR 2024): kernel attention with a learnable feature
+map per head, trained so linear attention's weights match softmax's (``linear_mha.calibrate``):
+
+    phi(x) = [softmax(x W + b), softmax(-(x W + b))]   (each softmax over the m features; 2m features in all)
+
+W (d x m) starts as the identity (m = d), so before training the map is a fixed spiky, positive map. Queries and
+keys have maps of their own. Features are positive and bounded, so every normaliser is positive and nothing
+overflows, in any precision.
+"""
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ._common import check_qkv, compute_dtype, drop_keys, mask_keys
+from .causal import check_chunk_size
+from .kernel import feature_attention
+
+Map = Tuple[Tensor, Optional[Tensor]]  # (weight (H, d, m), bias (H, m) or None)
+
+
+def hedgehog_features(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """x (B, H, N, d), weight (H, d, m), bias (H, m) -> (B, H, N, 2m)."""
+    if weight.dim() != 3 or weight.shape[0] != x.shape[1] or weight.shape[1] != x.shape[-1]:
+        raise ValueError(f"the feature map's weight must have shape (heads, head_dim, m) = ({x.shape[1]}, "
+                         f"{x.shape[-1]}, m), got {tuple(weight.shape)}")
+    z = torch.einsum("bhnd,hdm->bhnm", x, weight.to(x.dtype))
+    if bias is not None:
+        z = z + bias.to(x.dtype)[None, :, None, :]
+    return torch.cat([torch.softmax(z, dim=-1), torch.softmax(-z, dim=-1)], dim=-1)
+
+
+def hedgehog(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_map: Map,
+    k_map: Map,
+    *,
+    causal: bool = False,
+    key_padding_mask: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    initial_state: Optional[Tensor] = None,
+    chunk_size: Optional[int] = None,
+) -> Tensor:
+    """Hedgehog attention: q (B, H, L, d), k (B, H, S, d), v (B, H, S, Dv) -> (B, H, L, Dv); q_map / k_map:
+    (weight (H, d, m), bias (H, m) or None). Masks, causality (chunked, O(N d) memory), dropout and initial_state
+    (B, H, 2m, Dv + 1) as in ``kernel``."""
+    check_qkv(q, k, v, key_padding_mask)
+    if causal and q.shape[-2] != k.shape[-2]:
+        raise ValueError(f"causal attention needs as many queries as keys, got L={q.shape[-2]}, S={k.shape[-2]}")
+    if chunk_size is not None:
+        check_chunk_size(chunk_size)
+    causal = causal and q.shape[-2] > 0
+    out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
+    q, k, v = q.to(dtype), k.to(dtype), drop_keys(v.to(dtype), dropout_p)
+    phi_q = hedgehog_features(q, *q_map)
+    # Masked keys are zeroed before the map (garbage reaches nothing) and their features after it (they add nothing).
+    phi_k = mask_keys(hedgehog_features(mask_keys(k, key_padding_mask), *k_map), key_padding_mask)
+    v = mask_keys(v, key_padding_mask)
+    if initial_state is not None:
+        initial_state = initial_state.to(dtype)
+    return feature_attention(phi_q, phi_k, v, causal=causal, initial_state=initial_state,
+                             chunk_size=chunk_size).to(out_dtype)
+
+
+def hedgehog_state(k: Tensor, v: Tensor, k_map: Map, key_padding_mask: Optional[Tensor] = None) -> Tensor:
+    """sum_j phi(k_j) [v_j, 1]^T of a set of keys (B, H, 2m, Dv + 1): extra keys every query sees, for causal
+    attention's initial_state."""
+    dtype = compute_dtype(k.dtype)
+    phi_k = mask_keys(hedgehog_features(mask_keys(k.to(dtype), key_padding_mask), *k_map), key_padding_mask)
+    v1 = torch.nn.functional.pad(mask_keys(v.to(dtype), key_padding_mask), (0, 1), value=1.0)
+    return torch.matmul(phi_k.transpose(-2, -1), v1)

@@ -1,0 +1,46 @@
+"""mode='hedgehog': learnable feature maps per head (Hedgehog, ICLR 2024), phi(x) = [softmax(x W + b),
+softmax(-(x W + b))], one map for the queries and one for the keys, W starting as the identity. Trained with the
+model, or fitted to a pretrained model's softmax attention by ``linear_mha.calibrate``. O(N·m·d); causal in chunks."""
+import torch
+from torch import nn
+
+from .. import functional
+from ..functional.hedgehog import hedgehog_state
+from ..registry import AttentionMethod, Option, append_extra_keys, optional, positive_int, register_method
+from .kernel import Kernel
+
+
+@register_method
+class Hedgehog(AttentionMethod):
+    name = "hedgehog"
+    options = {
+        "feature_dim": Option(None, optional(positive_int), "m: features per softmax (2m in all); default head_dim, "
+                                                            "so W starts as the identity"),
+        "chunk_size": Kernel.options["chunk_size"],
+    }
+    causal = True
+    extra_keys = True
+    cost = "O(N·m·d)"
+    summary = "learnable per-head feature maps [softmax(xW), softmax(-xW)], fitted to softmax by calibrate()"
+
+    def init_state(self, num_heads, head_dim, factory_kwargs):
+        m = self.feature_dim or head_dim
+        state = {}
+        for side in ("q", "k"):
+            weight = torch.zeros(num_heads, head_dim, m, **factory_kwargs)
+            weight[:, torch.arange(min(head_dim, m)), torch.arange(min(head_dim, m))] = 1.0  # the identity map
+            state[f"hedgehog_{side}_weight"] = nn.Parameter(weight)
+            state[f"hedgehog_{side}_bias"] = nn.Parameter(torch.zeros(num_heads, m, **factory_kwargs))
+        return state
+
+    def attend(self, q, k, v, state, *, key_padding_mask=None, causal=False, dropout_p=0.0, extra_keys=None):
+        q_map = (state["hedgehog_q_weight"], state["hedgehog_q_bias"])
+        k_map = (state["hedgehog_k_weight"], state["hedgehog_k_bias"])
+        initial_state = None
+        if extra_keys is not None:
+            if causal:
+                initial_state = hedgehog_state(*extra_keys, k_map)
+            else:
+                k, v, key_padding_mask = append_extra_keys(k, v, key_padding_mask, extra_keys)
+        return functional.hedgehog(q, k, v, q_map, k_map, causal=causal, key_padding_mask=key_padding_mask,
+                                   dropout_p=dropout_p, initial_state=initial_state, chunk_size=self.chunk_size)
