@@ -8,7 +8,6 @@ Our own checkpoints store only such values (``plain_rng_state``), so they always
 """
 import argparse
 import pickle
-import random
 import re
 from contextlib import nullcontext
 from pathlib import Path

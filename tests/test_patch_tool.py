@@ -49,3 +49,12 @@ def test_linformer_seq_len_covers_a_single_non_native_size_and_padded_grids():
     assert patch_model.main(base + ["--img-sizes", "48"])["options"]["seq_len"] == (48 // 16) ** 2 + 1
     padded = patch_model.main(base + ["--model-arg", "dynamic_img_pad=True", "--img-sizes", "40"])
     assert padded["options"]["seq_len"] == 3 ** 2 + 1 and padded["rows"][0]["tokens"] == 10  # 40 px pads to 48
+
+
+def test_calibration_is_reported_and_brings_the_patched_model_closer():
+    result = patch_model.main(TINY[:5] + ["--batch-sizes", "4", "--repeats", "1", "--mode", "hedgehog",
+                                          "--calibrate-steps", "30", "--no-memory"])
+    row = result["rows"][0]
+    assert result["calibration"]["steps"] == 30
+    assert row["calibrated_head_input_max_rel_dev"] < row["head_input_max_rel_dev"]
+    assert row["calibrated_head_input_cosine"] > row["head_input_cosine"]

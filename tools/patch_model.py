@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from linear_mha.patching import patch
+from linear_mha.patching import calibrate, patch
 
 from . import measure as M
 
@@ -59,6 +59,10 @@ def parse_args(argv=None):
                         "them, e.g. timm with dynamic_img_size=True)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4])
     p.add_argument("--repeats", type=int, default=3, help="timed forwards per point; the median is reported")
+    p.add_argument("--calibrate-steps", type=int, default=0,
+                   help="also report the deviation after linear_mha.calibrate for this many steps (a learnable "
+                        "--mode such as hedgehog), on random images")
+    p.add_argument("--calibrate-lr", type=float, default=1e-2)
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement (a fresh process per "
                                                             "point on CPU)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -181,6 +185,14 @@ def compare(args):
             options["seq_len"] = longest
     patched = copy.deepcopy(original)
     report = patch(patched, args.mode, **options)
+    calibration = None
+    if args.calibrate_steps:  # on random images of the first size, as the rest of the report uses
+        g = torch.Generator().manual_seed(args.seed + 1)
+        images = [torch.randn(max(args.batch_sizes), 3, img_sizes[0], img_sizes[0], generator=g).to(device, dtype)
+                  for _ in range(8)]
+        calibrated = copy.deepcopy(patched)
+        calibration = calibrate(calibrated, images, steps=args.calibrate_steps, lr=args.calibrate_lr, seed=args.seed,
+                                progress=False)
     rows = []
     for img in img_sizes:
         for batch in args.batch_sizes:
@@ -196,15 +208,23 @@ def compare(args):
                                                                                           (True, patched)))
             dev, cos = deviation(out, ref)
             head_dev, head_cos = deviation(features, ref_features)
-            rows.append({"img_size": img, "batch": batch, "tokens": token_count(original, img),
-                         "max_rel_dev": dev, "cosine": cos, "head_input_max_rel_dev": head_dev,
-                         "head_input_cosine": head_cos, "finite": bool(torch.isfinite(out).all()),
-                         "ms_before": t0, "ms_after": t1, "peak_mib_before": m0, "peak_mib_after": m1})
+            row = {"img_size": img, "batch": batch, "tokens": token_count(original, img),
+                   "max_rel_dev": dev, "cosine": cos, "head_input_max_rel_dev": head_dev,
+                   "head_input_cosine": head_cos, "finite": bool(torch.isfinite(out).all()),
+                   "ms_before": t0, "ms_after": t1, "peak_mib_before": m0, "peak_mib_after": m1}
+            if calibration is not None:  # the same deviations after linear_mha.calibrate
+                cal_out, cal_features = outputs(calibrated, x)
+                row["calibrated_max_rel_dev"], row["calibrated_cosine"] = deviation(cal_out, ref)
+                row["calibrated_head_input_max_rel_dev"], row["calibrated_head_input_cosine"] = deviation(
+                    cal_features, ref_features)
+            rows.append(row)
     return {"model": args.model, "library": library, "mode": args.mode, "options": options,
             "device": str(device), "dtype": args.dtype, "threads": torch.get_num_threads(),
             "memory": "not measured" if args.no_memory else (
                 "cuda max_memory_allocated" if device.type == "cuda" else "cpu peak RSS, fresh process"),
-            "report": report, "rows": rows}
+            "report": report, "rows": rows,
+            "calibration": None if calibration is None else {"steps": calibration.steps,
+                                                             "layers": calibration.layers}}
 
 
 def _fmt(v, spec):
@@ -223,6 +243,13 @@ def table(result) -> str:
                  _fmt(r["head_input_cosine"], ".4f"), _fmt(r["ms_before"], ".2f"), _fmt(r["ms_after"], ".2f"),
                  _fmt(r["peak_mib_before"], ".1f"), _fmt(r["peak_mib_after"], ".1f"))
         lines.append("  ".join(f"{str(c):>11}" for c in cells) + ("" if r["finite"] else "  NON-FINITE OUTPUT"))
+    if result.get("calibration"):
+        lines.append(f"after calibrate({result['calibration']['steps']} steps on random images): max rel dev / "
+                     f"cosine / head in dev / head in cos per row")
+        for r in result["rows"]:
+            lines.append(f"{r['img_size']:>11}  {r['batch']:>11}  " + "  ".join(f"{_fmt(r[k], spec):>11}" for k, spec in (
+                ("calibrated_max_rel_dev", ".3e"), ("calibrated_cosine", ".4f"),
+                ("calibrated_head_input_max_rel_dev", ".3e"), ("calibrated_head_input_cosine", ".4f"))))
     return "\n".join(lines)
 
 

@@ -68,6 +68,10 @@ def get_args_parser():
     a("--dwc-kernel", type=int, default=0, metavar="K",
       help="add a K x K depthwise convolution of the values over the feature map to encoder self-attention "
            "(FLatten's DWC / MLLA's LePE; odd K; 0 = none)")
+    a("--calibrate-steps", type=int, default=0, metavar="N",
+      help="with --pretrained (a softmax DETR) and a learnable --attention such as hedgehog: first fit the linear "
+           "attention to the softmax attention it replaces, N steps on training images (linear_mha.calibrate)")
+    a("--calibrate-lr", type=float, default=1e-2, help="learning rate of --calibrate-steps")
     a("--attention-option", action="append", metavar="NAME=VALUE",
       help="any option of the --attention method (repeatable; values are Python literals or strings)")
     # matcher and loss

@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
+from linear_mha import calibrate
+
 from ..stop import StopRequest
 from . import distributed as dist_utils
 from .attention import apply_attention
@@ -107,6 +109,26 @@ def train_loader(args, dataset, sampler, epoch, rank, skip_batches=0):
                       collate_fn=collate_fn, num_workers=args.num_workers, persistent_workers=False)
 
 
+def calibrate_attention(model, args, dataset, device, out_dir):
+    """--calibrate-steps: fit the linear attention of a model patched from a --pretrained softmax DETR to the softmax
+    attention it replaced, on training images (linear_mha.calibrate, attention transfer), before any training.
+    Every process calibrates on the same batches; DDP then starts every process from the first one's weights."""
+    if not args.pretrained:
+        raise ValueError("--calibrate-steps fits linear attention to a trained softmax DETR: pass its checkpoint with "
+                         "--pretrained")
+    if args.attention == "softmax":
+        raise ValueError("--calibrate-steps needs a linear --attention to fit, e.g. --attention hedgehog")
+    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True, collate_fn=collate_fn,
+                        num_workers=args.num_workers, generator=torch.Generator().manual_seed(args.seed))
+    report = calibrate(model, loader, steps=args.calibrate_steps, lr=args.calibrate_lr, seed=args.seed,
+                       forward=lambda m, batch: m(batch[0].to(device)), progress=args.progress)
+    if dist_utils.is_main_process():
+        print(report.table())
+        (out_dir / "calibration.json").write_text(json.dumps({"steps": report.steps, "layers": report.layers,
+                                                              "losses": report.losses}, indent=1))
+    return report
+
+
 def make_loaders(args, datasets, rank, world):
     train_sampler = DistributedSampler(datasets["train"], num_replicas=world, rank=rank, shuffle=True,
                                        seed=args.seed, drop_last=False)
@@ -147,6 +169,8 @@ def main(argv=None):
         load_pretrained(model, args.pretrained)
     model.to(device)
     criterion.to(device)
+    if args.calibrate_steps and not args.resume:  # a resumed run's checkpoint holds the calibrated model already
+        calibrate_attention(model, args, datasets["train"], device, out_dir)
     model_without_ddp = model
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local] if device.type == "cuda" else None)

@@ -9,7 +9,6 @@ position next to the padding sees what it would see at the border of an unpadded
 """
 from typing import Optional
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 

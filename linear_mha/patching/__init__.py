@@ -4,10 +4,12 @@
     unpatch(model)            back to the original modules, with the current weights
     patched(mode, ...)        context manager: nn.MultiheadAttention(...) builds LinearMultiheadAttention
     PatchReport               what was replaced, skipped (and why), parameters added
+    calibrate(model, batches) fit the patched linear attention to the softmax attention it replaced
 """
+from .calibrate import CalibrationReport, calibrate
 from .context import patched
 from .patcher import patch, unpatch
 from .report import PatchReport
 from .timm_attention import LinearTimmAttention
 
-__all__ = ["patch", "unpatch", "patched", "PatchReport", "LinearTimmAttention"]
+__all__ = ["patch", "unpatch", "patched", "PatchReport", "LinearTimmAttention", "calibrate", "CalibrationReport"]

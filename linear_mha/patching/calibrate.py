@@ -1,0 +1,234 @@
+"""calibrate(model, batches): fit a patched model's linear attention to the softmax attention it replaced.
+
+Stage 1, attention transfer (as LoLCATs does): the model is frozen except the tensors linear_mha added (a learnable
+method's feature maps, e.g. ``mode="hedgehog"``, and the ``dwc_kernel`` term). In every forward, each patched module
+also runs the original softmax attention that ``patch`` kept for ``unpatch``, on the very same inputs, under
+no_grad and without attention weights; the loss is the squared error of the linear output against it, relative to
+the softmax output's size, summed over layers; and the softmax output is what flows on to the next layer, so each
+layer learns on the inputs of the model it replaces. Stage 2 (optional): a short fine-tune of the whole model with
+the user's own loss.
+
+    report = linear_mha.calibrate(model, batches, steps=200, lr=1e-2)
+    print(report)                                   # per-layer attention error before and after
+"""
+import contextlib
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, List, Optional
+
+import torch
+from torch import nn
+
+from ..attend import LOCAL_TERM_STATE
+from ..attention import LinearMultiheadAttention
+from .generic import ORIGINAL_ATTR
+from .timm_attention import LinearTimmAttention
+
+
+@dataclass
+class CalibrationReport:
+    """Per patched module: relative error ||linear - softmax|| / ||softmax|| of its output on the same inputs,
+    before and after stage 1 (mean over the evaluation batches); the loss of every step of both stages."""
+    layers: List[dict] = field(default_factory=list)
+    steps: int = 0
+    finetune_steps: int = 0
+    losses: List[float] = field(default_factory=list)
+    finetune_losses: List[float] = field(default_factory=list)
+    trained_parameters: int = 0
+
+    def table(self) -> str:
+        width = max([len("module")] + [len(layer["name"]) for layer in self.layers])
+        lines = [f"calibrated {len(self.layers)} attention module(s), {self.trained_parameters} parameters, "
+                 f"{self.steps} step(s)" + (f", then {self.finetune_steps} fine-tuning step(s)"
+                                            if self.finetune_steps else ""),
+                 f"{'module':<{width}}  error before  error after"]
+        for layer in self.layers:
+            lines.append(f"{layer['name']:<{width}}  {layer['error_before']:>12.4f}  {layer['error_after']:>11.4f}")
+        return "\n".join(lines)
+
+    __str__ = table
+
+
+def _original(module: nn.Module) -> Optional[nn.Module]:
+    if isinstance(module, LinearMultiheadAttention):
+        return module.__dict__.get(ORIGINAL_ATTR)
+    return module.__dict__.get("_timm_original")
+
+
+def _linear_modules(model: nn.Module):
+    found = [(name, m) for name, m in model.named_modules()
+             if isinstance(m, (LinearMultiheadAttention, LinearTimmAttention))]
+    if not found:
+        raise ValueError("calibrate() found no linear attention in the model: patch it first, e.g. "
+                         "linear_mha.patch(model, mode='hedgehog')")
+    missing = [name for name, m in found if _original(m) is None]
+    if missing:
+        raise ValueError(f"calibrate() needs the softmax attention each module replaced, which patch() keeps; "
+                         f"{missing[:3]} were built directly. Patch the original model instead of building "
+                         f"LinearMultiheadAttention yourself")
+    return found
+
+
+def _added_parameters(modules) -> List[nn.Parameter]:
+    """The parameters linear_mha added: each method's own state and the local term, once each (shared ones too)."""
+    seen, params = set(), []
+    for _, m in modules:
+        for name in tuple(m.method.state_names) + LOCAL_TERM_STATE:
+            p = getattr(m, name, None)
+            if isinstance(p, nn.Parameter) and id(p) not in seen:
+                seen.add(id(p))
+                params.append(p)
+    return params
+
+
+def _teacher(original: nn.Module, args, kwargs):
+    """The replaced softmax attention's output on the same call, never forming its weights."""
+    kwargs = {k: v for k, v in kwargs.items() if k != "token_grid"}
+    if isinstance(original, nn.MultiheadAttention):
+        kwargs["need_weights"] = False
+        return original(*args, **kwargs)[0]
+    return original(*args, **kwargs)
+
+
+class _Transfer:
+    """Forward hooks that compare each module's output with its teacher's and hand the teacher's on."""
+
+    def __init__(self, modules):
+        self.modules, self.errors, self.handles = modules, {}, []
+
+    def __enter__(self):
+        for name, module in self.modules:
+            original = _original(module)
+
+            def hook(mod, args, kwargs, output, name=name, original=original):
+                with torch.no_grad():
+                    teacher = _teacher(original, args, kwargs)
+                student = output[0] if isinstance(output, tuple) else output
+                scale = teacher.detach().pow(2).mean().clamp_min(torch.finfo(teacher.dtype).tiny)
+                self.errors[name] = (student - teacher).pow(2).mean() / scale
+                return (teacher, *output[1:]) if isinstance(output, tuple) else teacher
+            self.handles.append(module.register_forward_hook(hook, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        return False
+
+
+def _call(model, batch, forward):
+    if forward is not None:
+        return forward(model, batch)
+    if isinstance(batch, tuple):
+        return model(*batch)
+    if isinstance(batch, dict):
+        return model(**batch)
+    return model(batch)
+
+
+def _cycle(batches):
+    """Batches, again from the start when they run out (a generator cannot start again: that is an error)."""
+    for round_ in itertools.count():
+        produced = False
+        for batch in batches:
+            produced = True
+            yield batch
+        if not produced:
+            raise ValueError("calibrate(): batches produced nothing" + (
+                " on a second pass: pass a list or a DataLoader, which can be iterated again, not a generator"
+                if round_ else ""))
+
+
+def _progress(total, desc, enabled):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # tqdm is an extra: without it there is no bar
+        return contextlib.nullcontext(None)
+    return tqdm(total=total, desc=desc, disable=not enabled)
+
+
+@torch.no_grad()
+def _errors(model, modules, batches, count, forward):
+    totals = {name: 0.0 for name, _ in modules}
+    with _Transfer(modules) as transfer:
+        for batch in itertools.islice(_cycle(batches), count):
+            _call(model, batch, forward)
+            for name in totals:
+                totals[name] += float(transfer.errors[name]) ** 0.5 / count
+    return totals
+
+
+def calibrate(model: nn.Module, batches: Iterable, *, steps: int = 200, lr: float = 1e-2, eval_batches: int = 4,
+              loss_fn: Optional[Callable[[nn.Module, Any], torch.Tensor]] = None, finetune_steps: int = 0,
+              finetune_lr: float = 1e-4, forward: Optional[Callable[[nn.Module, Any], Any]] = None, seed: int = 0,
+              progress: bool = True) -> CalibrationReport:
+    """Fit ``model``'s linear attention (patched by ``linear_mha.patch``) to the softmax attention it replaced.
+
+    batches: model inputs, iterated again as needed (a list or a DataLoader): a tuple is called as
+    ``model(*batch)``, a dict as ``model(**batch)``, anything else as ``model(batch)``; or give
+    ``forward(model, batch)``. Stage 1 trains only the tensors linear_mha added for ``steps`` steps of AdamW at
+    ``lr`` (model in eval mode, no dropout); the per-layer error is measured on the first ``eval_batches`` batches
+    before and after. Stage 2, with ``loss_fn(model, batch) -> scalar`` and ``finetune_steps`` > 0, fine-tunes every
+    parameter that was trainable before (and the added ones) at ``finetune_lr`` in train mode. Every parameter's
+    ``requires_grad`` and the model's train/eval mode are restored at the end. Deterministic for a given ``seed``.
+    Returns a :class:`CalibrationReport` (print it for the table)."""
+    for name, value in (("steps", steps), ("finetune_steps", finetune_steps), ("eval_batches", eval_batches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"calibrate(): {name} must be a non-negative int, got {value!r}")
+    if finetune_steps and loss_fn is None:
+        raise ValueError("calibrate(): finetune_steps needs loss_fn(model, batch) -> the task's scalar loss")
+    modules = _linear_modules(model)
+    added = _added_parameters(modules)
+    if steps and not added:
+        raise ValueError(f"calibrate(): the patched modules' method ({modules[0][1].mode!r}) has nothing to train; "
+                         f"patch with a learnable method, e.g. mode='hedgehog', or add dwc_kernel=3")
+    flags = {p: p.requires_grad for p in model.parameters()}
+    was_training = model.training
+    torch.manual_seed(seed)
+    report = CalibrationReport(steps=steps, finetune_steps=finetune_steps,
+                               trained_parameters=sum(p.numel() for p in added))
+    try:
+        model.eval()
+        before = _errors(model, modules, batches, eval_batches, forward) if eval_batches else {}
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for p in added:
+            p.requires_grad_(True)
+        if steps:
+            optimizer = torch.optim.AdamW(added, lr=lr, weight_decay=0.0)
+            with _progress(steps, "calibrate (attention transfer)", progress) as bar, _Transfer(modules) as transfer:
+                for batch in itertools.islice(_cycle(batches), steps):
+                    optimizer.zero_grad(set_to_none=True)
+                    _call(model, batch, forward)
+                    loss = sum(transfer.errors.values()) / len(transfer.errors)
+                    loss.backward()
+                    optimizer.step()
+                    report.losses.append(float(loss.detach()))
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(loss=f"{report.losses[-1]:.4f}")
+        after = _errors(model, modules, batches, eval_batches, forward) if eval_batches else {}
+        report.layers = [{"name": name, "error_before": before.get(name, float("nan")),
+                          "error_after": after.get(name, float("nan"))} for name, _ in modules]
+        if finetune_steps:
+            added_ids = {id(p) for p in added}
+            tuned = [p for p in model.parameters() if flags[p] or id(p) in added_ids]
+            for p in tuned:
+                p.requires_grad_(True)
+            model.train()
+            optimizer = torch.optim.AdamW(tuned, lr=finetune_lr)
+            with _progress(finetune_steps, "calibrate (fine-tune)", progress) as bar:
+                for batch in itertools.islice(_cycle(batches), finetune_steps):
+                    optimizer.zero_grad(set_to_none=True)
+                    loss = loss_fn(model, batch)
+                    loss.backward()
+                    optimizer.step()
+                    report.finetune_losses.append(float(loss.detach()))
+                    if bar is not None:
+                        bar.update(1)
+    finally:
+        for p, flag in flags.items():
+            p.requires_grad_(flag)
+        model.train(was_training)
+    return report

@@ -1,0 +1,134 @@
+"""linear_mha.calibrate: attention transfer from the softmax attention patch() replaced to a learnable linear
+method; only the tensors linear_mha added train, everything is restored afterwards, runs are reproducible, and it
+works where users are (nn.MultiheadAttention models, timm ViTs, the DETR trainer)."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import linear_mha
+from linear_mha import calibrate, patch
+
+E, H = 32, 4
+
+
+def encoder(seed=0):
+    torch.manual_seed(seed)
+    return nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, 64, dropout=0.1, batch_first=True), 2,
+                                 enable_nested_tensor=False)
+
+
+def data(n=6, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(1, 12, E, generator=g)
+    # Inputs with structure (a shared pattern plus noise), so softmax attention is peaked, not uniform.
+    return [base * 3 + torch.randn(3, 12, E, generator=g) for _ in range(n)]
+
+
+def test_attention_transfer_fits_the_added_maps_and_touches_nothing_else():
+    model = encoder()
+    model.layers[0].linear1.weight.requires_grad_(False)  # a user's own frozen parameter stays frozen
+    batches = data()
+    reference = [model.eval()(b).detach() for b in batches]
+    model.train()
+    patch(model, "hedgehog")
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if "hedgehog" not in n}
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    report = calibrate(model, batches, steps=100, lr=1e-2, progress=False)
+    assert [layer["name"] for layer in report.layers] == ["layers.0.self_attn", "layers.1.self_attn"]
+    assert all(layer["error_after"] < 0.8 * layer["error_before"] for layer in report.layers), report.table()
+    assert report.losses[-1] < report.losses[0] and report.trained_parameters == 2 * 2 * H * (E // H + 1) * (E // H)  # layers x q/k maps x heads x (W, b)
+    for name, p in model.named_parameters():
+        assert p.requires_grad == flags[name]
+        if name in frozen:
+            assert torch.equal(p, frozen[name]), name  # only the feature maps moved
+    assert model.training  # its train/eval mode is back
+    model.eval()
+    after = sum(float((model(b) - r).norm() / r.norm()) for b, r in zip(batches, reference))
+    unpatched = encoder().eval()
+    patch(unpatched, "hedgehog")
+    before = sum(float((unpatched(b) - r).norm() / r.norm()) for b, r in zip(batches, reference))
+    assert after < 0.8 * before  # the whole model's output moves toward the original's
+    assert "layers.0.self_attn" in str(report) and "error before" in report.table()
+
+
+def test_the_teacher_is_the_original_softmax_without_its_weights_and_runs_are_reproducible():
+    model = encoder()
+    patch(model, "hedgehog")
+    calls = []
+    for layer in model.layers:
+        original = layer.self_attn.__dict__["_linear_mha_original"]
+        original.register_forward_pre_hook(lambda m, a, kw: calls.append(kw.get("need_weights")), with_kwargs=True)
+    twin = copy.deepcopy(model)
+    first = calibrate(model, data(), steps=5, progress=False, seed=3)
+    second = calibrate(twin, data(), steps=5, progress=False, seed=3)
+    assert first.losses == second.losses and calls and set(calls) == {False}
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_second_stage_fine_tunes_the_whole_model_with_the_users_loss():
+    model = encoder()
+    patch(model, "hedgehog")
+    target = torch.randn(3, 12, E)
+    before = model.layers[0].linear1.weight.detach().clone()
+    report = calibrate(model, data(), steps=2, finetune_steps=3, progress=False,
+                       loss_fn=lambda m, b: (m(b) - target).pow(2).mean())
+    assert len(report.finetune_losses) == 3 and not torch.equal(model.layers[0].linear1.weight, before)
+
+
+def test_what_calibrate_cannot_do_is_refused():
+    with pytest.raises(ValueError, match="found no linear attention"):
+        calibrate(encoder(), data(), progress=False)
+    direct = nn.Sequential(linear_mha.LinearMultiheadAttention(E, H, mode="hedgehog"))
+    with pytest.raises(ValueError, match="built directly"):
+        calibrate(direct, data(), progress=False)
+    model = encoder()
+    patch(model, "kernel")
+    with pytest.raises(ValueError, match="nothing to train.*hedgehog"):
+        calibrate(model, data(), progress=False)
+    model = encoder()
+    patch(model, "hedgehog")
+    with pytest.raises(ValueError, match="a generator"):
+        calibrate(model, (b for b in data(2)), steps=5, eval_batches=0, progress=False)
+    with pytest.raises(ValueError, match="finetune_steps needs loss_fn"):
+        calibrate(model, data(), finetune_steps=2, progress=False)
+
+
+def test_a_timm_vit_is_calibrated_against_its_own_attention():
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, depth=2, num_classes=3).eval()
+    images = [torch.randn(2, 3, 32, 32) for _ in range(3)]
+    patch(vit, "hedgehog")
+    report = calibrate(vit, images, steps=30, lr=1e-2, progress=False)
+    assert all(layer["error_after"] < layer["error_before"] for layer in report.layers), report
+
+
+@pytest.mark.slow
+def test_the_detr_trainer_calibrates_a_pretrained_softmax_detr(tmp_path):
+    import json
+    from integrations.detr.train import main
+    from test_detr_train import TINY
+    main(TINY + ["--epochs", "1", "--max-iters", "2", "--output-dir", str(tmp_path / "softmax")])
+    with pytest.raises(ValueError, match="--calibrate-steps .*--pretrained"):
+        main(TINY + ["--attention", "hedgehog", "--calibrate-steps", "2", "--eval", "--output-dir", str(tmp_path)])
+    result = main(TINY + ["--pretrained", str(tmp_path / "softmax" / "checkpoint.pth"), "--attention", "hedgehog",
+                          "--calibrate-steps", "4", "--eval", "--output-dir", str(tmp_path / "hedgehog")])
+    saved = json.loads((tmp_path / "hedgehog" / "calibration.json").read_text())
+    assert saved["steps"] == 4 and len(saved["losses"]) == 4 and len(saved["layers"]) == 2
+    assert 0 <= result["coco"]["AP"] <= 1
+
+
+def test_the_bench_reports_accuracy_kept_on_a_vit_trained_here(tmp_path):
+    pytest.importorskip("sklearn")
+    from tools import calibrate_bench
+    result = calibrate_bench.main(["vit", "--seeds", "0", "--train-steps", "20", "--calibration-steps", "3",
+                                   "--finetune-after", "3", "--finetune-steps", "2", "--out", str(tmp_path),
+                                   "--json", str(tmp_path / "records.json")])
+    stages = [r["stage"] for r in result["records"]]
+    assert stages == ["softmax (original)", "patch", "calibrated", "calibrated + fine-tuned"]
+    assert all(0 <= r["top1"] <= 1 and r["kept"] > 0 for r in result["records"])
+    assert result["records"][-1]["fraction_of_training_steps"] == pytest.approx(5 / 20)
+    assert (tmp_path / "calibrate_vit.png").stat().st_size > 0 and (tmp_path / "records.json").exists()

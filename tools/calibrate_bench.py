@@ -1,0 +1,230 @@
+"""How much of a softmax model's accuracy linear attention keeps after ``linear_mha.calibrate``, on models trained
+here (nothing is downloaded): plain patch, attention transfer alone, and transfer plus a short fine-tune.
+
+    python -m tools.calibrate_bench vit --seeds 0 1 2 --out runs/calib_vit --json docs/results/calibrate_vit.json
+    python -m tools.calibrate_bench detr --checkpoints runs/detr_cmp/softmax/seed42/checkpoint.pth ... \\
+        --out runs/calib_detr --json docs/results/calibrate_detr.json -- --backbone small --synthetic-train 2000 ...
+
+vit: a small timm ViT trained from scratch on scikit-learn's handwritten digits (1,797 8 x 8 images, upsampled to
+32 x 32; 80/20 split by seed), then patched with --mode (hedgehog) and calibrated. detr: softmax DETR checkpoints
+written by integrations.detr.train (e.g. tools.detr_compare's softmax runs), patched in the encoder and calibrated
+through the trainer's --calibrate-steps, on its training images; the options after `--` are the trainer's. Both
+report accuracy against the number of calibration steps, the budget as a fraction of the original training steps,
+the table, a JSON of every record and a PNG (accuracy against calibration steps).
+"""
+import argparse
+import copy
+import json
+import platform
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from linear_mha import calibrate, patch
+
+from . import measure as M
+
+
+# ---------------------------------------------------------------------------------------------------- the ViT
+def digits(seed):
+    """(train images, train labels, test images, test labels): 32 x 32, one channel, 80/20 split by ``seed``."""
+    from sklearn.datasets import load_digits
+    data = load_digits()
+    x = torch.tensor(data.images, dtype=torch.float32)[:, None] / 16.0
+    x = (F.interpolate(x, size=32, mode="bilinear", align_corners=False) - 0.3) / 0.35
+    y = torch.tensor(data.target)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    cut = int(0.8 * len(y))
+    return x[order[:cut]], y[order[:cut]], x[order[cut:]], y[order[cut:]]
+
+
+def build_vit(seed):
+    import timm
+    torch.manual_seed(seed)
+    return timm.models.vision_transformer.VisionTransformer(img_size=32, patch_size=4, in_chans=1, num_classes=10,
+                                                            embed_dim=96, depth=4, num_heads=4, mlp_ratio=2.0)
+
+
+def batches(x, y, size, seed):
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    return [(x[order[i:i + size]], y[order[i:i + size]]) for i in range(0, len(y) - size + 1, size)]
+
+
+@torch.no_grad()
+def top1(model, x, y):
+    model.eval()
+    return float((model(x).argmax(-1) == y).float().mean())
+
+
+def train_vit(model, x, y, steps, lr, seed):
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.1)
+    data, epoch = [], 0
+    for _ in range(steps):
+        if not data:
+            data, epoch = batches(x, y, 64, seed * 1000 + epoch), epoch + 1
+        images, labels = data.pop()
+        loss = F.cross_entropy(model(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+    return model
+
+
+def vit_records(a, seed):
+    x_train, y_train, x_test, y_test = digits(seed)
+    original = train_vit(build_vit(seed), x_train, y_train, a.train_steps, 2e-3, seed)
+    base = top1(original, x_test, y_test)
+    records = [dict(seed=seed, stage="softmax (original)", calibration_steps=0, finetune_steps=0, top1=base)]
+    train_batches = [images for images, _ in batches(x_train, y_train, 64, seed + 7)]
+    for steps in [0] + a.calibration_steps:
+        model = copy.deepcopy(original)
+        patch(model, a.mode)
+        if steps:
+            calibrate(model, train_batches, steps=steps, lr=a.lr, seed=seed, progress=False)
+        records.append(dict(seed=seed, stage="patch" if not steps else "calibrated", calibration_steps=steps,
+                            finetune_steps=0, top1=top1(model, x_test, y_test)))
+        if steps == a.finetune_after:
+            pairs = batches(x_train, y_train, 64, seed + 11)
+            calibrate(model, pairs, steps=0, eval_batches=0, finetune_steps=a.finetune_steps,
+                      finetune_lr=a.finetune_lr, forward=lambda m, b: m(b[0]), seed=seed, progress=False,
+                      loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+            records.append(dict(seed=seed, stage="calibrated + fine-tuned", calibration_steps=steps,
+                                finetune_steps=a.finetune_steps, top1=top1(model, x_test, y_test)))
+    for r in records:
+        r["kept"] = r["top1"] / base
+        r["fraction_of_training_steps"] = (r["calibration_steps"] + r["finetune_steps"]) / a.train_steps
+    return records
+
+
+# ---------------------------------------------------------------------------------------------------- DETR
+def detr_records(a, seed, checkpoint):
+    from integrations.detr.checkpoint import load_checkpoint
+    from integrations.detr.plots import read_log
+    from integrations.detr.train import main as train_main
+    saved = load_checkpoint(checkpoint, "--checkpoints")
+    log = read_log(Path(checkpoint).with_name("log.jsonl"))
+    base, args = log[-1]["test_AP"], saved["args"]
+    per_epoch = args.get("max_iters") or (args["synthetic_train"] // args["batch_size"] if not args.get("train_ann")
+                                          else None)
+    iterations = (saved["epoch"] + 1) * per_epoch if per_epoch else None  # the original training's steps
+    common = ["--seed", str(seed), "--no-progress", "--num-workers", "0", "--pretrained", str(checkpoint),
+              "--attention", a.mode] + a.train_args
+    records = [dict(seed=seed, stage="softmax (original)", calibration_steps=0, finetune_steps=0, AP=base)]
+
+    def run(stage, calibration, finetune):
+        with tempfile.TemporaryDirectory(prefix="calib_detr_") as out:
+            extra = ["--calibrate-steps", str(calibration)] if calibration else []
+            extra += (["--epochs", "1", "--max-iters", str(finetune), "--lr", str(a.finetune_lr),
+                       "--lr-backbone", str(a.finetune_lr / 10)] if finetune else ["--eval"])
+            result = train_main(common + extra + ["--output-dir", out])
+        coco = result["coco"]
+        records.append(dict(seed=seed, stage=stage, calibration_steps=calibration, finetune_steps=finetune,
+                            AP=coco["AP"], AP50=coco["AP50"], AP75=coco["AP75"]))
+    for steps in [0] + a.calibration_steps:
+        run("patch" if not steps else "calibrated", steps, 0)
+    run("calibrated + fine-tuned", a.finetune_after, a.finetune_steps)
+    run("fine-tuned without calibration", 0, a.finetune_after + a.finetune_steps)
+    for r in records:
+        r["kept"] = r["AP"] / base
+        r["fraction_of_training_steps"] = (r["calibration_steps"] + r["finetune_steps"]) / iterations \
+            if iterations else None
+    return records
+
+
+# ----------------------------------------------------------------------------------------------------- report
+def summarize(records, metric):
+    rows = []
+    for key in dict.fromkeys((r["stage"], r["calibration_steps"], r["finetune_steps"]) for r in records):
+        of = [r for r in records if (r["stage"], r["calibration_steps"], r["finetune_steps"]) == key]
+        values, kept = [r[metric] for r in of], [r["kept"] for r in of]
+        rows.append(dict(stage=key[0], calibration_steps=key[1], finetune_steps=key[2], n=len(of),
+                         mean=statistics.mean(values), std=statistics.stdev(values) if len(of) > 1 else 0.0,
+                         kept=statistics.mean(kept), fraction=of[0]["fraction_of_training_steps"]))
+    return rows
+
+
+def print_table(rows, metric):
+    print(f"| stage | calibration steps | fine-tune steps | % of training steps | {metric} (mean ± std) | kept |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        fraction = "-" if r["fraction"] is None else f"{100 * r['fraction']:.1f}%"
+        print(f"| {r['stage']} | {r['calibration_steps']} | {r['finetune_steps']} | {fraction} | "
+              f"{r['mean']:.4f} ± {r['std']:.4f} (n={r['n']}) | {100 * r['kept']:.1f}% |")
+
+
+def plot(records, metric, path, title):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    curve = [r for r in summarize(records, metric) if r["stage"] in ("patch", "calibrated")]
+    ax.errorbar([r["calibration_steps"] for r in curve], [r["mean"] for r in curve], [r["std"] for r in curve],
+                marker="o", capsize=3, label="linear, after calibration (stage 1)")
+    base = [r for r in summarize(records, metric) if r["stage"] == "softmax (original)"][0]
+    ax.axhline(base["mean"], color="k", linestyle="--", label="softmax (original)")
+    tuned = [r for r in summarize(records, metric) if r["stage"] == "calibrated + fine-tuned"]
+    if tuned:
+        ax.errorbar([tuned[0]["calibration_steps"]], [tuned[0]["mean"]], [tuned[0]["std"]], marker="s", color="C2",
+                    linestyle="none", label=f"+ {tuned[0]['finetune_steps']} fine-tuning steps")
+    ax.set(xlabel="calibration steps", ylabel=metric, title=title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", choices=["vit", "detr"])
+    p.add_argument("--mode", default="hedgehog", help="the linear method patched in (a learnable one)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="vit: one trained model per seed")
+    p.add_argument("--checkpoints", nargs="+", default=[], help="detr: softmax checkpoints, one per seed")
+    p.add_argument("--checkpoint-seeds", type=int, nargs="+", default=None, help="detr: their seeds (default 42..)")
+    p.add_argument("--train-steps", type=int, default=2000, help="vit: training steps of the softmax model")
+    p.add_argument("--calibration-steps", type=int, nargs="+", default=[25, 50, 100])
+    p.add_argument("--lr", type=float, default=1e-2, help="calibration learning rate")
+    p.add_argument("--finetune-after", type=int, default=50, help="the calibration steps the fine-tune follows")
+    p.add_argument("--finetune-steps", type=int, default=50)
+    p.add_argument("--finetune-lr", type=float, default=3e-4)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", type=Path, default=Path("runs/calibrate"), help="results.json and the PNG go here")
+    p.add_argument("--json", type=Path, help="also write the records here")
+    p.epilog = "detr: the trainer's data and model options follow a --"
+    own, train_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    a = p.parse_args(own)
+    a.train_args = train_args
+    M.pin_threads(a.threads)
+    a.out.mkdir(parents=True, exist_ok=True)
+    if a.model == "vit":
+        metric = "top1"
+        records = [r for seed in a.seeds for r in vit_records(a, seed)]
+    else:
+        if not a.checkpoints:
+            p.error("detr needs --checkpoints (softmax DETRs trained by integrations.detr.train)")
+        metric = "AP"
+        seeds = a.checkpoint_seeds or list(range(42, 42 + len(a.checkpoints)))
+        records = [r for seed, ckpt in zip(seeds, a.checkpoints) for r in detr_records(a, seed, ckpt)]
+    rows = summarize(records, metric)
+    print_table(rows, metric)
+    result = {"model": a.model, "mode": a.mode, "machine": f"{M.cpu_name()} ({platform.machine()})",
+              "threads": torch.get_num_threads(), "torch": torch.__version__,
+              "command": "python -m tools.calibrate_bench " + " ".join(argv), "records": records,
+              "summary": rows}
+    (a.out / "results.json").write_text(json.dumps(result, indent=1))
+    plot(records, metric, a.out / f"calibrate_{a.model}.png", f"{a.model}: accuracy against calibration steps")
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
