@@ -28,6 +28,26 @@ def _disable_torch_fast_path(module, args):
     return None
 
 
+def _check_arguments(embed_dim, num_heads, dropout, kdim, vdim, dtype):
+    """nn.MultiheadAttention's arguments, each named in its error (torch's own errors name none of them)."""
+    for name, value, optional in (("embed_dim", embed_dim, False), ("num_heads", num_heads, False),
+                                  ("kdim", kdim, True), ("vdim", vdim, True)):
+        if optional and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if embed_dim % num_heads:
+        raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
+        raise TypeError(f"dropout must be a number in [0, 1], got {type(dropout).__name__} {dropout!r}")
+    if not 0.0 <= dropout <= 1.0:
+        raise ValueError(f"dropout must be in [0, 1], got {dropout}")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating-point torch.dtype (or None), got {dtype!r}")
+
+
 class LinearMultiheadAttention(nn.Module):
     r"""Drop-in replacement for :class:`torch.nn.MultiheadAttention` with linear-time attention.
 
@@ -71,12 +91,7 @@ class LinearMultiheadAttention(nn.Module):
                  kdim=None, vdim=None, batch_first=False, device=None, dtype=None, *, mode=DEFAULT_MODE,
                  dwc_kernel=None, **options):
         method = create_method(mode, options)  # first: a wrong option fails before anything is allocated
-        if embed_dim <= 0 or num_heads <= 0:
-            raise ValueError(f"embed_dim and num_heads must be > 0, got embed_dim={embed_dim}, num_heads={num_heads}")
-        if embed_dim % num_heads:
-            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
-        if not 0.0 <= dropout <= 1.0:
-            raise ValueError(f"dropout must be in [0, 1], got {dropout}")
+        _check_arguments(embed_dim, num_heads, dropout, kdim, vdim, dtype)
         factory_kwargs = {"device": device, "dtype": dtype}
         super().__init__()
         self.embed_dim = embed_dim
@@ -247,7 +262,7 @@ class LinearMultiheadAttention(nn.Module):
             if t.shape[-1] != width:
                 raise ValueError(f"{name} has feature size {t.shape[-1]}, expected {width}"
                                  + ("" if name == "query" else " (kdim/vdim of this module)"))
-        same_qkv, same_kv = query is key and key is value, key is value
+        same_qkv, same_kv, query_is_key = query is key and key is value, key is value, query is key
 
         def batch_major(t):
             return t[None] if unbatched else (t if self.batch_first else t.transpose(0, 1))
@@ -260,6 +275,8 @@ class LinearMultiheadAttention(nn.Module):
                              f"(batch-major)")
         kpm = masks.check_key_padding_mask(key_padding_mask, B, S, unbatched)
         mask = masks.check_attn_mask(attn_mask, B, self.num_heads, L, S, unbatched)
+        if kpm is not None and not self.method.any_mask:
+            query, key, value = self._zero_padding(query, key, value, kpm, query_is_key, same_kv)
 
         q, k, v = self._in_projection(query, key, value, same_qkv, same_kv)
         H, d = self.num_heads, self.head_dim
@@ -274,6 +291,19 @@ class LinearMultiheadAttention(nn.Module):
         extra_keys = (torch.cat(extra_k, dim=2), torch.cat(extra_v, dim=2)) if extra_k else None
         layout = {"batch": B, "tgt_len": L, "unbatched": unbatched}
         return q, k, v, extra_keys, kpm, mask, layout
+
+    def _zero_padding(self, query, key, value, kpm, query_is_key, same_kv):
+        """The linear methods' inputs with masked positions zeroed before the projection: garbage there (even NaN or
+        inf) then reaches neither an output nor a gradient, in_proj_weight's included (a projected NaN row times a
+        zero gradient is NaN). In self-attention the masked positions are queries too and are zeroed with the keys;
+        their own outputs are padding's. (mode='softmax' computes what nn.MultiheadAttention does.)"""
+        forbidden = masks.to_forbidden(kpm, "key_padding_mask", self.mode)
+        if not bool(forbidden.any()):
+            return query, key, value
+        rows = forbidden[:, :, None]
+        key = key.masked_fill(rows, 0.0)
+        value = key if same_kv else value.masked_fill(rows, 0.0)
+        return (key if query_is_key else query), key, value
 
     def _in_projection(self, query, key, value, same_qkv, same_kv):
         E = self.embed_dim

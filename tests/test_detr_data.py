@@ -1,6 +1,7 @@
 """Synthetic set, COCO loading errors, DETR transforms and their size bound, COCO evaluation of ground truth."""
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,12 +63,26 @@ def test_missing_and_corrupt_annotation_files_raise_naming_the_path(tmp_path, sy
         build_dataset("train", parse_args(["--coco-path", str(tmp_path / "coco")]))
 
 
-def test_resize_never_exceeds_max_size():
-    for h in range(20, 400, 37):
-        for w in range(20, 400, 41):
-            for size in (32, 100, 300):
-                oh, ow = resized_hw((h, w), size, max_size=333)
-                assert max(oh, ow) <= 333 and min(oh, ow) <= size
+def official_size(hw, size, max_size):
+    """The official DETR's get_size_with_aspect_ratio (datasets/transforms.py), restated: (h, w) in, (h, w) out."""
+    h, w = hw
+    small, large = float(min(w, h)), float(max(w, h))
+    if large / small * size > max_size:
+        size = int(round(max_size * small / large))
+    if (w <= h and w == size) or (h <= w and h == size):
+        return h, w
+    return (int(size * h / w), size) if w < h else (size, int(size * w / h))
+
+
+def test_resize_is_the_official_pixel_for_pixel_and_over_max_size_by_half_the_aspect_ratio():
+    assert resized_hw((300, 1001), 800, 1333) == (400, 1334)  # the official result, one pixel over max_size
+    for h in range(20, 1200, 37):
+        for w in range(20, 1200, 41):
+            for size, max_size in ((32, 333), (100, 333), (300, 333), (800, 1333)):
+                oh, ow = resized_hw((h, w), size, max_size=max_size)
+                assert (oh, ow) == official_size((h, w), size, max_size)
+                # the capped short side is rounded, by up to half a pixel, which the aspect ratio scales up
+                assert max(oh, ow) <= max_size + 0.5 * max(h, w) / min(h, w) and min(oh, ow) <= size
 
 
 def test_hflip_twice_is_identity_and_moves_boxes():
@@ -111,6 +126,21 @@ def _gt_results(coco, image_ids, jitter=0.0):
     return results
 
 
+def test_no_detections_score_as_pycocotools_scores_them(synthetic):
+    """0 where there is ground truth, -1 for the area ranges without any (the synthetic set has no large objects
+    at its sizes only if none were drawn: the check follows the ground truth)."""
+    coco = load_coco(synthetic["val"]["annotations"])
+    evaluator = CocoEvaluator(coco)
+    evaluator.update({image_id: {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.long),
+                                 "scores": torch.zeros(0)} for image_id in coco.getImgIds()})
+    stats = evaluator.summarize()
+    areas = [a["area"] for a in coco.dataset["annotations"]]
+    present = [any(a < 32 ** 2 for a in areas), any(32 ** 2 <= a < 96 ** 2 for a in areas), any(a >= 96 ** 2 for a in areas)]
+    assert stats[0] == stats[1] == stats[2] == 0.0
+    for index, has in zip((3, 4, 5), present):  # APs, APm, APl
+        assert stats[index] == (0.0 if has else -1.0)
+
+
 def test_ground_truth_as_predictions_scores_ap_one(synthetic):
     coco = load_coco(synthetic["val"]["annotations"])
     evaluator = CocoEvaluator(coco)
@@ -122,3 +152,19 @@ def test_ground_truth_as_predictions_scores_ap_one(synthetic):
     shifted.update(_gt_results(coco, coco.getImgIds(), jitter=0.3))  # IoU ~0.54: counts at 0.5, not at 0.75
     moved = shifted.summarize()
     assert moved[1] == pytest.approx(1.0) and moved[2] < 0.5 and moved[0] < 0.5
+
+
+def test_an_image_whose_size_disagrees_with_its_annotation_is_named(synthetic, tmp_path):
+    """Padded batch sizes (and Linformer's seq_len) are planned from the annotation file: a mismatch must be named
+    where it is, not surface as an attention module's internal bound."""
+    import shutil
+    from PIL import Image
+    images = tmp_path / "images"
+    shutil.copytree(synthetic["val"]["images"], images)
+    coco = json.loads(Path(synthetic["val"]["annotations"]).read_text())
+    first = coco["images"][0]
+    Image.new("RGB", (first["width"] + 40, first["height"])).save(images / first["file_name"])
+    dataset = CocoDetection(images, synthetic["val"]["annotations"])
+    with pytest.raises(ValueError, match=rf"is {first['width'] + 40} x {first['height']} .* says "
+                                         rf"{first['width']} x {first['height']}"):
+        dataset[dataset.ids.index(first["id"])]

@@ -98,3 +98,33 @@ def test_tiny_training_lowers_the_loss(tmp_path):
 def test_bad_resume_path_names_the_option(tmp_path):
     with pytest.raises(FileNotFoundError, match="--resume"):
         main(TINY + ["--epochs", "1", "--output-dir", str(tmp_path), "--resume", str(tmp_path / "missing.pth")])
+
+
+def test_a_run_stopped_between_its_checkpoint_and_its_log_line_keeps_the_record(tmp_path):
+    """The checkpoint of epoch 1 was written, then the process died before the log line: the resumed run must not
+    lose epoch 1's record (it is in the checkpoint)."""
+    common = TINY + ["--max-iters", "1", "--output-dir", str(tmp_path)]
+    main(common + ["--epochs", "2"])
+    log_path = tmp_path / "log.jsonl"
+    lines = log_path.read_text().splitlines()
+    log_path.write_text(lines[0] + "\n")  # epoch 1's line never made it to the file
+    main(common + ["--epochs", "3", "--resume", str(tmp_path / "checkpoint.pth")])
+    log = [json.loads(line) for line in log_path.read_text().splitlines()]
+    assert [e["epoch"] for e in log] == [0, 1, 2]
+    assert log[1] == json.loads(lines[1])
+
+
+def test_bad_setups_are_refused_with_the_flag_to_change(tmp_path):
+    with pytest.raises(ValueError, match="--eval evaluates trained weights: pass --resume .* or --pretrained"):
+        main(TINY + ["--eval", "--output-dir", str(tmp_path)])
+    with pytest.raises(ValueError, match=r"category id 4, but --num-classes is 3 .*pass --num-classes 5"):
+        main(TINY + ["--num-classes", "3", "--epochs", "1", "--max-iters", "1", "--output-dir", str(tmp_path)])
+    data = tmp_path / "synthetic-coco" / "annotations" / "instances_train.json"
+    content = json.loads(data.read_text())
+    content["categories"] = content["categories"][:2]  # ids 3 and 4 used but not listed
+    data.write_text(json.dumps(content))
+    with pytest.raises(ValueError, match=r"category ids \[3, 4\] that their file's 'categories' does not list"):
+        main(TINY + ["--epochs", "1", "--max-iters", "1", "--output-dir", str(tmp_path), "--train-images",
+                     str(data.parents[1] / "train"), "--train-ann", str(data), "--val-images",
+                     str(data.parents[1] / "val"), "--val-ann", str(data.parents[1] / "annotations" /
+                                                                    "instances_val.json")])

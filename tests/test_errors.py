@@ -153,3 +153,36 @@ def test_query_of_the_wrong_rank_is_named_with_its_shape():
         m(q, q, q)
     with pytest.raises(ValueError, match="key is 2-D"):
         m(x(), x()[0], x()[0])
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(embed_dim=32.0), TypeError, "embed_dim must be an int, got float 32.0"),
+    (dict(embed_dim=-8), ValueError, "embed_dim must be >= 1, got -8"),
+    (dict(num_heads=0), ValueError, "num_heads must be >= 1"),
+    (dict(kdim=0), ValueError, "kdim must be >= 1, got 0"),
+    (dict(vdim=0), ValueError, "vdim must be >= 1, got 0"),
+    (dict(dropout="0.1"), TypeError, "dropout must be a number in \\[0, 1\\], got str '0.1'"),
+    (dict(dtype=torch.int64), TypeError, "dtype must be a floating-point torch.dtype"),
+])
+def test_nn_multihead_attention_arguments_are_named_in_their_errors(kwargs, error, match):
+    arguments = {"embed_dim": E, "num_heads": H, **kwargs}
+    with pytest.raises(error, match=match):
+        LinearMultiheadAttention(**arguments)
+
+
+def test_functional_arguments_are_blamed_by_name():
+    import linear_mha.functional as LF
+    q = torch.randn(1, 2, 4, 3)
+    with pytest.raises(ValueError, match=r"attn_bias of shape \(5, 5\) does not broadcast to \(B, H, L, S\)"):
+        LF.softmax(q, q, q, attn_bias=torch.zeros(5, 5))
+    with pytest.raises(ValueError, match=r"e_proj must be \(k, seq_len\) .* got a 1-D tensor"):
+        LF.linformer(q, q, q, torch.zeros(4))
+
+
+def test_patch_checks_a_misspelt_mode_or_option_even_where_nothing_is_patched():
+    from linear_mha import patch
+    empty = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="did you mean 'kernel'"):
+        patch(empty, "kernal")
+    with pytest.raises(ValueError, match="feature_map must be one of"):
+        patch(empty, "kernel", feature_map="gelu")

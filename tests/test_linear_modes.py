@@ -93,6 +93,8 @@ def test_module_matches_float64_reference(name, causal):
     kpm = torch.zeros(B, S, dtype=torch.bool)
     kpm[1, 5:] = True
     out, w = m(x, mem, mem, key_padding_mask=kpm, is_causal=causal)
+    if mem is x and name != "softmax":  # self-attention: the linear methods zero padded positions, queries too
+        x = mem = x.masked_fill(kpm.T[:, :, None], 0.0)
     q, k, v = project(m, x, 0), project(m, mem, 1), project(m, mem, 2)
     ref_w = reference_weights(m, q, k, kpm, causal)
     attn = (ref_w @ v).permute(2, 0, 1, 3).reshape(L, B, E)
@@ -306,3 +308,25 @@ def test_empty_batches_and_sequences_give_empty_or_zero_outputs(name, native_on,
                 if grad:
                     out.sum().backward()
                     assert torch.isfinite(q.grad).all() and q.grad.shape == q.shape
+
+
+@pytest.mark.parametrize("self_attention", [False, True])
+@pytest.mark.parametrize("name", [n for n in MODES if MODES[n]["mode"] != "softmax"])
+def test_nonfinite_padding_reaches_no_parameter_gradient(name, self_attention):
+    """NaN and inf in masked positions: one optimizer step must not ruin the model (the projections used to multiply
+    the garbage rows before they were masked, giving in_proj_weight a NaN gradient)."""
+    m = module(name)
+    g = torch.Generator().manual_seed(8)
+    mem = torch.randn(6, B, E, generator=g, dtype=torch.float64)
+    mem[4:, 0] = float("nan")
+    mem[5, 1] = float("inf")
+    kpm = torch.zeros(B, 6, dtype=torch.bool)
+    kpm[0, 4:] = True
+    kpm[1, 5] = True
+    x = mem if self_attention else torch.randn(6, B, E, generator=g, dtype=torch.float64)
+    out, _ = m(x, mem, mem, key_padding_mask=kpm, need_weights=False)
+    valid = ~kpm.T if self_attention else torch.ones(6, B, dtype=torch.bool)
+    out[valid].sum().backward()  # a loss on the valid positions, as a model with padding has
+    assert torch.isfinite(out[valid]).all()
+    for pname, p in m.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), pname

@@ -64,3 +64,18 @@ def test_a_fresh_run_into_an_old_directory_logs_only_itself(train_lm, tmp_path):
     train_lm.main(ARGS + ["--steps", "2", "--out", str(tmp_path)])  # no --resume: starts over
     records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [2]
+
+
+@pytest.mark.parametrize("extra,match", [
+    (["--corpus-bytes", "0"], "--corpus-bytes must be >= 1"),
+    (["--eval-every", "0"], "--eval-every must be >= 1"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--seq-len", "0"], "--seq-len must be >= 1"),
+    (["--corpus-bytes", "20000", "--seq-len", "1024"], r"the val split has 1000 bytes to score, fewer than one window"),
+    (["--val-bytes", "20", "--seq-len", "32"], r"the val split has 20 bytes .* or --val-bytes"),
+])
+def test_settings_that_would_score_nothing_or_crash_are_refused(train_lm, tmp_path, extra, match):
+    base = ["--corpus-bytes", "60000", "--dim", "16", "--depth", "1", "--heads", "2", "--steps", "1",
+            "--no-progress", "--out", str(tmp_path)]
+    with pytest.raises(ValueError, match=match):
+        train_lm.main(base + extra)

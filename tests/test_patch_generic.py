@@ -314,3 +314,10 @@ def test_linformer_seq_len_comes_from_the_vit_inside_a_wrapper():
     patch(model, "linformer", proj_k=4)
     assert {m.method.seq_len for m in model.modules() if isinstance(m, LinearMultiheadAttention)} == {vit.seq_length}
     model(torch.randn(2, 3, 32, 32))
+
+
+def test_a_torchscript_model_is_refused_not_silently_left_softmax():
+    model = nn.Sequential(nn.Linear(4, 4))
+    scripted = torch.jit.script(model)
+    with pytest.raises(TypeError, match="cannot change a TorchScript module.*patch the Python model first"):
+        patch(scripted, "kernel")

@@ -161,16 +161,45 @@ def save_state(args, path, model, opt, gen, step, log, train_losses, seconds):
     os.replace(log_path + ".tmp", log_path)
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def check_args(args):
+    """Clear errors for settings that would otherwise crash deep inside or score nothing."""
+    for name in ("corpus_bytes", "dim", "depth", "heads", "seq_len", "batch_size", "steps", "eval_every",
+                 "val_bytes"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.test_bytes is not None and args.test_bytes < 1:
+        raise ValueError(f"--test-bytes must be >= 1, got {args.test_bytes}")
+    if args.lr <= 0:
+        raise ValueError(f"--lr must be > 0, got {args.lr}")
     if args.dim % args.heads:
         raise ValueError(f"--dim ({args.dim}) must be divisible by --heads ({args.heads})")
+
+
+def check_splits(splits, args):
+    """Every split must hold at least one training window (and the scored part of it one evaluation window): else
+    the BPC of a split is computed over nothing and would read 0.0."""
+    need = args.seq_len + 1
+    scored = {"train": len(splits["train"]), "val": min(len(splits["val"]), args.val_bytes),
+              "test": len(splits["test"]) if args.test_bytes is None else min(len(splits["test"]), args.test_bytes)}
+    for name, size in scored.items():
+        if size < need:
+            flag = {"val": "--val-bytes", "test": "--test-bytes"}.get(name, "--corpus-bytes")
+            raise ValueError(f"the {name} split has {size} bytes to score, fewer than one window of --seq-len "
+                             f"{args.seq_len} + 1 = {need}; raise --corpus-bytes (the {name} split is "
+                             f"{'90' if name == 'train' else '5'}% of it){' or ' + flag if flag != '--corpus-bytes' else ''}, "
+                             f"or lower --seq-len")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    check_args(args)
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise ValueError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
     checkpoint_every = args.checkpoint_every or args.eval_every
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(args.seed)
     splits = load_splits(args)
+    check_splits(splits, args)
     model = build_model(args).to(args.device)
     wrapper = AutoregressiveWrapper(model)  # every byte counts in the loss, 0 included
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)

@@ -4,6 +4,7 @@ import copy
 import io
 
 import numpy as np
+from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
 from .distributed import all_gather_json
@@ -38,12 +39,11 @@ class CocoEvaluator:
         detections = [d for i in image_ids for d in merged[i]]
         if not image_ids:
             raise ValueError("CocoEvaluator.summarize: no images were evaluated (empty validation loader?)")
-        if not detections:  # pycocotools cannot load an empty result list; nothing detected scores 0
-            self.summary = "no detections: all COCO stats are 0"
-            return [0.0] * 12
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            coco_dt = self.coco_gt.loadRes(detections)
+            # loadRes refuses an empty list; an empty COCO scores as pycocotools and the official evaluator do:
+            # 0 where there is ground truth, -1 for area ranges without any.
+            coco_dt = self.coco_gt.loadRes(detections) if detections else COCO()
             coco_eval = COCOeval(self.coco_gt, coco_dt, iouType="bbox")
             coco_eval.params.imgIds = image_ids
             coco_eval.evaluate()

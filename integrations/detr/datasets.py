@@ -66,6 +66,7 @@ class CocoDetection(torch.utils.data.Dataset):
             raise FileNotFoundError(f"images directory {self.img_folder} does not exist; pass the folder holding "
                                     "the images listed in the annotation file")
         self.coco = load_coco(ann_file, flag)
+        self.flag = flag
         self.ids = sorted(self.coco.imgs.keys())
         self.transforms = transforms
 
@@ -83,6 +84,11 @@ class CocoDetection(torch.utils.data.Dataset):
         if not path.is_file():
             raise FileNotFoundError(f"image {path} (id {image_id}) listed in the annotations is missing")
         image = Image.open(path).convert("RGB")
+        if "width" in info and "height" in info and image.size != (info["width"], info["height"]):
+            # The padded batch sizes (and Linformer's seq_len) are planned from the annotation file's sizes.
+            raise ValueError(f"image {path} is {image.size[0]} x {image.size[1]} (width x height) but the "
+                             f"annotation file ({self.flag}) says {info['width']} x {info['height']}; fix the "
+                             f"annotation's width/height or pass the images it describes")
         target = _target_from_annotations(image_id, self.coco.imgToAnns.get(image_id, []), *image.size)
         if self.transforms is not None:
             image, target = self.transforms(image, target)

@@ -39,7 +39,7 @@ from .datasets import build_dataset
 from .detr import build_model
 from .engine import Meter, evaluate, train_one_epoch
 from .misc import collate_fn
-from .plots import append_log, plot_curves, truncate_log
+from .plots import append_log, plot_curves, read_log, truncate_log
 from .synthetic import make_synthetic_coco
 from .transforms import feature_tokens, max_padded_hw
 
@@ -68,6 +68,21 @@ def prepare_data_args(args):
     paths = make_synthetic_coco(root, args.synthetic_train, args.synthetic_val, seed=args.seed)  # cached: no rewrite
     args.train_images, args.train_ann = paths["train"]["images"], paths["train"]["annotations"]
     args.val_images, args.val_ann = paths["val"]["images"], paths["val"]["annotations"]
+
+
+def check_categories(datasets, num_classes):
+    """Every annotation's category must be listed in its file's categories and be < --num-classes (the classifier's
+    size): else the matcher fails deep inside with an index error naming neither."""
+    for split, dataset in datasets.items():
+        data = dataset.coco.dataset
+        listed = {c["id"] for c in data.get("categories", [])}
+        used = {a["category_id"] for a in data.get("annotations", [])}
+        if used - listed:
+            raise ValueError(f"the {split} annotations use category ids {sorted(used - listed)[:10]} that their "
+                             f"file's 'categories' does not list; add them to 'categories'")
+        if used and max(used) >= num_classes:
+            raise ValueError(f"the {split} annotations use category id {max(used)}, but --num-classes is "
+                             f"{num_classes} (ids must be < --num-classes); pass --num-classes {max(used) + 1} or more")
 
 
 def max_tokens_for(args, datasets):
@@ -148,6 +163,9 @@ def main(argv=None):
     """Runs training (or --eval); returns {'log': [...epoch entries], 'coco': last stats, 'model': model,
     'stopped_at': (epoch, batches done) when a signal stopped it, else None}."""
     args = parse_args(argv)
+    if args.eval and not (args.resume or args.pretrained):
+        raise ValueError("--eval evaluates trained weights: pass --resume (a checkpoint of this trainer) or --pretrained "
+                         "(a DETR checkpoint); without one it would score a random model")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rank, world, local = dist_utils.init_distributed_mode(device.type)
     if device.type == "cuda" and world > 1:
@@ -161,6 +179,7 @@ def main(argv=None):
     datasets = {"train": build_dataset("train", args), "val": build_dataset("val", args)}
     if args.num_classes is None:
         args.num_classes = max(c["id"] for c in datasets["train"].coco.dataset["categories"]) + 1
+    check_categories(datasets, args.num_classes)
 
     model, criterion, postprocessors = build_model(args)
     max_tokens = max_tokens_for(args, datasets)
@@ -182,7 +201,7 @@ def main(argv=None):
     val_loader, train_sampler = make_loaders(args, datasets, rank, world)
     coco_gt = datasets["val"].coco
 
-    start_epoch, start_iter, meter_state, seconds_before = 0, 0, None, 0.0
+    start_epoch, start_iter, meter_state, seconds_before, logged_entry = 0, 0, None, 0.0, None
     if args.resume:
         ckpt = load_checkpoint(args.resume)
         check_same_args(ckpt.get("args"), vars(args), MODEL_ARGS, "--resume", args.resume)
@@ -193,6 +212,7 @@ def main(argv=None):
             if scaler is not None and ckpt.get("scaler"):
                 scaler.load_state_dict(ckpt["scaler"])
             start_epoch = ckpt["epoch"] + 1
+            logged_entry = ckpt.get("log_entry")
             if ckpt.get("iteration"):  # stopped inside that epoch: continue it with the next batch
                 done = (ckpt.get("world"), ckpt.get("batch_size"))
                 if done != (world, args.batch_size):
@@ -223,6 +243,8 @@ def main(argv=None):
 
     if dist_utils.is_main_process():
         truncate_log(log_path, start_epoch)
+        if logged_entry and all(e.get("epoch") != logged_entry["epoch"] for e in read_log(log_path)):
+            append_log(log_path, logged_entry)  # stopped between the checkpoint and its log line: the record is kept
     run = _Run(model, model_without_ddp, criterion, postprocessors, val_loader, coco_gt, device, amp, args, out_dir,
                optimizer, lr_scheduler, scaler, n_parameters)
     entries, coco, stopped_at = [], None, None
@@ -304,9 +326,9 @@ def _finish_epoch(run, epoch, meter, train_time, stop):
              **{f"test_{k}": v for k, v in test_stats.items()},
              **{f"test_{k}": v for k, v in coco.items()}, "n_parameters": run.n_parameters,
              "epoch_train_seconds": train_time}
-    # Checkpoint before the log line: a crash in between re-runs the epoch, and truncate_log drops its stale
-    # line; the reverse order could lose a finished epoch's record.
-    _save(run, epoch)
+    # Checkpoint before the log line, with the line inside it: a run stopped in between finds its record in the
+    # checkpoint on --resume, and the reverse order could log an epoch the checkpoint does not hold.
+    _save(run, epoch, log_entry=entry)
     if dist_utils.is_main_process():
         log_path = run.out_dir / "log.jsonl"
         append_log(log_path, entry)

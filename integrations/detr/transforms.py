@@ -17,16 +17,14 @@ IMAGENET_STD = [0.229, 0.224, 0.225]
 
 
 def resized_hw(hw, size, max_size=None):
-    """(h, w) after resizing the shorter side to `size` while keeping the longer side <= max_size.
-
-    Floors where DETR rounds, so the longer side never exceeds max_size: Linformer's seq_len is
-    computed from this bound and must never be exceeded.
-    """
+    """(h, w) after resizing the shorter side to `size` while keeping the longer side about <= max_size, exactly
+    as the official DETR does: the capped short side is rounded (Python's round), so the longer side can exceed
+    max_size by up to half the aspect ratio (a pixel for COCO's images; max_padded_hw accounts for it)."""
     h, w = hw
     if max_size is not None:
-        short, long_ = min(h, w), max(h, w)
+        short, long_ = float(min(h, w)), float(max(h, w))
         if long_ / short * size > max_size:
-            size = max(1, int(math.floor(max_size * short / long_)))
+            size = max(1, int(round(max_size * short / long_)))
     if (w <= h and w == size) or (h <= w and h == size):
         return h, w
     if w < h:
@@ -174,8 +172,8 @@ def max_padded_hw(image_sizes, args, image_set):
         # Either side of a crop can be the long one, and flooring under the max_size cap makes the
         # extreme aspect ratio not always the largest output, so bound by the cap when it can bind.
         long_side = int(size * args.crop_max / args.crop_min)
-        if args.max_size is not None:
-            long_side = min(long_side, args.max_size)
+        if args.max_size is not None:  # rounding the capped short side (by <= 1/2) can take the long side over
+            long_side = min(long_side, args.max_size + int(0.5 * args.crop_max / args.crop_min))
         outs.append((long_side, long_side))
     return max(h for h, _ in outs), max(w for _, w in outs)
 

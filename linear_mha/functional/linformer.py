@@ -36,6 +36,10 @@ def linformer(
     (B, H, L, k + n). Raises ValueError if S > seq_len.
     """
     check_qkv(q, k, v, key_padding_mask)
+    for name, proj in (("e_proj", e_proj), ("f_proj", f_proj)):
+        if proj is not None and proj.dim() not in (2, 3):
+            raise ValueError(f"{name} must be (k, seq_len) shared by the heads or (H, k, seq_len), got a "
+                             f"{proj.dim()}-D tensor of shape {tuple(proj.shape)}")
     f_proj = e_proj if f_proj is None else f_proj
     S, seq_len = k.shape[-2], e_proj.shape[-1]
     if S > seq_len:

@@ -34,6 +34,13 @@ def softmax(
     L, S = q.shape[-2], k.shape[-2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
 
+    if attn_bias is not None:
+        target = (q.shape[0], q.shape[1], L, S)
+        try:
+            torch.broadcast_shapes(tuple(attn_bias.shape), target)
+        except RuntimeError:
+            raise ValueError(f"attn_bias of shape {tuple(attn_bias.shape)} does not broadcast to (B, H, L, S) = "
+                             f"{target}") from None
     bias = attn_bias.to(q.dtype) if attn_bias is not None else None
     forbidden = None  # bool, True = the pair may not attend; broadcastable to (B, H, L, S)
     if key_padding_mask is not None:

@@ -2,6 +2,7 @@
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import torch
 from torch import nn
 
 from ..attention import LinearMultiheadAttention
@@ -176,6 +177,9 @@ def _swap(model: nn.Module, replacement: dict) -> None:
 def _check_model(model, fn: str) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"{fn}() expects an nn.Module, got {type(model).__name__}")
+    if isinstance(model, torch.jit.ScriptModule):
+        raise TypeError(f"{fn}() cannot change a TorchScript module (its code is compiled, so a swapped submodule would "
+                        f"never run); {fn} the Python model first, then script or trace it")
     if isinstance(model, nn.MultiheadAttention) or _is_linear(model) or type(model) in supported_timm_classes():
         raise TypeError(f"{fn}() replaces submodules in place, but the model itself is a {type(model).__name__}; "
                         f"convert a bare module with LinearMultiheadAttention.from_torch(module) or wrap it in a "
