@@ -113,7 +113,8 @@ def test_the_detr_trainer_calibrates_a_pretrained_softmax_detr(tmp_path):
     from test_detr_train import TINY
     main(TINY + ["--epochs", "1", "--max-iters", "2", "--output-dir", str(tmp_path / "softmax")])
     with pytest.raises(ValueError, match="--calibrate-steps .*--pretrained"):
-        main(TINY + ["--attention", "hedgehog", "--calibrate-steps", "2", "--eval", "--output-dir", str(tmp_path)])
+        main(TINY + ["--attention", "hedgehog", "--calibrate-steps", "2", "--epochs", "1", "--max-iters", "1",
+                     "--output-dir", str(tmp_path / "unpretrained")])
     result = main(TINY + ["--pretrained", str(tmp_path / "softmax" / "checkpoint.pth"), "--attention", "hedgehog",
                           "--calibrate-steps", "4", "--eval", "--output-dir", str(tmp_path / "hedgehog")])
     saved = json.loads((tmp_path / "hedgehog" / "calibration.json").read_text())

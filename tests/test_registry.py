@@ -37,8 +37,11 @@ def test_a_user_method_in_the_module_matches_its_reference_with_padding_and_caus
     kpm[1, 6:] = True
     for causal in (False, True):
         out, weights = m(x, x, x, key_padding_mask=kpm, is_causal=causal)
+        # linear modes zero the masked positions' inputs before projecting (so garbage there reaches no gradient);
+        # in self-attention those positions are queries too, and their outputs are those of a zero input
+        unmasked = x.masked_fill(kpm[:, :, None], 0.0)
         q, k, v = (t.reshape(2, 9, 3, 4).transpose(1, 2) for t in torch.nn.functional.linear(
-            x, m.in_proj_weight, m.in_proj_bias).chunk(3, dim=-1))
+            unmasked, m.in_proj_weight, m.in_proj_bias).chunk(3, dim=-1))
         expected = user_method.reference(q, k, v, m.feature_scale, 0.01, kpm, causal)
         expected = m.out_proj(expected.transpose(1, 2).reshape(2, 9, 12))
         assert weights is None
