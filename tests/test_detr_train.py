@@ -128,3 +128,22 @@ def test_bad_setups_are_refused_with_the_flag_to_change(tmp_path):
                      str(data.parents[1] / "train"), "--train-ann", str(data), "--val-images",
                      str(data.parents[1] / "val"), "--val-ann", str(data.parents[1] / "annotations" /
                                                                     "instances_val.json")])
+
+
+def test_the_console_shows_a_banner_progress_and_one_summary_and_a_second_run_never_clobbers_the_first(
+        tmp_path, capsys):
+    run = TINY + ["--epochs", "2", "--max-iters", "1", "--output-dir", str(tmp_path), "--attention", "efficient"]
+    main(run)
+    out = capsys.readouterr().out
+    assert "attention  encoder: efficient; the rest softmax" in out and f"output     {tmp_path}/" in out
+    assert "epoch 1/2:" in out and "epoch 2/2:" in out and "ETA" in out
+    # COCOeval's own 12-line table (it says "Average Precision") only with --verbose; ours once, at the end
+    assert "Average Precision" not in out and out.count("AP75") == 1 and "s per training iteration" in out
+    log = (tmp_path / "log.jsonl").read_text()
+    with pytest.raises(FileExistsError, match=r"already holds a run .* --resume .*checkpoint.pth, .* another "
+                                              r"--output-dir, or pass --overwrite"):
+        main(run)
+    assert (tmp_path / "log.jsonl").read_text() == log  # the refused run changed nothing
+    main(run[:-4] + ["--epochs", "1", "--output-dir", str(tmp_path), "--overwrite", "--verbose"])
+    assert len((tmp_path / "log.jsonl").read_text().splitlines()) == 1
+    assert "Average Precision" in capsys.readouterr().out

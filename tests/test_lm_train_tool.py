@@ -59,9 +59,12 @@ def test_a_signal_stops_at_a_step_boundary_with_a_checkpoint_that_resumes_exactl
     assert [r["train_bpc"] for r in logs[0]] == [r["train_bpc"] for r in logs[1]]  # step 3's loss was kept
 
 
-def test_a_fresh_run_into_an_old_directory_logs_only_itself(train_lm, tmp_path):
+def test_a_fresh_run_into_an_old_directory_is_refused_and_with_overwrite_logs_only_itself(train_lm, tmp_path):
     train_lm.main(ARGS + ["--steps", "6", "--out", str(tmp_path)])
-    train_lm.main(ARGS + ["--steps", "2", "--out", str(tmp_path)])  # no --resume: starts over
+    with pytest.raises(FileExistsError, match="already holds a run .* --resume, .* another --out, or pass --overwrite"):
+        train_lm.main(ARGS + ["--steps", "2", "--out", str(tmp_path)])
+    assert len((tmp_path / "log.jsonl").read_text().splitlines()) == 3  # the refused run touched nothing
+    train_lm.main(ARGS + ["--steps", "2", "--out", str(tmp_path), "--overwrite"])  # starts over
     records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [2]
 

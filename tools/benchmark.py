@@ -39,6 +39,7 @@ from typing import Optional
 
 import torch
 
+from integrations.console import HelpFormatter
 from linear_mha.functional import native
 
 from . import cpu_allocator
@@ -167,7 +168,7 @@ FULL = dict(n=[256 * 2 ** i for i in range(9)], rows=["core:1x64", "core:4x64", 
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m tools.benchmark", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny shapes (seconds); explicit options still win")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

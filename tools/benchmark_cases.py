@@ -386,3 +386,25 @@ def decode_step_times(heads, dim, contexts, steps, repeats, seed, device, dtype)
                  us_min=timed[str(ctx)]["min_ms"] * 1e3 / steps,
                  us_median_inplace=timed[f"{ctx}/inplace"]["median_ms"] * 1e3 / steps,
                  us_min_inplace=timed[f"{ctx}/inplace"]["min_ms"] * 1e3 / steps) for ctx in contexts]
+
+
+def main(argv=None):
+    """``python -m tools.benchmark_cases``: list the methods tools.benchmark can time (--methods) and the peers."""
+    import argparse
+    from integrations.console import HelpFormatter
+    argparse.ArgumentParser(prog="python -m tools.benchmark_cases", formatter_class=HelpFormatter,
+                            description=__doc__ + "\nRun as a command, it lists the methods and peers; "
+                                                  "python -m tools.benchmark times them.").parse_args(argv)
+    rows = sorted(methods().items())
+    for (level, name), method in rows:
+        forms = {(True, True): "causal and not", (True, False): "causal only", (False, True): "non-causal only"}
+        causal = forms[(method.causal, method.full)]
+        extra = (f", peer package {method.peer}" if method.peer else "") + \
+            (f", {'/'.join(method.devices)} only" if method.devices != ("cpu", "cuda") else "")
+        print(f"  {level:<7} {name:<24} {causal}{extra}")
+    for peer, status in available_peers().items():
+        print(f"peer {peer}: {status}")
+
+
+if __name__ == "__main__":
+    main()

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from integrations.console import HelpFormatter
 from linear_mha import calibrate, patch
 
 from . import measure as M
@@ -182,7 +183,7 @@ def plot(records, metric, path, title):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m tools.calibrate_bench", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("model", choices=["vit", "detr"])
     p.add_argument("--mode", default="hedgehog", help="the linear method patched in (a learnable one)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="vit: one trained model per seed")

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from integrations.console import HelpFormatter
 from integrations.detr.attention import apply_attention
 from integrations.detr.backbone import backbone_stride
 from integrations.detr.config import parse_args
@@ -76,7 +77,8 @@ def training_case(argv):
     out = tempfile.TemporaryDirectory(prefix="detr_mem_")
 
     def run():
-        train_main(argv + ["--output-dir", out.name])  # run holds `out`, so the directory lives as long as it
+        # run holds `out`, so the directory lives as long as it; each call (warm-up, measured) is a fresh run
+        train_main(argv + ["--output-dir", out.name, "--overwrite"])
     return run
 
 
@@ -265,7 +267,7 @@ def write_records(a, rows, path, argv):
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m tools.detr_compare", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--out", default="runs/detr_compare", help="run directories, results.json and ap_curves.png")
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--max-iters", type=int, default=0, help="cap on iterations per epoch (0 = whole epoch)")

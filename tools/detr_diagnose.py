@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from integrations.console import HelpFormatter
 import linear_mha.functional as LF
 from integrations.detr.checkpoint import load_checkpoint
 from integrations.detr.config import parse_args
@@ -105,7 +106,7 @@ def diagnose_layer(q, k, v, kpm):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m tools.detr_diagnose", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("checkpoint", help="a softmax DETR checkpoint written by integrations.detr.train")
     p.add_argument("--images", type=int, default=32, help="validation images to run (one batch)")
     p.add_argument("--json", help="write the numbers here")

@@ -13,6 +13,7 @@ import json
 import os
 import statistics
 
+from integrations.console import HelpFormatter
 from . import train_lm
 
 LABELS = {"baseline": "Baseline", "conv": "Conv_Only", "gate": "Gate_Only", "full": "Full_Improved",
@@ -36,7 +37,7 @@ def run_once(trainer, extra, variant, seed, out):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m tools.lm_ablation", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--variants", nargs="+", default=list(LABELS), choices=list(LABELS))
     p.add_argument("--out", default="runs/ablation")

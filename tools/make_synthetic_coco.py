@@ -5,11 +5,12 @@
 import argparse
 import json
 
+from integrations.console import HelpFormatter
 from integrations.detr.synthetic import make_synthetic_coco
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m tools.make_synthetic_coco", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--out", required=True, help="output root directory")
     p.add_argument("--num-train", type=int, default=240)
     p.add_argument("--num-val", type=int, default=48)

@@ -36,6 +36,7 @@ from typing import Callable, Dict, Iterable, Optional, Sequence
 
 import torch
 
+from integrations.console import HelpFormatter
 from . import cpu_allocator
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -302,7 +303,7 @@ def to_float64(tensors: Iterable[torch.Tensor]):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m tools.measure", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--memory-spec", required=True, help="JSON spec of the case to measure in THIS process")
     args = p.parse_args(argv)
     print(json.dumps(measure_in_this_process(json.loads(args.memory_spec))))

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from integrations.console import HelpFormatter
 from linear_mha.patching import calibrate, patch
 
 from . import measure as M
@@ -47,7 +48,7 @@ def _key_values(items, flag):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m tools.patch_model", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("model", help="timm model name, or torchvision:<name>")
     p.add_argument("--mode", default="linformer", help="linformer, kernel, efficient, taylor or softmax")
     p.add_argument("--option", action="append", metavar="KEY=VALUE",

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from integrations.checkpoint_io import check_same_args, safe_load
+from integrations.console import HelpFormatter, banner, choose_threads, duration, refuse_overwrite
 from integrations.stop import StopRequest
 from linear_mha.lm import AutoregressiveWrapper, LinearAttentionTransformerLM
 
@@ -123,27 +124,31 @@ def plot(log, path):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m tools.train_lm", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--enwik8", help="path to enwik8 (else the standard-library corpus)")
-    p.add_argument("--corpus-bytes", type=int, default=12_000_000)
-    p.add_argument("--variant", choices=sorted(VARIANTS), default="baseline")
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--depth", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--eval-every", type=int, default=200)
+    p.add_argument("--corpus-bytes", type=int, default=12_000_000, help="size of the standard-library corpus")
+    p.add_argument("--variant", choices=sorted(VARIANTS), default="baseline", help="attention variant (see above)")
+    p.add_argument("--dim", type=int, default=256, help="model width")
+    p.add_argument("--depth", type=int, default=4, help="layers")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (dim must divide by it)")
+    p.add_argument("--seq-len", type=int, default=256, help="bytes per training sequence")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per step")
+    p.add_argument("--steps", type=int, default=2000, help="optimizer steps")
+    p.add_argument("--lr", type=float, default=5e-4, help="AdamW learning rate (100 warm-up steps)")
+    p.add_argument("--eval-every", type=int, default=200, help="steps between validation scores")
     p.add_argument("--val-bytes", type=int, default=262_144, help="bytes of validation scored at each eval")
     p.add_argument("--test-bytes", type=int, default=None, help="bytes of test scored at the end (default: all)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out", default="runs/lm")
+    p.add_argument("--seed", type=int, default=0, help="model initialisation and batch order")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; set it to the free cores when "
+                                               "the machine is shared)")
+    p.add_argument("--out", default="runs/lm", help="output folder (checkpoint, log, curves, results)")
+    p.add_argument("--overwrite", action="store_true", help="replace a run already in --out (else refused; --resume "
+                                                            "continues it)")
     p.add_argument("--checkpoint-every", type=int, default=None,
                    help="steps between checkpoints (default: --eval-every); Ctrl-C / SIGTERM also save one")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     return p.parse_args(argv)
 
 
@@ -196,6 +201,9 @@ def main(argv=None):
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise ValueError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
     checkpoint_every = args.checkpoint_every or args.eval_every
+    threads = choose_threads(args.threads)
+    if not (args.resume or args.overwrite):
+        refuse_overwrite(args.out, ("checkpoint.pt", "log.jsonl"), resume_hint="--resume", out_flag="--out")
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(args.seed)
     splits = load_splits(args)
@@ -221,6 +229,14 @@ def main(argv=None):
     elif args.resume:
         print(f"--resume: no checkpoint at {ckpt_path} yet; starting at step 0", file=sys.stderr)
     n_params = sum(p.numel() for p in model.parameters())
+    banner("byte-level linear-attention LM training", {
+        "data": args.enwik8 or f"standard-library corpus, {len(splits['train']):,} / {len(splits['val']):,} / "
+                               f"{len(splits['test']):,} bytes (train / val / test)",
+        "model": f"{args.variant}: dim {args.dim}, depth {args.depth}, {args.heads} heads, {n_params:,} parameters",
+        "schedule": f"{args.steps} steps of {args.batch_size} x {args.seq_len} bytes"
+                    + (f", from step {step}" if step else "") + f"; validation every {args.eval_every}",
+        "device": f"{args.device}, threads {threads}",
+        "output": f"{args.out}/ (checkpoint.pt, log.jsonl, curves.png, results.json)"}, stream=sys.stderr)
     from tqdm import tqdm
     bar = tqdm(total=args.steps, initial=step, disable=args.no_progress, desc=f"{args.variant} seed {args.seed}")
     start = time.time() - seconds_before  # "seconds" in the log counts training time across resumes
@@ -263,6 +279,8 @@ def main(argv=None):
         json.dump(results, f, indent=2)
     if log:
         plot(log, os.path.join(args.out, "curves.png"))
+    print(f"{args.variant}: val {results['val_bpc']:.4f} / test {results['test_bpc']:.4f} bits per character after "
+          f"{step} steps ({duration(time.time() - start)} training); files in {args.out}/", file=sys.stderr)
     print(json.dumps({k: results[k] for k in ("variant", "seed", "params", "val_bpc", "test_bpc")}))
     return results
 

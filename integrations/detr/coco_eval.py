@@ -10,6 +10,19 @@ from pycocotools.cocoeval import COCOeval
 from .distributed import all_gather_json
 
 STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
+# What each of the 12 numbers averages over, as COCOeval.summarize() labels them.
+STAT_LABELS = ("IoU 0.50:0.95, all areas, 100 detections", "IoU 0.50", "IoU 0.75", "small objects", "medium objects",
+               "large objects", "1 detection per image", "10 detections", "100 detections", "small objects",
+               "medium objects", "large objects")
+
+
+def format_stats(coco: dict) -> str:
+    """The 12 COCOeval numbers of ``coco`` (a dict by STAT_NAMES) as a table; -1 (no such objects) shows as n/a."""
+    lines = []
+    for name, label in zip(STAT_NAMES, STAT_LABELS):
+        value = coco[name]
+        lines.append(f"  {name:<6} {'n/a' if value < 0 else f'{value:.3f}':>6}  {label}")
+    return "\n".join(lines)
 
 
 class CocoEvaluator:

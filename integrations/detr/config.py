@@ -8,6 +8,8 @@ import argparse
 
 from linear_mha import available_methods
 
+from ..console import HelpFormatter
+
 PRESETS = {
     "coco": dict(backbone="resnet50", hidden_dim=256, enc_layers=6, dec_layers=6, dim_feedforward=2048, nheads=8,
                  num_queries=100, epochs=300, lr_drop=200, lr=1e-4, lr_backbone=1e-5, batch_size=2,
@@ -27,21 +29,37 @@ def _int_list(text):
         raise argparse.ArgumentTypeError(f"expected comma-separated integers like 480,512,544; got {text!r}")
 
 
+def _preset_help(dest, extra=""):
+    """The help of an option a preset fills: both presets' values, so --help shows what a run will use."""
+    show = lambda v: ",".join(map(str, v)) if isinstance(v, list) else v  # noqa: E731
+    values = f"default {show(PRESETS['synthetic'][dest])} (synthetic data) / {show(PRESETS['coco'][dest])} (COCO)"
+    return f"{extra}; {values}" if extra else values
+
+
+class _Preset(str):
+    """Marks a help text to be replaced by the option's preset values (see get_args_parser)."""
+
+
 def get_args_parser():
-    p = argparse.ArgumentParser("DETR / Linear-DETR training and evaluation", add_help=True)
-    a = p.add_argument
-    g = "preset default"
+    p = argparse.ArgumentParser("python -m integrations.detr.train", description=__doc__, formatter_class=HelpFormatter)
+
+    def a(*flags, **kw):
+        action = p.add_argument(*flags, **kw)
+        if isinstance(kw.get("help"), _Preset):
+            action.help = _preset_help(action.dest, str(kw["help"]))
+        return action
+    g = _Preset("")
     # optimisation
     a("--lr", type=float, help=g)
-    a("--lr-backbone", type=float, help=f"{g}; 0 freezes the backbone")
-    a("--batch-size", type=int, help=f"{g}; per process")
+    a("--lr-backbone", type=float, help=_Preset("0 freezes the backbone"))
+    a("--batch-size", type=int, help=_Preset("per process"))
     a("--weight-decay", type=float, default=1e-4)
     a("--epochs", type=int, help=g)
-    a("--lr-drop", type=int, help=f"{g}; StepLR step in epochs")
+    a("--lr-drop", type=int, help=_Preset("StepLR step in epochs"))
     a("--clip-max-norm", type=float, default=0.1, help="gradient clipping max norm (0 disables)")
     a("--max-iters", type=int, default=0, help="cap on iterations per epoch (0 = whole epoch), for quick runs")
     # model
-    a("--backbone", help=f"{g}; resnet18|resnet34|resnet50|resnet101|tiny|small")
+    a("--backbone", help=_Preset("resnet18|resnet34|resnet50|resnet101|tiny|small"))
     a("--backbone-weights", help="local state_dict to start the backbone from (never downloaded): a torchvision "
                                  "ResNet's, or tiny/small weights from integrations.detr.pretrain")
     a("--pretrained", help="DETR checkpoint (file with 'model') loaded strictly before training/eval")
@@ -89,13 +107,13 @@ def get_args_parser():
     a("--val-ann", help="instances json of the validation set")
     a("--synthetic-train", type=int, default=240, help="images in the generated synthetic training set")
     a("--synthetic-val", type=int, default=48, help="images in the generated synthetic validation set")
-    a("--scales", type=_int_list, help=f"{g}; training shorter-side sizes, comma list")
-    a("--max-size", type=int, help=f"{g}; longest side after resizing")
-    a("--crop-sizes", type=_int_list, help=f"{g}; pre-crop resize sizes of the random-crop branch")
+    a("--scales", type=_int_list, help=_Preset("training shorter-side sizes, comma list"))
+    a("--max-size", type=int, help=_Preset("longest side after resizing"))
+    a("--crop-sizes", type=_int_list, help=_Preset("pre-crop resize sizes of the random-crop branch"))
     a("--crop-min", type=int, help=g)
     a("--crop-max", type=int, help=g)
     a("--no-crop", dest="crop", action="store_false", help="disable the random-size-crop branch")
-    a("--val-size", type=int, help=f"{g}; evaluation shorter-side size")
+    a("--val-size", type=int, help=_Preset("evaluation shorter-side size"))
     a("--num-workers", type=int, default=2)
     # run
     a("--output-dir", default="runs/detr", help="checkpoints, log.jsonl and curves.png go here")
@@ -105,6 +123,11 @@ def get_args_parser():
     a("--eval", action="store_true", help="only evaluate (with --resume or --pretrained)")
     a("--no-amp", dest="amp", action="store_false", help="disable mixed precision on CUDA")
     a("--no-progress", dest="progress", action="store_false", help="disable tqdm bars")
+    a("--verbose", action="store_true", help="print COCOeval's 12-line table after every evaluation, not only at the end")
+    a("--threads", type=int, help="torch CPU threads (default: torch's; set it to the free cores when the machine "
+                                  "is shared)")
+    a("--overwrite", action="store_true", help="replace a run already in --output-dir (else refused; --resume "
+                                               "continues it)")
     return p
 
 

@@ -101,9 +101,11 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, max
 
 
 @torch.no_grad()
-def evaluate(model, criterion, postprocessors, data_loader, coco_gt, device, amp=False, progress=True, stop=None):
+def evaluate(model, criterion, postprocessors, data_loader, coco_gt, device, amp=False, progress=True, stop=None,
+             verbose=False):
     """Returns (mean losses, COCO stats as a dict of the 12 names plus `coco_eval_bbox` list), or None when
-    ``stop`` was signalled on any process: an evaluation is redone whole, so it ends at once."""
+    ``stop`` was signalled on any process: an evaluation is redone whole, so it ends at once. ``verbose`` prints
+    COCOeval's table."""
     model.eval()
     criterion.eval()
     meter = Meter()
@@ -121,7 +123,7 @@ def evaluate(model, criterion, postprocessors, data_loader, coco_gt, device, amp
         results = postprocessors["bbox"](outputs, orig_sizes)
         evaluator.update({int(t["image_id"]): r for t, r in zip(targets, results)})
     stats = evaluator.summarize()
-    if is_main_process() and progress:
+    if is_main_process() and verbose:
         print(evaluator.summary)
     coco = dict(zip(STAT_NAMES, stats))
     coco["coco_eval_bbox"] = stats

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from ..console import HelpFormatter
 from ..stop import StopRequest
 from .backbone import SMALL_BODIES, TinyBody, backbone_stride
 from .checkpoint import load_checkpoint, rng_state, save_atomic, set_rng_state
@@ -91,7 +92,7 @@ def _rates(hits, empty=float("nan")):
 
 
 def get_args_parser():
-    p = argparse.ArgumentParser("Pretrain a small DETR backbone on feature-cell classification")
+    p = argparse.ArgumentParser("python -m integrations.detr.pretrain", description=__doc__, formatter_class=HelpFormatter)
     a = p.add_argument
     a("--backbone", default="small", choices=tuple(SMALL_BODIES))
     a("--iters", type=int, default=3000)

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from linear_mha import calibrate
 
+from ..console import choose_threads, duration, eta, refuse_overwrite
 from ..stop import StopRequest
 from . import distributed as dist_utils
 from .attention import apply_attention
@@ -40,6 +41,7 @@ from .detr import build_model
 from .engine import Meter, evaluate, train_one_epoch
 from .misc import collate_fn
 from .plots import append_log, plot_curves, read_log, truncate_log
+from .run_report import end_summary, start_banner
 from .synthetic import make_synthetic_coco
 from .transforms import feature_tokens, max_padded_hw
 
@@ -166,12 +168,16 @@ def main(argv=None):
     if args.eval and not (args.resume or args.pretrained):
         raise ValueError("--eval evaluates trained weights: pass --resume (a checkpoint of this trainer) or --pretrained "
                          "(a DETR checkpoint); without one it would score a random model")
+    threads = choose_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rank, world, local = dist_utils.init_distributed_mode(device.type)
     if device.type == "cuda" and world > 1:
         device = torch.device("cuda", local)
     amp = args.amp and device.type == "cuda"
     out_dir = Path(args.output_dir)
+    if not (args.resume or args.eval or args.overwrite):
+        refuse_overwrite(out_dir, ("checkpoint.pth", "log.jsonl"), resume_hint=f"--resume {out_dir / 'checkpoint.pth'}",
+                         out_flag="--output-dir")
     out_dir.mkdir(parents=True, exist_ok=True)
     seed_everything(args.seed + rank)
 
@@ -232,13 +238,18 @@ def main(argv=None):
 
     log_path = out_dir / "log.jsonl"
     if dist_utils.is_main_process():
+        per_epoch = len(datasets["train"]) // world // args.batch_size
+        start_banner(args, datasets, attention_report, device, threads, world,
+                     min(per_epoch, args.max_iters) if args.max_iters else per_epoch, out_dir, start_epoch)
         (out_dir / "args.json").write_text(json.dumps({**vars(args), "max_tokens": max_tokens,
                                                        "attention_report": str(attention_report)}, indent=1))
     if args.eval:
-        test_stats, coco = evaluate(model, criterion, postprocessors, val_loader, coco_gt, device, amp, args.progress)
+        test_stats, coco = evaluate(model, criterion, postprocessors, val_loader, coco_gt, device, amp, args.progress,
+                                    verbose=args.verbose)
         if dist_utils.is_main_process():
             (out_dir / "eval.json").write_text(json.dumps({**{f"test_{k}": v for k, v in test_stats.items()},
                                                            **coco}, indent=1))
+            end_summary(args, coco, [], device, out_dir, None)
         return {"log": [], "coco": coco, "model": model_without_ddp, "stopped_at": None}
 
     if dist_utils.is_main_process():
@@ -248,6 +259,7 @@ def main(argv=None):
     run = _Run(model, model_without_ddp, criterion, postprocessors, val_loader, coco_gt, device, amp, args, out_dir,
                optimizer, lr_scheduler, scaler, n_parameters)
     entries, coco, stopped_at = [], None, None
+    started = time.time()
     with StopRequest() as stop:
         for epoch in range(start_epoch, args.epochs):
             train_sampler.set_epoch(epoch)
@@ -258,7 +270,7 @@ def main(argv=None):
                 start_iter=start_iter, meter=Meter(meter_state), stop=stop)
             start_iter, meter_state, seconds_before = 0, None, 0.0
             trained = rng_state()  # the evaluation's transforms draw from it; a redone evaluation must start here
-            finished = None if stopped else _finish_epoch(run, epoch, meter, time.time() - t0, stop)
+            finished = None if stopped else _finish_epoch(run, epoch, meter, time.time() - t0, done, stop)
             if finished is None:  # stopped during training or the evaluation: resume at the next batch or the eval
                 _save(run, epoch, rng=trained, iteration=done, train_meter=meter.state(),
                       train_seconds=time.time() - t0, world=world, batch_size=args.batch_size)
@@ -269,12 +281,20 @@ def main(argv=None):
                 break
             entry, coco = finished
             entries.append(entry)
+            if dist_utils.is_main_process():
+                print(f"epoch {epoch + 1}/{args.epochs}: train loss {entry.get('train_loss', float('nan')):.4f} "
+                      f"val loss {entry.get('test_loss', float('nan')):.4f} AP {coco['AP']:.4f} AP50 "
+                      f"{coco['AP50']:.4f} ({duration(entry['epoch_train_seconds'])} training; "
+                      f"{duration(time.time() - started)} so far, ETA "
+                      f"{eta(len(entries), args.epochs - start_epoch, time.time() - started)})", flush=True)
             if stop.agreed(device):  # asked after the evaluation's last batch: the epoch is saved, stop here
                 stopped_at = (epoch + 1, 0)
                 if dist_utils.is_main_process():
                     print(f"stopped after epoch {epoch}; --resume {out_dir / 'checkpoint.pth'} continues with the "
                           "next one", file=sys.stderr)
                 break
+    if dist_utils.is_main_process():
+        end_summary(args, coco, entries, device, out_dir, stopped_at)
     return {"log": entries, "coco": coco, "model": model_without_ddp, "stopped_at": stopped_at}
 
 
@@ -308,11 +328,11 @@ def _save(run, epoch, rng=None, **extra):
                     run.out_dir / "checkpoint.pth")
 
 
-def _finish_epoch(run, epoch, meter, train_time, stop):
+def _finish_epoch(run, epoch, meter, train_time, iterations, stop):
     """Evaluate, checkpoint and log a finished epoch; returns its log entry and COCO stats, or None when a signal
     stopped the evaluation (nothing saved: the caller checkpoints the epoch as trained but not evaluated)."""
     evaluated = evaluate(run.model, run.criterion, run.postprocessors, run.val_loader, run.coco_gt, run.device,
-                         run.amp, run.args.progress, stop=stop)
+                         run.amp, run.args.progress, stop=stop, verbose=run.args.verbose)
     if evaluated is None:
         return None
     test_stats, coco = evaluated
@@ -325,7 +345,7 @@ def _finish_epoch(run, epoch, meter, train_time, stop):
     entry = {"epoch": epoch, **{f"train_{k}": v for k, v in train_stats.items()},
              **{f"test_{k}": v for k, v in test_stats.items()},
              **{f"test_{k}": v for k, v in coco.items()}, "n_parameters": run.n_parameters,
-             "epoch_train_seconds": train_time}
+             "epoch_train_seconds": train_time, "train_iterations": iterations}
     # Checkpoint before the log line, with the line inside it: a run stopped in between finds its record in the
     # checkpoint on --resume, and the reverse order could log an epoch the checkpoint does not hold.
     _save(run, epoch, log_entry=entry)
@@ -333,9 +353,6 @@ def _finish_epoch(run, epoch, meter, train_time, stop):
         log_path = run.out_dir / "log.jsonl"
         append_log(log_path, entry)
         plot_curves(log_path, run.out_dir / "curves.png")
-        print(f"epoch {epoch}: train loss {train_stats.get('loss', float('nan')):.4f} "
-              f"val loss {test_stats.get('loss', float('nan')):.4f} AP {coco['AP']:.4f} AP50 {coco['AP50']:.4f} "
-              f"({train_time:.1f}s)")
     return entry, coco
 
 
