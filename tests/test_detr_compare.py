@@ -8,6 +8,7 @@ import pytest
 from tools import detr_compare
 
 TRAIN = ["--synthetic-train", "8", "--synthetic-val", "4", "--batch-size", "4", "--hidden-dim", "32",
+         "--backbone", "tiny", "--pretrain-backbone", "0",
          "--dim-feedforward", "64", "--num-queries", "6", "--scales", "64", "--max-size", "96", "--no-crop",
          "--val-size", "64"]
 

@@ -1,5 +1,6 @@
 """Backbone pretraining for the small DETR backbones: cell labels, weights that DETR loads, exact resume."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,3 +88,22 @@ def test_a_signal_stops_after_a_step_with_a_checkpoint_that_resumes_exactly(tmp_
         torch.testing.assert_close(resumed[key], reference[key], rtol=0, atol=0, msg=key)
     logs = [(tmp_path / d / "log.jsonl").read_text() for d in ("whole", "split")]
     assert logs[0] == logs[1]
+
+
+@pytest.mark.slow
+def test_the_trainer_pretrains_its_backbone_once_per_data_and_reuses_it(tmp_path, monkeypatch, capsys):
+    from integrations.detr.train import main
+    from test_detr_train import TINY
+    monkeypatch.setenv("LINEAR_MHA_CACHE", str(tmp_path / "cache"))
+    run = TINY + ["--pretrain-backbone", "3", "--epochs", "1", "--max-iters", "1"]
+    main(run + ["--output-dir", str(tmp_path / "a")])
+    first = json.loads((tmp_path / "a" / "args.json").read_text())["backbone_weights"]
+    assert "pretraining the tiny backbone for 3 iterations" in capsys.readouterr().out
+    assert first.startswith(str(tmp_path / "cache" / "detr-backbones")) and Path(first).exists()
+    main(run + ["--output-dir", str(tmp_path / "b")])  # same data (same seed): the cached backbone, no pretraining
+    assert json.loads((tmp_path / "b" / "args.json").read_text())["backbone_weights"] == first
+    assert "pretraining" not in capsys.readouterr().out
+    main(run + ["--output-dir", str(tmp_path / "c"), "--seed", "7"])  # other images: another backbone
+    assert json.loads((tmp_path / "c" / "args.json").read_text())["backbone_weights"] != first
+    with pytest.raises(ValueError, match="--pretrain-backbone pretrains the small backbones .* --backbone-weights"):
+        main(run + ["--output-dir", str(tmp_path / "d"), "--backbone", "resnet18"])

@@ -11,6 +11,7 @@ from integrations.detr import engine
 from integrations.detr.train import main
 
 TINY = ["--synthetic-train", "16", "--synthetic-val", "4", "--batch-size", "4", "--num-workers", "0",
+        "--backbone", "tiny", "--pretrain-backbone", "0", "--attention", "softmax",
         "--hidden-dim", "32", "--dim-feedforward", "64", "--num-queries", "6", "--no-progress"]
 
 

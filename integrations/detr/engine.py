@@ -50,23 +50,26 @@ class Meter:
 
 
 def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, max_norm=0.0, scaler=None,
-                    amp=False, max_iters=0, progress=True, start_iter=0, meter=None, stop=None):
+                    amp=False, max_iters=0, progress=True, start_iter=0, meter=None, stop=None, bar=None):
     """Trains until the loader (or --max-iters) ends, or stops after a step once any process's ``stop`` (an
     integrations.stop.StopRequest) was signalled.
     A resumed epoch passes the loader of its remaining batches, ``start_iter`` (batches already done) and the
     ``meter`` holding their losses. Returns (meter, batches done in the epoch, whether it was stopped early);
-    ``meter.averages()`` is the epoch's mean of every (process-averaged) loss, `loss` the weighted total."""
+    ``meter.averages()`` is the epoch's mean of every (process-averaged) loss, `loss` the weighted total.
+    ``bar``: a tqdm to advance by one per step (the trainer's bar over all epochs), else the epoch shows its own."""
     model.train()
     criterion.train()
     meter = Meter() if meter is None else meter
     weight_dict = criterion.weight_dict
     end = start_iter + len(data_loader)
     end = min(end, max_iters) if max_iters else end
+    own_bar = bar is None  # the trainer passes one bar over the whole run; alone, the epoch gets its own
+    if own_bar:
+        bar = tqdm(total=end, initial=start_iter, desc=f"epoch {epoch}", disable=not (progress and is_main_process()),
+                   leave=False)
+    it, stopped = start_iter, False
     # islice: with --max-iters, no batch past the last is loaded (its transforms would draw from the RNG).
-    bar = tqdm(itertools.islice(data_loader, end - start_iter), total=end, initial=start_iter, desc=f"epoch {epoch}",
-               disable=not (progress and is_main_process()), leave=False)
-    it = start_iter
-    for samples, targets in bar:
+    for samples, targets in itertools.islice(data_loader, end - start_iter):
         samples, targets = samples.to(device), _targets_to(targets, device)
         with torch.autocast(device_type="cuda", dtype=torch.float16, enabled=amp):
             outputs = model(samples)
@@ -92,12 +95,15 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, max
             optimizer.step()
         meter.update(loss=loss_value, lr=optimizer.param_groups[0]["lr"],
                      **{k: v for k, v in logged.items() if k in weight_dict or "error" in k})
+        bar.update(1)
         bar.set_postfix(loss=f"{loss_value:.3f}")
         it += 1
         if stopping and it < end:
-            bar.close()
-            return meter, it, True
-    return meter, it, False
+            stopped = True
+            break
+    if own_bar:
+        bar.close()
+    return meter, it, stopped
 
 
 @torch.no_grad()

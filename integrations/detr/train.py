@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
+from tqdm import tqdm
 
 from linear_mha import calibrate
 
@@ -33,6 +34,7 @@ from ..stop import StopRequest
 from . import distributed as dist_utils
 from .attention import apply_attention
 from .backbone import backbone_stride
+from .backbone_cache import pretrained_backbone, wants_pretraining
 from ..checkpoint_io import check_same_args
 from .checkpoint import load_checkpoint, load_pretrained, rng_state, save_atomic, set_rng_state
 from .config import parse_args
@@ -182,6 +184,8 @@ def main(argv=None):
     seed_everything(args.seed + rank)
 
     prepare_data_args(args)
+    if wants_pretraining(args):
+        args.backbone_weights = str(pretrained_backbone(args))
     datasets = {"train": build_dataset("train", args), "val": build_dataset("val", args)}
     if args.num_classes is None:
         args.num_classes = max(c["id"] for c in datasets["train"].coco.dataset["categories"]) + 1
@@ -237,10 +241,10 @@ def main(argv=None):
                 seed_everything(args.seed + rank + 1000 * start_epoch)
 
     log_path = out_dir / "log.jsonl"
+    per_epoch = len(datasets["train"]) // world // args.batch_size
+    per_epoch = min(per_epoch, args.max_iters) if args.max_iters else per_epoch
     if dist_utils.is_main_process():
-        per_epoch = len(datasets["train"]) // world // args.batch_size
-        start_banner(args, datasets, attention_report, device, threads, world,
-                     min(per_epoch, args.max_iters) if args.max_iters else per_epoch, out_dir, start_epoch)
+        start_banner(args, datasets, attention_report, device, threads, world, per_epoch, out_dir, start_epoch)
         (out_dir / "args.json").write_text(json.dumps({**vars(args), "max_tokens": max_tokens,
                                                        "attention_report": str(attention_report)}, indent=1))
     if args.eval:
@@ -260,14 +264,17 @@ def main(argv=None):
                optimizer, lr_scheduler, scaler, n_parameters)
     entries, coco, stopped_at = [], None, None
     started = time.time()
-    with StopRequest() as stop:
+    bar = tqdm(total=args.epochs * per_epoch, initial=start_epoch * per_epoch + start_iter, unit="it",
+               disable=not (args.progress and dist_utils.is_main_process()), dynamic_ncols=True)
+    with StopRequest() as stop, bar:
         for epoch in range(start_epoch, args.epochs):
+            bar.set_description(f"epoch {epoch + 1}/{args.epochs}")
             train_sampler.set_epoch(epoch)
             t0 = time.time() - seconds_before
             meter, done, stopped = train_one_epoch(
                 model, criterion, train_loader(args, datasets["train"], train_sampler, epoch, rank, start_iter),
                 optimizer, device, epoch, args.clip_max_norm, scaler, amp, args.max_iters, args.progress,
-                start_iter=start_iter, meter=Meter(meter_state), stop=stop)
+                start_iter=start_iter, meter=Meter(meter_state), stop=stop, bar=bar)
             start_iter, meter_state, seconds_before = 0, None, 0.0
             trained = rng_state()  # the evaluation's transforms draw from it; a redone evaluation must start here
             finished = None if stopped else _finish_epoch(run, epoch, meter, time.time() - t0, done, stop)
@@ -282,11 +289,11 @@ def main(argv=None):
             entry, coco = finished
             entries.append(entry)
             if dist_utils.is_main_process():
-                print(f"epoch {epoch + 1}/{args.epochs}: train loss {entry.get('train_loss', float('nan')):.4f} "
+                bar.write(f"epoch {epoch + 1}/{args.epochs}: train loss {entry.get('train_loss', float('nan')):.4f} "
                       f"val loss {entry.get('test_loss', float('nan')):.4f} AP {coco['AP']:.4f} AP50 "
                       f"{coco['AP50']:.4f} ({duration(entry['epoch_train_seconds'])} training; "
                       f"{duration(time.time() - started)} so far, ETA "
-                      f"{eta(len(entries), args.epochs - start_epoch, time.time() - started)})", flush=True)
+                      f"{eta(len(entries), args.epochs - start_epoch, time.time() - started)})")
             if stop.agreed(device):  # asked after the evaluation's last batch: the epoch is saved, stop here
                 stopped_at = (epoch + 1, 0)
                 if dist_utils.is_main_process():
