@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import linear_mha.functional as LF
-from linear_mha.functional import native, native_build
+from linear_mha.functional import backend, native, native_build
 from linear_mha.functional._common import append_ones, split_normalise
 from linear_mha.functional.feature_maps import apply_feature_map
 
@@ -74,6 +74,26 @@ def test_causal_attention_matches_float64(feature_map, b, h, n, d, dv, masked, w
     ref = LF.kernel(q.double(), k.double(), v.double(), feature_map, causal=True, key_padding_mask=mask,
                     initial_state=None if state is None else state.double())
     assert relative_error(out, ref) < 2e-6
+
+
+@needs_native
+@pytest.mark.parametrize("feature_map", ["elu", "relu"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_nan_in_an_unmasked_query_or_key_propagates_as_in_pytorch_ops(feature_map, causal):
+    """An upstream NaN must show, whichever backend runs: the compiled relu once mapped NaN to 0 and hid it."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=g) for _ in range(3))
+    q[0, 0, 5, 3] = float("nan")
+    k[0, 1, 7, 2] = float("nan")
+    with backend.override(native_kernels=True):
+        compiled = LF.kernel(q, k, v, feature_map, causal=causal)
+    with backend.override(native_kernels=False):
+        composed = LF.kernel(q, k, v, feature_map, causal=causal)
+    assert torch.isnan(composed).any()
+    assert torch.equal(torch.isnan(compiled), torch.isnan(composed))
+    with backend.override(native_kernels=True):
+        step, _ = LF.kernel_step(q[:, :, 5], k[:, :, 5], v[:, :, 5], None, feature_map)
+    assert torch.isnan(step[0, 0]).all() and not torch.isnan(step[0, 1]).any()
 
 
 @needs_native
@@ -271,7 +291,7 @@ def test_a_failed_build_warns_once_and_falls_back(tmp_path):
     script = textwrap.dedent("""
         import warnings, torch
         import linear_mha.functional as LF
-        from linear_mha.functional import native, native_build
+        from linear_mha.functional import backend, native, native_build
         q = torch.randn(1, 2, 16, 8)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -332,7 +352,7 @@ def test_an_unwritable_home_builds_in_the_temporary_directory(tmp_path):
         pytest.skip("no C compiler on this machine")
     script = textwrap.dedent("""
         import tempfile
-        from linear_mha.functional import native, native_build
+        from linear_mha.functional import backend, native, native_build
         assert native.available(), native.build_error()
         assert native.library_path().startswith(tempfile.gettempdir()), native.library_path()
     """)

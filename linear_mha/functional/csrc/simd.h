@@ -45,12 +45,12 @@ static inline vf exp_nonpositive(vf x) {
 static inline vf feature_vec(vf x, int map) {
     vi positive = x > splat(0.0f);
     if (map == 0) return vselect(positive, x + splat(1.0f), exp_nonpositive(vselect(positive, splat(0.0f), x)));
-    return vselect(positive, x, splat(0.0f));
+    return vselect(~(x <= splat(0.0f)), x, splat(0.0f)); /* relu; NaN stays NaN, as torch.relu keeps it */
 }
 
 static inline float feature_scalar(float x, int map) {
     if (map == 0) return x > 0.0f ? x + 1.0f : x < -87.3f ? 0.0f : expf(x); /* as exp_nonpositive */
-    return x > 0.0f ? x : 0.0f;
+    return x <= 0.0f ? 0.0f : x;
 }
 
 /* softmax over a row of d values (map 2, Efficient Attention's query features). */
