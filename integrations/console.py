@@ -6,6 +6,7 @@ import copy
 import os
 import resource
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -37,7 +38,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: {self._shown(action)})".replace("%", "%%") if text else text
 
 
-def choose_threads(requested=None) -> str:
+def choose_threads(requested=None, busy=None) -> str:
     """Set torch's thread count to ``requested`` (a --threads value) if given; say what the run uses, with a warning
     when the 1-minute load average shows other processes on the cores: torch's threads then wait on each other at
     every op (measured 5-40x slower with 2 threads on 2 shared cores), and --threads with the free cores helps."""
@@ -48,15 +49,30 @@ def choose_threads(requested=None) -> str:
         torch.set_num_threads(requested)
         return f"{requested} (--threads), {cores} core(s)"
     threads = torch.get_num_threads()
-    try:
-        busy = os.getloadavg()[0]
-    except (OSError, AttributeError):  # no load average on this platform
+    busy = other_runnable_tasks() if busy is None else busy
+    if busy is None:
         return f"{threads}, {cores} core(s)"
-    free = max(1, min(cores, round(cores - busy)))
+    free = max(1, cores - busy)
     if free < threads:
-        return (f"{threads}, {cores} core(s) -- WARNING: other processes keep about {busy:.1f} core(s) busy; "
-                f"with --threads {free} this run will likely be several times faster")
+        return (f"{threads}, {cores} core(s) -- WARNING: other processes keep {busy} core(s) busy; with --threads "
+                f"{free} this run will likely be several times faster")
     return f"{threads}, {cores} core(s)"
+
+
+def other_runnable_tasks(samples: int = 5, interval: float = 0.02, path: str = "/proc/loadavg"):
+    """How many other tasks want a CPU right now: the kernel's count of runnable tasks (/proc/loadavg's fourth
+    field), least of a few samples, less this process's one. Not the load average: that trails the last minute,
+    so a run that just finished (or this process's own start-up) would read as a busy machine. None off Linux."""
+    counts = []
+    for i in range(samples):
+        try:
+            with open(path) as f:
+                counts.append(int(f.read().split()[3].split("/")[0]))
+        except (OSError, ValueError, IndexError):
+            return None
+        if i + 1 < samples:
+            time.sleep(interval)
+    return max(0, min(counts) - 1)
 
 
 def refuse_overwrite(out_dir, files, *, resume_hint: str, out_flag: str) -> None:

@@ -50,6 +50,14 @@ def test_compare_runs_every_variant_and_seed_from_one_pretrained_backbone_and_re
     assert [(r["variant"], r["AP"]) for r in again] == [(r["variant"], r["AP"]) for r in rows]
     assert (tmp_path / "softmax" / "seed3" / "checkpoint.pth").stat().st_mtime == mtime
 
+    # --finished-only reports what is done and trains nothing: a seed never run is named and left out.
+    partial = list(argv)
+    partial[partial.index("--seeds") + 2] = "5"  # seeds 3 and 5
+    partial.insert(partial.index("--"), "--finished-only")
+    reported = detr_compare.main(partial)
+    assert [(r["variant"], r["seed"]) for r in reported["training"]] == [(v, 3) for v in VARIANTS]
+    assert not (tmp_path / "softmax" / "seed5").exists()
+
 
 def test_variant_names_become_trainer_options():
     assert detr_compare.variant_args("focused-dwc5:focusing_factor=2,learnable_scale=False") == [

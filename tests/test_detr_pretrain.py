@@ -95,12 +95,18 @@ def test_the_trainer_pretrains_its_backbone_once_per_data_and_reuses_it(tmp_path
     from integrations.detr.train import main
     from test_detr_train import TINY
     monkeypatch.setenv("LINEAR_MHA_CACHE", str(tmp_path / "cache"))
+    calls, real = [], pretrain.main
+    monkeypatch.setattr(pretrain, "main", lambda argv: calls.append(argv) or real(argv))
     run = TINY + ["--pretrain-backbone", "3", "--epochs", "1", "--max-iters", "1"]
     main(run + ["--output-dir", str(tmp_path / "a")])
+    # the pretrainer reads the run's images as the run does (given files alone, it would take COCO's 800 px preset)
+    data = parse_args(calls[0][calls[0].index("--") + 1:])
+    assert (data.scales, data.max_size, data.val_size, data.crop) == ([96, 112, 128, 144, 160], 192, 128, False)
     first = json.loads((tmp_path / "a" / "args.json").read_text())["backbone_weights"]
     assert "pretraining the tiny backbone for 3 iterations" in capsys.readouterr().out
     assert first.startswith(str(tmp_path / "cache" / "detr-backbones")) and Path(first).exists()
     main(run + ["--output-dir", str(tmp_path / "b")])  # same data (same seed): the cached backbone, no pretraining
+    assert len(calls) == 1
     assert json.loads((tmp_path / "b" / "args.json").read_text())["backbone_weights"] == first
     assert "pretraining" not in capsys.readouterr().out
     main(run + ["--output-dir", str(tmp_path / "c"), "--seed", "7"])  # other images: another backbone

@@ -151,12 +151,19 @@ def train_run(a, name, seed, device, weights):
     argv = ["--epochs", str(a.epochs), "--output-dir", str(run_dir)] + _run_args(a, seed, device, a.num_workers, extra)
     if a.max_iters:
         argv += ["--max-iters", str(a.max_iters)]
-    if (run_dir / "checkpoint.pth").exists():
-        argv += ["--resume", str(run_dir / "checkpoint.pth")]
-    measure.reset_cuda_peak(device)
-    if train_main(argv)["stopped_at"]:
-        _stopped(f"training of {name!r} (seed {seed})")
-    log = read_log(run_dir / "log.jsonl")
+    log_path = run_dir / "log.jsonl"
+    if a.finished_only:  # report what is done; train nothing
+        if not log_path.exists() or len(read_log(log_path)) < a.epochs:
+            print(f"detr_compare: {run_dir} has not finished its {a.epochs} epochs; left out (--finished-only)",
+                  file=sys.stderr)
+            return None
+    else:
+        if (run_dir / "checkpoint.pth").exists():
+            argv += ["--resume", str(run_dir / "checkpoint.pth")]
+        measure.reset_cuda_peak(device)
+        if train_main(argv)["stopped_at"]:
+            _stopped(f"training of {name!r} (seed {seed})")
+    log = read_log(log_path)[:a.epochs]
     peak_file = run_dir / "peak_memory.json"  # measured once per run directory, kept across resumes
     if peak_file.exists():
         peak = json.loads(peak_file.read_text())["peak_MiB"]
@@ -184,8 +191,10 @@ def training_table(a, device):
     """Every variant and seed trained (resumed, or reused when finished); clean time per iteration per variant."""
     weights = pretrained_backbone(a)
     rows = [train_run(a, name, seed, device, weights) for seed in a.seeds for name in a.variants]
+    rows = [row for row in rows if row is not None]
     if a.timing_iters:
-        timed = {name: _timed_iterations(a, device, variant_args(name) + weights) for name in a.variants}
+        timed = {name: _timed_iterations(a, device, variant_args(name) + weights)
+                 for name in dict.fromkeys(row["variant"] for row in rows)}
         for row in rows:
             row["sec_per_iter"] = timed[row["variant"]]
     return rows
@@ -281,6 +290,9 @@ def parse(argv):
                    help="pretrain the (tiny/small) backbone this long first, shared by every run "
                         "(integrations/detr/pretrain.py); from scratch DETR stays at AP ~ 0 on CPU budgets")
     p.add_argument("--records", help="also write the runs as a list of records (JSON) here, with machine and command")
+    p.add_argument("--finished-only", action="store_true",
+                   help="train nothing: report the runs in --out that have finished their --epochs (the others are "
+                        "named and left out)")
     p.add_argument("--num-workers", type=int, default=2)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--encoder-only", action="store_true")

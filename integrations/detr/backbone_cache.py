@@ -32,9 +32,20 @@ def _digest(path) -> str:
 
 def cache_folder(args) -> Path:
     key = {"backbone": args.backbone, "iters": args.pretrain_backbone, "seed": args.seed,
-           "train": _digest(args.train_ann), "val": _digest(args.val_ann)}
+           "train": _digest(args.train_ann), "val": _digest(args.val_ann),
+           "transforms": same_data_args(args)[8:]}
     name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return cache_root() / f"{args.backbone}-{args.pretrain_backbone}it-{name}"
+
+
+def same_data_args(args) -> list:
+    """The trainer options that make the pretrainer read this run's images exactly as the run does: its files, and
+    the transforms' settings (given explicitly: with files given, the preset would be COCO's)."""
+    ints = lambda values: ",".join(map(str, values))  # noqa: E731
+    return ["--train-images", args.train_images, "--train-ann", args.train_ann, "--val-images", args.val_images,
+            "--val-ann", args.val_ann, "--scales", ints(args.scales), "--max-size", str(args.max_size),
+            "--val-size", str(args.val_size), "--crop-sizes", ints(args.crop_sizes), "--crop-min", str(args.crop_min),
+            "--crop-max", str(args.crop_max), "--crop" if args.crop else "--no-crop"]
 
 
 def wants_pretraining(args) -> bool:
@@ -59,8 +70,7 @@ def pretrained_backbone(args) -> Path:
         pretrain_main(["--backbone", args.backbone, "--iters", str(args.pretrain_backbone), "--seed", str(args.seed),
                        "--output-dir", str(folder), "--num-workers", str(args.num_workers), "--resume"]
                       + (["--device", args.device] if args.device else []) + ([] if args.progress else ["--no-progress"])
-                      + ["--", "--train-images", args.train_images, "--train-ann", args.train_ann,
-                         "--val-images", args.val_images, "--val-ann", args.val_ann])
+                      + ["--"] + same_data_args(args))
     if dist_utils.is_dist_avail_and_initialized():
         torch.distributed.barrier()
     if not path.exists():

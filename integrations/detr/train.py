@@ -294,6 +294,7 @@ def main(argv=None):
                       f"{coco['AP50']:.4f} ({duration(entry['epoch_train_seconds'])} training; "
                       f"{duration(time.time() - started)} so far, ETA "
                       f"{eta(len(entries), args.epochs - start_epoch, time.time() - started)})")
+                sys.stdout.flush()  # a log file being tailed gets the line now, not when a buffer fills
             if stop.agreed(device):  # asked after the evaluation's last batch: the epoch is saved, stop here
                 stopped_at = (epoch + 1, 0)
                 if dist_utils.is_main_process():

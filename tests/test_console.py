@@ -1,0 +1,43 @@
+"""The trainers' console helpers: the busy-cores warning reads what runs now, --help shows defaults."""
+import argparse
+
+import pytest
+import torch
+
+from integrations.console import HelpFormatter, choose_threads, eta, other_runnable_tasks
+
+
+def test_other_tasks_are_the_runnable_count_now_less_this_process(tmp_path):
+    loadavg = tmp_path / "loadavg"
+    loadavg.write_text("3.90 2.10 1.00 3/412 12345\n")  # a high 1-minute average from a finished run: ignored
+    assert other_runnable_tasks(samples=2, interval=0, path=str(loadavg)) == 2
+    loadavg.write_text("3.90 2.10 1.00 1/412 12345\n")
+    assert other_runnable_tasks(samples=2, interval=0, path=str(loadavg)) == 0
+    assert other_runnable_tasks(path=str(tmp_path / "absent")) is None
+
+
+def test_threads_warn_only_when_other_work_leaves_fewer_cores_than_threads(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert "WARNING" not in choose_threads(busy=0)
+    assert "with --threads 1" in choose_threads(busy=1)
+    set_to = []
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    assert choose_threads(1, busy=5) == "1 (--threads), 2 core(s)" and set_to == [1]
+    with pytest.raises(ValueError, match="--threads must be >= 1"):
+        choose_threads(0)
+
+
+def test_help_shows_every_default_once():
+    p = argparse.ArgumentParser(formatter_class=HelpFormatter)
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--lr", type=float, default=5e-4, help="learning rate")
+    p.add_argument("--out", default="runs/x", help="folder (default: a new one)")
+    p.add_argument("--flag", action="store_true", help="a switch")
+    text = " ".join(p.format_help().split())
+    assert "--steps STEPS default: 2000" in text and "learning rate (default: 0.0005)" in text
+    assert "(default: a new one)" in text and "runs/x" not in text and "a switch (default" not in text
+
+
+def test_eta_is_the_mean_pace_times_what_is_left():
+    assert eta(2, 6, 120.0) == "4m00s" and eta(0, 6, 1.0) == "?" and eta(6, 6, 100.0) == "0s"
