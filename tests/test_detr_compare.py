@@ -19,7 +19,7 @@ VARIANTS = ["softmax", "focused-dwc3", "kernel:feature_map='relu'"]
 @pytest.mark.slow
 def test_compare_runs_every_variant_and_seed_from_one_pretrained_backbone_and_resumes(tmp_path):
     records = tmp_path / "records.json"
-    argv = ["--out", str(tmp_path), "--epochs", "1", "--max-iters", "1", "--skip-encoder", "--num-workers", "0",
+    argv = ["--out", str(tmp_path), "--epochs", "1", "--max-iters", "1", "--num-workers", "0",
             "--pretrain-iters", "2", "--timing-iters", "1", "--seeds", "3", "4", "--variants", *VARIANTS,
             "--records", str(records), "--"] + TRAIN
     detr_compare.main(argv)
@@ -80,10 +80,10 @@ def test_a_run_stopped_by_a_signal_stops_the_comparison(tmp_path, monkeypatch):
     """Ctrl-C checkpoints the running variant; the comparison must not read its half-done log and go on."""
     monkeypatch.setattr(detr_compare, "train_main", lambda argv: {"stopped_at": (0, 1)})
     with pytest.raises(SystemExit) as stopped:
-        detr_compare.main(["--out", str(tmp_path), "--epochs", "1", "--skip-encoder", "--num-workers", "0", "--"]
+        detr_compare.main(["--out", str(tmp_path), "--epochs", "1", "--num-workers", "0", "--"]
                           + TRAIN)
     assert stopped.value.code == 130
     monkeypatch.setattr(detr_compare, "pretrain_main", lambda argv: None)
     with pytest.raises(SystemExit, match="130"):
-        detr_compare.main(["--out", str(tmp_path), "--epochs", "1", "--skip-encoder", "--pretrain-iters", "2",
+        detr_compare.main(["--out", str(tmp_path), "--epochs", "1", "--pretrain-iters", "2",
                            "--num-workers", "0", "--"] + TRAIN)

@@ -101,7 +101,7 @@ def test_the_trainer_pretrains_its_backbone_once_per_data_and_reuses_it(tmp_path
     main(run + ["--output-dir", str(tmp_path / "a")])
     # the pretrainer reads the run's images as the run does (given files alone, it would take COCO's 800 px preset)
     data = parse_args(calls[0][calls[0].index("--") + 1:])
-    assert (data.scales, data.max_size, data.val_size, data.crop) == ([96, 112, 128, 144, 160], 192, 128, False)
+    assert (data.scales, data.max_size, data.val_size, data.crop) == ([96, 112, 128, 144, 160], 192, 128, True)
     first = json.loads((tmp_path / "a" / "args.json").read_text())["backbone_weights"]
     assert "pretraining the tiny backbone for 3 iterations" in capsys.readouterr().out
     assert first.startswith(str(tmp_path / "cache" / "detr-backbones")) and Path(first).exists()

@@ -11,7 +11,8 @@ from integrations.detr import engine
 from integrations.detr.train import main
 
 TINY = ["--synthetic-train", "16", "--synthetic-val", "4", "--batch-size", "4", "--num-workers", "0",
-        "--backbone", "tiny", "--pretrain-backbone", "0", "--attention", "softmax",
+        "--backbone", "tiny", "--pretrain-backbone", "0", "--attention", "softmax", "--crop", "--lr", "3e-4",
+        "--lr-backbone", "3e-4", "--lr-drop", "25",  # the small test model's schedule, not the default run's
         "--hidden-dim", "32", "--dim-feedforward", "64", "--num-queries", "6", "--no-progress"]
 
 

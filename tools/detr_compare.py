@@ -1,6 +1,7 @@
 """DETR (softmax) against Linear-DETRs on the synthetic set, with the same data, budget, backbone and seeds for every
-variant, plus an encoder time / memory table at growing image sizes through DETR's real call path.
+variant, and (--encoder) an encoder time / memory table at growing image sizes through DETR's real call path.
 
+    python -m tools.detr_compare          # DETR and the recommended Linear-DETR on the trainer's default run
     python -m tools.detr_compare --out runs/detr_cmp --epochs 16 --pretrain-iters 2000 --seeds 42 43 44 \\
         --variants softmax kernel focused focused-dwc3 --records docs/results/linear_detr.json --timing-iters 40 \\
         -- --backbone small --synthetic-train 2000 --synthetic-val 200 --no-crop --lr 3e-4 --lr-backbone 3e-5 \\
@@ -35,8 +36,8 @@ import torch
 from integrations.console import HelpFormatter
 from integrations.detr.attention import apply_attention
 from integrations.detr.backbone import backbone_stride
-from integrations.detr.config import parse_args
 from integrations.detr.detr import build_model
+from integrations.detr.config import RECOMMENDED, parse_args
 from integrations.detr.plots import read_log
 from integrations.detr.pretrain import main as pretrain_main
 from integrations.detr.train import main as train_main
@@ -46,7 +47,7 @@ from linear_mha import TokenGrid, method_class
 from . import measure
 
 VARIANTS = {"linformer-shared": ["--attention", "linformer", "--param-sharing", "layerwise", "--proj-k", "64"]}
-DEFAULT_VARIANTS = ["softmax", "linformer-shared", "kernel", "efficient", "focused", "focused-dwc3"]
+DEFAULT_VARIANTS = ["softmax", RECOMMENDED]  # DETR and the trainer's recommended Linear-DETR
 
 
 def variant_args(name: str) -> list:
@@ -118,8 +119,8 @@ def encoder_case(size, name, batch, dc5):
 
 def _run_args(a, seed, device, num_workers, extra):
     """Options every training run of a variant shares: seed, device, the options after `--`, the variant's."""
-    return (["--seed", str(seed), "--device", str(device), "--no-progress", "--num-workers", str(num_workers)]
-            + a.train_args + extra)
+    return (["--seed", str(seed), "--device", str(device), "--no-progress"]
+            + (["--num-workers", str(num_workers)] if num_workers is not None else []) + a.train_args + extra)
 
 
 def pretrained_backbone(a):
@@ -278,7 +279,7 @@ def write_records(a, rows, path, argv):
 def parse(argv):
     p = argparse.ArgumentParser(prog="python -m tools.detr_compare", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--out", default="runs/detr_compare", help="run directories, results.json and ap_curves.png")
-    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--epochs", type=int, help="training epochs of every run (default: the trainer's preset)")
     p.add_argument("--max-iters", type=int, default=0, help="cap on iterations per epoch (0 = whole epoch)")
     p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS,
                    help="methods of the registry, '-dwcK' for the local term, ':opt=value,...' for options, or "
@@ -293,10 +294,11 @@ def parse(argv):
     p.add_argument("--finished-only", action="store_true",
                    help="train nothing: report the runs in --out that have finished their --epochs (the others are "
                         "named and left out)")
-    p.add_argument("--num-workers", type=int, default=2)
+    p.add_argument("--num-workers", type=int, help="data-loading processes per run (default: the trainer's preset)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--encoder-only", action="store_true")
-    p.add_argument("--skip-encoder", action="store_true")
+    p.add_argument("--encoder", action="store_true", help="also time DETR-R50's encoder at --sizes (slow: minutes "
+                                                          "per size at 800 px)")
+    p.add_argument("--encoder-only", action="store_true", help="only the encoder table, no training")
     p.add_argument("--sizes", type=lambda s: [int(v) for v in s.split(",")], default=[256, 480, 800])
     p.add_argument("--dc5", action="store_true", help="stride-16 feature maps (800x1333 -> 4200 tokens)")
     p.add_argument("--batch", type=int, default=1)
@@ -305,6 +307,8 @@ def parse(argv):
                    help="after --: options passed to every training run, e.g. -- --synthetic-train 4000 --no-crop")
     a = p.parse_args(argv)
     a.train_args = [t for t in a.train_args if t != "--"]
+    if a.epochs is None:
+        a.epochs = parse_args(a.train_args).epochs
     for name in a.variants:
         try:
             variant_args(name)
@@ -328,7 +332,7 @@ def main(argv=None):
         plot_curves(rows, out / "ap_curves.png")
         if a.records:
             write_records(a, rows, a.records, argv)
-    if not a.skip_encoder:
+    if a.encoder or a.encoder_only:
         result["encoder"] = encoder_table(a, device)
         _print(result["encoder"], ["image", "tokens", "variant", "ms_median", "peak_MiB"])
     (out / "results.json").write_text(json.dumps(result, indent=1))

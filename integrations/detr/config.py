@@ -19,12 +19,13 @@ PRESETS = {
     "coco": dict(backbone="resnet50", hidden_dim=256, enc_layers=6, dec_layers=6, dim_feedforward=2048, nheads=8,
                  num_queries=100, epochs=300, lr_drop=200, lr=1e-4, lr_backbone=1e-5, batch_size=2,
                  scales=list(range(480, 801, 32)), max_size=1333, crop_sizes=[400, 500, 600], crop_min=384,
-                 crop_max=600, val_size=800, dropout=0.1, crop=True, attention="softmax", pretrain_backbone=0),
+                 crop_max=600, val_size=800, dropout=0.1, crop=True, attention="softmax", pretrain_backbone=0,
+                 num_workers=2),
     "synthetic": dict(backbone="small", hidden_dim=64, enc_layers=2, dec_layers=2, dim_feedforward=128, nheads=4,
-                      num_queries=12, epochs=16, lr_drop=12, lr=3e-4, lr_backbone=3e-5, batch_size=8,
+                      num_queries=12, epochs=12, lr_drop=9, lr=5e-4, lr_backbone=5e-5, batch_size=8,
                       scales=[96, 112, 128, 144, 160], max_size=192, crop_sizes=[96, 112, 128], crop_min=64,
                       crop_max=128, val_size=128, dropout=0.0, crop=False, attention=RECOMMENDED,
-                      pretrain_backbone=2000),
+                      pretrain_backbone=1000, num_workers=0),
 }
 
 
@@ -125,7 +126,7 @@ def get_args_parser():
     a("--crop", dest="crop", action="store_true", default=None, help=_Preset("use the random-size-crop branch"))
     a("--no-crop", dest="crop", action="store_false", default=None, help="disable the random-size-crop branch")
     a("--val-size", type=int, help=_Preset("evaluation shorter-side size"))
-    a("--num-workers", type=int, default=2)
+    a("--num-workers", type=int, help=_Preset("data-loading processes (on a few CPU cores they slow training)"))
     # run
     a("--output-dir", default="runs/detr", help="checkpoints, log.jsonl and curves.png go here")
     a("--device", default=None, help="cuda or cpu (default: cuda when available)")

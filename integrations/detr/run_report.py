@@ -17,6 +17,8 @@ def _data_line(args, datasets):
 
 
 def _attention_line(args, attention_report):
+    if all(entry["mode"] == "softmax" and not entry["options"] for entry in attention_report):
+        return "softmax everywhere (nn.MultiheadAttention, as in DETR)"
     parts = []
     for entry in attention_report:
         shown = ", ".join(f"{k}={v}" for k, v in entry["options"].items())
