@@ -52,12 +52,16 @@ _UNSET = object()
 _block_override = _UNSET
 
 
+def compiling() -> bool:
+    """Whether torch.compile is tracing this call."""
+    return getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)()
+
+
 def block_positions(device: torch.device) -> Optional[int]:
     """Positions per block of CPU work, or None for a single block: on accelerators (caching allocators, launch
     overhead favours few large kernels), while compiling (a traced graph would unroll the loop once per block) and
     under torch.func (blocks write into buffers with out=)."""
-    compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)()
-    if device.type != "cpu" or compiling or functorch_active():
+    if device.type != "cpu" or compiling() or functorch_active():
         return None
     if _block_override is not _UNSET:
         return _block_override
@@ -96,6 +100,9 @@ def kernel_backend(q: Tensor, k: Tensor, v: Tensor, feature_map, *, causal: bool
     if causal:
         if functorch_active():
             return Choice(COMPOSED, "inside a torch.func transform, which custom autograd Functions do not support")
+        if compiling() and needs_grad(q, k, v, initial_state):
+            return Choice(COMPOSED, "compiling with gradients: the fused causal Function writes with out=, which "
+                                    "some torch releases cannot trace")
         return Choice(FUSED_CAUSAL, f"not native because {why_not_native}")
     if needs_grad(q, k, v, initial_state):
         return Choice(COMPOSED, f"not native because {why_not_native}; gradients are needed, and the blocked path "

@@ -320,6 +320,8 @@ def causal_linear_product(phi_q, phi_k, v, initial_state=None, chunk_size=64):
     if functorch_active():
         return _composed_product(phi_q, phi_k, v, initial_state, chunk_size)
     if needs_grad(phi_q, phi_k, v, initial_state):
+        if backend.compiling():  # plain ops trace where the custom Function's out= products may not
+            return _composed_product(phi_q, phi_k, v, initial_state, chunk_size)
         return _CausalLinearProduct.apply(phi_q, phi_k, v, initial_state, chunk_size)
     return _forward(phi_q, phi_k, v, initial_state, chunk_size)
 
