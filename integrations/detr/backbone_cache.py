@@ -9,17 +9,18 @@ loaded with ``weights_only=True``, like every checkpoint here.
 """
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import torch
+
+from linear_mha.functional.native_build import configured_cache_dir
 
 from . import distributed as dist_utils
 from .backbone import SMALL_BODIES
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("LINEAR_MHA_CACHE") or Path.home() / ".cache" / "linear_mha") / "detr-backbones"
+    return configured_cache_dir() / "detr-backbones"
 
 
 def _digest(path) -> str:

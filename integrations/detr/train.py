@@ -289,11 +289,11 @@ def main(argv=None):
             entry, coco = finished
             entries.append(entry)
             if dist_utils.is_main_process():
+                elapsed = time.time() - started
                 bar.write(f"epoch {epoch + 1}/{args.epochs}: train loss {entry.get('train_loss', float('nan')):.4f} "
-                      f"val loss {entry.get('test_loss', float('nan')):.4f} AP {coco['AP']:.4f} AP50 "
-                      f"{coco['AP50']:.4f} ({duration(entry['epoch_train_seconds'])} training; "
-                      f"{duration(time.time() - started)} so far, ETA "
-                      f"{eta(len(entries), args.epochs - start_epoch, time.time() - started)})")
+                          f"val loss {entry.get('test_loss', float('nan')):.4f} AP {coco['AP']:.4f} AP50 "
+                          f"{coco['AP50']:.4f} ({duration(entry['epoch_train_seconds'])} training; "
+                          f"{duration(elapsed)} so far, ETA {eta(len(entries), args.epochs - start_epoch, elapsed)})")
                 sys.stdout.flush()  # a log file being tailed gets the line now, not when a buffer fills
             if stop.agreed(device):  # asked after the evaluation's last batch: the epoch is saved, stop here
                 stopped_at = (epoch + 1, 0)

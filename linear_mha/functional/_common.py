@@ -49,6 +49,15 @@ def functorch_active() -> bool:
     return _functorch_active()
 
 
+def compiling() -> bool:
+    """Whether torch.compile is tracing this call: traced graphs need plain ops (no ctypes calls, no per-block
+    loops, no out= products inside custom Functions, which some torch releases cannot trace)."""
+    return _is_compiling()
+
+
+_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Low-precision inputs accumulate states and normalisers in float32; float32/64 stay as they are."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype

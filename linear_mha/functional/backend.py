@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from . import native
-from ._common import functorch_active, needs_grad
+from ._common import compiling, functorch_active, needs_grad
 from .feature_maps import IN_PLACE_FEATURE_MAPS
 
 NATIVE, FUSED_CAUSAL, BLOCKED, COMPOSED = "native", "fused_causal", "blocked_inference", "composed"
@@ -50,11 +50,6 @@ BLOCK_POSITIONS_THREADED = 16384
 
 _UNSET = object()
 _block_override = _UNSET
-
-
-def compiling() -> bool:
-    """Whether torch.compile is tracing this call."""
-    return getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)()
 
 
 def block_positions(device: torch.device) -> Optional[int]:

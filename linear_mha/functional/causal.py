@@ -21,7 +21,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import backend
-from ._common import functorch_active, needs_grad
+from ._common import compiling, functorch_active, needs_grad
 
 __all__ = ["causal_linear_product", "causal_linear_state", "causal_linear_step"]
 
@@ -320,7 +320,7 @@ def causal_linear_product(phi_q, phi_k, v, initial_state=None, chunk_size=64):
     if functorch_active():
         return _composed_product(phi_q, phi_k, v, initial_state, chunk_size)
     if needs_grad(phi_q, phi_k, v, initial_state):
-        if backend.compiling():  # plain ops trace where the custom Function's out= products may not
+        if compiling():  # plain ops trace where the custom Function's out= products may not
             return _composed_product(phi_q, phi_k, v, initial_state, chunk_size)
         return _CausalLinearProduct.apply(phi_q, phi_k, v, initial_state, chunk_size)
     return _forward(phi_q, phi_k, v, initial_state, chunk_size)

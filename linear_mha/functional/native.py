@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import native_build
-from ._common import functorch_active
+from ._common import compiling, functorch_active
 
 MAPS = {"elu": 0, "relu": 1}  # the elementwise feature maps the C code computes
 
@@ -48,7 +48,6 @@ def enabled() -> bool:
     return _enabled
 
 
-_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
 
 def _declare(library: ctypes.CDLL) -> None:
@@ -127,7 +126,7 @@ def why_not(*tensors: Optional[Tensor]) -> Optional[str]:
             return "a tensor's last dimension is not contiguous"
         if t.numel() == 0:  # the kernels split work by batch x heads and by rows
             return "a tensor is empty"
-    if _is_compiling():
+    if compiling():
         return "inside torch.compile, which traces PyTorch ops"
     if functorch_active():
         return "inside a torch.func transform, whose tensors have no data pointers"
@@ -290,7 +289,7 @@ def step_ready(feature_map, q, k, v, state) -> bool:
         return False
     if state is not None and state.shape != (*shape, v.shape[2] + 1):
         return False
-    return not _is_compiling() and not functorch_active()
+    return not compiling() and not functorch_active()
 
 
 def kernel_step(q: Tensor, k: Tensor, v: Tensor, state: Optional[Tensor], feature_map: str, inplace: bool = False):
