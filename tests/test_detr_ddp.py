@@ -112,7 +112,7 @@ def _train_worker(rank, world, port, out_dir):
     result = main(["--synthetic-train", "16", "--synthetic-val", "4", "--batch-size", "2", "--num-workers", "0",
                    "--backbone", "tiny", "--pretrain-backbone", "0", "--attention", "softmax",
                    "--hidden-dim", "32", "--dim-feedforward", "64", "--num-queries", "6", "--no-progress",
-                   "--epochs", "1", "--output-dir", str(out_dir)])
+                   "--epochs", "1", "--output-dir", str(out_dir), "--device", "cpu"])  # gloo, two processes
     torch.save(result["stopped_at"], os.path.join(out_dir, f"stopped_{rank}.pt"))
     dist.destroy_process_group()
 

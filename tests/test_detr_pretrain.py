@@ -27,6 +27,9 @@ def test_cell_labels():
     assert torch.equal(labels[0], expected)
 
 
+CPU = "--device", "cpu"  # resume is bit-exact where kernels are deterministic (CUDA's atomic adds are not)
+
+
 def _run(tmp_path, *extra):
     return pretrain.main(["--backbone", "tiny", "--iters", "4", "--batch-size", "4", "--save-every", "2",
                           "--output-dir", str(tmp_path), "--num-workers", "0", "--no-progress", "--lr", "1e-2",
@@ -49,7 +52,7 @@ def test_weights_load_into_detr_and_change_with_training(tmp_path):
 
 
 def test_resume_after_interruption_repeats_the_run(tmp_path, monkeypatch):
-    reference = torch.load(_run(tmp_path / "whole"), weights_only=True)
+    reference = torch.load(_run(tmp_path / "whole", *CPU), weights_only=True)
     real_batch, calls = pretrain._batch, []
 
     def interrupted(*args):
@@ -59,9 +62,9 @@ def test_resume_after_interruption_repeats_the_run(tmp_path, monkeypatch):
         return real_batch(*args)
     monkeypatch.setattr(pretrain, "_batch", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        _run(tmp_path / "split")
+        _run(tmp_path / "split", *CPU)
     monkeypatch.setattr(pretrain, "_batch", real_batch)
-    resumed = torch.load(_run(tmp_path / "split", "--resume"), weights_only=True)
+    resumed = torch.load(_run(tmp_path / "split", *CPU, "--resume"), weights_only=True)
     for key in reference:
         torch.testing.assert_close(resumed[key], reference[key], rtol=0, atol=0, msg=key)
     iters = [json.loads(line)["iter"] for line in (tmp_path / "split" / "log.jsonl").read_text().splitlines()]
@@ -71,7 +74,7 @@ def test_resume_after_interruption_repeats_the_run(tmp_path, monkeypatch):
 def test_a_signal_stops_after_a_step_with_a_checkpoint_that_resumes_exactly(tmp_path, monkeypatch):
     import os
     import signal
-    reference = torch.load(_run(tmp_path / "whole"), weights_only=True)
+    reference = torch.load(_run(tmp_path / "whole", *CPU), weights_only=True)
     real_batch, calls = pretrain._batch, []
 
     def signalled(*args):
@@ -80,10 +83,10 @@ def test_a_signal_stops_after_a_step_with_a_checkpoint_that_resumes_exactly(tmp_
             os.kill(os.getpid(), signal.SIGINT)
         return real_batch(*args)
     monkeypatch.setattr(pretrain, "_batch", signalled)
-    assert _run(tmp_path / "split") is None
+    assert _run(tmp_path / "split", *CPU) is None
     assert torch.load(tmp_path / "split" / "checkpoint.pth", weights_only=False)["iter"] == 3
     monkeypatch.setattr(pretrain, "_batch", real_batch)
-    resumed = torch.load(_run(tmp_path / "split", "--resume"), weights_only=True)
+    resumed = torch.load(_run(tmp_path / "split", *CPU, "--resume"), weights_only=True)
     for key in reference:
         torch.testing.assert_close(resumed[key], reference[key], rtol=0, atol=0, msg=key)
     logs = [(tmp_path / d / "log.jsonl").read_text() for d in ("whole", "split")]

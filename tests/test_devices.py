@@ -20,9 +20,15 @@ B, H, N, D = 2, 3, 70, 16  # N crosses a causal chunk boundary (64)
     not torch.cuda.is_available(), reason="needs a CUDA device"))])
 def device(request, backends):
     if request.param == "cuda":
-        return torch.device("cuda")
+        # cuDNN convolutions run in TF32 by default (a 10-bit mantissa): the DETR backbone's error would then swamp
+        # the float32 attention these tests check. Restored after the test.
+        saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+        yield torch.device("cuda")
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+        return
     backends(native_kernels=False, block_positions=None)  # PyTorch ops in one block of work, as on CUDA
-    return torch.device("cpu")
+    yield torch.device("cpu")
 
 
 def _projection():

@@ -162,7 +162,7 @@ def main(argv=None):
     print(f"pretrained {args.backbone} for {it} iterations: val cell accuracy {val['val_cell_acc']:.3f}, "
           f"object cells {val['val_object_cell_acc']:.3f}", file=sys.stderr)
     path = out / "backbone.pth"
-    save_atomic(model.body.state_dict(), path)
+    save_atomic({k: t.cpu() for k, t in model.body.state_dict().items()}, path)  # loads on any device
     return path
 
 
