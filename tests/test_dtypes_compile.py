@@ -69,3 +69,23 @@ def test_torch_compile_matches_eager(causal):
     grad_eager, = torch.autograd.grad(eager.sum(), x)
     grad_compiled, = torch.autograd.grad(out.sum(), x)
     torch.testing.assert_close(grad_compiled, grad_eager, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["kernel", "efficient"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_autocast_cannot_round_the_normaliser_into_float16(method, causal, backends):
+    # Under float16 autocast (DETR's default training on CUDA) the products would come out in float16, and the
+    # normaliser of 4096 keys, about 2.6e5 here, overflows float16's 65,504: inf, then 0 or NaN outputs.
+    import linear_mha.functional as LF
+    if method == "efficient" and causal:
+        pytest.skip("efficient attention has no causal form")
+    backends(native_kernels=False, block_positions=None)  # the code path CUDA runs
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4096, 64, generator=g) + 1 for _ in range(3))
+    fn = (lambda: LF.kernel(q, k, v, "elu", causal=causal)) if method == "kernel" else (
+        lambda: LF.efficient_attention(q, k, v))
+    ref = fn()
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = fn()
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref)

@@ -4,6 +4,8 @@ All functions take ``key_padding_mask`` as a bool tensor of shape ``(B, S)`` whe
 IGNORE (torch's convention). Masking is done with ``masked_fill`` rather than multiplication so that masked
 garbage (even inf/NaN) can neither leak into results nor receive gradient.
 """
+import contextlib
+import functools
 from typing import Optional
 
 import torch
@@ -56,6 +58,27 @@ def compiling() -> bool:
 
 
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+
+
+def no_autocast(device: torch.device):
+    """A context that switches autocast off on ``device`` where it is on, else does nothing."""
+    try:
+        active = torch.is_autocast_enabled(device.type)
+    except (RuntimeError, TypeError):  # devices without autocast support (e.g. meta)
+        active = False
+    return torch.autocast(device_type=device.type, enabled=False) if active else contextlib.nullcontext()
+
+
+def outside_autocast(fn):
+    """Run an attention function with autocast off on its first tensor's device. These functions accumulate half
+    inputs in float32 themselves (``compute_dtype``); autocast would cast those products back to float16, where
+    the normaliser of a few thousand keys overflows (65,504 is float16's largest value) and the outputs turn to
+    inf/NaN. Outputs still come back in the inputs' dtype."""
+    @functools.wraps(fn)
+    def wrapper(first, *args, **kwargs):
+        with no_autocast(first.device) if isinstance(first, Tensor) else contextlib.nullcontext():
+            return fn(first, *args, **kwargs)
+    return wrapper
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

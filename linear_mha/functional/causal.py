@@ -15,13 +15,11 @@ The backward recomputes the chunk states from the saved inputs instead of keepin
 On CPU the chunks are processed in blocks of a few thousand positions with reused buffers and the
 state carried between blocks; on accelerators everything is one block (see backend.block_positions).
 """
-import contextlib
-
 import torch
 from torch.autograd.function import once_differentiable
 
 from . import backend
-from ._common import compiling, functorch_active, needs_grad
+from ._common import compiling, functorch_active, needs_grad, no_autocast
 
 __all__ = ["causal_linear_product", "causal_linear_state", "causal_linear_step"]
 
@@ -152,15 +150,6 @@ def _causal_scores_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> 
     return torch.bmm(a, b.transpose(1, 2), out=out).tril_()
 
 
-def _no_autocast(device: torch.device):
-    # Autocast would round the float32 states back to half precision inside the matmuls.
-    try:
-        active = torch.is_autocast_enabled(device.type)
-    except (RuntimeError, TypeError):  # devices without autocast support (e.g. meta)
-        active = False
-    return torch.autocast(device_type=device.type, enabled=False) if active else contextlib.nullcontext()
-
-
 def _layout(phi_q: torch.Tensor, chunk_size: int):
     b, h, n, _ = phi_q.shape
     chunk = min(chunk_size, n)
@@ -179,7 +168,7 @@ def _unchunk(x: torch.Tensor, b: int, h: int, n: int, dtype: torch.dtype) -> tor
 
 
 def _forward(phi_q, phi_k, v, initial_state, chunk_size):
-    with _no_autocast(phi_q.device):
+    with no_autocast(phi_q.device):
         return _forward_impl(phi_q, phi_k, v, initial_state, chunk_size)
 
 
@@ -200,7 +189,7 @@ def _forward_impl(phi_q, phi_k, v, initial_state, chunk_size):
 
 
 def _backward(phi_q, phi_k, v, initial_state, grad_out, chunk_size, needs):
-    with _no_autocast(phi_q.device):
+    with no_autocast(phi_q.device):
         return _backward_impl(phi_q, phi_k, v, initial_state, grad_out, chunk_size, needs)
 
 
@@ -335,7 +324,7 @@ def causal_linear_state(phi_k, v, initial_state=None):
     """
     _check_inputs(phi_k, phi_k, v, initial_state, seq_dims=4, q_name="phi_k")
     dtype = _state_dtype(phi_k.dtype)
-    with _no_autocast(phi_k.device):
+    with no_autocast(phi_k.device):
         state = torch.matmul(phi_k.to(dtype).transpose(-1, -2), v.to(dtype))
     if initial_state is not None:
         state = state + initial_state.to(dtype)
@@ -370,7 +359,7 @@ def step_unchecked(phi_q, phi_k, v, state):
     # bmm on 3-D views: matmul's broadcasting of 4-D operands costs more than the product itself here.
     args = (phi_q.reshape(b * h, 1, dk), new_state.reshape(b * h, dk, dv))
     if torch.is_autocast_enabled(phi_q.device.type):
-        with _no_autocast(phi_q.device):
+        with no_autocast(phi_q.device):
             out = torch.bmm(*args)
     else:
         out = torch.bmm(*args)

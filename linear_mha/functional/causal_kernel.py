@@ -19,8 +19,8 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import backend
-from ._common import append_ones, needs_grad, safe_normaliser
-from .causal import _PrefixStates, _causal_scores_into, _layout, _no_autocast, _to_chunks, _unchunk
+from ._common import append_ones, needs_grad, no_autocast, safe_normaliser
+from .causal import _PrefixStates, _causal_scores_into, _layout, _to_chunks, _unchunk
 from .causal import _backward as _product_backward
 from .feature_maps import IN_PLACE_FEATURE_MAPS, apply_feature_map
 
@@ -39,7 +39,7 @@ def _derivative_in_place(grad: Tensor, phi: Tensor, feature_map: str) -> Tensor:
 
 def _forward(q, k, v, initial_state, key_padding_mask, feature_map, chunk_size):
     """(out (B, H, N, Dv), normaliser (B, H, N, 1) with its zeros replaced by 1, as ``_common.normalise``)."""
-    with _no_autocast(q.device):
+    with no_autocast(q.device):
         return _forward_blocks(q, k, v, initial_state, key_padding_mask, feature_map, chunk_size)
 
 

@@ -8,9 +8,10 @@ import torch
 from torch import Tensor
 
 from . import backend, native
-from ._common import check_qkv, compute_dtype, drop_keys, key_mask_4d, mask_keys
+from ._common import check_qkv, compute_dtype, drop_keys, key_mask_4d, mask_keys, outside_autocast
 
 
+@outside_autocast
 def efficient_attention(
     q: Tensor,
     k: Tensor,

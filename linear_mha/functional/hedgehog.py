@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._common import check_qkv, compute_dtype, drop_keys, mask_keys
+from ._common import check_qkv, compute_dtype, drop_keys, mask_keys, outside_autocast
 from .causal import check_chunk_size
 from .kernel import feature_attention
 
@@ -30,6 +30,7 @@ def hedgehog_features(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) 
     return torch.cat([torch.softmax(z, dim=-1), torch.softmax(-z, dim=-1)], dim=-1)
 
 
+@outside_autocast
 def hedgehog(
     q: Tensor,
     k: Tensor,

@@ -17,12 +17,13 @@ from torch import Tensor
 
 from . import backend, native
 from ._common import (append_ones, check_qkv, compute_dtype, drop_keys, functorch_active, mask_keys, needs_grad,
-                      normalise, safe_normaliser, split_normalise)
+                      normalise, outside_autocast, safe_normaliser, split_normalise)
 from .causal import causal_linear_product, check_chunk_size, step_unchecked
 from .causal_kernel import causal_kernel, kernel_inference_blocks
 from .feature_maps import FeatureMap, apply_feature_map, elementwise_feature_map
 
 
+@outside_autocast
 def kernel(
     q: Tensor,
     k: Tensor,
@@ -119,6 +120,7 @@ def _check_state(initial_state, q, v):
                          f"{tuple(initial_state.shape)}; build it with kernel_state(k, v, feature_map)")
 
 
+@outside_autocast
 def kernel_state(
     k: Tensor,
     v: Tensor,
