@@ -148,6 +148,20 @@ def _torch_mha(need_weights: bool):
     return build
 
 
+def _sdpa_backend(backend: str):
+    """SDPA held to one of its CUDA kernels (FLASH_ATTENTION: fp16/bf16 only; EFFICIENT_ATTENTION: any float), so
+    the table says which one a linear method is compared with instead of whichever SDPA picks."""
+    def build(c, dtype, device):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        kernel = getattr(SDPBackend, backend)
+
+        def run(q, k, v):
+            with sdpa_kernel(kernel):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=c["causal"])
+        return run, []
+    return build
+
+
 def _peer_lat(c, dtype, device):
     lat = importlib.import_module("linear_attention_transformer.linear_attention_transformer")
     fn = lat.causal_linear_attn if c["causal"] else lat.linear_attn
@@ -239,6 +253,9 @@ METHODS = {
     ("core", "linformer"): Method(_core(_linformer_core), linformer_flops, causal=False),
     ("core", "sdpa"): Method(_core(lambda c, t, d: lambda q, k, v: F.scaled_dot_product_attention(
         q, k, v, is_causal=c["causal"])), softmax_flops, kind="sdpa"),
+    ("core", "sdpa_flash"): Method(_sdpa_backend("FLASH_ATTENTION"), softmax_flops, kind="sdpa", devices=("cuda",)),
+    ("core", "sdpa_efficient"): Method(_sdpa_backend("EFFICIENT_ATTENTION"), softmax_flops, kind="sdpa",
+                                       devices=("cuda",)),
     ("core", "softmax_weights"): Method(_core(lambda c, t, d: lambda q, k, v: LF.softmax(
         q, k, v, causal=c["causal"], need_weights=True)[0]), softmax_flops, kind="weights"),
     ("core", "peer_lat"): Method(_peer_lat, efficient_flops, peer="linear_attention_transformer"),
@@ -277,10 +294,10 @@ def case_key(c) -> str:
 
 
 def make_inputs(c, dtype, device):
-    g = torch.Generator().manual_seed(c["seed"] * 1_000_003 + c["N"])
-    if c["level"] == "core":
-        return [torch.randn(c["B"], c["H"], c["N"], c["d"], generator=g).to(device, dtype) for _ in range(3)]
-    return [torch.randn(c["B"], c["N"], c["H"] * c["d"], generator=g).to(device, dtype)]
+    # Drawn where they are used: on CUDA a CPU generator would spend seconds per gigabyte-sized group.
+    g = torch.Generator(device).manual_seed(c["seed"] * 1_000_003 + c["N"])
+    shape = (c["B"], c["H"], c["N"], c["d"]) if c["level"] == "core" else (c["B"], c["N"], c["H"] * c["d"])
+    return [torch.randn(shape, generator=g, device=device).to(dtype) for _ in range(3 if c["level"] == "core" else 1)]
 
 
 def build_method(c, dtype, device):
@@ -294,7 +311,8 @@ def make_data(c, dtype, device):
     inputs = make_inputs(c, dtype, device)
     if c["pass"] == "fwd":
         return inputs, None
-    grad = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(c["seed"] + 7)).to(device, dtype)
+    g = torch.Generator(device).manual_seed(c["seed"] + 7)
+    grad = torch.randn(inputs[0].shape, generator=g, device=device).to(dtype)
     return [t.requires_grad_() for t in inputs], grad
 
 

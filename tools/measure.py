@@ -104,6 +104,7 @@ def round_robin(callables: Dict[str, Callable[[], object]], *, repeats: int = 5,
     """Time several callables interleaved: round r runs every callable once, starting at a rotating position, so
     a slow phase of the machine (another process, thermal state) is shared by all of them instead of one.
 
+    On CUDA each run is timed with CUDA events, elsewhere with the host clock after the call returns.
     Returns name -> {"median_ms", "min_ms", "runs"} or name -> {"error": "..."} for a callable that raised (it
     is dropped from later rounds; the others go on). Rounds stop after ``repeats``, or earlier once ``budget_s``
     seconds have passed and ``min_repeats`` rounds are done (large cases at a few seconds a call)."""
@@ -112,15 +113,24 @@ def round_robin(callables: Dict[str, Callable[[], object]], *, repeats: int = 5,
     times = {name: [] for name in callables}
     errors = {}
 
+    on_cuda = torch.device(device).type == "cuda"
+
     def timed(name):
-        start = time.perf_counter()
+        # CUDA: events on the stream bracket the device work itself; a host clock would add the launch latency
+        # of the first kernel and the synchronisation to every run.
+        start = torch.cuda.Event(enable_timing=True) if on_cuda else time.perf_counter()
+        end = torch.cuda.Event(enable_timing=True) if on_cuda else None
         try:
+            if on_cuda:
+                start.record()
             callables[name]()
+            if on_cuda:
+                end.record()
             sync(device)
         except Exception as exc:  # noqa: BLE001 - a failing peer or an OOM must not end the whole run
             errors[name] = f"{type(exc).__name__}: {exc}"[:300]
             return None
-        return (time.perf_counter() - start) * 1e3
+        return start.elapsed_time(end) if on_cuda else (time.perf_counter() - start) * 1e3
 
     for name in callables:
         for _ in range(warmup):
