@@ -293,3 +293,15 @@ def test_gradcheck_linformer_projections():
     e, f = (torch.randn(2, 3, 6, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
     m = torch.tensor([[False, False, False, False, True]])
     assert torch.autograd.gradcheck(lambda e, f: LF.linformer(q, k, v, e, f, key_padding_mask=m)[0], (e, f))
+
+
+@pytest.mark.parametrize("pieces", [1, 2, 7, 64])
+def test_key_value_sums_in_pieces_equal_one_product(pieces):
+    # CUDA splits the sum over positions into pieces (kernel.key_value_sums); 7 leaves a remainder of 4 positions.
+    from linear_mha.functional.kernel import key_value_sums
+    g = torch.Generator().manual_seed(0)
+    phi_k = torch.rand(2, 3, 445, 5, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 445, 3, 4, generator=g, dtype=torch.float64).transpose(1, 2)  # a strided view, as MHA gives
+    kv, k_sum = key_value_sums(phi_k, v, pieces=pieces)
+    torch.testing.assert_close(kv, phi_k.transpose(-2, -1) @ v)
+    torch.testing.assert_close(k_sum, phi_k.sum(dim=-2, keepdim=True).transpose(-2, -1))

@@ -2,6 +2,8 @@
 
     native             the compiled C kernels of ``native.py`` (float32 CPU; kernel attention with elu/relu,
                        Efficient Attention), forward and backward
+    fla                ``fla_causal.py``: causal elu/relu kernel attention on bfloat16 CUDA tensors through
+                       flash-linear-attention's Triton kernel, when fla-core is installed
     fused_causal       ``causal_kernel.py``: causal elu/relu kernel attention as one autograd Function, the feature
                        map and the division done block by block in reused buffers
     blocked_inference  ``causal_kernel.kernel_inference_blocks``: non-causal elu/relu inference without autograd, a
@@ -21,11 +23,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import native
-from ._common import compiling, functorch_active, needs_grad
+from . import fla_causal, native
+from ._common import compiling, compute_dtype, functorch_active, needs_grad
 from .feature_maps import IN_PLACE_FEATURE_MAPS
 
-NATIVE, FUSED_CAUSAL, BLOCKED, COMPOSED = "native", "fused_causal", "blocked_inference", "composed"
+NATIVE, FLA, FUSED_CAUSAL, BLOCKED, COMPOSED = "native", "fla", "fused_causal", "blocked_inference", "composed"
 FUSED_FEATURE_MAPS = tuple(IN_PLACE_FEATURE_MAPS)  # the maps causal_kernel.py and the blocked path apply in place
 
 
@@ -64,11 +66,13 @@ def block_positions(device: torch.device) -> Optional[int]:
 
 
 @contextlib.contextmanager
-def override(*, native_kernels: Optional[bool] = None, block_positions=_UNSET):
+def override(*, native_kernels: Optional[bool] = None, block_positions=_UNSET, fla: Optional[bool] = None):
     """Within the block: ``native_kernels`` True/False switches the compiled CPU kernels on/off; ``block_positions``
-    None makes CPU work one block (the code path CUDA runs), an int sets the block size. Restored on exit."""
+    None makes CPU work one block (the code path CUDA runs), an int sets the block size; ``fla`` True/False switches
+    flash-linear-attention's kernel on/off for causal bfloat16 CUDA attention. Restored on exit."""
     global _block_override
     previous_native = None if native_kernels is None else native.set_enabled(native_kernels)
+    previous_fla = None if fla is None else fla_causal.set_enabled(fla)
     previous_block = _block_override
     if block_positions is not _UNSET:
         if block_positions is not None and (not isinstance(block_positions, int) or block_positions < 1):
@@ -78,14 +82,19 @@ def override(*, native_kernels: Optional[bool] = None, block_positions=_UNSET):
         yield
     finally:
         _block_override = previous_block
+        if previous_fla is not None:
+            fla_causal.set_enabled(previous_fla)
         if previous_native is not None:
             native.set_enabled(previous_native)
 
 
 def kernel_backend(q: Tensor, k: Tensor, v: Tensor, feature_map, *, causal: bool,
                    initial_state: Optional[Tensor] = None) -> Choice:
-    """The backend ``functional.kernel`` uses for these tensors (as it holds them: half inputs are float32 by then)."""
-    why_not_native = native.why_not_kernel(feature_map, q, k, v, initial_state)
+    """The backend ``functional.kernel`` uses for these tensors, as the caller passes them (every path but fla
+    computes half-precision inputs in float32, so the compiled kernels take those too)."""
+    if causal and fla_causal.why_not(q, k, v, feature_map, initial_state) is None:
+        return Choice(FLA, "causal elu/relu attention on bfloat16 CUDA tensors, and fla is installed")
+    why_not_native = native.why_not_kernel(feature_map, q, k, v, initial_state, dtype=compute_dtype(q.dtype))
     if why_not_native is None:
         return Choice(NATIVE, f"float32 CPU tensors and the {feature_map!r} map, which the compiled kernels fuse")
     fused = isinstance(feature_map, str) and feature_map in FUSED_FEATURE_MAPS
@@ -98,7 +107,8 @@ def kernel_backend(q: Tensor, k: Tensor, v: Tensor, feature_map, *, causal: bool
         if compiling() and needs_grad(q, k, v, initial_state):
             return Choice(COMPOSED, "compiling with gradients: the fused causal Function writes with out=, which "
                                     "some torch releases cannot trace")
-        return Choice(FUSED_CAUSAL, f"not native because {why_not_native}")
+        why_not_fla = fla_causal.why_not(q, k, v, feature_map, initial_state)
+        return Choice(FUSED_CAUSAL, f"not native because {why_not_native}; not fla because {why_not_fla}")
     if needs_grad(q, k, v, initial_state):
         return Choice(COMPOSED, f"not native because {why_not_native}; gradients are needed, and the blocked path "
                                 f"has no backward")
