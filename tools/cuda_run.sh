@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The whole CUDA run of docs/cuda.md in one command, on a machine with a CUDA GPU:
+#     bash tools/cuda_run.sh [OUTPUT_DIR]          (default runs/cuda)
+# 1. the test suite with the GPU visible: the CUDA cases of tests/test_devices.py, tests/test_dtypes_compile.py and
+#    tests/test_fla_causal.py run instead of skipping (the fla cases need `pip install fla-core`);
+# 2. tools.benchmark's CUDA grid in bfloat16 and float32 (resumable: run it again to finish an interrupted grid);
+# 3. tools.detr_step: a DETR-R50 DC5 training step at 800 x 1333, softmax against linear encoders.
+# Every result lands in OUTPUT_DIR: pytest.log, bench_*.json / .png / .log, detr_step.json.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-runs/cuda}
+mkdir -p "$out"
+python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: this run needs one')"
+python -m pytest -q -p no:cacheprovider -rfE tests 2>&1 | tee "$out/pytest.log"
+for dtype in bfloat16 float32; do
+    python -m tools.benchmark --device cuda --dtype "$dtype" --resume --json "$out/bench_$dtype.json" \
+        --png "$out/bench_$dtype.png" 2>&1 | tee "$out/bench_$dtype.log"
+done
+python -m tools.detr_step --device cuda --dc5 --batch 2 --json "$out/detr_step.json"
+echo "results in $out"
