@@ -68,6 +68,15 @@ def variant_args(name: str) -> list:
     return args
 
 
+def check_variants(parser, names) -> None:
+    """Exit through ``parser`` naming the first variant name that does not resolve (an unknown method, say)."""
+    for name in names:
+        try:
+            variant_args(name)
+        except ValueError as err:
+            parser.error(f"--variants {name!r}: {err}")
+
+
 def _cpu_peak_mib(builder, **kwargs):
     """Peak extra RSS (MiB) of one call of a case of this file, in a fresh process (tools/measure.py)."""
     return measure.peak_extra_mib({"builder": f"tools.detr_compare:{builder}", "kwargs": kwargs})
@@ -309,11 +318,7 @@ def parse(argv):
     a.train_args = [t for t in a.train_args if t != "--"]
     if a.epochs is None:
         a.epochs = parse_args(a.train_args).epochs
-    for name in a.variants:
-        try:
-            variant_args(name)
-        except ValueError as err:
-            p.error(f"--variants {name!r}: {err}")
+    check_variants(p, a.variants)
     return a
 
 

@@ -33,7 +33,7 @@ from integrations.detr.train import param_groups
 from integrations.detr.transforms import feature_tokens
 
 from . import measure
-from .detr_compare import variant_args
+from .detr_compare import check_variants, variant_args
 
 
 def make_batch(batch, hw, objects, num_classes, seed, device):
@@ -133,11 +133,7 @@ def parse(argv=None):
         p.error(f"--warmup must be >= 0, got {a.warmup}")
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda, but torch.cuda.is_available() is False; use --device cpu")
-    for name in a.variants:
-        try:
-            variant_args(name)
-        except ValueError as err:
-            p.error(f"--variants {name!r}: {err}")
+    check_variants(p, a.variants)
     return a
 
 
