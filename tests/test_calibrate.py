@@ -133,3 +133,21 @@ def test_the_bench_reports_accuracy_kept_on_a_vit_trained_here(tmp_path):
     assert all(0 <= r["top1"] <= 1 and r["kept"] > 0 for r in result["records"])
     assert result["records"][-1]["fraction_of_training_steps"] == pytest.approx(5 / 20)
     assert (tmp_path / "calibrate_vit.png").stat().st_size > 0 and (tmp_path / "records.json").exists()
+
+
+def test_the_bench_resumes_with_the_earlier_seeds_records_and_refuses_other_options(tmp_path):
+    pytest.importorskip("sklearn")
+    from tools import calibrate_bench
+    common = ["vit", "--train-steps", "20", "--calibration-steps", "3", "--finetune-after", "3",
+              "--finetune-steps", "2", "--out", str(tmp_path)]
+    first = calibrate_bench.main(common + ["--seeds", "0"])
+    second = calibrate_bench.main(common + ["--seeds", "1", "--resume"])
+    assert [r for r in second["records"] if r["seed"] == 0] == first["records"]  # kept, not re-run
+    assert {r["seed"] for r in second["records"]} == {0, 1}
+    assert [r["n"] for r in second["summary"]] == [2, 2, 2, 2]
+    again = calibrate_bench.main(common + ["--seeds", "1", "--resume"])  # a re-run seed replaces its records
+    assert len(again["records"]) == len(second["records"])
+    with pytest.raises(SystemExit, match="other options"):
+        calibrate_bench.main(common[:-1] + [str(tmp_path), "--lr", "0.5", "--seeds", "2", "--resume"])
+    with pytest.raises(SystemExit, match="does not exist"):
+        calibrate_bench.main(common[:-1] + [str(tmp_path / "new"), "--seeds", "2", "--resume"])

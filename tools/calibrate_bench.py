@@ -139,6 +139,34 @@ def detr_records(a, seed, checkpoint):
     return records
 
 
+# ----------------------------------------------------------------------------------------------------- resume
+PER_SEED_FLAGS = {"--seeds", "--checkpoints", "--checkpoint-seeds", "--resume", "--json", "--threads"}
+
+
+def _options(argv):
+    """The tokens of a command that must match for records to be combined: all but the per-seed flags."""
+    kept, skipping = [], False
+    for token in argv:
+        if token.startswith("--") and token != "--":
+            skipping = token in PER_SEED_FLAGS
+        if not skipping:
+            kept.append(token)
+    return kept
+
+
+def previous_records(path: Path, argv, rerun_seeds):
+    """The records of an earlier run in ``path`` whose seeds are not in ``rerun_seeds``; exits when that run's
+    options (everything but seeds, checkpoints, threads and output files) differ from this one's."""
+    if not path.exists():
+        raise SystemExit(f"--resume: {path} does not exist; run without --resume first (or give the same --out)")
+    old = json.loads(path.read_text())
+    before = _options(old["command"].split()[3:])  # after "python -m tools.calibrate_bench"
+    if before != _options(list(argv)):
+        raise SystemExit(f"--resume: {path} was made with other options:\n  {' '.join(before)}\nthis run has\n  "
+                         f"{' '.join(_options(list(argv)))}\nrun with the same options or another --out")
+    return [r for r in old["records"] if r["seed"] not in rerun_seeds]
+
+
 # ----------------------------------------------------------------------------------------------------- report
 def summarize(records, metric):
     rows = []
@@ -198,12 +226,17 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, default=Path("runs/calibrate"), help="results.json and the PNG go here")
     p.add_argument("--json", type=Path, help="also write the records here")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the records of --out's results.json for seeds not given now and run only the given "
+                        "ones (refused when the earlier run's other options differ)")
     p.epilog = "detr: the trainer's data and model options follow a --"
     own, train_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     a = p.parse_args(own)
     a.train_args = train_args
     M.pin_threads(a.threads)
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.resume:
+        previous_records(a.out / "results.json", argv, set())  # refuse before hours of work, not after
     if a.model == "vit":
         metric = "top1"
         records = [r for seed in a.seeds for r in vit_records(a, seed)]
@@ -213,6 +246,8 @@ def main(argv=None):
         metric = "AP"
         seeds = a.checkpoint_seeds or list(range(42, 42 + len(a.checkpoints)))
         records = [r for seed, ckpt in zip(seeds, a.checkpoints) for r in detr_records(a, seed, ckpt)]
+    if a.resume:
+        records = previous_records(a.out / "results.json", argv, {r["seed"] for r in records}) + records
     rows = summarize(records, metric)
     print_table(rows, metric)
     result = {"model": a.model, "mode": a.mode, "machine": f"{M.cpu_name()} ({platform.machine()})",
