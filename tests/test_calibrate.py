@@ -151,3 +151,30 @@ def test_the_bench_resumes_with_the_earlier_seeds_records_and_refuses_other_opti
         calibrate_bench.main(common[:-1] + [str(tmp_path), "--lr", "0.5", "--seeds", "2", "--resume"])
     with pytest.raises(SystemExit, match="does not exist"):
         calibrate_bench.main(common[:-1] + [str(tmp_path / "new"), "--seeds", "2", "--resume"])
+
+
+def test_the_bench_calibrates_a_causal_lm_built_on_nn_transformer_encoder(tmp_path):
+    from tools import calibrate_bench
+    result = calibrate_bench.main(["lm", "--seeds", "0", "--train-steps", "6", "--calibration-steps", "2",
+                                   "--finetune-after", "2", "--finetune-steps", "2", "--out", str(tmp_path)])
+    stages = [r["stage"] for r in result["records"]]
+    assert stages == ["softmax (original)", "patch", "calibrated", "calibrated + fine-tuned",
+                      "fine-tuned without calibration"]
+    assert all(0 < r["bpb"] < 9 and r["kept"] == pytest.approx(result["records"][0]["bpb"] / r["bpb"])
+               for r in result["records"])
+    assert result["records"][3]["fraction_of_training_steps"] == pytest.approx(4 / 6)
+
+
+def test_a_patched_causal_lm_never_sees_the_future():
+    from tools.calibrate_lm import TorchCausalLM
+    torch.manual_seed(0)
+    model = TorchCausalLM(dim=32, depth=1, heads=2, seq_len=16).eval()
+    patch(model, "hedgehog")
+    assert model.encoder.layers[0].self_attn.mode == "hedgehog"  # the test is about linear attention, not softmax
+    tokens = torch.randint(0, 256, (2, 16))
+    changed = tokens.clone()
+    changed[:, 9:] = torch.randint(0, 256, (2, 7))
+    with torch.no_grad():
+        a, b = model(tokens), model(changed)
+    torch.testing.assert_close(a[:, :9], b[:, :9])
+    assert not torch.allclose(a[:, 9:], b[:, 9:])

@@ -5,10 +5,14 @@ here (nothing is downloaded): plain patch, attention transfer alone, and transfe
     python -m tools.calibrate_bench detr --checkpoints runs/detr_cmp/softmax/seed42/checkpoint.pth ... \\
         --out runs/calib_detr --json docs/results/calibrate_detr.json -- --backbone small --synthetic-train 2000 ...
 
+    python -m tools.calibrate_bench lm --seeds 0 1 2 --out runs/calib_lm --json docs/results/calibrate_lm.json
+
 vit: a small timm ViT trained from scratch on scikit-learn's handwritten digits (1,797 8 x 8 images, upsampled to
 32 x 32; 80/20 split by seed), then patched with --mode (hedgehog) and calibrated. detr: softmax DETR checkpoints
 written by integrations.detr.train (e.g. tools.detr_compare's softmax runs), patched in the encoder and calibrated
-through the trainer's --calibrate-steps, on its training images; the options after `--` are the trainer's. Both
+through the trainer's --calibrate-steps, on its training images; the options after `--` are the trainer's. lm: a
+byte-level causal LM on torch.nn.TransformerEncoder trained on the standard library's sources (tools/calibrate_lm.py),
+measured in bits per byte (lower is better; kept = original / patched). Both
 report accuracy against the number of calibration steps, the budget as a fraction of the original training steps,
 the table, a JSON of every record and a PNG (accuracy against calibration steps).
 """
@@ -212,12 +216,12 @@ def plot(records, metric, path, title):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(prog="python -m tools.calibrate_bench", description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("model", choices=["vit", "detr"])
+    p.add_argument("model", choices=["vit", "detr", "lm"])
     p.add_argument("--mode", default="hedgehog", help="the linear method patched in (a learnable one)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="vit: one trained model per seed")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="vit, lm: one trained model per seed")
     p.add_argument("--checkpoints", nargs="+", default=[], help="detr: softmax checkpoints, one per seed")
     p.add_argument("--checkpoint-seeds", type=int, nargs="+", default=None, help="detr: their seeds (default 42..)")
-    p.add_argument("--train-steps", type=int, default=2000, help="vit: training steps of the softmax model")
+    p.add_argument("--train-steps", type=int, default=2000, help="vit, lm: training steps of the softmax model")
     p.add_argument("--calibration-steps", type=int, nargs="+", default=[25, 50, 100])
     p.add_argument("--lr", type=float, default=1e-2, help="calibration learning rate")
     p.add_argument("--finetune-after", type=int, default=50, help="the calibration steps the fine-tune follows")
@@ -240,6 +244,10 @@ def main(argv=None):
     if a.model == "vit":
         metric = "top1"
         records = [r for seed in a.seeds for r in vit_records(a, seed)]
+    elif a.model == "lm":
+        from .calibrate_lm import lm_records
+        metric = "bpb"
+        records = [r for seed in a.seeds for r in lm_records(a, seed)]
     else:
         if not a.checkpoints:
             p.error("detr needs --checkpoints (softmax DETRs trained by integrations.detr.train)")

@@ -1,0 +1,114 @@
+"""The causal-LM case of tools.calibrate_bench: a byte-level language model built the way users build one, on
+``torch.nn.TransformerEncoder`` with a causal mask, trained here on the Python standard library's sources (the
+corpus of tools/train_lm.py), then patched with a linear method and calibrated.
+
+The metric is bits per byte on held-out text (lower is better); ``kept`` is the original model's bits per byte
+over the patched model's, so 1.0 means as good as softmax and 0.9 means 11% more bits per byte.
+"""
+import copy
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from linear_mha import calibrate, patch
+
+from .train_lm import stdlib_corpus
+
+SEQ_LEN, BATCH, CORPUS_BYTES = 128, 32, 2_000_000
+
+
+class TorchCausalLM(nn.Module):
+    """Bytes (B, N <= seq_len) -> next-byte logits (B, N, 256); pre-norm nn.TransformerEncoder, causal mask."""
+
+    def __init__(self, dim: int = 128, depth: int = 2, heads: int = 4, seq_len: int = SEQ_LEN):
+        super().__init__()
+        self.embed = nn.Embedding(256, dim)
+        self.pos = nn.Parameter(torch.randn(seq_len, dim) * 0.02)
+        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, 256)
+
+    def forward(self, tokens):
+        n = tokens.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(n, device=tokens.device)
+        h = self.encoder(self.embed(tokens) + self.pos[:n], mask=mask, is_causal=True)
+        return self.head(self.norm(h))
+
+
+def text_splits():
+    """(train, validation) byte tensors: the first 90% and the last 10% of the corpus, the same for every seed."""
+    data = torch.frombuffer(bytearray(stdlib_corpus(CORPUS_BYTES)), dtype=torch.uint8).long()
+    cut = int(0.9 * len(data))
+    return data[:cut], data[cut:]
+
+
+def windows(data, count, seed):
+    """``count`` batches of BATCH windows of SEQ_LEN + 1 bytes (inputs and next-byte targets) at seeded offsets."""
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(data) - SEQ_LEN - 1, (count, BATCH), generator=g)
+    return [torch.stack([data[s:s + SEQ_LEN + 1] for s in row.tolist()]) for row in starts]
+
+
+def next_byte_loss(model, window):
+    logits = model(window[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1), window[:, 1:].flatten())
+
+
+@torch.no_grad()
+def bits_per_byte(model, batches):
+    model.eval()
+    return sum(float(next_byte_loss(model, w)) for w in batches) / len(batches) / math.log(2)
+
+
+def train(model, data, steps, lr, seed):
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.1)
+    for window in windows(data, steps, seed):
+        loss = next_byte_loss(model, window)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+    return model
+
+
+def lm_records(a, seed):
+    """Records (bits per byte) of one seed: the softmax LM, plain patch, calibration steps, calibration +
+    fine-tuning, and fine-tuning alone for the same total steps."""
+    train_data, val_data = text_splits()
+    torch.manual_seed(seed)
+    original = train(TorchCausalLM(), train_data, a.train_steps, 2e-3, seed)
+    held_out = windows(val_data, 16, 10_000 + seed)
+    base = bits_per_byte(original, held_out)
+    records = [dict(seed=seed, stage="softmax (original)", calibration_steps=0, finetune_steps=0, bpb=base)]
+    inputs = [w[:, :-1] for w in windows(train_data, 64, 20_000 + seed)]
+    pairs = windows(train_data, max(a.finetune_after + a.finetune_steps, 1), 30_000 + seed)
+
+    def finetune(model, steps):
+        calibrate(model, pairs, steps=0, eval_batches=0, finetune_steps=steps, finetune_lr=a.finetune_lr,
+                  forward=lambda m, b: m(b[:, :-1]), loss_fn=next_byte_loss, seed=seed, progress=False)
+
+    for steps in [0] + a.calibration_steps:
+        model = copy.deepcopy(original)
+        patch(model, a.mode)
+        if steps:
+            calibrate(model, inputs, steps=steps, lr=a.lr, seed=seed, progress=False)
+        records.append(dict(seed=seed, stage="patch" if not steps else "calibrated", calibration_steps=steps,
+                            finetune_steps=0, bpb=bits_per_byte(model, held_out)))
+        if steps == a.finetune_after:
+            finetune(model, a.finetune_steps)
+            records.append(dict(seed=seed, stage="calibrated + fine-tuned", calibration_steps=steps,
+                                finetune_steps=a.finetune_steps, bpb=bits_per_byte(model, held_out)))
+    model = copy.deepcopy(original)
+    patch(model, a.mode)
+    finetune(model, a.finetune_after + a.finetune_steps)
+    records.append(dict(seed=seed, stage="fine-tuned without calibration", calibration_steps=0,
+                        finetune_steps=a.finetune_after + a.finetune_steps, bpb=bits_per_byte(model, held_out)))
+    for r in records:
+        r["kept"] = base / r["bpb"]
+        r["fraction_of_training_steps"] = (r["calibration_steps"] + r["finetune_steps"]) / a.train_steps
+    return records
