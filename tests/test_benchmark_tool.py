@@ -369,3 +369,13 @@ def test_decode_samples_keep_each_sample_and_take_their_median(monkeypatch):
     assert rows[0]["us_min"] == 9.0 and rows[0]["us_min_inplace"] == 4.0
     with pytest.raises(SystemExit, match="--decode-samples"):
         benchmark.parse_args(QUICK + ["--decode-samples", "0"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_the_cuda_run_says_it_needs_a_gpu_before_doing_anything(tmp_path):
+    import subprocess
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "tools" / "cuda_run.sh"
+    proc = subprocess.run(["bash", str(script), str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "no CUDA device" in proc.stderr
+    assert not list((tmp_path / "out").iterdir())  # nothing was run or written
