@@ -178,3 +178,10 @@ def test_a_patched_causal_lm_never_sees_the_future():
         a, b = model(tokens), model(changed)
     torch.testing.assert_close(a[:, :9], b[:, :9])
     assert not torch.allclose(a[:, 9:], b[:, 9:])
+
+
+def test_a_detr_resume_without_explicit_seeds_is_refused(tmp_path, capsys):
+    from tools import calibrate_bench
+    with pytest.raises(SystemExit):
+        calibrate_bench.main(["detr", "--checkpoints", str(tmp_path / "c.pth"), "--resume", "--out", str(tmp_path)])
+    assert "--checkpoint-seeds" in capsys.readouterr().err

@@ -74,8 +74,10 @@ def test_torch_compile_matches_eager(causal):
 @pytest.mark.parametrize("method", ["kernel", "efficient"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_autocast_cannot_round_the_normaliser_into_float16(method, causal, backends):
-    # Under float16 autocast (DETR's default training on CUDA) the products would come out in float16, and the
-    # normaliser of 4096 keys, about 2.6e5 here, overflows float16's 65,504: inf, then 0 or NaN outputs.
+    # Under float16 autocast (DETR's default training on CUDA) the products came out in float16: non-causal kernel
+    # attention raised at inference (its in-place output was float32) and gave non-finite outputs with gradients
+    # (the normaliser of 4096 keys, about 2.6e5 here, passes float16's 65,504); efficient attention lost float32
+    # accuracy (8e-4). The causal product already switched autocast off; its case guards that.
     import linear_mha.functional as LF
     if method == "efficient" and causal:
         pytest.skip("efficient attention has no causal form")

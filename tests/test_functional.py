@@ -305,3 +305,12 @@ def test_key_value_sums_in_pieces_equal_one_product(pieces):
     kv, k_sum = key_value_sums(phi_k, v, pieces=pieces)
     torch.testing.assert_close(kv, phi_k.transpose(-2, -1) @ v)
     torch.testing.assert_close(k_sum, phi_k.sum(dim=-2, keepdim=True).transpose(-2, -1))
+
+
+def test_attention_functions_take_keyword_arguments():
+    # the autocast guard around kernel / efficient_attention must not change how they can be called
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 9, 4, generator=g) for _ in range(3))
+    torch.testing.assert_close(LF.kernel(q=q, k=k, v=v, causal=True), LF.kernel(q, k, v, causal=True))
+    torch.testing.assert_close(LF.efficient_attention(q=q, k=k, v=v), LF.efficient_attention(q, k, v))
+    torch.testing.assert_close(LF.kernel_state(k=k, v=v), LF.kernel_state(k, v))

@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 
 from integrations.console import HelpFormatter
-from linear_mha.functional import native
+from linear_mha.functional import fla_causal, native
 
 from . import cpu_allocator
 from . import measure as M
@@ -283,6 +283,7 @@ def main(argv=None):
     peers = available_peers(a.device)
     meta = dict(torch=torch.__version__, device=a.device, dtype=a.dtype, threads=threads, cpu=M.cpu_name(),
                 native_kernels=a.device == "cpu" and native.available(), allocator=allocator,
+                fla_dispatch=fla_causal.enabled(),  # causal bfloat16 kernel_elu through fla (LINEAR_MHA_FLA=1)
                 cpu_count=os.cpu_count(), heads=a.heads, proj_k=a.proj_k, chunk_size=chunk_size(),
                 sdpa_max_n=a.sdpa_max_n, weights_max_n=a.weights_max_n, err_max_n=a.err_max_n, peers=peers,
                 slope_min_n=a.slope_min_n, command=" ".join(sys.argv[1:] if argv is None else argv))

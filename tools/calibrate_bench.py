@@ -164,7 +164,7 @@ def previous_records(path: Path, argv, rerun_seeds):
     if not path.exists():
         raise SystemExit(f"--resume: {path} does not exist; run without --resume first (or give the same --out)")
     old = json.loads(path.read_text())
-    before = _options(old["command"].split()[3:])  # after "python -m tools.calibrate_bench"
+    before = _options(old.get("argv") or old["command"].split()[3:])  # files before "argv" was stored
     if before != _options(list(argv)):
         raise SystemExit(f"--resume: {path} was made with other options:\n  {' '.join(before)}\nthis run has\n  "
                          f"{' '.join(_options(list(argv)))}\nrun with the same options or another --out")
@@ -240,6 +240,9 @@ def main(argv=None):
     M.pin_threads(a.threads)
     a.out.mkdir(parents=True, exist_ok=True)
     if a.resume:
+        if a.model == "detr" and a.checkpoints and a.checkpoint_seeds is None:
+            p.error("--resume with detr needs --checkpoint-seeds: the default seeds (42, ...) would replace the "
+                    "earlier run's records of those seeds")
         previous_records(a.out / "results.json", argv, set())  # refuse before hours of work, not after
     if a.model == "vit":
         metric = "top1"
@@ -260,7 +263,7 @@ def main(argv=None):
     print_table(rows, metric)
     result = {"model": a.model, "mode": a.mode, "machine": f"{M.cpu_name()} ({platform.machine()})",
               "threads": torch.get_num_threads(), "torch": torch.__version__,
-              "command": "python -m tools.calibrate_bench " + " ".join(argv), "records": records,
+              "command": "python -m tools.calibrate_bench " + " ".join(argv), "argv": list(argv), "records": records,
               "summary": rows}
     (a.out / "results.json").write_text(json.dumps(result, indent=1))
     plot(records, metric, a.out / f"calibrate_{a.model}.png", f"{a.model}: accuracy against calibration steps")

@@ -5,16 +5,21 @@
 #    tests/test_fla_causal.py run instead of skipping (the fla cases need `pip install fla-core`);
 # 2. tools.benchmark's CUDA grid in bfloat16 and float32 (resumable: run it again to finish an interrupted grid);
 # 3. tools.detr_step: a DETR-R50 DC5 training step at 800 x 1333, softmax against linear encoders.
-# Every result lands in OUTPUT_DIR: pytest.log, bench_*.json / .png / .log, detr_step.json.
+# Every result lands in OUTPUT_DIR: pytest.log, bench_*.json / .png / .log, detr_step.json. Failing tests do not
+# stop the measurements; the last line says whether the tests passed. $PYTHON picks the interpreter (python).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-runs/cuda}
+py=${PYTHON:-python}
+"$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: this run needs one')"
 mkdir -p "$out"
-python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: this run needs one')"
-python -m pytest -q -p no:cacheprovider -rfE tests 2>&1 | tee "$out/pytest.log"
+tests=passed
+"$py" -m pytest -q -p no:cacheprovider -rfE tests 2>&1 | tee "$out/pytest.log" || tests="FAILED (see $out/pytest.log)"
 for dtype in bfloat16 float32; do
-    python -m tools.benchmark --device cuda --dtype "$dtype" --resume --json "$out/bench_$dtype.json" \
+    "$py" -m tools.benchmark --device cuda --dtype "$dtype" --resume --json "$out/bench_$dtype.json" \
         --png "$out/bench_$dtype.png" 2>&1 | tee "$out/bench_$dtype.log"
+    LINEAR_MHA_FLA=1 "$py" -m tools.benchmark --device cuda --dtype "$dtype" --resume --methods kernel_elu \
+        --masks causal --json "$out/bench_${dtype}_fla_on.json" 2>&1 | tee "$out/bench_${dtype}_fla_on.log"
 done
-python -m tools.detr_step --device cuda --dc5 --batch 2 --json "$out/detr_step.json"
-echo "results in $out"
+"$py" -m tools.detr_step --device cuda --dc5 --batch 2 --json "$out/detr_step.json"
+echo "results in $out; tests $tests"

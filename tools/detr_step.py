@@ -15,9 +15,7 @@ only). Variants run one after another in this process; a variant that runs out o
 """
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -93,20 +91,11 @@ def time_variant(name, a, device, batch, tokens):
 
     steps(a.warmup)
     measure.reset_cuda_peak(device)
-    times = []
-    for _ in range(a.steps):  # one step per timing: the median over steps is robust to a slow one
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            steps(1)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            steps(1)
-            times.append((time.perf_counter() - t0) * 1e3)
-    return {"ms_median": statistics.median(times), "ms_min": min(times), "steps": len(times),
+    # one step per timing (CUDA events on CUDA): the median over steps is robust to a slow one
+    timed = measure.round_robin({name: lambda: steps(1)}, repeats=a.steps, warmup=0, device=device)[name]
+    if "error" in timed:  # e.g. out of memory at this batch: a row saying so
+        return {"error": timed["error"]}
+    return {"ms_median": timed["median_ms"], "ms_min": timed["min_ms"], "steps": timed["runs"],
             "peak_MiB": measure.cuda_peak_mib(device), "amp": amp}
 
 

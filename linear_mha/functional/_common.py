@@ -75,9 +75,10 @@ def outside_autocast(fn):
     the normaliser of a few thousand keys overflows (65,504 is float16's largest value) and the outputs turn to
     inf/NaN. Outputs still come back in the inputs' dtype."""
     @functools.wraps(fn)
-    def wrapper(first, *args, **kwargs):
-        with no_autocast(first.device) if isinstance(first, Tensor) else contextlib.nullcontext():
-            return fn(first, *args, **kwargs)
+    def wrapper(*args, **kwargs):
+        first = next((t for t in (*args, *kwargs.values()) if isinstance(t, Tensor)), None)
+        with contextlib.nullcontext() if first is None else no_autocast(first.device):
+            return fn(*args, **kwargs)
     return wrapper
 
 

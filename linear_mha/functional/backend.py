@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from . import fla_causal, native
-from ._common import compiling, compute_dtype, functorch_active, needs_grad
+from ._common import compiling, functorch_active, needs_grad
 from .feature_maps import IN_PLACE_FEATURE_MAPS
 
 NATIVE, FLA, FUSED_CAUSAL, BLOCKED, COMPOSED = "native", "fla", "fused_causal", "blocked_inference", "composed"
@@ -89,12 +89,13 @@ def override(*, native_kernels: Optional[bool] = None, block_positions=_UNSET, f
 
 
 def kernel_backend(q: Tensor, k: Tensor, v: Tensor, feature_map, *, causal: bool,
-                   initial_state: Optional[Tensor] = None) -> Choice:
-    """The backend ``functional.kernel`` uses for these tensors, as the caller passes them (every path but fla
-    computes half-precision inputs in float32, so the compiled kernels take those too)."""
-    if causal and fla_causal.why_not(q, k, v, feature_map, initial_state) is None:
-        return Choice(FLA, "causal elu/relu attention on bfloat16 CUDA tensors, and fla is installed")
-    why_not_native = native.why_not_kernel(feature_map, q, k, v, initial_state, dtype=compute_dtype(q.dtype))
+                   initial_state: Optional[Tensor] = None, input_dtype: Optional[torch.dtype] = None) -> Choice:
+    """The backend ``functional.kernel`` uses for these tensors as it computes with them: half inputs are float32
+    by then, and ``input_dtype`` is the dtype the caller passed (default: q's), which decides the fla path."""
+    why_not_fla = fla_causal.why_not(q, k, v, feature_map, initial_state, dtype=input_dtype) if causal else None
+    if causal and why_not_fla is None:
+        return Choice(FLA, "causal elu/relu attention on bfloat16 CUDA tensors, with fla enabled (LINEAR_MHA_FLA=1)")
+    why_not_native = native.why_not_kernel(feature_map, q, k, v, initial_state)
     if why_not_native is None:
         return Choice(NATIVE, f"float32 CPU tensors and the {feature_map!r} map, which the compiled kernels fuse")
     fused = isinstance(feature_map, str) and feature_map in FUSED_FEATURE_MAPS
@@ -107,7 +108,6 @@ def kernel_backend(q: Tensor, k: Tensor, v: Tensor, feature_map, *, causal: bool
         if compiling() and needs_grad(q, k, v, initial_state):
             return Choice(COMPOSED, "compiling with gradients: the fused causal Function writes with out=, which "
                                     "some torch releases cannot trace")
-        why_not_fla = fla_causal.why_not(q, k, v, feature_map, initial_state)
         return Choice(FUSED_CAUSAL, f"not native because {why_not_native}; not fla because {why_not_fla}")
     if needs_grad(q, k, v, initial_state):
         return Choice(COMPOSED, f"not native because {why_not_native}; gradients are needed, and the blocked path "

@@ -1,25 +1,27 @@
-"""Causal kernel attention through flash-linear-attention's chunked Triton kernel (``pip install fla-core``).
+"""Causal kernel attention through flash-linear-attention's chunked Triton kernel (``pip install fla-core``), opt-in.
 
 fla's ``chunk_linear_attn(..., normalize=True)`` computes the normalised causal product of ``causal.py``,
 ``out_i = phi(q_i) . sum_{j<=i} phi(k_j) v_j^T / phi(q_i) . sum_{j<=i} phi(k_j)``, in fused Triton kernels, forward
-and backward. ``backend.kernel_backend`` sends causal elu/relu kernel attention here when all of this holds:
+and backward. With ``LINEAR_MHA_FLA=1`` in the environment (or inside ``backend.override(fla=True)``),
+``functional.kernel`` sends causal elu/relu attention here when all of this holds:
 
 * bfloat16 CUDA tensors. In float32 fla's products run in TF32 (a 10-bit mantissa), which would make float32
   results ~1e-3 off instead of ~1e-6. In float16 fla's normaliser, a float16 running sum of the key features
-  times the query, passes float16's largest value (65,504) within a few thousand positions: measured on an H100,
-  N = 65,536 gave non-finite values and rows of zeros. Both stay on our own path, which accumulates half inputs in float32.
+  times the query, passes float16's largest value (65,504) within a few thousand positions: on an H100, N = 65,536
+  gave non-finite values and rows of zeros. Both stay on our own path, which accumulates half inputs in float32.
 * no ``initial_state`` (fla keeps the normaliser's key sum apart from the state; ours is one (F, Dv + 1) tensor),
   and even head dims (fla's half-precision backward asserts even K and V);
-* fla imports and has the ``(B, T, H, K)`` + ``cu_seqlens`` interface (fla-core 0.3 and later);
-* not switched off (``LINEAR_MHA_FLA=0`` in the environment, or ``backend.override(fla=False)``), not inside a
-  torch.func transform, not being compiled.
+* fla imports and has the ``(B, T, H, K)`` + ``cu_seqlens`` interface (fla-core 0.6.0 was tested);
+* not inside a torch.func transform, not being compiled.
+
+Why opt-in: on the H100 its outputs were 3.1e-3 from float64 where ours were 1.6e-3 (one bfloat16 rounding; fla's
+normaliser is a bfloat16 cumulative sum, ours accumulates in float32), and its speed was measured against our path
+only at B = 1 (16 heads of 64, N = 16k): single calls took the same time (1.50 ms), back to back fla's were faster
+(0.91 against 1.40 ms); docs/cuda.md has the numbers.
 
 Key padding stays exact: masked keys' features and values are zeroed before the call (``masked_fill``, so
 non-finite padding neither leaks nor gets gradient), and a query that sees only masked keys gets 0 as on our path
-(fla divides by the normaliser plus 1e-10, where we divide 0 by 1). fla's normaliser is a bfloat16 cumulative sum
-of the features, where ours accumulates in float32: against float64 its outputs measured 3.1e-3 off where ours
-were 1.6e-3 (one bfloat16 rounding), on an H100 at N = 4,096, 16 heads of 64; LINEAR_MHA_FLA=0 trades the speed
-back for that.
+(fla divides by the normaliser plus 1e-10, where we divide 0 by 1).
 """
 import functools
 import importlib
@@ -34,7 +36,12 @@ from ._common import compiling, functorch_active
 from .feature_maps import apply_feature_map
 
 FLA_MAPS = ("elu", "relu")
-_enabled = os.environ.get("LINEAR_MHA_FLA", "1") != "0"
+_enabled = os.environ.get("LINEAR_MHA_FLA", "0") == "1"
+
+
+def enabled() -> bool:
+    """Whether causal bfloat16 CUDA kernel attention may take fla's kernel in this process."""
+    return _enabled
 
 
 def set_enabled(enabled: bool) -> bool:
@@ -56,15 +63,18 @@ def _chunk_linear_attn():
     return op, None
 
 
-def why_not(q: Tensor, k: Tensor, v: Tensor, feature_map, initial_state: Optional[Tensor]) -> Optional[str]:
-    """None when causal kernel attention on these inputs can run on fla's kernel, else the reason it cannot."""
+def why_not(q: Tensor, k: Tensor, v: Tensor, feature_map, initial_state: Optional[Tensor],
+            dtype: Optional[torch.dtype] = None) -> Optional[str]:
+    """None when causal kernel attention on these inputs can run on fla's kernel, else the reason it cannot.
+    ``dtype``: the dtype the caller passed, when q is already a float32 copy of it."""
     if not _enabled:
-        return "the fla path is switched off (LINEAR_MHA_FLA=0 or backend.override(fla=False))"
+        return "the fla path is off (the default; LINEAR_MHA_FLA=1 or backend.override(fla=True) turns it on)"
     if q.device.type != "cuda":
         return f"fla's Triton kernels run on CUDA, the tensors are on {q.device.type}"
-    if q.dtype is not torch.bfloat16:
-        why = "products run in TF32" if q.dtype is torch.float32 else "normaliser overflows float16 at long N"
-        return f"{q.dtype} inputs: fla's {why}; only bfloat16 inputs take fla"
+    dtype = dtype or q.dtype
+    if dtype is not torch.bfloat16:
+        why = "products run in TF32" if dtype is torch.float32 else "normaliser overflows float16 at long N"
+        return f"{dtype} inputs: fla's {why}; only bfloat16 inputs take fla"
     if not (isinstance(feature_map, str) and feature_map in FLA_MAPS):
         return f"feature_map {getattr(feature_map, '__name__', feature_map)!r}: the fla path takes {FLA_MAPS}"
     if initial_state is not None:

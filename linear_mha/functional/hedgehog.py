@@ -65,6 +65,7 @@ def hedgehog(
                              chunk_size=chunk_size).to(out_dtype)
 
 
+@outside_autocast
 def hedgehog_state(k: Tensor, v: Tensor, k_map: Map, key_padding_mask: Optional[Tensor] = None) -> Tensor:
     """sum_j phi(k_j) [v_j, 1]^T of a set of keys (B, H, 2m, Dv + 1): extra keys every query sees, for causal
     attention's initial_state."""

@@ -15,12 +15,11 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import backend, native
+from . import backend, fla_causal, native
 from ._common import (append_ones, check_qkv, compute_dtype, drop_keys, functorch_active, mask_keys, needs_grad,
                       normalise, outside_autocast, safe_normaliser, split_normalise)
 from .causal import causal_linear_product, check_chunk_size, step_unchecked
 from .causal_kernel import causal_kernel, kernel_inference_blocks
-from .fla_causal import causal_kernel_fla
 from .feature_maps import FeatureMap, apply_feature_map, elementwise_feature_map
 
 
@@ -52,15 +51,17 @@ def kernel(
     if causal and q.shape[-2] != k.shape[-2]:
         raise ValueError(f"causal kernel attention needs as many queries as keys, got L={q.shape[-2]}, S={k.shape[-2]}")
     causal = causal and q.shape[-2] > 0  # an empty sequence has no future to hide; the chunked paths need N >= 1
-    chosen = backend.kernel_backend(q, k, v, feature_map, causal=causal, initial_state=initial_state).backend
-    if chosen == backend.FLA:  # bfloat16 in and out: fla accumulates in float32 inside its kernels
+    out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
+    if causal and dtype != out_dtype and backend.kernel_backend(  # half inputs: fla takes them as they are
+            q, k, v, feature_map, causal=True, initial_state=initial_state).backend == backend.FLA:
         if chunk_size is not None:
             check_chunk_size(chunk_size)  # fla picks its own chunks; the argument is still checked
-        return causal_kernel_fla(q, k, drop_keys(v, dropout_p), feature_map, key_padding_mask)
-    out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
+        return fla_causal.causal_kernel_fla(q, k, drop_keys(v, dropout_p), feature_map, key_padding_mask)
     q, k, v = q.to(dtype), k.to(dtype), drop_keys(v.to(dtype), dropout_p)
     if initial_state is not None:
         initial_state = initial_state.to(dtype)
+    chosen = backend.kernel_backend(q, k, v, feature_map, causal=causal, initial_state=initial_state,
+                                    input_dtype=out_dtype).backend
     if chosen == backend.NATIVE:
         # The compiled kernels skip masked keys themselves, so v is not copied to zero them.
         _check_state(initial_state, q, v)

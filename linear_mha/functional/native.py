@@ -100,16 +100,16 @@ def build_error() -> Optional[str]:
     return _error
 
 
-def why_not_kernel(feature_map, *tensors: Optional[Tensor], dtype: Optional[torch.dtype] = None) -> Optional[str]:
+def why_not_kernel(feature_map, *tensors: Optional[Tensor]) -> Optional[str]:
     """Why kernel attention with ``feature_map`` on these tensors cannot run in the compiled kernels, or None if it
-    can (the caller has a backward for it). ``dtype``: the dtype the caller will convert them to first."""
+    can (the caller has a backward for it)."""
     if not isinstance(feature_map, str) or feature_map not in MAPS:
         name = getattr(feature_map, "__name__", feature_map)
         return f"feature_map {name!r} is not one the compiled kernels compute ({', '.join(MAPS)})"
-    return why_not(*tensors, dtype=dtype)
+    return why_not(*tensors)
 
 
-def why_not(*tensors: Optional[Tensor], dtype: Optional[torch.dtype] = None) -> Optional[str]:
+def why_not(*tensors: Optional[Tensor]) -> Optional[str]:
     """Why a call on these tensors cannot take the compiled path, or None: it needs float32 CPU tensors whose last
     dimension is contiguous, no torch.compile or torch.func transform around it, a build, and OpenMP in that build
     unless torch itself runs on one thread."""
@@ -120,8 +120,8 @@ def why_not(*tensors: Optional[Tensor], dtype: Optional[torch.dtype] = None) -> 
             continue
         if not t.is_cpu:
             return f"a tensor is on {t.device}; the compiled kernels run on the CPU"
-        if (dtype or t.dtype) is not torch.float32:
-            return f"a tensor is {dtype or t.dtype}; the compiled kernels take float32"
+        if t.dtype is not torch.float32:
+            return f"a tensor is {t.dtype}; the compiled kernels take float32"
         if t.stride(-1) != 1:
             return "a tensor's last dimension is not contiguous"
         if t.numel() == 0:  # the kernels split work by batch x heads and by rows
