@@ -70,3 +70,8 @@ def test_causality(name, s, t):
     x2[t:] += 10 * torch.randn(x2[t:].shape, generator=g, dtype=torch.float64)
     out2, _ = m(x2, x2, x2, is_causal=True)
     torch.testing.assert_close(out2[:t], out[:t], rtol=0, atol=1e-12)
+    # ... and the other direction: from t on, the outputs see the changed positions (at least their own), so a mode
+    # that masked too much (the present, or everything) fails here. With one feature per head, taylor's weight
+    # 1 + q.k / (|q||k|) is exactly 0 whenever q and k point apart, and a row can then be 0 before and after.
+    if s["head_dim"] > 1:
+        assert (out2[t:] - out[t:]).abs().amax() > 1e-6
