@@ -18,6 +18,7 @@ the table, a JSON of every record and a PNG (accuracy against calibration steps)
 """
 import argparse
 import copy
+import itertools
 import json
 import platform
 import statistics
@@ -65,21 +66,45 @@ def top1(model, x, y):
     return float((model(x).argmax(-1) == y).float().mean())
 
 
-def train_vit(model, x, y, steps, lr, seed):
+def train_one_cycle(model, batches_, loss_fn, steps, lr, weight_decay):
+    """Train ``model`` for ``steps`` batches of the iterable ``batches_`` with AdamW under a one-cycle schedule
+    (10% warm-up) at peak ``lr``; ``loss_fn(model, batch)`` is the loss. Returns the model."""
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.05)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.1)
-    data, epoch = [], 0
-    for _ in range(steps):
-        if not data:
-            data, epoch = batches(x, y, 64, seed * 1000 + epoch), epoch + 1
-        images, labels = data.pop()
-        loss = F.cross_entropy(model(images), labels)
+    for batch in itertools.islice(batches_, steps):
+        loss = loss_fn(model, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         schedule.step()
     return model
+
+
+def train_vit(model, x, y, steps, lr, seed):
+    def epochs():  # a fresh shuffle per epoch, the last batch of each first
+        for epoch in itertools.count():
+            yield from reversed(batches(x, y, 64, seed * 1000 + epoch))
+    return train_one_cycle(model, epochs(), lambda m, b: F.cross_entropy(m(b[0]), b[1]), steps, lr, 0.05)
+
+
+def calibration_stages(a, seed, original, inputs, finetune, metric, score):
+    """The records every model's table has after its original: ``original`` patched with --mode, then calibrated
+    on ``inputs`` for each of --calibration-steps (0: the plain patch), and at --finetune-after also fine-tuned by
+    ``finetune(model, steps)`` for --finetune-steps; ``score(model)`` is the value stored under ``metric``."""
+    records = []
+    for steps in [0] + a.calibration_steps:
+        model = copy.deepcopy(original)
+        patch(model, a.mode)
+        if steps:
+            calibrate(model, inputs, steps=steps, lr=a.lr, seed=seed, progress=False)
+        records.append(dict(seed=seed, stage="patch" if not steps else "calibrated", calibration_steps=steps,
+                            finetune_steps=0, **{metric: score(model)}))
+        if steps == a.finetune_after:
+            finetune(model, a.finetune_steps)
+            records.append(dict(seed=seed, stage="calibrated + fine-tuned", calibration_steps=steps,
+                                finetune_steps=a.finetune_steps, **{metric: score(model)}))
+    return records
 
 
 def vit_records(a, seed):
@@ -88,20 +113,14 @@ def vit_records(a, seed):
     base = top1(original, x_test, y_test)
     records = [dict(seed=seed, stage="softmax (original)", calibration_steps=0, finetune_steps=0, top1=base)]
     train_batches = [images for images, _ in batches(x_train, y_train, 64, seed + 7)]
-    for steps in [0] + a.calibration_steps:
-        model = copy.deepcopy(original)
-        patch(model, a.mode)
-        if steps:
-            calibrate(model, train_batches, steps=steps, lr=a.lr, seed=seed, progress=False)
-        records.append(dict(seed=seed, stage="patch" if not steps else "calibrated", calibration_steps=steps,
-                            finetune_steps=0, top1=top1(model, x_test, y_test)))
-        if steps == a.finetune_after:
-            pairs = batches(x_train, y_train, 64, seed + 11)
-            calibrate(model, pairs, steps=0, eval_batches=0, finetune_steps=a.finetune_steps,
-                      finetune_lr=a.finetune_lr, forward=lambda m, b: m(b[0]), seed=seed, progress=False,
-                      loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
-            records.append(dict(seed=seed, stage="calibrated + fine-tuned", calibration_steps=steps,
-                                finetune_steps=a.finetune_steps, top1=top1(model, x_test, y_test)))
+    pairs = batches(x_train, y_train, 64, seed + 11)
+
+    def finetune(model, steps):
+        calibrate(model, pairs, steps=0, eval_batches=0, finetune_steps=steps, finetune_lr=a.finetune_lr,
+                  forward=lambda m, b: m(b[0]), seed=seed, progress=False,
+                  loss_fn=lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    records += calibration_stages(a, seed, original, train_batches, finetune, "top1",
+                                  lambda model: top1(model, x_test, y_test))
     for r in records:
         r["kept"] = r["top1"] / base
         r["fraction_of_training_steps"] = (r["calibration_steps"] + r["finetune_steps"]) / a.train_steps
@@ -158,9 +177,9 @@ def _options(argv):
     return kept
 
 
-def previous_records(path: Path, argv, rerun_seeds):
-    """The records of an earlier run in ``path`` whose seeds are not in ``rerun_seeds``; exits when that run's
-    options (everything but seeds, checkpoints, threads and output files) differ from this one's."""
+def previous_records(path: Path, argv):
+    """The records of an earlier run in ``path``; exits when that run's options (everything but seeds,
+    checkpoints, threads and output files) differ from this one's."""
     if not path.exists():
         raise SystemExit(f"--resume: {path} does not exist; run without --resume first (or give the same --out)")
     old = json.loads(path.read_text())
@@ -168,7 +187,7 @@ def previous_records(path: Path, argv, rerun_seeds):
     if before != _options(list(argv)):
         raise SystemExit(f"--resume: {path} was made with other options:\n  {' '.join(before)}\nthis run has\n  "
                          f"{' '.join(_options(list(argv)))}\nrun with the same options or another --out")
-    return [r for r in old["records"] if r["seed"] not in rerun_seeds]
+    return old["records"]
 
 
 # ----------------------------------------------------------------------------------------------------- report
@@ -239,11 +258,10 @@ def main(argv=None):
     a.train_args = train_args
     M.pin_threads(a.threads)
     a.out.mkdir(parents=True, exist_ok=True)
-    if a.resume:
-        if a.model == "detr" and a.checkpoints and a.checkpoint_seeds is None:
-            p.error("--resume with detr needs --checkpoint-seeds: the default seeds (42, ...) would replace the "
-                    "earlier run's records of those seeds")
-        previous_records(a.out / "results.json", argv, set())  # refuse before hours of work, not after
+    if a.resume and a.model == "detr" and a.checkpoints and a.checkpoint_seeds is None:
+        p.error("--resume with detr needs --checkpoint-seeds: the default seeds (42, ...) would replace the "
+                "earlier run's records of those seeds")
+    earlier = previous_records(a.out / "results.json", argv) if a.resume else []  # refused before hours of work
     if a.model == "vit":
         metric = "top1"
         records = [r for seed in a.seeds for r in vit_records(a, seed)]
@@ -257,8 +275,8 @@ def main(argv=None):
         metric = "AP"
         seeds = a.checkpoint_seeds or list(range(42, 42 + len(a.checkpoints)))
         records = [r for seed, ckpt in zip(seeds, a.checkpoints) for r in detr_records(a, seed, ckpt)]
-    if a.resume:
-        records = previous_records(a.out / "results.json", argv, {r["seed"] for r in records}) + records
+    rerun = {r["seed"] for r in records}
+    records = [r for r in earlier if r["seed"] not in rerun] + records
     rows = summarize(records, metric)
     print_table(rows, metric)
     result = {"model": a.model, "mode": a.mode, "machine": f"{M.cpu_name()} ({platform.machine()})",

@@ -14,6 +14,7 @@ from torch import nn
 
 from linear_mha import calibrate, patch
 
+from .calibrate_bench import calibration_stages, train_one_cycle
 from .train_lm import stdlib_corpus
 
 SEQ_LEN, BATCH, CORPUS_BYTES = 128, 32, 2_000_000
@@ -63,25 +64,13 @@ def bits_per_byte(model, batches):
     return sum(float(next_byte_loss(model, w)) for w in batches) / len(batches) / math.log(2)
 
 
-def train(model, data, steps, lr, seed):
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.1)
-    for window in windows(data, steps, seed):
-        loss = next_byte_loss(model, window)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-    return model
-
-
 def lm_records(a, seed):
     """Records (bits per byte) of one seed: the softmax LM, plain patch, calibration steps, calibration +
     fine-tuning, and fine-tuning alone for the same total steps."""
     train_data, val_data = text_splits()
     torch.manual_seed(seed)
-    original = train(TorchCausalLM(), train_data, a.train_steps, 2e-3, seed)
+    original = train_one_cycle(TorchCausalLM(), windows(train_data, a.train_steps, seed), next_byte_loss,
+                               a.train_steps, 2e-3, 0.01)
     held_out = windows(val_data, 16, 10_000 + seed)
     base = bits_per_byte(original, held_out)
     records = [dict(seed=seed, stage="softmax (original)", calibration_steps=0, finetune_steps=0, bpb=base)]
@@ -92,17 +81,8 @@ def lm_records(a, seed):
         calibrate(model, pairs, steps=0, eval_batches=0, finetune_steps=steps, finetune_lr=a.finetune_lr,
                   forward=lambda m, b: m(b[:, :-1]), loss_fn=next_byte_loss, seed=seed, progress=False)
 
-    for steps in [0] + a.calibration_steps:
-        model = copy.deepcopy(original)
-        patch(model, a.mode)
-        if steps:
-            calibrate(model, inputs, steps=steps, lr=a.lr, seed=seed, progress=False)
-        records.append(dict(seed=seed, stage="patch" if not steps else "calibrated", calibration_steps=steps,
-                            finetune_steps=0, bpb=bits_per_byte(model, held_out)))
-        if steps == a.finetune_after:
-            finetune(model, a.finetune_steps)
-            records.append(dict(seed=seed, stage="calibrated + fine-tuned", calibration_steps=steps,
-                                finetune_steps=a.finetune_steps, bpb=bits_per_byte(model, held_out)))
+    records += calibration_stages(a, seed, original, inputs, finetune, "bpb",
+                                  lambda model: bits_per_byte(model, held_out))
     model = copy.deepcopy(original)
     patch(model, a.mode)
     finetune(model, a.finetune_after + a.finetune_steps)

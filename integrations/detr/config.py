@@ -11,9 +11,9 @@ from linear_mha import available_methods
 
 from ..console import HelpFormatter
 
-# The default run's linear attention: the fastest per iteration on the synthetic benchmark, which the ten-minute
-# default run needs (it kept 90% of softmax's AP over 3 seeds at 16 epochs; taylor with dwc_kernel=3 kept 98% at
-# 16% more time per iteration: docs/detr.md, "AP of Linear-DETR against DETR").
+# The default run's linear attention: the fastest per iteration of the methods that kept 93% or more of softmax's AP
+# on the synthetic benchmark (3 seeds, 16 epochs), which the ten-minute default run needs; taylor with dwc_kernel=3
+# kept 97% at about a fifth more time per iteration (docs/detr.md, "AP of Linear-DETR against DETR").
 RECOMMENDED = "efficient"
 
 PRESETS = {

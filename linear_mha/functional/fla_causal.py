@@ -44,10 +44,10 @@ def enabled() -> bool:
     return _enabled
 
 
-def set_enabled(enabled: bool) -> bool:
+def set_enabled(on: bool) -> bool:
     """Switch the fla path on/off for this process; returns the previous setting."""
     global _enabled
-    previous, _enabled = _enabled, bool(enabled)
+    previous, _enabled = _enabled, bool(on)
     return previous
 
 

@@ -48,8 +48,6 @@ def enabled() -> bool:
     return _enabled
 
 
-
-
 def _declare(library: ctypes.CDLL) -> None:
     p, i, l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     library.lm_kernel_attention_f32.argtypes = [p] * 8 + [i, i, l, l, i, i] + [l] * 9 + [i, i]
