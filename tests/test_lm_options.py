@@ -154,7 +154,7 @@ def test_causal_global_matches_quadratic_reference():
     q, k, v = (torch.randn(2, 3, 10, 4, generator=g, dtype=torch.float64) for _ in range(3))
     keep = torch.rand(2, 10, generator=g) > 0.3
     for b in (1, 3):
-        out = causal_global_attention(q, k, v, keep, blindspot_size=b)
+        out = causal_global_attention(q, k, v, ~keep, blindspot_size=b)
         w = torch.softmax(q, -1) @ torch.softmax(k, -1).transpose(-1, -2)
         i, j = torch.arange(10)[:, None], torch.arange(10)[None, :]
         visible = (j <= i) if b == 1 else (j // b < i // b)
@@ -170,7 +170,7 @@ def test_local_attention_matches_banded_softmax_reference(causal):
     n, w = 11, 4
     q, k, v = (torch.randn(2, 2, n, 4, generator=g, dtype=torch.float64) for _ in range(3))
     keep = torch.rand(2, n, generator=g) > 0.3
-    out = local_attention(q, k, v, w, causal=causal, key_mask=keep)
+    out = local_attention(q, k, v, w, causal=causal, padding=~keep)
     i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
     band = (j // w >= i // w - 1) & (j // w <= i // w + (0 if causal else 1))
     if causal:
@@ -209,7 +209,31 @@ def test_a_misspelt_keyword_reaches_no_catch_all():
     from linear_mha.lm.feedforward import FeedForward
     from linear_mha.lm.self_attention import SelfAttention
     x = torch.randn(1, 4, 8)
-    for layer in (FeedForward(8), SelfAttention(8, heads=2, causal=True)):
-        layer(x, input_mask=torch.ones(1, 4, dtype=torch.bool))
-        with pytest.raises(TypeError, match="input_msk"):
-            layer(x, input_msk=torch.ones(1, 4, dtype=torch.bool))
+    mask = torch.ones(1, 4, dtype=torch.bool)
+    for layer, keyword in ((FeedForward(8), "padding"), (SelfAttention(8, heads=2, causal=True), "input_mask")):
+        layer(x, **{keyword: mask})
+        with pytest.raises(TypeError, match=keyword[:-1]):
+            layer(x, **{keyword[:-1]: mask})
+
+
+def test_a_layer_takes_a_keep_mask_from_users_and_a_padding_mask_from_the_stack():
+    """The stack hands its layers padding masks (True = padding) converted once from the user's keep-mask; a
+    layer reading one convention as the other would attend to exactly the wrong keys."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 6, 8, dtype=torch.float64)
+    keep = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    for layer in (SelfAttention(8, heads=2, n_local_attn_heads=1, local_attn_window_size=2, local_conv=True),
+                  LinformerSelfAttention(8, seq_len=6, k=3, heads=2)):
+        layer = layer.double()
+        torch.testing.assert_close(layer(x, padding=~keep), layer(x, input_mask=keep), rtol=0, atol=0)
+        assert differs(layer(x, padding=keep)[1, :4], layer(x, input_mask=keep)[1, :4])
+        with pytest.raises(ValueError, match="not both"):
+            layer(x, input_mask=keep, padding=~keep)
+
+
+def test_step_checks_its_keep_mask():
+    m = LinearAttentionTransformerLM(num_tokens=V, dim=16, depth=1, max_seq_len=8, heads=2, causal=True)
+    with pytest.raises(ValueError, match=r"mask_t must have shape \(batch,\) = \(2,\)"):
+        m.step(torch.zeros(2, dtype=torch.long), {}, torch.ones(2, 1, dtype=torch.bool))
+    with pytest.raises(TypeError, match="mask_t must be a bool tensor"):
+        m.step(torch.zeros(2, dtype=torch.long), {}, torch.ones(2))

@@ -20,7 +20,7 @@ class FeedForward(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.w2 = nn.Linear(dim * mult, dim)
 
-    def forward(self, x, input_mask=None):  # position-wise: no mask changes a position's output
+    def forward(self, x, padding=None):  # position-wise: no padding changes a position's output
         if self.glu:
             h, gate = self.w1(x).chunk(2, dim=-1)
             h = F.gelu(h) * gate
@@ -28,10 +28,10 @@ class FeedForward(nn.Module):
             h = F.gelu(self.w1(x))
         return self.w2(self.dropout(h))
 
-    def step(self, x, cache, t, mask_t=None):
+    def step(self, x, cache, t, padding_t=None):
         return self.forward(x)
 
-    def prefill(self, x, cache, input_mask=None):
+    def prefill(self, x, cache, padding=None):
         return self.forward(x)
 
 
@@ -45,13 +45,13 @@ class Chunk(nn.Module):
             raise ValueError(f"ff_chunks must be a positive int, got {chunks!r}")
         self.chunks, self.fn, self.dim = chunks, fn, along_dim
 
-    def forward(self, x, input_mask=None):  # fn is position-wise: the mask changes nothing
+    def forward(self, x, padding=None):  # fn is position-wise: padding changes nothing
         if self.chunks == 1:
             return self.fn(x)
         return torch.cat([self.fn(c) for c in x.chunk(self.chunks, dim=self.dim)], dim=self.dim)
 
-    def step(self, x, cache, t, mask_t=None):
-        return self.fn.step(x, cache, t, mask_t)
+    def step(self, x, cache, t, padding_t=None):
+        return self.fn.step(x, cache, t, padding_t)
 
-    def prefill(self, x, cache, input_mask=None):
+    def prefill(self, x, cache, padding=None):
         return self.forward(x)  # fn is position-wise: it keeps no decoding state

@@ -29,21 +29,22 @@ def _features(x: Tensor) -> Tensor:
 
 
 def global_attention(
-    q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor] = None, dropout_p: float = 0.0
+    q: Tensor, k: Tensor, v: Tensor, padding: Optional[Tensor] = None, dropout_p: float = 0.0
 ) -> Tensor:
-    """Non-causal: q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv); key_mask (B, S) True = keep.
+    """Non-causal: q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv); padding (B, S) True = padding.
     dropout_p: key dropout (the linear heads have no weight matrix to drop from)."""
-    return efficient_attention(q, k, v, key_padding_mask=None if key_mask is None else ~key_mask, dropout_p=dropout_p)
+    return efficient_attention(q, k, v, key_padding_mask=padding, dropout_p=dropout_p)
 
 
 def causal_global_attention(
-    q: Tensor, k: Tensor, v: Tensor, key_mask: Optional[Tensor] = None, blindspot_size: int = 1,
+    q: Tensor, k: Tensor, v: Tensor, padding: Optional[Tensor] = None, blindspot_size: int = 1,
     dropout_p: float = 0.0,
 ) -> Tensor:
-    """q, k (B, H, N, D), v (B, H, N, Dv) -> (B, H, N, Dv); key_mask (B, N) True = keep; dropout_p: key dropout."""
+    """q, k (B, H, N, D), v (B, H, N, Dv) -> (B, H, N, Dv); padding (B, N) True = padding; dropout_p: key
+    dropout."""
     phi_q, phi_k = _features(q), _features(k)
-    if key_mask is not None:
-        phi_k = phi_k * key_mask[:, None, :, None].to(phi_k.dtype)
+    if padding is not None:
+        phi_k = phi_k.masked_fill(padding[:, None, :, None], 0.0)
     v1 = append_ones(drop_keys(v, dropout_p))
     b = blindspot_size
     if b == 1:
@@ -69,13 +70,14 @@ def causal_global_attention(
 
 
 def causal_global_step(
-    q: Tensor, k: Tensor, v: Tensor, cache: dict, t: int, keep_t: Optional[Tensor] = None, blindspot_size: int = 1
+    q: Tensor, k: Tensor, v: Tensor, cache: dict, t: int, padding_t: Optional[Tensor] = None,
+    blindspot_size: int = 1,
 ) -> Tensor:
     """Recurrent form of ``causal_global_attention`` at position t: q, k (B, H, D), v (B, H, Dv) -> (B, H, Dv).
     The state is (B, H, D, Dv + 1) (numerator and normaliser) whatever t is."""
     phi_q, phi_k = _features(q), _features(k)
-    if keep_t is not None:
-        phi_k = phi_k * keep_t[:, None, None].to(phi_k.dtype)
+    if padding_t is not None:
+        phi_k = phi_k.masked_fill(padding_t[:, None, None], 0.0)
     v1 = append_ones(v)
     if blindspot_size == 1:
         out, cache["state"] = causal_linear_step(phi_q, phi_k, v1, cache.get("state"))
@@ -90,13 +92,13 @@ def causal_global_step(
     return split_normalise(out)
 
 
-def causal_global_prefill(k: Tensor, v: Tensor, cache: dict, key_mask: Optional[Tensor] = None,
+def causal_global_prefill(k: Tensor, v: Tensor, cache: dict, padding: Optional[Tensor] = None,
                           blindspot_size: int = 1) -> None:
     """Fill ``cache`` with the state ``causal_global_step`` holds after positions 0..N-1 of k (B, H, N, D),
     v (B, H, N, Dv): one matrix product per state instead of N steps."""
     phi_k = _features(k)
-    if key_mask is not None:
-        phi_k = phi_k * key_mask[:, None, :, None].to(phi_k.dtype)
+    if padding is not None:
+        phi_k = phi_k.masked_fill(padding[:, None, :, None], 0.0)
     v1 = append_ones(v)
     if blindspot_size == 1:
         cache["state"] = causal_linear_state(phi_k, v1)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from ..functional import kernel, kernel_step
+from .padding import padding_from_keep
 
 
 class LinearSelfAttention(nn.Module):
@@ -34,10 +35,11 @@ class LinearSelfAttention(nn.Module):
     def forward(self, x, input_mask=None):
         """x (B, N, dim) -> (B, N, dim); input_mask (B, N) bool, True = keep."""
         b, n, _ = x.shape
+        padding = padding_from_keep("input_mask", input_mask, (b, n))
         q = self._split(self.to_q(x), self.heads)
         k, v = (self._split(t, self.kv_heads) for t in self.to_kv(x).chunk(2, dim=-1))
         out = kernel(q, k, v, self.psi_fn, causal=self.causal,
-                     key_padding_mask=None if input_mask is None else ~input_mask,
+                     key_padding_mask=padding,
                      dropout_p=self.dropout if self.training else 0.0)
         return self.to_out(out.transpose(1, 2).reshape(b, n, -1))
 

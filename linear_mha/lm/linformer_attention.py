@@ -1,7 +1,9 @@
 """LinformerSelfAttention: keys and values projected along the sequence to k positions (Wang et al., 2020).
 
 API of the ``linformer`` package: (dim, seq_len, k, heads, dim_head, one_kv_head, share_kv, dropout), plus padding
-masks (True = keep) and sequences of any length <= seq_len (the first S columns of the projections are used).
+masks and sequences of any length <= seq_len (the first S columns of the projections are used). Called directly it
+takes keep-masks (``input_mask``, ``context_mask``: True = keep); in a layer stack, padding masks (``padding``,
+``context_padding``: True = padding; see padding.py).
 Keys come from ``context`` when one is given. Non-causal by construction: every projected key mixes all positions.
 """
 from typing import Optional
@@ -10,6 +12,7 @@ import torch
 from torch import nn
 
 from ..functional import linformer as linformer_attention
+from .padding import padding_of_layer
 
 
 class LinformerSelfAttention(nn.Module):
@@ -46,9 +49,15 @@ class LinformerSelfAttention(nn.Module):
         t = t.reshape(*t.shape[:-1], n_heads, self.dim_head).transpose(1, 2)
         return t.expand(t.shape[0], self.heads, *t.shape[2:]) if n_heads == 1 else t
 
-    def forward(self, x, context=None, input_mask=None, context_mask=None):
-        """x (B, N, dim); context (B, S, dim) or None; masks bool, True = keep."""
-        src, mask = (x, input_mask) if context is None else (context, context_mask)
+    def forward(self, x, context=None, input_mask=None, context_mask=None, *, padding=None, context_padding=None):
+        """x (B, N, dim); context (B, S, dim) or None; keys from the context when given, else from x."""
+        if context is None:
+            if context_mask is not None or context_padding is not None:
+                raise ValueError("a context mask was given without context")
+            src, key_padding = x, padding_of_layer("input_mask", input_mask, padding, x.shape[:2])
+        else:
+            src = context
+            key_padding = padding_of_layer("context_mask", context_mask, context_padding, context.shape[:2])
         if src.shape[1] > self.seq_len:
             raise ValueError(
                 f"the {'context' if context is not None else 'input'} has length {src.shape[1]} but this "
@@ -59,21 +68,21 @@ class LinformerSelfAttention(nn.Module):
         v = k if self.to_v is None else self._heads(self.to_v(src), self.kv_heads)
         out, _ = linformer_attention(
             q, k, v, self.proj_k, self.proj_v,
-            key_padding_mask=None if mask is None else ~mask,
+            key_padding_mask=key_padding,
             dropout_p=self.dropout if self.training else 0.0,
         )
         return self.to_out(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
 
-    def step(self, x, cache, t, mask_t=None, context=None, context_mask=None):
+    def step(self, x, cache, t, padding_t=None, context=None, context_padding=None):
         """Decoding against a fixed context (a causal decoder's context layer): x (B, dim) -> (B, dim)."""
         _require_context(context)
-        return self.forward(x[:, None], context=context, context_mask=context_mask)[:, 0]
+        return self.forward(x[:, None], context=context, context_padding=context_padding)[:, 0]
 
-    def prefill(self, x, cache, input_mask=None, context=None, context_mask=None):
+    def prefill(self, x, cache, padding=None, context=None, context_padding=None):
         """The prompt's pass of a causal decoder's context layer: each position attends to the context only, so
         it is ``forward``, and ``step`` needs nothing cached from it."""
         _require_context(context)
-        return self.forward(x, context=context, context_mask=context_mask)
+        return self.forward(x, context=context, context_padding=context_padding)
 
 
 def _require_context(context):

@@ -1,4 +1,5 @@
-"""Linformer and LinformerLM with the ``linformer`` package's API (non-causal encoders), plus padding masks."""
+"""Linformer and LinformerLM with the ``linformer`` package's API (non-causal encoders), plus padding masks
+(``input_mask``, True = keep, converted once in ``Linformer.forward``; see padding.py)."""
 from typing import Optional
 
 import torch
@@ -8,7 +9,7 @@ from .blocks import PreNorm
 from .feedforward import FeedForward
 from .linformer_attention import LinformerSelfAttention
 from .reversible import LayerStack
-from .transformer import check_mask
+from .padding import padding_from_keep
 
 
 class Linformer(nn.Module):
@@ -27,8 +28,8 @@ class Linformer(nn.Module):
         self.layers = LayerStack(layers, ["self"] * depth, reversible=reversible)
 
     def forward(self, x, input_mask=None):
-        check_mask("input_mask", input_mask, x.shape[0], x.shape[1])
-        return self.layers(x, lambda kind, ctx: (dict(input_mask=input_mask), {}))
+        padding = padding_from_keep("input_mask", input_mask, x.shape[:2])
+        return self.layers(x, lambda kind, ctx: (dict(padding=padding), {}))
 
 
 class LinformerLM(nn.Module):

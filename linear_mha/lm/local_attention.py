@@ -3,7 +3,7 @@
 The sequence is cut into windows of ``window_size``; a query in window u sees the keys of windows u-1 and u
 (and u+1 when not causal), causal queries only keys at positions <= their own. Cost O(N * window).
 
-Masks: ``key_mask`` (B, N) bool, True = keep. A token always sees itself, so no query is ever left without a
+Masks: ``padding`` (B, N) bool, True = padding. A token always sees itself, so no query is ever left without a
 key (a fully masked softmax row would otherwise produce NaN or spread over future keys).
 
 Decoding keeps the last 2 * window_size keys/values: exactly what a causal query can see, so the work per token
@@ -36,7 +36,7 @@ def local_attention(
     window_size: int,
     *,
     causal: bool,
-    key_mask: Optional[Tensor] = None,
+    padding: Optional[Tensor] = None,
     dropout_p: float = 0.0,
 ) -> Tensor:
     """q, k (B, H, N, D), v (B, H, N, Dv) -> (B, H, N, Dv)."""
@@ -51,9 +51,9 @@ def local_attention(
     qpos = starts + torch.arange(w, device=device)  # (n_win, w)
     kpos = starts + torch.arange(-w, (1 if causal else 2) * w, device=device)  # (n_win, K)
     in_range = (kpos >= 0) & (kpos < n)
-    if key_mask is not None:
-        keep = F.pad(key_mask, (0, pad), value=False)
-        key_ok = keep[:, kpos.clamp(0, n_win * w - 1)] & in_range  # (B, n_win, K)
+    if padding is not None:
+        padded = F.pad(padding, (0, pad), value=True)
+        key_ok = ~padded[:, kpos.clamp(0, n_win * w - 1)] & in_range  # (B, n_win, K)
     else:
         key_ok = in_range.expand(b, -1, -1)
     allowed = key_ok[:, :, None, :] | (kpos[None, :, None, :] == qpos[None, :, :, None])
@@ -73,7 +73,7 @@ def local_attention(
 
 
 def local_attention_step(
-    q: Tensor, k: Tensor, v: Tensor, cache: dict, t: int, window_size: int, keep_t: Optional[Tensor] = None
+    q: Tensor, k: Tensor, v: Tensor, cache: dict, t: int, window_size: int, padding_t: Optional[Tensor] = None
 ) -> Tensor:
     """Causal decoding at position t: q, k (B, H, D), v (B, H, Dv) -> (B, H, Dv); ``cache`` is updated in place."""
     b, h, d = k.shape
@@ -82,29 +82,31 @@ def local_attention_step(
         cache["k"] = k.new_zeros(b, h, span, d)
         cache["v"] = v.new_zeros(b, h, span, v.shape[-1])
         cache["pos"] = torch.full((span,), -1, dtype=torch.long, device=k.device)
-        cache["keep"] = torch.zeros(b, span, dtype=torch.bool, device=k.device)
-    keep_t = torch.ones(b, dtype=torch.bool, device=k.device) if keep_t is None else keep_t
+        cache["padding"] = torch.ones(b, span, dtype=torch.bool, device=k.device)
+    if padding_t is None:
+        padding_t = torch.zeros(b, dtype=torch.bool, device=k.device)
     cache["k"] = torch.cat([cache["k"][:, :, 1:], k[:, :, None]], dim=2)
     cache["v"] = torch.cat([cache["v"][:, :, 1:], v[:, :, None]], dim=2)
     cache["pos"] = torch.cat([cache["pos"][1:], cache["pos"].new_tensor([t])])
-    cache["keep"] = torch.cat([cache["keep"][:, 1:], keep_t[:, None]], dim=1)
+    cache["padding"] = torch.cat([cache["padding"][:, 1:], padding_t[:, None]], dim=1)
     pos = cache["pos"]
     visible = (pos >= 0) & (pos >= (t // window_size - 1) * window_size)
-    allowed = (cache["keep"] | (pos == t)) & visible
+    allowed = (~cache["padding"] | (pos == t)) & visible
     out, _ = softmax_attention(q[:, :, None], cache["k"], cache["v"], key_padding_mask=~allowed)
     return out[:, :, 0]
 
 
 def local_attention_prefill(k: Tensor, v: Tensor, cache: dict, window_size: int,
-                            key_mask: Optional[Tensor] = None) -> None:
+                            padding: Optional[Tensor] = None) -> None:
     """Fill ``cache`` with the rolling window ``local_attention_step`` holds after positions 0..N-1 of
     k (B, H, N, D), v (B, H, N, Dv): the last 2 * window_size keys, right-aligned, empty slots at position -1."""
     b, h, n, _ = k.shape
     span = 2 * window_size
     kept = min(n, span)
     pad = span - kept
-    keep = torch.ones(b, n, dtype=torch.bool, device=k.device) if key_mask is None else key_mask
+    if padding is None:
+        padding = torch.zeros(b, n, dtype=torch.bool, device=k.device)
     cache["k"] = F.pad(k[:, :, n - kept:], (0, 0, pad, 0))
     cache["v"] = F.pad(v[:, :, n - kept:], (0, 0, pad, 0))
     cache["pos"] = F.pad(torch.arange(n - kept, n, device=k.device), (pad, 0), value=-1)
-    cache["keep"] = F.pad(keep[:, n - kept:], (pad, 0), value=False)
+    cache["padding"] = F.pad(padding[:, n - kept:], (pad, 0), value=True)

@@ -44,7 +44,7 @@ class PKM(nn.Module):
         self.query_dropout = nn.Dropout(query_dropout)
         self.value_dropout = nn.Dropout(value_dropout)
 
-    def forward(self, x: Tensor, input_mask=None) -> Tensor:  # position-wise: the mask changes nothing
+    def forward(self, x: Tensor, padding=None) -> Tensor:  # position-wise: padding changes nothing
         """x (..., dim) -> (..., dim); every position reads the memory on its own."""
         lead, dim = x.shape[:-1], x.shape[-1]
         x = self.input_dropout(x.reshape(-1, dim))
@@ -61,8 +61,8 @@ class PKM(nn.Module):
         out = self.values(slots.reshape(-1, self.heads * k), per_sample_weights=weights.reshape(-1, self.heads * k))
         return self.value_dropout(out).reshape(*lead, out.shape[-1])
 
-    def step(self, x, cache, t, mask_t=None):
+    def step(self, x, cache, t, padding_t=None):
         return self.forward(x)
 
-    def prefill(self, x, cache, input_mask=None):
+    def prefill(self, x, cache, padding=None):
         return self.forward(x)

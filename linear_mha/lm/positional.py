@@ -38,11 +38,11 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
-def shift_tokens(x: Tensor, shifts: Sequence[int], mask: Optional[Tensor] = None) -> Tensor:
+def shift_tokens(x: Tensor, shifts: Sequence[int], padding: Optional[Tensor] = None) -> Tensor:
     """x (B, N, D); the i-th of ``len(shifts)`` feature slices takes its value from token t - shifts[i]
-    (zeros beyond the ends); features past the last full slice stay. mask (B, N) bool, True = keep."""
-    if mask is not None:
-        x = x.masked_fill(~mask[..., None], 0.0)
+    (zeros beyond the ends); features past the last full slice stay. padding (B, N) bool, True = padding."""
+    if padding is not None:
+        x = x.masked_fill(padding[..., None], 0.0)
     size = x.shape[-1] // len(shifts)
     pieces = list(x.split(size, dim=-1))
     for i, s in enumerate(shifts):
@@ -52,12 +52,12 @@ def shift_tokens(x: Tensor, shifts: Sequence[int], mask: Optional[Tensor] = None
     return torch.cat(pieces, dim=-1)
 
 
-def shift_tokens_step(x: Tensor, cache: dict, shifts: Sequence[int], mask_t: Optional[Tensor] = None) -> Tensor:
+def shift_tokens_step(x: Tensor, cache: dict, shifts: Sequence[int], padding_t: Optional[Tensor] = None) -> Tensor:
     """One decoding step of ``shift_tokens`` for causal shifts (all >= 0): keeps the last max(shifts) inputs."""
     if min(shifts) < 0:
         raise ValueError("token-shift decoding needs causal shifts (>= 0); build the model with causal=True")
-    if mask_t is not None:
-        x = x.masked_fill(~mask_t[:, None], 0.0)
+    if padding_t is not None:
+        x = x.masked_fill(padding_t[:, None], 0.0)
     span = max(shifts)
     history = cache.get("shift_history")
     if history is None:

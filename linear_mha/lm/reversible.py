@@ -117,7 +117,7 @@ class LayerStack(nn.Module):
 
     def step(self, x, caches: list, t: int, kwargs_for: Callable, context=None):
         """One position: x (B, dim); ``caches`` holds one dict per layer function; kwargs_for(kind, context)
-        gives the step keyword arguments (mask_t, context, context_mask)."""
+        gives the step keyword arguments (padding_t, context, context_padding)."""
         return self._cached_pass(x, caches, kwargs_for, context, lambda fn, y, cache, kw: fn.step(y, cache, t, **kw))
 
     def _cached_pass(self, x, caches: list, kwargs_for: Callable, context, call: Callable):

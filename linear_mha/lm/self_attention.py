@@ -11,6 +11,10 @@ Two optional improvements on the output, both before ``to_out``:
 
 ``attn_dropout`` drops attention weights in local heads and whole keys (numerator only) in global heads;
 ``dropout`` (the transformer's ``attn_layer_dropout``) acts on the layer output.
+
+Called directly, the layer takes keep-masks (``input_mask``, ``context_mask``: True = keep); inside the
+transformer's stack it gets padding masks (``padding``, ``context_padding``, ``padding_t``: True = padding),
+converted once at the transformer's boundary (padding.py). ``prefill`` and ``step`` belong to the stack.
 """
 from typing import Optional
 
@@ -20,6 +24,7 @@ from torch import Tensor, nn
 
 from .global_attention import causal_global_attention, causal_global_prefill, causal_global_step, global_attention
 from .local_attention import local_attention, local_attention_prefill, local_attention_step
+from .padding import padding_of_layer
 from .positional import apply_rotary, rotary_cos_sin
 
 
@@ -89,35 +94,44 @@ class SelfAttention(nn.Module):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return q, k, v
 
-    def forward(self, x, input_mask=None, context=None, context_mask=None, positions=None):
-        """x (B, N, dim); input_mask (B, N), context_mask (B, S) bool, True = keep."""
-        q, k, v = self._project(x, context, positions)
-        return self._attend(x, q, k, v, input_mask, context_mask)
-
-    def _attend(self, x, q, k, v, input_mask, context_mask):
+    def forward(self, x, input_mask=None, context=None, context_mask=None, positions=None, *, padding=None,
+                context_padding=None):
+        """x (B, N, dim) -> (B, N, dim); input_mask (B, N), context_mask (B, S) bool, True = keep, or the
+        stack's padding (B, N), context_padding (B, S), True = padding."""
         b, n, _ = x.shape
-        kv_mask = context_mask if self.receives_context else input_mask
+        padding = padding_of_layer("input_mask", input_mask, padding, (b, n))
+        if context is not None:
+            context_padding = padding_of_layer("context_mask", context_mask, context_padding,
+                                               (b, context.shape[1]))
+        elif context_mask is not None:
+            raise ValueError("context_mask was given without context")
+        q, k, v = self._project(x, context, positions)
+        return self._attend(x, q, k, v, padding, context_padding)
+
+    def _attend(self, x, q, k, v, padding, context_padding):
+        b, n, _ = x.shape
+        kv_padding = context_padding if self.receives_context else padding
         outs = []
         p = self.attn_dropout if self.training else 0.0
         if self.n_local:
             l = self.n_local
             outs.append(local_attention(q[:, :l], k[:, :l], v[:, :l], self.window, causal=self.causal,
-                                        key_mask=input_mask, dropout_p=p))
+                                        padding=padding, dropout_p=p))
         if self.n_local < self.heads:
             g = slice(self.n_local, None)
             if self.causal:
-                outs.append(causal_global_attention(q[:, g], k[:, g], v[:, g], input_mask, self.blindspot_size, p))
+                outs.append(causal_global_attention(q[:, g], k[:, g], v[:, g], padding, self.blindspot_size, p))
             else:
-                outs.append(global_attention(q[:, g], k[:, g], v[:, g], kv_mask, p))
+                outs.append(global_attention(q[:, g], k[:, g], v[:, g], kv_padding, p))
         attn = torch.cat(outs, dim=1)
         if self.conv is not None:
-            attn = attn + self._conv(v, input_mask)
+            attn = attn + self._conv(v, padding)
         attn = attn.transpose(1, 2).reshape(b, n, -1)
         if self.gate is not None:
             attn = attn * torch.sigmoid(self.gate(x))
         return self.dropout(self.to_out(attn))
 
-    def prefill(self, x, cache, input_mask=None, context=None, context_mask=None):
+    def prefill(self, x, cache, padding=None, context=None, context_padding=None):
         """``forward`` over positions 0..N-1 that also leaves in ``cache`` what ``step`` would have after them."""
         if not (self.causal or self.receives_context):
             raise ValueError("prefill() decodes causal models; build the model with causal=True")
@@ -127,27 +141,27 @@ class SelfAttention(nn.Module):
         else:
             if self.n_local:
                 l = self.n_local
-                local_attention_prefill(k[:, :l], v[:, :l], cache.setdefault("local", {}), self.window, input_mask)
+                local_attention_prefill(k[:, :l], v[:, :l], cache.setdefault("local", {}), self.window, padding)
             if self.n_local < self.heads:
                 g = slice(self.n_local, None)
-                causal_global_prefill(k[:, g], v[:, g], cache.setdefault("global", {}), input_mask,
+                causal_global_prefill(k[:, g], v[:, g], cache.setdefault("global", {}), padding,
                                       self.blindspot_size)
             if self.conv is not None:
-                vm = v if input_mask is None else v * input_mask[:, None, :, None].to(v.dtype)
+                vm = v if padding is None else v.masked_fill(padding[:, None, :, None], 0.0)
                 b, h, n, d = vm.shape
                 flat = vm[:, :, max(0, n - 2):].permute(0, 1, 3, 2).reshape(b, h * d, -1)
                 cache["conv"] = F.pad(flat, (2 - flat.shape[-1], 0))
-        return self._attend(x, q, k, v, input_mask, context_mask)
+        return self._attend(x, q, k, v, padding, context_padding)
 
-    def _conv(self, v: Tensor, mask: Optional[Tensor]) -> Tensor:
+    def _conv(self, v: Tensor, padding: Optional[Tensor]) -> Tensor:
         b, h, n, d = v.shape
-        if mask is not None:
-            v = v * mask[:, None, :, None].to(v.dtype)
+        if padding is not None:
+            v = v.masked_fill(padding[:, None, :, None], 0.0)
         flat = v.permute(0, 1, 3, 2).reshape(b, h * d, n)
         flat = F.pad(flat, (2, 0) if self.causal else (1, 1))
         return self.conv(flat).reshape(b, h, d, n).permute(0, 1, 3, 2)
 
-    def step(self, x, cache, t, mask_t=None, context=None, context_mask=None):
+    def step(self, x, cache, t, padding_t=None, context=None, context_padding=None):
         """Decode position t: x (B, dim) -> (B, dim); ``cache`` (a dict) carries this layer's state."""
         if not (self.causal or self.receives_context):
             raise ValueError("step() decodes causal models; build the model with causal=True")
@@ -159,7 +173,7 @@ class SelfAttention(nn.Module):
             if "ctx_k" not in cache:  # the context is fixed while decoding: project it once
                 cache["ctx_k"] = self._heads(self.to_k(context), self.kv_heads)
                 cache["ctx_v"] = self._heads(self.to_v(context), self.kv_heads)
-            attn = global_attention(q, cache["ctx_k"], cache["ctx_v"], context_mask)
+            attn = global_attention(q, cache["ctx_k"], cache["ctx_v"], context_padding)
         else:
             k, v = self._heads(self.to_k(x)[:, None], self.kv_heads), self._heads(self.to_v(x)[:, None], self.kv_heads)
             if self.rotary:
@@ -170,23 +184,23 @@ class SelfAttention(nn.Module):
             if self.n_local:
                 l = self.n_local
                 outs.append(local_attention_step(q1[:, :l], k1[:, :l], v1[:, :l], cache.setdefault("local", {}), t,
-                                                 self.window, mask_t))
+                                                 self.window, padding_t))
             if self.n_local < self.heads:
                 g = slice(self.n_local, None)
                 outs.append(causal_global_step(q1[:, g], k1[:, g], v1[:, g], cache.setdefault("global", {}), t,
-                                               mask_t, self.blindspot_size))
+                                               padding_t, self.blindspot_size))
             attn = torch.cat(outs, dim=1)[:, :, None]
             if self.conv is not None:
-                attn = attn + self._conv_step(v, mask_t, cache)
+                attn = attn + self._conv_step(v, padding_t, cache)
         attn = attn.transpose(1, 2).reshape(b, -1)
         if self.gate is not None:
             attn = attn * torch.sigmoid(self.gate(x))
         return self.dropout(self.to_out(attn))
 
-    def _conv_step(self, v: Tensor, mask_t: Optional[Tensor], cache: dict) -> Tensor:
+    def _conv_step(self, v: Tensor, padding_t: Optional[Tensor], cache: dict) -> Tensor:
         b, h, _, d = v.shape
-        if mask_t is not None:
-            v = v * mask_t[:, None, None, None].to(v.dtype)
+        if padding_t is not None:
+            v = v.masked_fill(padding_t[:, None, None, None], 0.0)
         flat = v.permute(0, 1, 3, 2).reshape(b, h * d, 1)
         history = cache.get("conv", flat.new_zeros(b, h * d, 2))
         window = torch.cat([history, flat], dim=-1)

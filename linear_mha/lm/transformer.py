@@ -6,35 +6,31 @@ feed-forward] pair. All feed-forwards are ``Chunk(ff_chunks, FeedForward(dim, gl
 (the original built the main one without glu/dropout). Token shift (``shift_tokens``) applies to the main pair.
 At the depths listed in ``pkm_layers`` (1-indexed, as the original) a product-key memory ``PKM(dim,
 num_keys=pkm_num_keys)`` replaces the main feed-forward.
+
+``forward``, ``prefill`` and ``step`` take keep-masks (True = keep) and convert them once to the padding masks
+(True = padding) that every layer below receives (padding.py).
 """
 from typing import Optional, Sequence, Union
 
-import torch
 from torch import nn
 
 from .blocks import FoldAxially, PreNorm
 from .feedforward import Chunk, FeedForward
 from .linformer_attention import LinformerSelfAttention
+from .padding import padding_from_keep
 from .pkm import PKM
 from .reversible import LayerStack
 from .self_attention import SelfAttention
 
 
-def check_mask(name: str, mask, batch: int, length: int):
-    if mask is None:
-        return
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-        raise TypeError(f"{name} must be a bool tensor (True = keep), got {getattr(mask, 'dtype', type(mask))}")
-    if tuple(mask.shape) != (batch, length):
-        raise ValueError(f"{name} must have shape (batch, seq) = {(batch, length)}, got {tuple(mask.shape)}")
-
-
-def _sequence_kwargs(input_mask, context_mask):
-    """kwargs_for(kind, context) of a whole-sequence pass (forward and prefill) for ``LayerStack``."""
+def _stack_kwargs(padding, context_padding, padding_name="padding"):
+    """kwargs_for(kind, context) for ``LayerStack``: padding masks for every layer function, plus the context
+    and its padding for context layers. ``padding_name`` is "padding" for whole sequences, "padding_t" for a step."""
     def kwargs_for(kind, ctx):
+        own = {padding_name: padding}
         if kind == "context":
-            return dict(input_mask=input_mask, context=ctx, context_mask=context_mask), dict(input_mask=input_mask)
-        return dict(input_mask=input_mask), dict(input_mask=input_mask)
+            return dict(own, context=ctx, context_padding=context_padding), own
+        return own, own
 
     return kwargs_for
 
@@ -123,16 +119,18 @@ class LinearAttentionTransformer(nn.Module):
         b, n, _ = x.shape
         if n > self.max_seq_len:
             raise ValueError(f"sequence length {n} exceeds max_seq_len={self.max_seq_len}; build with a larger max_seq_len")
-        check_mask("input_mask", input_mask, b, n)
-        if self.receives_context:
-            if context is None:
-                raise ValueError("this transformer has receives_context=True: pass context=(B, S, dim)")
-            check_mask("context_mask", context_mask, b, context.shape[1])
-        elif context is not None or context_mask is not None:
-            raise ValueError("context was given but the transformer was built with receives_context=False")
+        padding = padding_from_keep("input_mask", input_mask, (b, n))
+        context_padding = self._context_padding(b, context, context_mask)
+        return self.layers(x, _stack_kwargs(padding, context_padding), context)
 
-        kwargs_for = _sequence_kwargs(input_mask, context_mask)
-        return self.layers(x, kwargs_for, context)
+    def _context_padding(self, batch, context, context_mask):
+        if not self.receives_context:
+            if context is not None or context_mask is not None:
+                raise ValueError("context was given but the transformer was built with receives_context=False")
+            return None
+        if context is None:
+            raise ValueError("this transformer has receives_context=True: pass context=(B, S, dim)")
+        return padding_from_keep("context_mask", context_mask, (batch, context.shape[1]))
 
     def prefill(self, x, cache: dict, input_mask=None, context=None, context_mask=None):
         """The forward pass over a prompt x (B, P, dim) of a causal model that also fills an empty ``cache``
@@ -144,12 +142,10 @@ class LinearAttentionTransformer(nn.Module):
         b, n, _ = x.shape
         if n > self.max_seq_len:
             raise ValueError(f"sequence length {n} exceeds max_seq_len={self.max_seq_len}; build with a larger max_seq_len")
-        check_mask("input_mask", input_mask, b, n)
-        if self.receives_context and context is None:
-            raise ValueError("this transformer has receives_context=True: pass context=(B, S, dim)")
-
-        kwargs_for = _sequence_kwargs(input_mask, context_mask)
-        out = self.layers.prefill(x, cache.setdefault("layers", []), kwargs_for, context)
+        padding = padding_from_keep("input_mask", input_mask, (b, n))
+        context_padding = self._context_padding(b, context, context_mask)
+        out = self.layers.prefill(x, cache.setdefault("layers", []), _stack_kwargs(padding, context_padding),
+                                  context)
         cache["t"] = n
         return out
 
@@ -159,14 +155,9 @@ class LinearAttentionTransformer(nn.Module):
         if not self.causal:
             raise ValueError("step() decodes causal models; build the model with causal=True")
         t = cache.get("t", 0)
-        if self.receives_context and context is None:
-            raise ValueError("this transformer has receives_context=True: pass context=(B, S, dim)")
-
-        def kwargs_for(kind, ctx):
-            if kind == "context":
-                return dict(mask_t=mask_t, context=ctx, context_mask=context_mask), dict(mask_t=mask_t)
-            return dict(mask_t=mask_t), dict(mask_t=mask_t)
-
+        padding_t = padding_from_keep("mask_t", mask_t, x.shape[:1])
+        context_padding = self._context_padding(x.shape[0], context, context_mask)
+        kwargs_for = _stack_kwargs(padding_t, context_padding, padding_name="padding_t")
         out = self.layers.step(x, cache.setdefault("layers", []), t, kwargs_for, context)
         cache["t"] = t + 1
         return out
