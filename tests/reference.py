@@ -55,6 +55,11 @@ def taylor_weights(q, k, key_padding_mask=None, causal=False):
     return normalised(w, _visible(q.shape[-2], k.shape[-2], key_padding_mask, causal, q.device))
 
 
+def taylor2_weights(q, k, key_padding_mask=None, causal=False):
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    return normalised(1 + s + s * s / 2, _visible(q.shape[-2], k.shape[-2], key_padding_mask, causal, q.device))
+
+
 def softmax_weights(q, k, key_padding_mask=None, causal=False):
     s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     vis = _visible(q.shape[-2], k.shape[-2], key_padding_mask, causal, q.device)

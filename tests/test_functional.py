@@ -4,7 +4,7 @@ import torch
 
 import linear_mha.functional as LF
 from reference import (efficient_weights, elu1, focused_features, kernel_weights, linformer_weights, softmax_weights,
-                       taylor_weights)
+                       taylor2_weights, taylor_weights)
 
 B, H, L, S, D = 2, 3, 5, 7, 4
 
@@ -88,6 +88,28 @@ def test_taylor_is_the_documented_formula(qkv):
     close(LF.taylor(q, k, v, key_padding_mask=kpm), num / den)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_taylor2_matches_reference(qkv, causal):
+    q, k, v, kpm = qkv
+    if causal:
+        q = torch.cat([q, q], 2)[:, :, :S]
+    close(LF.taylor2(q, k, v, causal=causal, key_padding_mask=kpm), taylor2_weights(q, k, kpm, causal) @ v)
+
+
+def test_taylor2_features_give_the_second_order_expansion_of_exp_and_stay_positive():
+    """phi(q).phi(k) = 1 + s + s^2/2 with s = q.k / sqrt(d), also where s is large and negative (the weight
+    stays >= 1/2) and where q and k are far larger than DETR's (q + pos): a missing 1/sqrt(2) on the squares or
+    a scale of 1/sqrt(d) on x instead of 1/d^(1/4) changes every weight."""
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, 3, 9, 8, generator=g, dtype=torch.float64) * 6 for _ in range(2))
+    k[..., 0, :] = -q[..., 0, :]  # s very negative for the first pair
+    s = q @ k.transpose(-1, -2) / 8 ** 0.5
+    w = LF.taylor2_feature_map(q) @ LF.taylor2_feature_map(k).transpose(-1, -2)
+    close(w, 1 + s + s * s / 2)
+    assert w.min() >= 0.5 - 1e-9 and s.min() < -20
+    assert LF.taylor2_feature_map(q).shape[-1] == 1 + 8 + 8 * 9 // 2
+
+
 def test_efficient_matches_reference(qkv):
     q, k, v, kpm = qkv
     close(LF.efficient_attention(q, k, v, key_padding_mask=kpm), efficient_weights(q, k, kpm) @ v)
@@ -165,7 +187,7 @@ def test_orthogonal_random_features_rows_are_orthogonal_within_a_block():
 def test_kernel_step_equals_causal_kernel_token_by_token(qkv):
     q, k, v, _ = qkv
     q = torch.cat([q, q], 2)[:, :, :S]
-    for fmap, proj in (("elu", None), ("relu", None), ("taylor", None),
+    for fmap, proj in (("elu", None), ("relu", None), ("taylor", None), ("taylor2", None),
                        ("favor", LF.orthogonal_random_features(16, D, dtype=torch.float64))):
         full = LF.kernel(q, k, v, fmap, causal=True, projection=proj)
         state, outs = None, []
@@ -214,6 +236,7 @@ def test_an_initial_state_equals_the_same_keys_passed_along(qkv, fmap, causal):
     lambda q, k, v, m: LF.kernel(q, k, v, "elu", key_padding_mask=m),
     lambda q, k, v, m: LF.kernel(q, k, v, "elu", causal=True, key_padding_mask=m, chunk_size=2),
     lambda q, k, v, m: LF.taylor(q, k, v, key_padding_mask=m),
+    lambda q, k, v, m: LF.taylor2(q, k, v, key_padding_mask=m, causal=True, chunk_size=2),
     lambda q, k, v, m: LF.efficient_attention(q, k, v, key_padding_mask=m),
     lambda q, k, v, m: LF.linformer(q, k, v, torch.randn(3, 6, dtype=torch.float64,
                                                           generator=torch.Generator().manual_seed(0)),
@@ -224,7 +247,7 @@ def test_an_initial_state_equals_the_same_keys_passed_along(qkv, fmap, causal):
     lambda q, k, v, m: LF.hedgehog(q, k, v, (torch.eye(3, dtype=torch.float64).expand(2, 3, 3) * 0.7, None),
                                    (torch.eye(3, dtype=torch.float64).expand(2, 3, 3), torch.ones(2, 3).double()),
                                    key_padding_mask=m, causal=True, chunk_size=2),
-], ids=["kernel", "kernel_causal", "taylor", "efficient", "linformer", "softmax_causal", "focused",
+], ids=["kernel", "kernel_causal", "taylor", "taylor2_causal", "efficient", "linformer", "softmax_causal", "focused",
         "focused_causal", "hedgehog_causal"])
 def test_gradcheck(fn):
     g = torch.Generator().manual_seed(0)

@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import modes
 from linear_mha import LinearMultiheadAttention, method_class
 from reference import (efficient_weights, elu1, focused_features, hedgehog_features, kernel_weights, linformer_weights,
-                       softmax_weights, taylor_weights, two_map_weights)
+                       softmax_weights, taylor2_weights, taylor_weights, two_map_weights)
 
 E, HEADS, B = 8, 2, 3
 MODES = {
@@ -21,13 +21,14 @@ MODES = {
     "kernel_favor": dict(mode="kernel", feature_map="favor", num_features=12),
     "efficient": dict(mode="efficient"),
     "taylor": dict(mode="taylor"),
+    "taylor2": dict(mode="taylor2"),
     "focused": dict(mode="focused"),
     "focused_p2_fixed_scale": dict(mode="focused", focusing_factor=2.0, learnable_scale=False),
     "hedgehog": dict(mode="hedgehog"),
     "hedgehog_m3": dict(mode="hedgehog", feature_dim=3),
     "softmax": dict(mode="softmax"),
 }
-CAUSAL = ["kernel_elu", "kernel_relu", "kernel_favor", "taylor", "focused", "hedgehog", "softmax"]
+CAUSAL = ["kernel_elu", "kernel_relu", "kernel_favor", "taylor", "taylor2", "focused", "hedgehog", "softmax"]
 
 
 def module(name, dtype=torch.float64, **kw):
@@ -59,6 +60,8 @@ def reference_weights(m, q, k, kpm, causal):
         return efficient_weights(q, k, kpm)
     if m.mode == "taylor":
         return taylor_weights(q, k, kpm, causal)
+    if m.mode == "taylor2":
+        return taylor2_weights(q, k, kpm, causal)
     if m.mode == "softmax":
         return softmax_weights(q, k, kpm, causal)
     if m.mode == "hedgehog":

@@ -2,7 +2,7 @@
 case, used for timing and for the fresh-process memory measurement) and float64 references.
 
 FLOPs per forward (fwdbwd counts 3x: the backward runs two products per forward product). BH = B H, F = feature
-size (elu d, taylor d + 1, favor m = d ln d), Dv = d + 1 in the causal product (the ones column that yields the
+size (elu d, taylor d + 1, taylor2 1 + d + d (d + 1) / 2, favor m = d ln d), Dv = d + 1 in the causal product (the ones column that yields the
 normaliser), C = the causal chunk size (causal_linear_product's default), N' = N rounded up to whole chunks,
 k = --proj-k:
     kernel, non-causal   2 BH N F (2 d + 1)              phi(K)^T V, phi(Q) S, and the normaliser phi(Q) sum phi(K)
@@ -204,15 +204,19 @@ def _plus_projections(flops):
     return lambda c: None if flops is None else flops(c) + projection_flops(c)
 
 
+FEATURE_SIZES = {"elu": lambda d: d, "relu": lambda d: d, "taylor": lambda d: d + 1,
+                 "taylor2": lambda d: 1 + d + d * (d + 1) // 2}
+"""Feature size F of each named feature map with fixed features, from the head dimension d."""
+
+
 def method_flops(mode: str, options: dict) -> Optional[Callable]:
     """The FLOP formula of a registered method with these options, or None for methods without one."""
     fmap = options.get("feature_map", "elu")
     if mode == "kernel" and fmap == "favor":
         return favor_flops
-    if (mode == "kernel" and fmap in ("elu", "relu")) or mode in ("taylor", "focused") or (
-            mode == "kernel" and fmap == "taylor"):
-        extra = 1 if "taylor" in (mode, fmap) else 0
-        return lambda c: kernel_flops(c, c["d"] + extra)
+    named = fmap if mode == "kernel" else {"taylor": "taylor", "taylor2": "taylor2", "focused": "relu"}.get(mode)
+    if named in FEATURE_SIZES:
+        return lambda c: kernel_flops(c, FEATURE_SIZES[named](c["d"]))
     if mode == "hedgehog":  # the two feature maps (d x m per head) and kernel attention on their 2m features
         def hedgehog_flops(c):
             m = options.get("feature_dim") or c["d"]

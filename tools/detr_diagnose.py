@@ -35,6 +35,7 @@ METHODS = {  # functional forms of the methods, without learnable state (the foc
     "kernel (elu)": lambda q, k, v, m: LF.kernel(q, k, v, "elu", key_padding_mask=m),
     "kernel (relu)": lambda q, k, v, m: LF.kernel(q, k, v, "relu", key_padding_mask=m),
     "taylor": lambda q, k, v, m: LF.taylor(q, k, v, key_padding_mask=m),
+    "taylor2": lambda q, k, v, m: LF.taylor2(q, k, v, key_padding_mask=m),
     "efficient": lambda q, k, v, m: LF.efficient_attention(q, k, v, key_padding_mask=m),
     "focused p=3": _focused(3.0),
     "focused p=6": _focused(6.0),

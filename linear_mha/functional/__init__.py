@@ -32,17 +32,19 @@ from .feature_maps import (
     relu_feature_map,
     resolve_feature_map,
     taylor_feature_map,
+    taylor2_feature_map,
 )
 from .kernel import kernel, kernel_state, kernel_step
 from .linformer import linformer
 from .softmax import softmax
 from .taylor import taylor
+from .taylor2 import taylor2
 
 __all__ = [
-    "softmax", "linformer", "kernel", "kernel_state", "kernel_step", "efficient_attention", "taylor", "focused",
+    "softmax", "linformer", "kernel", "kernel_state", "kernel_step", "efficient_attention", "taylor", "taylor2", "focused",
     "focused_feature_map", "token_grid_conv", "agent_attention", "pool_agents", "hedgehog", "hedgehog_features",
     "causal_linear_product", "causal_linear_state", "causal_linear_step",
     "append_ones", "split_normalise", "drop_keys",
     "FEATURE_MAPS", "apply_feature_map", "resolve_feature_map", "default_num_favor_features",
-    "elu_feature_map", "relu_feature_map", "taylor_feature_map", "favor_feature_map", "orthogonal_random_features",
+    "elu_feature_map", "relu_feature_map", "taylor_feature_map", "taylor2_feature_map", "favor_feature_map", "orthogonal_random_features",
 ]

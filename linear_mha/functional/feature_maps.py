@@ -1,6 +1,6 @@
 """Feature maps phi for kernel attention: sim(q, k) = phi(q) . phi(k) >= 0.
 
-A feature map is named by a string ("elu", "relu", "favor", "taylor") or given as any callable psi(x) -> features
+A feature map is named by a string ("elu", "relu", "favor", "taylor", "taylor2") or given as any callable psi(x) -> features
 that is applied to queries and keys alike (it must return non-negative features, or the normaliser can vanish).
 ``apply_feature_map`` is the single entry point: it also masks padded keys BEFORE the map (so garbage cannot reach
 data-dependent stabilisers) and after it (so masked keys contribute exactly nothing).
@@ -15,7 +15,7 @@ from torch import Tensor
 from ._common import mask_keys
 
 FeatureMap = Union[str, Callable[[Tensor], Tensor]]
-FEATURE_MAPS = ("elu", "relu", "favor", "taylor")
+FEATURE_MAPS = ("elu", "relu", "favor", "taylor", "taylor2")
 
 
 def elu_feature_map(x: Tensor) -> Tensor:
@@ -33,6 +33,19 @@ def taylor_feature_map(x: Tensor) -> Tensor:
     """[1, x/|x|]: phi(q).phi(k) = 1 + q'.k', the first-order Taylor expansion of exp(q'.k') on L2-normalised
     vectors. Since |q'.k'| <= 1 the similarity is >= 0. (..., D) -> (..., D + 1)."""
     return torch.cat([torch.ones_like(x[..., :1]), F.normalize(x, dim=-1)], dim=-1)
+
+
+def taylor2_feature_map(x: Tensor) -> Tensor:
+    """[1, x', x'_i x'_j (i < j), x'_i^2 / sqrt(2)] with x' = x / D^(1/4): phi(q).phi(k) = 1 + s + s^2 / 2 for
+    s = q.k / sqrt(D), the second-order Taylor expansion of softmax's exp(s) (Based, Arora et al. 2024). It equals
+    ((s + 1)^2 + 1) / 2 >= 1/2, so every weight is positive however large s is, and it grows with s^2: attention
+    can focus, unlike the first-order map on normalised vectors. Only the D (D + 1) / 2 distinct products of
+    x' (x')^T are kept. (..., D) -> (..., 1 + D + D (D + 1) / 2)."""
+    d = x.shape[-1]
+    x = x * d ** -0.25
+    i, j = torch.triu_indices(d, d, device=x.device)
+    weight = torch.ones(i.shape, dtype=x.dtype, device=x.device).masked_fill(i == j, 0.5 ** 0.5)
+    return torch.cat([torch.ones_like(x[..., :1]), x, x[..., i] * x[..., j] * weight], dim=-1)
 
 
 def default_num_favor_features(head_dim: int) -> int:
@@ -113,7 +126,8 @@ def elementwise_feature_map(feature_map: FeatureMap) -> Callable[[Tensor], Tenso
     feature_map = resolve_feature_map(feature_map)
     if feature_map == "favor":
         raise ValueError("feature_map='favor' treats queries and keys differently; use apply_feature_map")
-    return {"elu": elu_feature_map, "relu": relu_feature_map, "taylor": taylor_feature_map}.get(feature_map, feature_map)
+    return {"elu": elu_feature_map, "relu": relu_feature_map, "taylor": taylor_feature_map,
+            "taylor2": taylor2_feature_map}.get(feature_map, feature_map)
 
 
 IN_PLACE_FEATURE_MAPS = {"elu": lambda t: F.elu(t, inplace=True).add_(1.0), "relu": torch.relu_}

@@ -41,7 +41,7 @@ def kernel(
 
     Shapes: q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv) -> (B, H, L, Dv), in q's dtype (float16/bfloat16
     inputs accumulate in float32).
-    feature_map: "elu" | "relu" | "favor" (needs ``projection`` (m, D)) | "taylor" | callable psi.
+    feature_map: "elu" | "relu" | "favor" (needs ``projection`` (m, D)) | "taylor" | "taylor2" | callable psi.
     key_padding_mask: bool (B, S), True = ignore; masked keys add nothing to numerator or normaliser.
     causal: query i sees keys j <= i (requires L == S).
     dropout_p: key dropout on the numerator (see ``_common.drop_keys``); pass 0 in eval.

@@ -18,7 +18,8 @@ class Kernel(AttentionMethod):
     name = "kernel"
     options = {
         "feature_map": Option("elu", _feature_map, "'elu' (elu+1), 'relu', 'favor' (FAVOR+ random features), "
-                                                   "'taylor' or a callable psi(x) -> non-negative features"),
+                                                   "'taylor', 'taylor2' or a callable psi(x) -> non-negative "
+                                                   "features"),
         "num_features": Option(None, optional(positive_int), "FAVOR+'s random-feature count (default d log d)"),
         "redraw_interval": Option(None, optional(positive_int),
                                   "FAVOR+: redraw the features every that many training forwards"),
