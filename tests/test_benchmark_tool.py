@@ -15,7 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import linear_mha.functional as LF
 
 from tools import benchmark
-from tools import benchmark_cases
+from tools import benchmark_cases, benchmark_flops
 from tools import cpu_allocator
 from tools import measure
 
@@ -123,12 +123,12 @@ def test_flop_formulas_match_torch_flop_counter(key, causal, backends):
 def test_flop_formula_values_on_a_tiny_case():
     c = dict(B=1, H=2, N=8, d=4, proj_k=3, causal=False)
     # phi(K)^T V and phi(Q) S: 2 x (2 N F d); the normaliser phi(Q) sum phi(K): 2 N F
-    assert benchmark_cases.kernel_flops(c, 4) == 2 * 2 * 8 * 4 * (2 * 4 + 1)
-    assert benchmark_cases.softmax_flops(c) == 4 * 2 * 64 * 4 and benchmark_cases.softmax_flops(
+    assert benchmark_flops.kernel_flops(c, 4) == 2 * 2 * 8 * 4 * (2 * 4 + 1)
+    assert benchmark_flops.softmax_flops(c) == 4 * 2 * 64 * 4 and benchmark_flops.softmax_flops(
         dict(c, causal=True)) == 2 * 2 * 64 * 4
-    chunk = min(benchmark_cases.chunk_size(), 8)
+    chunk = min(benchmark_flops.chunk_size(), 8)
     padded = -(-8 // chunk) * chunk
-    assert benchmark_cases.kernel_flops(dict(c, causal=True), 4) == 4 * 2 * padded * 4 * 5 + 2 * 2 * padded * chunk * 9
+    assert benchmark_flops.kernel_flops(dict(c, causal=True), 4) == 4 * 2 * padded * 4 * 5 + 2 * 2 * padded * chunk * 9
 
 
 def test_allocator_is_named_from_the_mapped_libraries_and_the_environment(tmp_path):

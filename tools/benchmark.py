@@ -13,7 +13,7 @@ the default need_weights=True, batch_first self-attention on x (B, N, E), projec
 Passes. fwd: forward under torch.inference_mode, modules in eval(). fwdbwd: forward + backward of a fixed random
 output gradient, modules in train() (dropout 0), input and parameter gradients.
 
-FLOP formulas, inputs and references: tools/benchmark_cases.py. GB/s counts the bytes of q, k, v and out
+FLOP formulas: tools/benchmark_flops.py; inputs and references: tools/benchmark_cases.py. GB/s counts the bytes of q, k, v and out
 (x2 for fwdbwd: their gradients too).
 Quadratic methods are timed up to --sdpa-max-n (weight-materialising ones up to --weights-max-n) and extrapolated
 x4 per doubling beyond: '*' in the table, "extrapolated": true in the JSON (ratios against them: "~").
@@ -45,8 +45,9 @@ from linear_mha.functional import fla_causal, native
 
 from . import cpu_allocator
 from . import measure as M
-from .benchmark_cases import (BASELINE, Method, available_peers, build_runner, case_key, chunk_size,
-                              decode_step_times, make_data, methods, reference_error)
+from .benchmark_cases import (BASELINE, Method, available_peers, build_runner, case_key, decode_step_times,
+                              make_data, methods, reference_error)
+from .benchmark_flops import chunk_size
 from .benchmark_report import CASE_FIELDS, NOT_RECORDED, finalize, plot, print_table
 from .cpu_allocator import keep_freed_memory
 
