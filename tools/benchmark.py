@@ -13,8 +13,8 @@ the default need_weights=True, batch_first self-attention on x (B, N, E), projec
 Passes. fwd: forward under torch.inference_mode, modules in eval(). fwdbwd: forward + backward of a fixed random
 output gradient, modules in train() (dropout 0), input and parameter gradients.
 
-FLOP formulas: tools/benchmark_flops.py; inputs and references: tools/benchmark_cases.py. GB/s counts the bytes of q, k, v and out
-(x2 for fwdbwd: their gradients too).
+FLOP formulas: tools/benchmark_flops.py; inputs and references: tools/benchmark_cases.py. GB/s counts the bytes
+of q, k, v and out (x2 for fwdbwd: their gradients too).
 Quadratic methods are timed up to --sdpa-max-n (weight-materialising ones up to --weights-max-n) and extrapolated
 x4 per doubling beyond: '*' in the table, "extrapolated": true in the JSON (ratios against them: "~").
 Relative error (fwd output, N <= --err-max-n): exact attention in float64 for the core softmax methods, the same
