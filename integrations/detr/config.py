@@ -11,9 +11,9 @@ from linear_mha import available_methods
 
 from ..console import HelpFormatter
 
-# The default run's linear attention: the fastest per iteration of the methods that kept 93% or more of softmax's AP
-# on the synthetic benchmark (3 seeds, 16 epochs), which the ten-minute default run needs; taylor with dwc_kernel=3
-# kept 97% at about a fifth more time per iteration (docs/detr.md, "AP of Linear-DETR against DETR").
+# The default run's linear attention, with which its ten-minute time and AP were measured (docs/detr.md, "The
+# default run"). For accuracy docs/detr.md recommends taylor with dwc_kernel=3: 97% of softmax's AP against 93% for
+# efficient (3 seeds, 16 epochs), at a time per iteration that timing passes rank either way.
 RECOMMENDED = "efficient"
 
 PRESETS = {
