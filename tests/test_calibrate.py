@@ -135,6 +135,7 @@ def test_the_bench_reports_accuracy_kept_on_a_vit_trained_here(tmp_path):
     assert (tmp_path / "calibrate_vit.png").stat().st_size > 0 and (tmp_path / "records.json").exists()
 
 
+@pytest.mark.slow
 def test_the_bench_resumes_with_the_earlier_seeds_records_and_refuses_other_options(tmp_path):
     pytest.importorskip("sklearn")
     from tools import calibrate_bench

@@ -11,6 +11,7 @@ TINY = ["vit_tiny_patch16_224", "--model-arg", "depth=1", "--model-arg", "img_si
         "--repeats", "1", "--threads", "1"]
 
 
+@pytest.mark.slow
 def test_softmax_reproduces_and_files_are_written(tmp_path, capsys):
     result = patch_model.main(TINY + ["--mode", "softmax", "--json", str(tmp_path / "r.json"),
                                       "--png", str(tmp_path / "r.png")])
