@@ -70,11 +70,13 @@ def test_kernel_matches_reference(qkv, causal, name, phi):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_taylor_matches_reference(qkv, causal):
+@pytest.mark.parametrize("attention,weights", [(LF.taylor, taylor_weights), (LF.taylor2, taylor2_weights)],
+                         ids=["taylor", "taylor2"])
+def test_taylor_maps_match_reference(qkv, causal, attention, weights):
     q, k, v, kpm = qkv
     if causal:
         q = torch.cat([q, q], 2)[:, :, :S]
-    close(LF.taylor(q, k, v, causal=causal, key_padding_mask=kpm), taylor_weights(q, k, kpm, causal) @ v)
+    close(attention(q, k, v, causal=causal, key_padding_mask=kpm), weights(q, k, kpm, causal) @ v)
 
 
 def test_taylor_is_the_documented_formula(qkv):
@@ -86,14 +88,6 @@ def test_taylor_is_the_documented_formula(qkv):
     num = vm.sum(2, keepdim=True) + qn @ (kn.transpose(-1, -2) @ vm)
     den = keep.sum(2, keepdim=True) + qn @ kn.sum(2, keepdim=True).transpose(-1, -2)
     close(LF.taylor(q, k, v, key_padding_mask=kpm), num / den)
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_taylor2_matches_reference(qkv, causal):
-    q, k, v, kpm = qkv
-    if causal:
-        q = torch.cat([q, q], 2)[:, :, :S]
-    close(LF.taylor2(q, k, v, causal=causal, key_padding_mask=kpm), taylor2_weights(q, k, kpm, causal) @ v)
 
 
 def test_taylor2_features_give_the_second_order_expansion_of_exp_and_stay_positive():

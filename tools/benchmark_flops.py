@@ -15,6 +15,7 @@ import inspect
 from typing import Callable, Optional
 
 import linear_mha.functional as LF
+from linear_mha import method_class
 
 
 def chunk_size() -> int:
@@ -73,8 +74,13 @@ def method_flops(mode: str, options: dict) -> Optional[Callable]:
     fmap = options.get("feature_map", "elu")
     if mode == "kernel" and fmap == "favor":
         return favor_flops
-    named = fmap if mode == "kernel" else {"taylor": "taylor", "taylor2": "taylor2", "focused": "relu"}.get(mode)
-    if named in FEATURE_SIZES:
+    if mode == "kernel":
+        named = fmap
+    elif mode == "focused":  # its features have the head's size d, as relu's
+        named = "relu"
+    else:  # methods with a fixed named map (taylor, taylor2) declare it on their class
+        named = getattr(method_class(mode), "feature_map", None)
+    if isinstance(named, str) and named in FEATURE_SIZES:
         return lambda c: kernel_flops(c, FEATURE_SIZES[named](c["d"]))
     if mode == "hedgehog":  # the two feature maps (d x m per head) and kernel attention on their 2m features
         def hedgehog_flops(c):
