@@ -25,6 +25,20 @@ def test_softmax_leaves_multihead_attention_untouched_and_targets_parse():
         parse_targets("encoder,memory")
 
 
+def test_the_synthetic_default_is_taylor_with_its_local_term_and_an_explicit_method_comes_plain():
+    """The default run is the most accurate Linear-DETR of docs/detr.md; the kernel belongs to the default method,
+    so `--attention efficient` means plain Efficient Attention, as the measured variants did."""
+    default = parse_args([])
+    assert (default.attention, default.dwc_kernel) == ("taylor", 3)
+    report = apply_attention(build_model(parse_args(ARGS))[0], default, max_tokens=20)
+    assert report[0]["mode"] == "taylor" and report[0]["options"]["dwc_kernel"] == 3
+    assert parse_args(["--attention", "efficient"]).dwc_kernel == 0
+    assert parse_args(["--attention", "efficient", "--dwc-kernel", "5"]).dwc_kernel == 5
+    assert parse_args(["--dwc-kernel", "5"]).attention == "taylor"
+    coco = parse_args(["--coco-path", "/data/coco"])
+    assert (coco.attention, coco.dwc_kernel) == ("softmax", 0)  # the official DETR-R50 recipe
+
+
 def test_linformer_on_encoder_uses_the_data_bound_and_one_shared_projection():
     model, _, _ = build_model(parse_args(ARGS))
     report = apply_attention(model, parse_args(ARGS + ["--attention", "linformer", "--proj-k", "4"]), max_tokens=20)

@@ -11,22 +11,23 @@ from linear_mha import available_methods
 
 from ..console import HelpFormatter
 
-# The default run's linear attention, with which its ten-minute time and AP were measured (docs/detr.md, "The
-# default run"). For accuracy docs/detr.md recommends taylor with dwc_kernel=3: 97% of softmax's AP against 93% for
-# efficient (3 seeds, 16 epochs), at a time per iteration that timing passes rank either way.
-RECOMMENDED = "efficient"
+# The synthetic preset's linear attention and its local term: the most accurate Linear-DETR of docs/detr.md's
+# comparison (97% of softmax's AP over 3 seeds at 16 and at 20 epochs; efficient, plain taylor and focused kept 93%).
+# A pair: an explicit --attention without --dwc-kernel gets no local term, so `--attention efficient` stays plain.
+RECOMMENDED = "taylor"
+RECOMMENDED_DWC_KERNEL = 3
 
 PRESETS = {
     "coco": dict(backbone="resnet50", hidden_dim=256, enc_layers=6, dec_layers=6, dim_feedforward=2048, nheads=8,
                  num_queries=100, epochs=300, lr_drop=200, lr=1e-4, lr_backbone=1e-5, batch_size=2,
                  scales=list(range(480, 801, 32)), max_size=1333, crop_sizes=[400, 500, 600], crop_min=384,
-                 crop_max=600, val_size=800, dropout=0.1, crop=True, attention="softmax", pretrain_backbone=0,
-                 num_workers=2),
+                 crop_max=600, val_size=800, dropout=0.1, crop=True, attention="softmax", dwc_kernel=0,
+                 pretrain_backbone=0, num_workers=2),
     "synthetic": dict(backbone="small", hidden_dim=64, enc_layers=2, dec_layers=2, dim_feedforward=128, nheads=4,
                       num_queries=12, epochs=12, lr_drop=9, lr=5e-4, lr_backbone=5e-5, batch_size=8,
                       scales=[96, 112, 128, 144, 160], max_size=192, crop_sizes=[96, 112, 128], crop_min=64,
                       crop_max=128, val_size=128, dropout=0.0, crop=False, attention=RECOMMENDED,
-                      pretrain_backbone=1000, num_workers=0),
+                      dwc_kernel=RECOMMENDED_DWC_KERNEL, pretrain_backbone=1000, num_workers=0),
 }
 
 
@@ -94,9 +95,9 @@ def get_args_parser():
     a("--param-sharing", default="layerwise", choices=("none", "headwise", "kv", "layerwise"),
       help="linformer projection sharing (layerwise = one projection for all layers)")
     a("--feature-map", default="elu", choices=("elu", "relu", "favor"), help="kernel attention feature map")
-    a("--dwc-kernel", type=int, default=0, metavar="K",
-      help="add a K x K depthwise convolution of the values over the feature map to encoder self-attention "
-           "(FLatten's DWC / MLLA's LePE; odd K; 0 = none)")
+    a("--dwc-kernel", type=int, metavar="K",
+      help=_Preset("add a K x K depthwise convolution of the values over the feature map to encoder self-attention "
+                   "(FLatten's DWC / MLLA's LePE; odd K; 0 = none); with --attention given, 0 unless given too"))
     a("--calibrate-steps", type=int, default=0, metavar="N",
       help="with --pretrained (a softmax DETR) and a learnable --attention such as hedgehog: first fit the linear "
            "attention to the softmax attention it replaces, N steps on training images (linear_mha.calibrate)")
@@ -148,6 +149,8 @@ def resolve_preset(args):
     """Fills every option left unset from the preset matching the data source; returns args."""
     has_data = bool(args.coco_path or args.train_ann or args.val_ann)
     args.preset = "coco" if has_data else "synthetic"
+    if args.attention is not None and args.dwc_kernel is None:
+        args.dwc_kernel = 0  # the preset's kernel belongs to the preset's method
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
