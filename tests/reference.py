@@ -92,3 +92,17 @@ def relative_error(got, ref):
     """||got - ref|| / ||ref||, with ``got`` brought to ``ref``'s device and dtype (e.g. float32 CUDA against a
     float64 CPU reference)."""
     return ((got.to(ref.device, ref.dtype) - ref).norm() / ref.norm()).item()
+
+
+def sliding_window_weights(q, k, phi_q, phi_k, window, mix, key_padding_mask=None, causal=False):
+    """LoLCATs' hybrid: weight mix * exp(s_ij - max near s_i) for keys at most ``window`` positions away and
+    (1 - mix) * phi_q phi_k^T for the rest, normalised together; mix (H,)."""
+    L, S = q.shape[-2], k.shape[-2]
+    vis = _visible(L, S, key_padding_mask, causal, q.device)
+    i, j = torch.arange(L)[:, None], torch.arange(S)[None, :]
+    near = vis & ((i - j).abs() <= window)
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    top = s.masked_fill(~near, -1e300).amax(-1, keepdim=True)
+    f = mix[None, :, None, None]
+    w = torch.where(near, f * torch.exp(s - top), (1 - f) * (phi_q @ phi_k.transpose(-1, -2)))
+    return normalised(w, vis)

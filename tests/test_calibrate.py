@@ -157,20 +157,32 @@ def test_the_bench_resumes_with_the_earlier_seeds_records_and_refuses_other_opti
 def test_the_bench_calibrates_a_causal_lm_built_on_nn_transformer_encoder(tmp_path):
     from tools import calibrate_bench
     result = calibrate_bench.main(["lm", "--seeds", "0", "--train-steps", "6", "--calibration-steps", "2",
-                                   "--finetune-after", "2", "--finetune-steps", "2", "--out", str(tmp_path)])
+                                   "--finetune-after", "2", "--finetune-steps", "2", "--out", str(tmp_path),
+                                   "--option", "window=3"])
+    assert result["options"] == {"window": 3}
     stages = [r["stage"] for r in result["records"]]
     assert stages == ["softmax (original)", "patch", "calibrated", "calibrated + fine-tuned",
-                      "fine-tuned without calibration"]
+                      "window alone (softmax over the window, far keys dropped)", "fine-tuned without calibration"]
+    window_alone, plain = result["records"][4]["bpb"], result["records"][1]["bpb"]
+    assert window_alone != plain  # the ablation really dropped the far keys
     assert all(0 < r["bpb"] < 9 and r["kept"] == pytest.approx(result["records"][0]["bpb"] / r["bpb"])
                for r in result["records"])
     assert result["records"][3]["fraction_of_training_steps"] == pytest.approx(4 / 6)
 
 
-def test_a_patched_causal_lm_never_sees_the_future():
+def test_a_misspelt_method_option_fails_before_any_training(tmp_path):
+    from tools import calibrate_bench
+    with pytest.raises(ValueError, match="windw"):
+        calibrate_bench.main(["lm", "--seeds", "0", "--train-steps", "100000", "--out", str(tmp_path),
+                              "--option", "windw=3"])
+
+
+@pytest.mark.parametrize("options", [{}, {"window": 3}], ids=["maps", "window"])
+def test_a_patched_causal_lm_never_sees_the_future(options):
     from tools.calibrate_lm import TorchCausalLM
     torch.manual_seed(0)
     model = TorchCausalLM(dim=32, depth=1, heads=2, seq_len=16).eval()
-    patch(model, "hedgehog")
+    patch(model, "hedgehog", **options)
     assert model.encoder.layers[0].self_attn.mode == "hedgehog"  # the test is about linear attention, not softmax
     tokens = torch.randint(0, 256, (2, 16))
     changed = tokens.clone()
@@ -186,3 +198,16 @@ def test_a_detr_resume_without_explicit_seeds_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         calibrate_bench.main(["detr", "--checkpoints", str(tmp_path / "c.pth"), "--resume", "--out", str(tmp_path)])
     assert "--checkpoint-seeds" in capsys.readouterr().err
+
+
+def test_calibration_trains_the_window_mix_and_a_window_fits_closer_than_the_maps_alone():
+    errors = {}
+    for window in (0, 3):
+        model = encoder()
+        patch(model, "hedgehog", window=window)
+        start = {n: p.detach().clone() for n, p in model.named_parameters() if "window_logit" in n}
+        report = calibrate(model, data(), steps=60, lr=1e-2, progress=False)
+        assert len(start) == (2 if window else 0)
+        assert all(not torch.equal(p, start[n]) for n, p in model.named_parameters() if n in start)
+        errors[window] = sum(layer["error_after"] for layer in report.layers)
+    assert errors[3] < errors[0], errors  # exact softmax over 7 of 12 keys: the rest is what the maps must fit

@@ -241,8 +241,14 @@ def test_an_initial_state_equals_the_same_keys_passed_along(qkv, fmap, causal):
     lambda q, k, v, m: LF.hedgehog(q, k, v, (torch.eye(3, dtype=torch.float64).expand(2, 3, 3) * 0.7, None),
                                    (torch.eye(3, dtype=torch.float64).expand(2, 3, 3), torch.ones(2, 3).double()),
                                    key_padding_mask=m, causal=True, chunk_size=2),
+    lambda q, k, v, m: LF.hedgehog(q, k, v, (torch.eye(3, dtype=torch.float64).expand(2, 3, 3) * 0.7, None),
+                                   (torch.eye(3, dtype=torch.float64).expand(2, 3, 3), None), key_padding_mask=m,
+                                   window=(1, torch.tensor([0.3, 0.8]).double())),
+    lambda q, k, v, m: LF.hedgehog(q, k, v, (torch.eye(3, dtype=torch.float64).expand(2, 3, 3) * 0.7, None),
+                                   (torch.eye(3, dtype=torch.float64).expand(2, 3, 3), None), key_padding_mask=m,
+                                   causal=True, chunk_size=2, window=(2, torch.tensor([0.3, 0.8]).double())),
 ], ids=["kernel", "kernel_causal", "taylor", "taylor2_causal", "efficient", "linformer", "softmax_causal", "focused",
-        "focused_causal", "hedgehog_causal"])
+        "focused_causal", "hedgehog_causal", "hedgehog_window", "hedgehog_window_causal"])
 def test_gradcheck(fn):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 6, 3, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
@@ -284,6 +290,34 @@ def test_hedgehog_gradients_reach_its_feature_maps():
     m = torch.tensor([[False, False, False, True, True]])
     assert torch.autograd.gradcheck(
         lambda wq, wk, bq, bk: LF.hedgehog(q, k, v, (wq, bq), (wk, bk), key_padding_mask=m), (*maps, *biases))
+    mix = torch.tensor([0.2, 0.7], dtype=torch.float64, requires_grad=True)  # the window's mix trains too
+    assert torch.autograd.gradcheck(
+        lambda wq, wk, f: LF.hedgehog(q, k, v, (wq, None), (wk, None), key_padding_mask=m, window=(1, f)),
+        (*maps, mix))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_hedgehog_window_with_all_weight_on_it_is_softmax_over_the_window(qkv, causal):
+    """Mix 1: exact softmax over the keys at most w positions away and nothing else; w >= N: softmax itself (fails
+    if the band is off by one, misses a key, or lets a far key in)."""
+    q, k, v, kpm = qkv
+    n = q.shape[2]
+    k, v, kpm = (q, q.flip(-1), kpm[:, :n]) if causal else (k[:, :, :n], v[:, :, :n], kpm[:, :n])
+    heads, d = q.shape[1], q.shape[-1]
+    eye = (torch.eye(d, dtype=torch.float64).expand(heads, d, d), None)
+    ones = torch.ones(heads, dtype=torch.float64)
+    for w in (1, 2, n):
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        band = torch.zeros(n, n, dtype=torch.float64).masked_fill((i - j).abs() > w, float("-inf"))
+        exact = LF.softmax(q, k, v, attn_bias=band, key_padding_mask=kpm, causal=causal)[0]
+        close(LF.hedgehog(q, k, v, eye, eye, key_padding_mask=kpm, causal=causal, window=(w, ones)), exact, 1e-9)
+
+
+def test_hedgehog_window_needs_self_attention(qkv):
+    q, k, v, _ = qkv
+    eye = (torch.eye(q.shape[-1], dtype=torch.float64).expand(q.shape[1], -1, -1), None)
+    with pytest.raises(ValueError, match="self-attention"):
+        LF.hedgehog(q, k[:, :, :-1], v[:, :, :-1], eye, eye, window=(2, torch.ones(q.shape[1]).double()))
 
 
 def test_functional_errors(qkv):

@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import modes
 from linear_mha import LinearMultiheadAttention, method_class
 from reference import (efficient_weights, elu1, focused_features, hedgehog_features, kernel_weights, linformer_weights,
-                       softmax_weights, taylor2_weights, taylor_weights, two_map_weights)
+                       sliding_window_weights, softmax_weights, taylor2_weights, taylor_weights, two_map_weights)
 
 E, HEADS, B = 8, 2, 3
 MODES = {
@@ -26,9 +26,10 @@ MODES = {
     "focused_p2_fixed_scale": dict(mode="focused", focusing_factor=2.0, learnable_scale=False),
     "hedgehog": dict(mode="hedgehog"),
     "hedgehog_m3": dict(mode="hedgehog", feature_dim=3),
+    "hedgehog_window": dict(mode="hedgehog", window=2),
     "softmax": dict(mode="softmax"),
 }
-CAUSAL = ["kernel_elu", "kernel_relu", "kernel_favor", "taylor", "taylor2", "focused", "hedgehog", "softmax"]
+CAUSAL = ["kernel_elu", "kernel_relu", "kernel_favor", "taylor", "taylor2", "focused", "hedgehog", "hedgehog_window", "softmax"]
 
 
 def module(name, dtype=torch.float64, **kw):
@@ -65,8 +66,12 @@ def reference_weights(m, q, k, kpm, causal):
     if m.mode == "softmax":
         return softmax_weights(q, k, kpm, causal)
     if m.mode == "hedgehog":
-        return two_map_weights(hedgehog_features(q, m.hedgehog_q_weight, m.hedgehog_q_bias),
-                               hedgehog_features(k, m.hedgehog_k_weight, m.hedgehog_k_bias), kpm, causal)
+        phi_q = hedgehog_features(q, m.hedgehog_q_weight, m.hedgehog_q_bias)
+        phi_k = hedgehog_features(k, m.hedgehog_k_weight, m.hedgehog_k_bias)
+        if m.method.window:
+            return sliding_window_weights(q, k, phi_q, phi_k, m.method.window,
+                                          torch.sigmoid(m.hedgehog_window_logit), kpm, causal)
+        return two_map_weights(phi_q, phi_k, kpm, causal)
     if m.mode == "focused":
         scale = F.softplus(m.focus_scale) if "focus_scale" in m.method.state_names else None
         return kernel_weights(lambda x: focused_features(x, m.method.focusing_factor, scale), q, k, kpm, causal)
@@ -128,13 +133,15 @@ def test_padding_with_masked_garbage_changes_nothing_and_gets_no_gradient(name, 
     mem = torch.randn(6, B, E, generator=g, dtype=torch.float64)
     kpm = torch.zeros(B, 6, dtype=torch.bool)
     kpm[0, 4:] = True
-    base, _ = m(x, mem, mem, key_padding_mask=kpm, need_weights=False)
+    windowed = bool(getattr(m.method, "window", 0))  # a sliding window needs self-attention
+    base, _ = m(mem if windowed else x, mem, mem, key_padding_mask=kpm, need_weights=False)
     garbage = torch.randn(3, B, E, generator=g, dtype=torch.float64) * 1e3
     if garbage_kind == "nonfinite":  # uninitialised padding: a masked key must contribute nothing, NaN included
         garbage[0], garbage[1, :, ::2], garbage[2] = float("nan"), float("inf"), float("-inf")
     padded = torch.cat([mem, garbage]).requires_grad_(True)
     kpm_padded = torch.cat([kpm, torch.ones(B, 3, dtype=torch.bool)], dim=1)
-    out, _ = m(x, padded, padded, key_padding_mask=kpm_padded, need_weights=False)
+    out, _ = m(padded if windowed else x, padded, padded, key_padding_mask=kpm_padded, need_weights=False)
+    out = out[:6] if windowed else out  # the padded queries' own rows are padding too
     torch.testing.assert_close(out, base, rtol=1e-9, atol=1e-9)
     out.sum().backward()
     assert torch.all(padded.grad[6:] == 0)
@@ -302,6 +309,10 @@ def test_empty_batches_and_sequences_give_empty_or_zero_outputs(name, native_on,
             for causal, grad in ((c, g) for c in causal_options for g in (False, True)):
                 q = torch.randn(b, n_q, E, dtype=dtype, requires_grad=grad)
                 kv = torch.randn(b, n_k, E, dtype=dtype, requires_grad=grad)
+                if getattr(m.method, "window", 0) and n_q != n_k:  # a sliding window pairs query i with key i
+                    with pytest.raises(ValueError, match="self-attention"):
+                        m(q, kv, kv, need_weights=False)
+                    continue
                 with torch.set_grad_enabled(grad):
                     out, _ = m(q, kv, kv, need_weights=False, is_causal=causal,
                                attn_mask=nn.Transformer.generate_square_subsequent_mask(n_q) if causal else None)

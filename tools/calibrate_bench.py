@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from integrations.console import HelpFormatter
-from linear_mha import calibrate, patch
+from integrations.detr.attention import parse_attention_options
+from linear_mha import calibrate, method_class, patch
 
 from . import measure as M
 
@@ -95,7 +96,7 @@ def calibration_stages(a, seed, original, inputs, finetune, metric, score):
     records = []
     for steps in [0] + a.calibration_steps:
         model = copy.deepcopy(original)
-        patch(model, a.mode)
+        patch(model, a.mode, **a.options)
         if steps:
             calibrate(model, inputs, steps=steps, lr=a.lr, seed=seed, progress=False)
         records.append(dict(seed=seed, stage="patch" if not steps else "calibrated", calibration_steps=steps,
@@ -104,6 +105,15 @@ def calibration_stages(a, seed, original, inputs, finetune, metric, score):
             finetune(model, a.finetune_steps)
             records.append(dict(seed=seed, stage="calibrated + fine-tuned", calibration_steps=steps,
                                 finetune_steps=a.finetune_steps, **{metric: score(model)}))
+    if a.options.get("window"):  # the ablation: how much comes from the exact window and how much from the maps
+        model = copy.deepcopy(original)
+        patch(model, a.mode, **a.options)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("hedgehog_window_logit"):
+                    p.fill_(1e4)  # sigmoid = 1: all weight on the window, far keys dropped
+        records.append(dict(seed=seed, stage="window alone (softmax over the window, far keys dropped)",
+                            calibration_steps=0, finetune_steps=0, **{metric: score(model)}))
     return records
 
 
@@ -139,7 +149,7 @@ def detr_records(a, seed, checkpoint):
                                           else None)
     iterations = (saved["epoch"] + 1) * per_epoch if per_epoch else None  # the original training's steps
     common = ["--seed", str(seed), "--no-progress", "--num-workers", "0", "--pretrained", str(checkpoint),
-              "--attention", a.mode] + a.train_args
+              "--attention", a.mode] + [f"--attention-option={o}" for o in a.option] + a.train_args
     records = [dict(seed=seed, stage="softmax (original)", calibration_steps=0, finetune_steps=0, AP=base)]
 
     def run(stage, calibration, finetune):
@@ -237,6 +247,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m tools.calibrate_bench", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("model", choices=["vit", "detr", "lm"])
     p.add_argument("--mode", default="hedgehog", help="the linear method patched in (a learnable one)")
+    p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
+                   help="an option of --mode, e.g. window=16 (repeatable; values are Python literals or strings)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="vit, lm: one trained model per seed")
     p.add_argument("--checkpoints", nargs="+", default=[], help="detr: softmax checkpoints, one per seed")
     p.add_argument("--checkpoint-seeds", type=int, nargs="+", default=None, help="detr: their seeds (default 42..)")
@@ -256,6 +268,8 @@ def main(argv=None):
     own, train_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     a = p.parse_args(own)
     a.train_args = train_args
+    a.options = parse_attention_options(a.option)
+    method_class(a.mode).validate(a.options)  # a misspelt option fails now, not after the softmax model trained
     M.pin_threads(a.threads)
     a.out.mkdir(parents=True, exist_ok=True)
     if a.resume and a.model == "detr" and a.checkpoints and a.checkpoint_seeds is None:
@@ -279,7 +293,7 @@ def main(argv=None):
     records = [r for r in earlier if r["seed"] not in rerun] + records
     rows = summarize(records, metric)
     print_table(rows, metric)
-    result = {"model": a.model, "mode": a.mode, "machine": f"{M.cpu_name()} ({platform.machine()})",
+    result = {"model": a.model, "mode": a.mode, "options": a.options, "machine": f"{M.cpu_name()} ({platform.machine()})",
               "threads": torch.get_num_threads(), "torch": torch.__version__,
               "command": "python -m tools.calibrate_bench " + " ".join(argv), "argv": list(argv), "records": records,
               "summary": rows}

@@ -84,7 +84,7 @@ def lm_records(a, seed):
     records += calibration_stages(a, seed, original, inputs, finetune, "bpb",
                                   lambda model: bits_per_byte(model, held_out))
     model = copy.deepcopy(original)
-    patch(model, a.mode)
+    patch(model, a.mode, **a.options)
     finetune(model, a.finetune_after + a.finetune_steps)
     records.append(dict(seed=seed, stage="fine-tuned without calibration", calibration_steps=0,
                         finetune_steps=a.finetune_after + a.finetune_steps, bpb=bits_per_byte(model, held_out)))

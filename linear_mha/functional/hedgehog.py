@@ -15,6 +15,7 @@ from torch import Tensor
 from ._common import check_qkv, compute_dtype, drop_keys, mask_keys, outside_autocast
 from .causal import check_chunk_size
 from .kernel import feature_attention
+from .sliding_window import sliding_window_linear
 
 Map = Tuple[Tensor, Optional[Tensor]]  # (weight (H, d, m), bias (H, m) or None)
 
@@ -43,10 +44,12 @@ def hedgehog(
     dropout_p: float = 0.0,
     initial_state: Optional[Tensor] = None,
     chunk_size: Optional[int] = None,
+    window: Optional[Tuple[int, Tensor]] = None,
 ) -> Tensor:
     """Hedgehog attention: q (B, H, L, d), k (B, H, S, d), v (B, H, S, Dv) -> (B, H, L, Dv); q_map / k_map:
     (weight (H, d, m), bias (H, m) or None). Masks, causality (chunked, O(N d) memory), dropout and initial_state
-    (B, H, 2m, Dv + 1) as in ``kernel``."""
+    (B, H, 2m, Dv + 1) as in ``kernel``. window: (w, mix (H,) in [0, 1]) for LoLCATs' hybrid, exact softmax over
+    the keys at most w positions away (``sliding_window_linear``; self-attention only)."""
     check_qkv(q, k, v, key_padding_mask)
     if causal and q.shape[-2] != k.shape[-2]:
         raise ValueError(f"causal attention needs as many queries as keys, got L={q.shape[-2]}, S={k.shape[-2]}")
@@ -61,6 +64,10 @@ def hedgehog(
     v = mask_keys(v, key_padding_mask)
     if initial_state is not None:
         initial_state = initial_state.to(dtype)
+    if window is not None and window[0] > 0:
+        return sliding_window_linear(q, mask_keys(k, key_padding_mask), v, phi_q, phi_k, window=window[0],
+                                     mix=window[1], causal=causal, key_padding_mask=key_padding_mask,
+                                     initial_state=initial_state, chunk_size=chunk_size).to(out_dtype)
     return feature_attention(phi_q, phi_k, v, causal=causal, initial_state=initial_state,
                              chunk_size=chunk_size).to(out_dtype)
 

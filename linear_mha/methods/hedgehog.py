@@ -1,12 +1,15 @@
 """mode='hedgehog': learnable feature maps per head (Hedgehog, ICLR 2024), phi(x) = [softmax(x W + b),
 softmax(-(x W + b))], one map for the queries and one for the keys, W starting as the identity. Trained with the
-model, or fitted to a pretrained model's softmax attention by ``linear_mha.calibrate``. O(N·m·d); causal in chunks."""
+model, or fitted to a pretrained model's softmax attention by ``linear_mha.calibrate``. O(N·m·d); causal in chunks.
+With ``window=w`` (LoLCATs): exact softmax weights for the keys at most w positions away, the maps for the rest,
+mixed under one normaliser by a learnable weight per head; O(N·(w + m)·d)."""
 import torch
 from torch import nn
 
 from .. import functional
 from ..functional.hedgehog import hedgehog_state
-from ..registry import AttentionMethod, Option, append_extra_keys, optional, positive_int, register_method
+from ..registry import (AttentionMethod, Option, append_extra_keys, non_negative_int, optional, positive_int,
+                        register_method)
 from .kernel import Kernel
 
 
@@ -16,11 +19,13 @@ class Hedgehog(AttentionMethod):
     options = {
         "feature_dim": Option(None, optional(positive_int), "m: features per softmax (2m in all); default head_dim, "
                                                             "so W starts as the identity"),
+        "window": Option(0, non_negative_int, "softmax over the keys at most this many positions away (causal: "
+                                              "before), the feature maps for the rest (LoLCATs); 0 = maps only"),
         "chunk_size": Kernel.options["chunk_size"],
     }
     causal = True
     extra_keys = True
-    cost = "O(N·m·d)"
+    cost = "O(N·m·d); O(N·(w + m)·d) with window=w"
     summary = "learnable per-head feature maps [softmax(xW), softmax(-xW)], fitted to softmax by calibrate()"
 
     def init_state(self, num_heads, head_dim, factory_kwargs):
@@ -31,6 +36,8 @@ class Hedgehog(AttentionMethod):
             weight[:, torch.arange(min(head_dim, m)), torch.arange(min(head_dim, m))] = 1.0  # the identity map
             state[f"hedgehog_{side}_weight"] = nn.Parameter(weight)
             state[f"hedgehog_{side}_bias"] = nn.Parameter(torch.zeros(num_heads, m, **factory_kwargs))
+        if self.window:  # sigmoid(0) = 1/2: window and maps start on an equal footing
+            state["hedgehog_window_logit"] = nn.Parameter(torch.zeros(num_heads, **factory_kwargs))
         return state
 
     def attend(self, q, k, v, state, *, key_padding_mask=None, causal=False, dropout_p=0.0, extra_keys=None):
@@ -38,9 +45,11 @@ class Hedgehog(AttentionMethod):
         k_map = (state["hedgehog_k_weight"], state["hedgehog_k_bias"])
         initial_state = None
         if extra_keys is not None:
-            if causal:
+            if causal or self.window:  # extra keys have no position: far keys of every query
                 initial_state = hedgehog_state(*extra_keys, k_map)
             else:
                 k, v, key_padding_mask = append_extra_keys(k, v, key_padding_mask, extra_keys)
+        window = (self.window, torch.sigmoid(state["hedgehog_window_logit"])) if self.window else None
         return functional.hedgehog(q, k, v, q_map, k_map, causal=causal, key_padding_mask=key_padding_mask,
-                                   dropout_p=dropout_p, initial_state=initial_state, chunk_size=self.chunk_size)
+                                   dropout_p=dropout_p, initial_state=initial_state, chunk_size=self.chunk_size,
+                                   window=window)
