@@ -231,6 +231,9 @@ def plot(records, metric, path, title):
                 marker="o", capsize=3, label="linear, after calibration (stage 1)")
     base = [r for r in summarize(records, metric) if r["stage"] == "softmax (original)"][0]
     ax.axhline(base["mean"], color="k", linestyle="--", label="softmax (original)")
+    alone = [r for r in summarize(records, metric) if r["stage"].startswith("window alone")]
+    if alone:
+        ax.axhline(alone[0]["mean"], color="C1", linestyle=":", label="the window alone (far keys dropped)")
     tuned = [r for r in summarize(records, metric) if r["stage"] == "calibrated + fine-tuned"]
     if tuned:
         ax.errorbar([tuned[0]["calibration_steps"]], [tuned[0]["mean"]], [tuned[0]["std"]], marker="s", color="C2",
