@@ -29,7 +29,8 @@ MODES = {
     "hedgehog_window": dict(mode="hedgehog", window=2),
     "softmax": dict(mode="softmax"),
 }
-CAUSAL = ["kernel_elu", "kernel_relu", "kernel_favor", "taylor", "taylor2", "focused", "hedgehog", "hedgehog_window", "softmax"]
+CAUSAL = ["kernel_elu", "kernel_relu", "kernel_favor", "taylor", "taylor2", "focused", "hedgehog", "hedgehog_window",
+          "softmax"]
 
 
 def module(name, dtype=torch.float64, **kw):

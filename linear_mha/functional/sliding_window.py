@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._common import key_mask_4d, normalise
+from ._common import append_ones, normalise
 from .causal import causal_linear_product
 from .kernel import key_value_sums
 
@@ -64,9 +64,8 @@ def sliding_window_linear(q: Tensor, k: Tensor, v: Tensor, phi_q: Tensor, phi_k:
 
     if causal:  # far keys are j < i - window: the causal product over keys shifted window + 1 places later
         shift = lambda x: torch.nn.functional.pad(x, (0, 0, window + 1, 0))[..., :n, :]  # noqa: E731
-        v1 = torch.nn.functional.pad(v, (0, 1), value=1.0)
         kwargs = {} if chunk_size is None else {"chunk_size": chunk_size}
-        far = causal_linear_product(phi_q, shift(phi_k), shift(v1), initial_state=initial_state, **kwargs)
+        far = causal_linear_product(phi_q, shift(phi_k), shift(append_ones(v)), initial_state=initial_state, **kwargs)
         far_num, far_den = far[..., :-1], far[..., -1:]
     else:  # far = every key minus the near ones (the normaliser's terms are non-negative: rounding is clamped)
         kv, k_sum = key_value_sums(phi_k, v)
