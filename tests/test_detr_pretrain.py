@@ -111,6 +111,9 @@ def test_the_trainer_pretrains_its_backbone_once_per_data_and_reuses_it(tmp_path
     main(run + ["--output-dir", str(tmp_path / "b")])  # same data (same seed): the cached backbone, no pretraining
     assert len(calls) == 1
     assert json.loads((tmp_path / "b" / "args.json").read_text())["backbone_weights"] == first
+    losses = lambda run: [json.loads(line)["train_loss"]  # noqa: E731
+                          for line in (tmp_path / run / "log.jsonl").read_text().splitlines()]
+    assert losses("a") == losses("b")  # pretraining in the first run's process must not change what it trains
     assert "pretraining" not in capsys.readouterr().out
     main(run + ["--output-dir", str(tmp_path / "c"), "--seed", "7"])  # other images: another backbone
     assert json.loads((tmp_path / "c" / "args.json").read_text())["backbone_weights"] != first

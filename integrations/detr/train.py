@@ -186,6 +186,9 @@ def main(argv=None):
     prepare_data_args(args)
     if wants_pretraining(args):
         args.backbone_weights = str(pretrained_backbone(args))
+        # Pretraining draws random numbers only when the cache is cold: seed again so that a first run and a second
+        # (cache warm) build, shuffle and train the same model.
+        seed_everything(args.seed + rank)
     datasets = {"train": build_dataset("train", args), "val": build_dataset("val", args)}
     if args.num_classes is None:
         args.num_classes = max(c["id"] for c in datasets["train"].coco.dataset["categories"]) + 1
