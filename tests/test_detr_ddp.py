@@ -114,7 +114,8 @@ def _train_worker(rank, world, port, out_dir):
                    "--hidden-dim", "32", "--dim-feedforward", "64", "--num-queries", "6", "--no-progress",
                    "--epochs", "1", "--output-dir", str(out_dir), "--device", "cpu"])  # gloo, two processes
     torch.save(result["stopped_at"], os.path.join(out_dir, f"stopped_{rank}.pt"))
-    dist.destroy_process_group()
+    # No destroy_process_group here: after a stop, torch 2.5.1's gloo hung one rank in it once the other had
+    # destroyed its group and exited (the CI's oldest-torch run); process exit releases the group.
 
 
 @pytest.mark.slow
