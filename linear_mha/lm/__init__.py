@@ -6,6 +6,7 @@ from .language_model import LinearAttentionTransformerLM
 from .linear_self_attention import LinearSelfAttention
 from .linformer_attention import LinformerSelfAttention
 from .linformer_models import Linformer, LinformerLM
+from .patched_attention import PatchedSelfAttention  # also lets linear_mha.patch swap SelfAttention
 from .pkm import PKM
 from .self_attention import SelfAttention
 from .settings import LinformerContextSettings, LinformerSettings
@@ -15,5 +16,5 @@ __all__ = [
     "LinearAttentionTransformerLM", "LinearAttentionTransformer", "SelfAttention", "AutoregressiveWrapper",
     "top_k_filter", "top_p_filter", "LinformerSelfAttention", "Linformer", "LinformerLM", "LinformerSettings",
     "LinformerContextSettings", "LinearSelfAttention", "ImageLinearAttention", "LinearImageAttention",
-    "FeedForward", "Chunk", "PKM",
+    "FeedForward", "Chunk", "PKM", "PatchedSelfAttention",
 ]

@@ -115,8 +115,7 @@ class SelfAttention(nn.Module):
         p = self.attn_dropout if self.training else 0.0
         if self.n_local:
             l = self.n_local
-            outs.append(local_attention(q[:, :l], k[:, :l], v[:, :l], self.window, causal=self.causal,
-                                        padding=padding, dropout_p=p))
+            outs.append(self._local_heads(q[:, :l], k[:, :l], v[:, :l], padding, p))
         if self.n_local < self.heads:
             g = slice(self.n_local, None)
             if self.causal:
@@ -141,7 +140,7 @@ class SelfAttention(nn.Module):
         else:
             if self.n_local:
                 l = self.n_local
-                local_attention_prefill(k[:, :l], v[:, :l], cache.setdefault("local", {}), self.window, padding)
+                self._local_prefill(q[:, :l], k[:, :l], v[:, :l], cache.setdefault("local", {}), padding)
             if self.n_local < self.heads:
                 g = slice(self.n_local, None)
                 causal_global_prefill(k[:, g], v[:, g], cache.setdefault("global", {}), padding,
@@ -152,6 +151,16 @@ class SelfAttention(nn.Module):
                 flat = vm[:, :, max(0, n - 2):].permute(0, 1, 3, 2).reshape(b, h * d, -1)
                 cache["conv"] = F.pad(flat, (2 - flat.shape[-1], 0))
         return self._attend(x, q, k, v, padding, context_padding)
+
+    # The local (softmax) heads, apart so linear_mha.patch can swap them (patched_attention.py).
+    def _local_heads(self, q, k, v, padding, dropout_p):  # (B, n_local, N, D) each -> (B, n_local, N, Dv)
+        return local_attention(q, k, v, self.window, causal=self.causal, padding=padding, dropout_p=dropout_p)
+
+    def _local_prefill(self, q, k, v, cache, padding):
+        local_attention_prefill(k, v, cache, self.window, padding)
+
+    def _local_step(self, q, k, v, cache, t, padding_t):  # (B, n_local, D) each -> (B, n_local, Dv)
+        return local_attention_step(q, k, v, cache, t, self.window, padding_t)
 
     def _conv(self, v: Tensor, padding: Optional[Tensor]) -> Tensor:
         b, h, n, d = v.shape
@@ -183,8 +192,8 @@ class SelfAttention(nn.Module):
             outs = []
             if self.n_local:
                 l = self.n_local
-                outs.append(local_attention_step(q1[:, :l], k1[:, :l], v1[:, :l], cache.setdefault("local", {}), t,
-                                                 self.window, padding_t))
+                outs.append(self._local_step(q1[:, :l], k1[:, :l], v1[:, :l], cache.setdefault("local", {}), t,
+                                             padding_t))
             if self.n_local < self.heads:
                 g = slice(self.n_local, None)
                 outs.append(causal_global_step(q1[:, g], k1[:, g], v1[:, g], cache.setdefault("global", {}), t,

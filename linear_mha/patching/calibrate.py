@@ -21,8 +21,8 @@ from torch import nn
 
 from ..attend import LOCAL_TERM_STATE
 from ..attention import LinearMultiheadAttention
+from .adapters import adapter_classes
 from .generic import ORIGINAL_ATTR
-from .timm_attention import LinearTimmAttention
 
 
 @dataclass
@@ -52,12 +52,12 @@ class CalibrationReport:
 def _original(module: nn.Module) -> Optional[nn.Module]:
     if isinstance(module, LinearMultiheadAttention):
         return module.__dict__.get(ORIGINAL_ATTR)
-    return module.__dict__.get("_timm_original")
+    return module.original
 
 
 def _linear_modules(model: nn.Module):
     found = [(name, m) for name, m in model.named_modules()
-             if isinstance(m, (LinearMultiheadAttention, LinearTimmAttention))]
+             if isinstance(m, (LinearMultiheadAttention, *adapter_classes()))]
     if not found:
         raise ValueError("calibrate() found no linear attention in the model: patch it first, e.g. "
                          "linear_mha.patch(model, mode='hedgehog')")
@@ -91,21 +91,38 @@ def _teacher(original: nn.Module, args, kwargs):
 
 
 class _Transfer:
-    """Forward hooks that compare each module's output with its teacher's and hand the teacher's on."""
+    """Forward hooks that compare each module's output with its teacher's and hand the teacher's on.
 
-    def __init__(self, modules):
-        self.modules, self.errors, self.handles = modules, {}, []
+    train=True: the errors must reach the added parameters. A model that runs its layers without autograd (a
+    reversible stack recomputes them in its backward) gives outputs with no graph; those modules are run again
+    under autograd on the same inputs. Each error depends only on its own module's parameters (the teacher's
+    output, not the student's, flows on), so this is the same loss and the same gradient."""
+
+    def __init__(self, modules, train: bool = False):
+        self.modules, self.train, self.errors, self.handles = modules, train, {}, []
+        self.rerunning = set()
 
     def __enter__(self):
         for name, module in self.modules:
             original = _original(module)
 
             def hook(mod, args, kwargs, output, name=name, original=original):
+                if name in self.rerunning:
+                    return None
                 with torch.no_grad():
                     teacher = _teacher(original, args, kwargs)
                 student = output[0] if isinstance(output, tuple) else output
+                if self.train and not student.requires_grad:
+                    self.rerunning.add(name)
+                    try:
+                        with torch.enable_grad():
+                            again = mod(*args, **kwargs)
+                    finally:
+                        self.rerunning.discard(name)
+                    student = again[0] if isinstance(again, tuple) else again
                 scale = teacher.detach().pow(2).mean().clamp_min(torch.finfo(teacher.dtype).tiny)
-                self.errors[name] = (student - teacher).pow(2).mean() / scale
+                with torch.enable_grad() if self.train else contextlib.nullcontext():
+                    self.errors[name] = (student - teacher).pow(2).mean() / scale
                 return (teacher, *output[1:]) if isinstance(output, tuple) else teacher
             self.handles.append(module.register_forward_hook(hook, with_kwargs=True))
         return self
@@ -197,7 +214,7 @@ def calibrate(model: nn.Module, batches: Iterable, *, steps: int = 200, lr: floa
             p.requires_grad_(True)
         if steps:
             optimizer = torch.optim.AdamW(added, lr=lr, weight_decay=0.0)
-            with _progress(steps, "calibrate (attention transfer)", progress) as bar, _Transfer(modules) as transfer:
+            with _progress(steps, "calibrate (attention transfer)", progress) as bar, _Transfer(modules, train=True) as transfer:
                 for batch in itertools.islice(_cycle(batches), steps):
                     optimizer.zero_grad(set_to_none=True)
                     _call(model, batch, forward)

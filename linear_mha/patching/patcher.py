@@ -12,33 +12,38 @@ from ..token_grid import GridTracker, attach_tracker, feature_map_grid
 from .generic import disable_nested_tensor, restore_nested_tensor, to_linear, to_torch
 from .report import PatchReport
 from .selection import Selection
-from .timm_attention import LinearTimmAttention, supported_timm_classes, timm_token_count
+from .adapters import adapter_classes, adapter_for
+from .timm_attention import supported_timm_classes, timm_token_count
 from .unsupported import mha_subclass_reason, unsupported_reason
-
-_LINEAR_CLASSES = (LinearMultiheadAttention, LinearTimmAttention)
 
 
 def _is_linear(module) -> bool:
-    return isinstance(module, _LINEAR_CLASSES)
+    return isinstance(module, (LinearMultiheadAttention, *adapter_classes()))
 
 
 @dataclass
 class _Plan:
     name: str
     module: nn.Module
-    kind: str  # "mha" or "timm"
+    adapter: Optional[type]  # None: an nn.MultiheadAttention, swapped for LinearMultiheadAttention
     options: dict
+
+    @property
+    def kind(self) -> str:
+        return "mha" if self.adapter is None else self.adapter.kind
 
 
 def _default_seq_len(model: nn.Module, plan: _Plan) -> Optional[int]:
     """Tokens this module is fed, where the nearest enclosing model says so: a timm ViT (patch grid + prefix
-    tokens; None when its size varies) or torchvision's VisionTransformer (seq_length). The nearest one, not the
-    root: a ViT is often a backbone inside a user's wrapper."""
+    tokens; None when its size varies), torchvision's VisionTransformer (seq_length) or the LM stack's transformer
+    (max_seq_len). The nearest one, not the root: a ViT is often a backbone inside a user's wrapper."""
     parts = plan.name.split(".")
     for depth in range(len(parts) - 1, -1, -1):
         owner = model.get_submodule(".".join(parts[:depth]))
         if plan.kind == "timm" and hasattr(owner, "patch_embed"):
             return timm_token_count(owner)
+        if plan.kind == "lm" and isinstance(getattr(owner, "max_seq_len", None), int):
+            return owner.max_seq_len
         if (type(owner).__module__.startswith("torchvision.models.vision_transformer")
                 and isinstance(getattr(owner, "seq_length", None), int)):
             return owner.seq_length
@@ -68,9 +73,9 @@ def _resolve_sequence_lengths(model: nn.Module, plans) -> None:
 
 def _build(plan: _Plan) -> nn.Module:
     try:
-        if plan.kind == "mha":
+        if plan.adapter is None:
             return to_linear(plan.module, plan.options)
-        return LinearTimmAttention(plan.module, **plan.options)
+        return plan.adapter.from_original(plan.module, **plan.options)
     except (ValueError, TypeError) as err:
         raise type(err)(f"patch(): cannot patch {plan.name!r} ({type(plan.module).__name__}): {err}") from err
 
@@ -180,7 +185,7 @@ def _check_model(model, fn: str) -> None:
     if isinstance(model, torch.jit.ScriptModule):
         raise TypeError(f"{fn}() cannot change a TorchScript module (its code is compiled, so a swapped submodule would "
                         f"never run); {fn} the Python model first, then script or trace it")
-    if isinstance(model, nn.MultiheadAttention) or _is_linear(model) or type(model) in supported_timm_classes():
+    if isinstance(model, nn.MultiheadAttention) or _is_linear(model) or adapter_for(model) is not None:
         raise TypeError(f"{fn}() replaces submodules in place, but the model itself is a {type(model).__name__}; "
                         f"convert a bare module with LinearMultiheadAttention.from_torch(module) or wrap it in a "
                         f"container (e.g. nn.Sequential(module))")
@@ -190,8 +195,8 @@ def patch(model: nn.Module, mode: str = DEFAULT_MODE, *, include=None, exclude=N
           filter: Optional[Callable] = None, options_for: Optional[Callable] = None, grid_source: Optional[str] = None,
           grid_prefix: int = 0, grid_stride: int = 1, **options) -> PatchReport:
     """Replace, in place, every selected nn.MultiheadAttention (and subclass that keeps its forward) with
-    LinearMultiheadAttention and every timm.layers.Attention with LinearTimmAttention, reusing the original
-    Parameter objects.
+    LinearMultiheadAttention, every timm.layers.Attention with LinearTimmAttention and the softmax heads of every
+    ``linear_mha.lm`` SelfAttention with the method (PatchedSelfAttention), reusing the original Parameter objects.
 
     include / exclude: fnmatch patterns over qualified module names ("encoder.layers.*.self_attn");
     filter(name, module) -> bool; options_for(name, module) -> dict merged over ``options`` for that module.
@@ -213,10 +218,11 @@ def patch(model: nn.Module, mode: str = DEFAULT_MODE, *, include=None, exclude=N
             report.skipped.append((name, type(module), f"already linear (mode={module.mode!r}); call "
                                                        f"unpatch(model) first to change it"))
             continue
-        kind = "mha" if isinstance(module, nn.MultiheadAttention) and mha_subclass_reason(module) is None else (
-            "timm" if type(module) in timm_classes else None)
-        if kind is None:
-            reason = unsupported_reason(module, timm_classes)
+        adapter = adapter_for(module)
+        mha = isinstance(module, nn.MultiheadAttention) and mha_subclass_reason(module) is None
+        reason = (None if mha else adapter.unsupported_reason(module) if adapter is not None
+                  else unsupported_reason(module, timm_classes))
+        if reason or not (mha or adapter is not None):
             if reason:
                 selection.why_not(name, module, use_filter=False)
                 report.skipped.append((name, type(module), reason))
@@ -225,7 +231,7 @@ def patch(model: nn.Module, mode: str = DEFAULT_MODE, *, include=None, exclude=N
         if why:
             report.skipped.append((name, type(module), why))
             continue
-        plans.append(_Plan(name, module, kind, selection.options(name, module, base)))
+        plans.append(_Plan(name, module, adapter, selection.options(name, module, base)))
     selection.warn_unused()
     if not plans:  # a misspelt mode or option fails even where nothing is patched (else _build names the module)
         validate_options(mode, options)
@@ -261,7 +267,7 @@ def unpatch(model: nn.Module) -> PatchReport:
         if _is_linear(module):
             if module.__dict__.get("token_grid_source") is not None:
                 trackers.add(module.__dict__.pop("token_grid_source"))
-            new = to_torch(module) if isinstance(module, LinearMultiheadAttention) else module.to_timm()
+            new = to_torch(module) if isinstance(module, LinearMultiheadAttention) else module.to_original()
             olds.append(module)
             news.append(new)
             report.replaced.append((name, type(module), type(new)))

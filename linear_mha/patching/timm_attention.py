@@ -14,6 +14,7 @@ from .. import masks
 from ..attend import (LOCAL_TERM_STATE, add_local_term, attend_heads, drop_missing_state, install_local_term,
                       resolve_token_grid)
 from ..registry import create_method
+from .adapters import register_adapter
 
 _REUSED = ("qkv", "q_norm", "k_norm", "attn_drop", "norm", "gate", "proj", "proj_drop")
 
@@ -87,11 +88,23 @@ class LinearTimmAttention(nn.Module):
         self.__dict__["_timm_original"] = attn
         self.train(attn.training)
 
+    kind = "timm"
+
     @classmethod
     def from_timm(cls, attn: nn.Module, **options) -> "LinearTimmAttention":
         if type(attn) not in supported_timm_classes():
             raise TypeError(f"from_timm expects timm.layers.Attention (exact class), got {type(attn).__name__}")
         return cls(attn, **options)
+
+    from_original = from_timm
+
+    @classmethod
+    def unsupported_reason(cls, attn: nn.Module):
+        return None
+
+    @property
+    def original(self) -> nn.Module:
+        return self.__dict__["_timm_original"]
 
     @property
     def mode(self) -> str:
@@ -113,11 +126,13 @@ class LinearTimmAttention(nn.Module):
 
     def to_timm(self) -> nn.Module:
         """The original timm module, holding this adapter's current submodules (and so its trained weights)."""
-        original = self.__dict__["_timm_original"]
+        original = self.original
         for name in _REUSED:
             if name in original._modules:
                 original._modules[name] = getattr(self, name)
         return original.train(self.training)
+
+    to_original = to_timm
 
     def forward(self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False) -> Tensor:
         """x (B, N, C) -> (B, N, C_out), as timm's Attention.forward (attn_mask in SDPA's convention)."""
@@ -137,3 +152,6 @@ class LinearTimmAttention(nn.Module):
         if gate is not None:
             out = out * gate
         return self.proj_drop(self.proj(out))
+
+
+register_adapter(supported_timm_classes, LinearTimmAttention)

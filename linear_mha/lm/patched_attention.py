@@ -1,0 +1,117 @@
+"""linear_mha.patch for the LM stack: SelfAttention with its softmax (local) heads run by a registry method.
+
+The stack's softmax heads are its ``n_local_attn_heads``; with a window as long as the sequence they are exact
+causal softmax (tools.train_lm's ``--variant softmax``, the model users train with this stack and then want to
+convert). ``patch`` swaps each such SelfAttention for a PatchedSelfAttention that holds the very same submodules
+(to_q, to_k, to_v, to_out, gate, conv), keeps rotary embeddings and the global linear heads as they were, and runs
+the local heads through the method over every key the query may see (every earlier one when causal): the method's
+cost is linear, so it needs no window. A window shorter than the sequence is therefore not kept; ``calibrate``
+fits the method to the windowed softmax all the same. Layers without softmax heads are already linear and skipped.
+
+Decoding (``prefill`` / ``step``) keeps the patched heads' queries, keys and values and runs the method's causal
+attention over them again for each new position: exactly what ``forward`` gives, at O(t) work per token (the
+method's own recurrent state would be O(1); the registry does not expose one yet).
+"""
+import torch
+from torch import nn
+
+from ..attend import attend_heads, drop_missing_state
+from ..patching.adapters import register_adapter
+from ..registry import causal_methods, create_method
+from .self_attention import SelfAttention
+
+_REUSED = ("to_q", "to_k", "to_v", "to_out", "dropout", "gate", "conv")
+_SETTINGS = ("heads", "dim_head", "causal", "kv_heads", "n_local", "window", "blindspot_size", "receives_context",
+             "rotary", "attn_dropout")
+
+
+class PatchedSelfAttention(SelfAttention):
+    """A SelfAttention whose ``n_local`` softmax heads run ``mode`` (any registry method and its options)."""
+
+    kind = "lm"
+
+    def __init__(self, attention: SelfAttention, mode: str = "hedgehog", dwc_kernel=None, **options):
+        reason = self.unsupported_reason(attention)
+        if reason:
+            raise ValueError(f"cannot patch this SelfAttention: {reason}")
+        method = create_method(mode, options)
+        if dwc_kernel is not None or method.needs_grid:
+            raise ValueError(f"{'dwc_kernel' if dwc_kernel is not None else f'mode={mode!r}'} works on an image's "
+                             f"token grid, and an LM's tokens are a sequence; leave it out (the stack's local_conv "
+                             f"is the sequence form of a local term)")
+        if attention.causal and not method.causal:
+            raise ValueError(f"mode={mode!r} has no causal form and this layer is causal; causal methods: "
+                             f"{causal_methods()}")
+        nn.Module.__init__(self)
+        for name in _SETTINGS:
+            setattr(self, name, getattr(attention, name))
+        for name in _REUSED:
+            setattr(self, name, getattr(attention, name))
+        self.method = method
+        weight = attention.to_q.weight
+        method.install(self, self.n_local, self.dim_head, {"device": weight.device, "dtype": weight.dtype})
+        # Unregistered (not in state_dict or parameters()), so to_original() returns the user's module itself.
+        self.__dict__["_lm_original"] = attention
+        self.train(attention.training)
+
+    @classmethod
+    def unsupported_reason(cls, attention: SelfAttention):
+        if attention.n_local == 0:
+            return "no softmax heads (n_local_attn_heads=0): every head is already global linear attention"
+        return None
+
+    @classmethod
+    def from_original(cls, attention: SelfAttention, **options) -> "PatchedSelfAttention":
+        return cls(attention, **options)
+
+    @property
+    def original(self) -> SelfAttention:
+        return self.__dict__["_lm_original"]
+
+    @property
+    def mode(self) -> str:
+        return self.method.name
+
+    def to_original(self) -> SelfAttention:
+        """The SelfAttention patch() replaced, holding this module's current submodules (its trained weights)."""
+        original = self.original
+        for name in _REUSED:
+            if name in original._modules:
+                original._modules[name] = getattr(self, name)
+        return original.train(self.training)
+
+    def redraw_features(self, generator=None) -> None:
+        """Draw a new FAVOR+ random projection (mode='kernel' with feature_map='favor')."""
+        self.method.redraw(self, generator)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        drop_missing_state(self.method.state_names, prefix, state_dict, missing_keys)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, patched local heads={self.n_local}, causal={self.causal}, {self.method.describe()}"
+
+    def _local_heads(self, q, k, v, padding, dropout_p):  # (B, n_local, N, D) each -> (B, n_local, N, Dv)
+        self.method.before_forward(self)
+        out, _ = attend_heads(self.method, self.method.state(self), q, k, v, key_padding_mask=padding,
+                              is_causal=self.causal, dropout_p=dropout_p)
+        return out
+
+    def _local_prefill(self, q, k, v, cache, padding):
+        if padding is None:
+            padding = torch.zeros(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device)
+        cache.update(q=q, k=k, v=v, padding=padding)
+
+    def _local_step(self, q, k, v, cache, t, padding_t):  # (B, n_local, D) each -> (B, n_local, Dv)
+        if padding_t is None:
+            padding_t = torch.zeros(q.shape[0], dtype=torch.bool, device=q.device)
+        new = {"q": q[:, :, None], "k": k[:, :, None], "v": v[:, :, None], "padding": padding_t[:, None]}
+        for key, value in new.items():
+            cache[key] = value if key not in cache else torch.cat([cache[key], value], dim=-1 if key == "padding"
+                                                                  else 2)
+        return self._local_heads(cache["q"], cache["k"], cache["v"], cache["padding"], 0.0)[:, :, -1]
+
+
+register_adapter(lambda: (SelfAttention,), PatchedSelfAttention)
