@@ -275,6 +275,26 @@ def test_linformer_accepts_any_length_up_to_seq_len():
         m(x, x, x)
 
 
+def test_hedgehog_favor_init_starts_as_an_estimate_of_softmax_weights():
+    """init='favor' draws one W for q and k with entries N(0, d^-1/2): with many features the implied weights are
+    softmax's. Independent draws for q and k, or the scale d^-1/2 of the scores instead of d^-1/4, stay far off
+    (0.46 and 0.32 in this setting), as does the identity start (0.36)."""
+    d = 8
+    torch.manual_seed(0)
+    m = LinearMultiheadAttention(HEADS * d, HEADS, mode="hedgehog", init="favor", feature_dim=4096).double()
+    assert torch.equal(m.hedgehog_q_weight, m.hedgehog_k_weight) and m.hedgehog_q_weight is not m.hedgehog_k_weight
+    q = torch.randn(1, HEADS, 40, d, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) * 0.7
+    k = torch.randn(1, HEADS, 40, d, dtype=torch.float64, generator=torch.Generator().manual_seed(2)) * 0.7
+    implied = two_map_weights(hedgehog_features(q, m.hedgehog_q_weight, m.hedgehog_q_bias),
+                              hedgehog_features(k, m.hedgehog_k_weight, m.hedgehog_k_bias))
+    exact = softmax_weights(q, k)
+    assert (implied - exact).norm() / exact.norm() < 0.15
+    identity = LinearMultiheadAttention(HEADS * d, HEADS, mode="hedgehog").double()
+    start = two_map_weights(hedgehog_features(q, identity.hedgehog_q_weight, identity.hedgehog_q_bias),
+                            hedgehog_features(k, identity.hedgehog_k_weight, identity.hedgehog_k_bias))
+    assert (start - exact).norm() / exact.norm() > 0.3
+
+
 def test_fully_masked_sample_gives_zero_attention_not_nan():
     for name in MODES:
         m = module(name)

@@ -8,8 +8,8 @@ from torch import nn
 
 from .. import functional
 from ..functional.hedgehog import hedgehog_state
-from ..registry import (AttentionMethod, Option, append_extra_keys, non_negative_int, optional, positive_int,
-                        register_method)
+from ..registry import (AttentionMethod, Option, append_extra_keys, non_negative_int, one_of, optional,
+                        positive_int, register_method)
 from .kernel import Kernel
 
 
@@ -19,6 +19,9 @@ class Hedgehog(AttentionMethod):
     options = {
         "feature_dim": Option(None, optional(positive_int), "m: features per softmax (2m in all); default head_dim, "
                                                             "so W starts as the identity"),
+        "init": Option("identity", one_of("identity", "favor"),
+                       "W's start: identity (a fixed spiky map, m = d), or favor: q and k share W ~ N(0, d^-1/2), "
+                       "Performer's positive random features, so the maps start as an estimate of softmax's weights"),
         "window": Option(0, non_negative_int, "softmax over the keys at most this many positions away (causal: "
                                               "before), the feature maps for the rest (LoLCATs); 0 = maps only"),
         "chunk_size": Kernel.options["chunk_size"],
@@ -30,11 +33,17 @@ class Hedgehog(AttentionMethod):
 
     def init_state(self, num_heads, head_dim, factory_kwargs):
         m = self.feature_dim or head_dim
+        if self.init == "favor":
+            # softmax(k W) = exp(k W) / sum_j exp(k w_j), and sum_j exp(k w_j) ~ m exp(|k|^2 / (2 sqrt(d))) for
+            # Gaussian w_j: the key map is Performer's exp(k w - |k|^2 / (2 sqrt d)) up to a constant, the query's
+            # normaliser cancels, so phi(q).phi(k) estimates exp(q.k / sqrt(d)) when q and k share the draw.
+            start = torch.randn(num_heads, head_dim, m, **factory_kwargs) * head_dim ** -0.25
+        else:
+            start = torch.zeros(num_heads, head_dim, m, **factory_kwargs)
+            start[:, torch.arange(min(head_dim, m)), torch.arange(min(head_dim, m))] = 1.0  # the identity map
         state = {}
         for side in ("q", "k"):
-            weight = torch.zeros(num_heads, head_dim, m, **factory_kwargs)
-            weight[:, torch.arange(min(head_dim, m)), torch.arange(min(head_dim, m))] = 1.0  # the identity map
-            state[f"hedgehog_{side}_weight"] = nn.Parameter(weight)
+            state[f"hedgehog_{side}_weight"] = nn.Parameter(start.clone())
             state[f"hedgehog_{side}_bias"] = nn.Parameter(torch.zeros(num_heads, m, **factory_kwargs))
         if self.window:  # sigmoid(0) = 1/2: window and maps start on an equal footing
             state["hedgehog_window_logit"] = nn.Parameter(torch.zeros(num_heads, **factory_kwargs))
