@@ -253,6 +253,8 @@ def main(argv=None):
     p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                    help="an option of --mode, e.g. window=16 (repeatable; values are Python literals or strings)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="vit, lm: one trained model per seed")
+    p.add_argument("--lm", choices=["torch", "stack"], default="torch",
+                   help="lm: the nn.TransformerEncoder LM, or linear_mha.lm's own exact-softmax LM")
     p.add_argument("--checkpoints", nargs="+", default=[], help="detr: softmax checkpoints, one per seed")
     p.add_argument("--checkpoint-seeds", type=int, nargs="+", default=None, help="detr: their seeds (default 42..)")
     p.add_argument("--train-steps", type=int, default=2000, help="vit, lm: training steps of the softmax model")
@@ -296,7 +298,7 @@ def main(argv=None):
     records = [r for r in earlier if r["seed"] not in rerun] + records
     rows = summarize(records, metric)
     print_table(rows, metric)
-    result = {"model": a.model, "mode": a.mode, "options": a.options, "machine": f"{M.cpu_name()} ({platform.machine()})",
+    result = {"model": a.model, **({"lm": a.lm} if a.model == "lm" else {}), "mode": a.mode, "options": a.options, "machine": f"{M.cpu_name()} ({platform.machine()})",
               "threads": torch.get_num_threads(), "torch": torch.__version__,
               "command": "python -m tools.calibrate_bench " + " ".join(argv), "argv": list(argv), "records": records,
               "summary": rows}

@@ -1,10 +1,13 @@
-"""The causal-LM case of tools.calibrate_bench: a byte-level language model built the way users build one, on
-``torch.nn.TransformerEncoder`` with a causal mask, trained here on the Python standard library's sources (the
-corpus of tools/train_lm.py), then patched with a linear method and calibrated.
+"""The causal-LM case of tools.calibrate_bench: a byte-level language model trained here on the Python standard
+library's sources (the corpus of tools/train_lm.py), then patched with a linear method and calibrated. Two models
+(--lm): ``torch``, built the way users build one on ``torch.nn.TransformerEncoder`` with a causal mask, and
+``stack``, this library's own exact-softmax LM (tools.train_lm's --variant softmax: every head local with a window
+as long as the sequence), whose SelfAttention patch() converts through linear_mha.lm.PatchedSelfAttention.
 
 The metric is bits per byte on held-out text (lower is better); ``kept`` is the original model's bits per byte
 over the patched model's, so 1.0 means as good as softmax and 0.9 means 11% more bits per byte.
 """
+import argparse
 import copy
 import math
 
@@ -15,7 +18,7 @@ from torch import nn
 from linear_mha import calibrate, patch
 
 from .calibrate_bench import calibration_stages, train_one_cycle
-from .train_lm import stdlib_corpus
+from .train_lm import build_model, stdlib_corpus
 
 SEQ_LEN, BATCH, CORPUS_BYTES = 128, 32, 2_000_000
 
@@ -37,6 +40,15 @@ class TorchCausalLM(nn.Module):
         mask = nn.Transformer.generate_square_subsequent_mask(n, device=tokens.device)
         h = self.encoder(self.embed(tokens) + self.pos[:n], mask=mask, is_causal=True)
         return self.head(self.norm(h))
+
+
+def build_lm(kind: str) -> nn.Module:
+    """The softmax LM to convert, both of the same size (dim 128, 2 layers, 4 heads, 128-byte context)."""
+    if kind == "torch":
+        return TorchCausalLM()
+    if kind == "stack":
+        return build_model(argparse.Namespace(variant="softmax", dim=128, depth=2, heads=4, seq_len=SEQ_LEN))
+    raise ValueError(f"--lm must be 'torch' or 'stack', got {kind!r}")
 
 
 def text_splits():
@@ -69,7 +81,7 @@ def lm_records(a, seed):
     fine-tuning, and fine-tuning alone for the same total steps."""
     train_data, val_data = text_splits()
     torch.manual_seed(seed)
-    original = train_one_cycle(TorchCausalLM(), windows(train_data, a.train_steps, seed), next_byte_loss,
+    original = train_one_cycle(build_lm(a.lm), windows(train_data, a.train_steps, seed), next_byte_loss,
                                a.train_steps, 2e-3, 0.01)
     held_out = windows(val_data, 16, 10_000 + seed)
     base = bits_per_byte(original, held_out)
