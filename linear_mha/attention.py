@@ -8,6 +8,7 @@ attention weight. Methods with state of their own (Linformer's E/F, FAVOR's proj
 without it: an nn.MultiheadAttention checkpoint has no such keys, and those tensors keep their initialisation.
 The module projects its inputs to heads; ``self.method`` (see ``registry``) attends them, through ``attend``.
 """
+import inspect
 from typing import Optional, Tuple
 
 import torch
@@ -222,6 +223,20 @@ class LinearMultiheadAttention(nn.Module):
         if layout["unbatched"]:
             return out[0], (weights[0] if weights is not None else None)
         return (out if self.batch_first else out.transpose(0, 1)), weights
+
+    def output_padding(self, *args, **kwargs) -> Optional[Tensor]:
+        """For ``calibrate``: a bool mask broadcastable to the attention output of ``forward(*args, **kwargs)``,
+        True on the rows that are padding's own, or None. In self-attention (query is key) with a key_padding_mask
+        a linear mode zeroes the padded positions as queries too (``_zero_padding``), so those rows are not
+        softmax's, and a model that masks those keys never reads them."""
+        bound = inspect.signature(self.forward).bind(*args, **kwargs).arguments
+        query, kpm = bound["query"], bound.get("key_padding_mask")
+        if kpm is None or query is not bound["key"] or query.is_nested or self.method.any_mask:
+            return None
+        rows = masks.to_forbidden(kpm, "key_padding_mask", self.mode)  # (N, S), or (S,) unbatched
+        if query.dim() == 2:
+            return rows[:, None]
+        return rows[:, :, None] if self.batch_first else rows.t()[:, :, None]
 
     @torch.no_grad()
     def attention_matrix(self, query: Tensor, key: Tensor, key_padding_mask: Optional[Tensor] = None,

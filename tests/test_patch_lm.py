@@ -158,7 +158,9 @@ def test_sequence_length_option_defaults_to_the_lms_max_seq_len():
 def test_calibrate_fits_the_lm_against_its_own_softmax():
     model = lm(**CONFIGS["hybrid_everything"])
     x = [tokens(4, seed=s) for s in range(4)]
-    exact, _ = patched(model, "softmax")  # the teacher IS this computation: no error to start with
+    # The teacher IS this computation: no error to start with, also when patched in training mode with attention
+    # dropout (the kept original must run in eval mode like the student, not drop weights of the target).
+    exact, _ = patched(lm(**CONFIGS["hybrid_everything"], attn_dropout=0.5).train(), "softmax")
     with pytest.raises(ValueError, match="nothing to train"):
         calibrate(exact, x, steps=1, progress=False)
     report = calibrate(exact, x, steps=0, progress=False)

@@ -18,6 +18,7 @@ from torch import nn
 from ..attend import attend_heads, drop_missing_state
 from ..patching.adapters import register_adapter
 from ..registry import causal_methods, create_method
+from .padding import padding_of_layer
 from .self_attention import SelfAttention
 
 _REUSED = ("to_q", "to_k", "to_v", "to_out", "dropout", "gate", "conv")
@@ -92,6 +93,12 @@ class PatchedSelfAttention(SelfAttention):
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, patched local heads={self.n_local}, causal={self.causal}, {self.method.describe()}"
+
+    def output_padding(self, x, input_mask=None, *args, padding=None, **kwargs):
+        """For ``calibrate``: (B, N, 1) True on padding tokens' own outputs, or None: no kept token reads them,
+        and the method does not let a padding token see itself as the windowed softmax does."""
+        padding = padding_of_layer("input_mask", input_mask, padding, tuple(x.shape[:2]))
+        return None if padding is None else padding[:, :, None]
 
     def _local_heads(self, q, k, v, padding, dropout_p):  # (B, n_local, N, D) each -> (B, n_local, N, Dv)
         self.method.before_forward(self)

@@ -81,13 +81,33 @@ def _added_parameters(modules) -> List[nn.Parameter]:
     return params
 
 
-def _teacher(original: nn.Module, args, kwargs):
-    """The replaced softmax attention's output on the same call, never forming its weights."""
+def _teacher(original: nn.Module, student: nn.Module, args, kwargs):
+    """The replaced softmax attention's output on the same call, never forming its weights. It runs in the
+    student's train/eval mode: patch() kept it in the mode the model had then (often training), and model.eval()
+    does not reach it, so its dropout would otherwise make a noisy target."""
+    original.train(student.training)
     kwargs = {k: v for k, v in kwargs.items() if k != "token_grid"}
     if isinstance(original, nn.MultiheadAttention):
         kwargs["need_weights"] = False
         return original(*args, **kwargs)[0]
     return original(*args, **kwargs)
+
+
+def _padding_rows(module: nn.Module, args, kwargs):
+    """The output rows that are padding's own in this call (the module says which), or None."""
+    rows = getattr(module, "output_padding", None)
+    return None if rows is None else rows(*args, **kwargs)
+
+
+def _relative_error(student, teacher, padding_rows):
+    """||student - teacher||^2 / ||teacher||^2 over the rows that are not padding: padded positions' own outputs
+    are read by no later layer, and a linear mode does not compute them as softmax does (DETR's feature maps are
+    often half padding, and fitting those rows would pull the maps away from the rows that matter)."""
+    diff, target = student - teacher, teacher.detach()
+    if padding_rows is not None:
+        keep = ~padding_rows
+        diff, target = diff * keep, target * keep
+    return diff.pow(2).sum() / target.pow(2).sum().clamp_min(torch.finfo(teacher.dtype).tiny)
 
 
 class _Transfer:
@@ -110,7 +130,7 @@ class _Transfer:
                 if name in self.rerunning:
                     return None
                 with torch.no_grad():
-                    teacher = _teacher(original, args, kwargs)
+                    teacher = _teacher(original, mod, args, kwargs)
                 student = output[0] if isinstance(output, tuple) else output
                 if self.train and not student.requires_grad:
                     self.rerunning.add(name)
@@ -120,9 +140,8 @@ class _Transfer:
                     finally:
                         self.rerunning.discard(name)
                     student = again[0] if isinstance(again, tuple) else again
-                scale = teacher.detach().pow(2).mean().clamp_min(torch.finfo(teacher.dtype).tiny)
                 with torch.enable_grad() if self.train else contextlib.nullcontext():
-                    self.errors[name] = (student - teacher).pow(2).mean() / scale
+                    self.errors[name] = _relative_error(student, teacher, _padding_rows(mod, args, kwargs))
                 return (teacher, *output[1:]) if isinstance(output, tuple) else teacher
             self.handles.append(module.register_forward_hook(hook, with_kwargs=True))
         return self

@@ -134,6 +134,14 @@ class LinearTimmAttention(nn.Module):
 
     to_original = to_timm
 
+    def output_padding(self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False):
+        """For ``calibrate``: (B, N, 1) True on the padded tokens' own outputs (a key-padding ``attn_mask``), or
+        None. No token reads them, and the linear method does not compute them as softmax does."""
+        if attn_mask is None:
+            return None
+        kpm, _ = _timm_mask_to_nn(attn_mask, x.shape[0], self.num_heads, x.shape[1], self.method)
+        return None if kpm is None else masks.to_forbidden(kpm, "attn_mask", self.mode)[:, :, None]
+
     def forward(self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False) -> Tensor:
         """x (B, N, C) -> (B, N, C_out), as timm's Attention.forward (attn_mask in SDPA's convention)."""
         self.method.before_forward(self)
