@@ -9,6 +9,8 @@ state_dict keys and tensors stay as they were) and a registry method in place of
     original                           property: the replaced module (unregistered), calibrate()'s teacher
     to_original()                      the replaced module holding the adapter's current submodules
     method, mode                       the registry method and its name, as LinearMultiheadAttention has
+    output_padding(*args, **kwargs)    optional: which output rows of that call are padding's own (calibrate
+                                       leaves them out of the error), or None
 
 timm's Attention registers here (timm_attention.py), and so does the LM stack's SelfAttention
 (``linear_mha.lm.patched_attention``): this layer never imports the layers that use it.
