@@ -182,12 +182,14 @@ def test_the_bench_resumes_with_the_earlier_seeds_records_and_refuses_other_opti
         calibrate_bench.main(common[:-1] + [str(tmp_path / "new"), "--seeds", "2", "--resume"])
 
 
-def test_the_bench_calibrates_a_causal_lm_built_on_nn_transformer_encoder(tmp_path):
+@pytest.mark.parametrize("lm", ["torch", "stack"])
+def test_the_bench_calibrates_a_causal_lm(lm, tmp_path):
+    """--lm torch: built on nn.TransformerEncoder; --lm stack: linear_mha.lm's exact-softmax LM."""
     from tools import calibrate_bench
-    result = calibrate_bench.main(["lm", "--seeds", "0", "--train-steps", "6", "--calibration-steps", "2",
+    result = calibrate_bench.main(["lm", "--lm", lm, "--seeds", "0", "--train-steps", "6", "--calibration-steps", "2",
                                    "--finetune-after", "2", "--finetune-steps", "2", "--out", str(tmp_path),
                                    "--option", "window=3"])
-    assert result["options"] == {"window": 3}
+    assert result["options"] == {"window": 3} and result["lm"] == lm
     stages = [r["stage"] for r in result["records"]]
     assert stages == ["softmax (original)", "patch", "calibrated", "calibrated + fine-tuned",
                       "window alone (softmax over the window, far keys dropped)", "fine-tuned without calibration"]

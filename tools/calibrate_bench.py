@@ -11,9 +11,9 @@ vit: a small timm ViT trained from scratch on scikit-learn's handwritten digits 
 32 x 32; 80/20 split by seed), then patched with --mode (hedgehog) and calibrated. detr: softmax DETR checkpoints
 written by integrations.detr.train (e.g. tools.detr_compare's softmax runs), patched in the encoder and calibrated
 through the trainer's --calibrate-steps, on its training images; the options after `--` are the trainer's. lm: a
-byte-level causal LM on torch.nn.TransformerEncoder trained on the standard library's sources (tools/calibrate_lm.py),
-measured in bits per byte (lower is better; kept = original / patched). Both
-report accuracy against the number of calibration steps, the budget as a fraction of the original training steps,
+byte-level causal LM on torch.nn.TransformerEncoder (--lm torch) or linear_mha.lm's own exact-softmax LM (--lm stack)
+trained on the standard library's sources (tools/calibrate_lm.py), measured in bits per byte (lower is better;
+kept = original / patched). All three report accuracy against the number of calibration steps, the budget as a fraction of the original training steps,
 the table, a JSON of every record and a PNG (accuracy against calibration steps).
 """
 import argparse
@@ -298,7 +298,8 @@ def main(argv=None):
     records = [r for r in earlier if r["seed"] not in rerun] + records
     rows = summarize(records, metric)
     print_table(rows, metric)
-    result = {"model": a.model, **({"lm": a.lm} if a.model == "lm" else {}), "mode": a.mode, "options": a.options, "machine": f"{M.cpu_name()} ({platform.machine()})",
+    result = {"model": a.model, **({"lm": a.lm} if a.model == "lm" else {}), "mode": a.mode, "options": a.options,
+              "machine": f"{M.cpu_name()} ({platform.machine()})",
               "threads": torch.get_num_threads(), "torch": torch.__version__,
               "command": "python -m tools.calibrate_bench " + " ".join(argv), "argv": list(argv), "records": records,
               "summary": rows}
