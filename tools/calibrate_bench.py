@@ -13,8 +13,9 @@ written by integrations.detr.train (e.g. tools.detr_compare's softmax runs), pat
 through the trainer's --calibrate-steps, on its training images; the options after `--` are the trainer's. lm: a
 byte-level causal LM on torch.nn.TransformerEncoder (--lm torch) or linear_mha.lm's own exact-softmax LM (--lm stack)
 trained on the standard library's sources (tools/calibrate_lm.py), measured in bits per byte (lower is better;
-kept = original / patched). All three report accuracy against the number of calibration steps, the budget as a fraction of the original training steps,
-the table, a JSON of every record and a PNG (accuracy against calibration steps).
+kept = original / patched). All three report accuracy against the number of calibration steps, the budget as a
+fraction of the original training steps, the table, a JSON of every record and a PNG (accuracy against calibration
+steps).
 """
 import argparse
 import copy

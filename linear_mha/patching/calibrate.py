@@ -233,7 +233,8 @@ def calibrate(model: nn.Module, batches: Iterable, *, steps: int = 200, lr: floa
             p.requires_grad_(True)
         if steps:
             optimizer = torch.optim.AdamW(added, lr=lr, weight_decay=0.0)
-            with _progress(steps, "calibrate (attention transfer)", progress) as bar, _Transfer(modules, train=True) as transfer:
+            with _progress(steps, "calibrate (attention transfer)", progress) as bar, \
+                    _Transfer(modules, train=True) as transfer:
                 for batch in itertools.islice(_cycle(batches), steps):
                     optimizer.zero_grad(set_to_none=True)
                     _call(model, batch, forward)
