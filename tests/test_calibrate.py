@@ -223,6 +223,27 @@ def test_a_patched_causal_lm_never_sees_the_future(options):
     assert not torch.allclose(a[:, 9:], b[:, 9:])
 
 
+def test_the_detr_bench_hands_its_calibration_options_to_the_trainer(monkeypatch, tmp_path):
+    """--lr is calibration's learning rate for every model: for DETR it must reach the trainer's --calibrate-lr
+    (it once fell back silently to the trainer's default)."""
+    import integrations.detr.checkpoint as checkpoint
+    import integrations.detr.plots as plots
+    import integrations.detr.train as train
+    from tools import calibrate_bench
+    calls = []
+    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda path, what: {
+        "epoch": 0, "args": {"synthetic_train": 80, "batch_size": 8, "max_iters": None, "train_ann": None}})
+    monkeypatch.setattr(plots, "read_log", lambda path: [{"test_AP": 0.5}])
+    monkeypatch.setattr(train, "main", lambda argv: calls.append(argv) or {"coco": {"AP": 0.4, "AP50": 0.6,
+                                                                                     "AP75": 0.4}})
+    calibrate_bench.main(["detr", "--checkpoints", str(tmp_path / "c.pth"), "--lr", "0.03", "--calibration-steps",
+                          "7", "--finetune-after", "7", "--finetune-steps", "3", "--out", str(tmp_path),
+                          "--option", "init=favor"])
+    calibrated = [argv for argv in calls if "--calibrate-steps" in argv]
+    assert calibrated and all(argv[argv.index("--calibrate-lr") + 1] == "0.03" for argv in calibrated)
+    assert all("--attention-option=init=favor" in argv for argv in calls)
+
+
 def test_a_detr_resume_without_explicit_seeds_is_refused(tmp_path, capsys):
     from tools import calibrate_bench
     with pytest.raises(SystemExit):

@@ -155,7 +155,7 @@ def detr_records(a, seed, checkpoint):
 
     def run(stage, calibration, finetune):
         with tempfile.TemporaryDirectory(prefix="calib_detr_") as out:
-            extra = ["--calibrate-steps", str(calibration)] if calibration else []
+            extra = ["--calibrate-steps", str(calibration), "--calibrate-lr", str(a.lr)] if calibration else []
             extra += (["--epochs", "1", "--max-iters", str(finetune), "--lr", str(a.finetune_lr),
                        "--lr-backbone", str(a.finetune_lr / 10)] if finetune else ["--eval"])
             result = train_main(common + extra + ["--output-dir", out])
