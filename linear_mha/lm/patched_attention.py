@@ -15,8 +15,8 @@ method's own recurrent state would be O(1); the registry does not expose one yet
 import torch
 from torch import nn
 
-from ..attend import attend_heads, drop_missing_state
-from ..patching.adapters import register_adapter
+from ..attend import attend_heads
+from ..patching.adapters import AttentionAdapter, register_adapter
 from ..registry import causal_methods, create_method
 from .padding import padding_of_layer
 from .self_attention import SelfAttention
@@ -26,10 +26,10 @@ _SETTINGS = ("heads", "dim_head", "causal", "kv_heads", "n_local", "window", "bl
              "rotary", "attn_dropout")
 
 
-class PatchedSelfAttention(SelfAttention):
+class PatchedSelfAttention(AttentionAdapter, SelfAttention):
     """A SelfAttention whose ``n_local`` softmax heads run ``mode`` (any registry method and its options)."""
 
-    kind = "lm"
+    kind, reused = "lm", _REUSED
 
     def __init__(self, attention: SelfAttention, mode: str = "hedgehog", dwc_kernel=None, **options):
         reason = self.unsupported_reason(attention)
@@ -51,8 +51,7 @@ class PatchedSelfAttention(SelfAttention):
         self.method = method
         weight = attention.to_q.weight
         method.install(self, self.n_local, self.dim_head, {"device": weight.device, "dtype": weight.dtype})
-        # Unregistered (not in state_dict or parameters()), so to_original() returns the user's module itself.
-        self.__dict__["_lm_original"] = attention
+        self.keep_original(attention)
         self.train(attention.training)
 
     @classmethod
@@ -64,32 +63,6 @@ class PatchedSelfAttention(SelfAttention):
     @classmethod
     def from_original(cls, attention: SelfAttention, **options) -> "PatchedSelfAttention":
         return cls(attention, **options)
-
-    @property
-    def original(self) -> SelfAttention:
-        return self.__dict__["_lm_original"]
-
-    @property
-    def mode(self) -> str:
-        return self.method.name
-
-    def to_original(self) -> SelfAttention:
-        """The SelfAttention patch() replaced, holding this module's current submodules (its trained weights)."""
-        original = self.original
-        for name in _REUSED:
-            if name in original._modules:
-                original._modules[name] = getattr(self, name)
-        return original.train(self.training)
-
-    def redraw_features(self, generator=None) -> None:
-        """Draw a new FAVOR+ random projection (mode='kernel' with feature_map='favor')."""
-        self.method.redraw(self, generator)
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
-        drop_missing_state(self.method.state_names, prefix, state_dict, missing_keys)
 
     def extra_repr(self) -> str:
         return f"heads={self.heads}, patched local heads={self.n_local}, causal={self.causal}, {self.method.describe()}"

@@ -1,14 +1,13 @@
 """Attention classes other than nn.MultiheadAttention that patch() can swap, each with its adapter.
 
 An adapter is an nn.Module class that runs the original module's projections (the very same submodules, so
-state_dict keys and tensors stay as they were) and a registry method in place of the softmax step. It provides:
+state_dict keys and tensors stay as they were) and a registry method in place of the softmax step. It subclasses
+``AttentionAdapter`` (which provides ``original``, calibrate()'s teacher, ``to_original()``, ``mode`` and checkpoint
+loading), calls ``keep_original`` in its constructor, sets ``method``, and provides:
 
-    kind                               a short name for reports and the model-level lookups ("timm", "lm")
+    kind, reused                       a short name for reports and lookups ("timm", "lm"); the submodules it takes
     unsupported_reason(module)         classmethod: why this instance cannot be patched, or None
     from_original(module, **options)   classmethod: the adapter, holding ``mode`` and the method's options
-    original                           property: the replaced module (unregistered), calibrate()'s teacher
-    to_original()                      the replaced module holding the adapter's current submodules
-    method, mode                       the registry method and its name, as LinearMultiheadAttention has
     output_padding(*args, **kwargs)    optional: which output rows of that call are padding's own (calibrate
                                        leaves them out of the error), or None
 
@@ -19,6 +18,47 @@ from typing import Callable, List, Optional, Tuple, Type
 
 from torch import nn
 
+from ..attend import LOCAL_TERM_STATE, drop_missing_state
+
+class AttentionAdapter:
+    """What every adapter shares (a mixin, before its nn.Module base): the replaced module kept unregistered (not in
+    state_dict or parameters(), so ``to_original`` returns the user's module itself), handing the ``reused``
+    submodules back, ``mode``, FAVOR+ redraws, and checkpoints of the original model loading without the tensors
+    the method added."""
+
+    kind = ""
+    reused: Tuple[str, ...] = ()  # submodules taken over from the original, given back by to_original()
+
+    def keep_original(self, module: nn.Module) -> None:
+        self.__dict__["_adapter_original"] = module
+
+    @property
+    def original(self) -> nn.Module:
+        return self.__dict__["_adapter_original"]
+
+    @property
+    def mode(self) -> str:
+        return self.method.name
+
+    def to_original(self) -> nn.Module:
+        """The replaced module, holding this adapter's current submodules (and so its trained weights)."""
+        original = self.original
+        for name in self.reused:
+            if name in original._modules:
+                original._modules[name] = getattr(self, name)
+        return original.train(self.training)
+
+    def redraw_features(self, generator=None) -> None:
+        """Draw a new FAVOR+ random projection (mode='kernel' with feature_map='favor')."""
+        self.method.redraw(self, generator)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        drop_missing_state(self.method.state_names + LOCAL_TERM_STATE, prefix, state_dict, missing_keys)
+
+
 # (function returning the original classes, matched by exact type, adapter class)
 _ADAPTERS: List[Tuple[Callable[[], tuple], Type[nn.Module]]] = []
 
@@ -26,7 +66,9 @@ _ADAPTERS: List[Tuple[Callable[[], tuple], Type[nn.Module]]] = []
 def register_adapter(originals: Callable[[], tuple], adapter: Type[nn.Module]) -> None:
     """Let patch() swap every module whose exact class is in ``originals()`` for ``adapter``. ``originals`` is a
     function so a library can be looked up only when it is already imported (timm)."""
-    for name in ("kind", "unsupported_reason", "from_original", "original", "to_original"):
+    if not (issubclass(adapter, AttentionAdapter) and issubclass(adapter, nn.Module)):
+        raise TypeError(f"register_adapter(): {adapter.__name__} must subclass AttentionAdapter and nn.Module")
+    for name in ("unsupported_reason", "from_original"):
         if not hasattr(adapter, name):
             raise TypeError(f"register_adapter(): {adapter.__name__} has no {name!r}; see linear_mha.patching.adapters")
     if all(a is not adapter for _, a in _ADAPTERS):

@@ -11,10 +11,9 @@ import torch
 from torch import Tensor, nn
 
 from .. import masks
-from ..attend import (LOCAL_TERM_STATE, add_local_term, attend_heads, drop_missing_state, install_local_term,
-                      resolve_token_grid)
+from ..attend import add_local_term, attend_heads, install_local_term, resolve_token_grid
 from ..registry import create_method
-from .adapters import register_adapter
+from .adapters import AttentionAdapter, register_adapter
 
 _REUSED = ("qkv", "q_norm", "k_norm", "attn_drop", "norm", "gate", "proj", "proj_drop")
 
@@ -63,7 +62,7 @@ def _timm_mask_to_nn(attn_mask: Tensor, batch: int, heads: int, n: int, method):
     return None, forbidden
 
 
-class LinearTimmAttention(nn.Module):
+class LinearTimmAttention(AttentionAdapter, nn.Module):
     """timm ``Attention`` with linear attention. Options are LinearMultiheadAttention's keyword options: ``mode``
     and that method's options. Build it with :meth:`from_timm`; :meth:`to_timm` gives the timm module back."""
 
@@ -84,11 +83,10 @@ class LinearTimmAttention(nn.Module):
         factory_kwargs = {"device": weight.device, "dtype": weight.dtype}
         method.install(self, self.num_heads, self.head_dim, factory_kwargs)
         install_local_term(self, self.num_heads * self.head_dim, dwc_kernel, factory_kwargs)
-        # Kept unregistered (not in state_dict or parameters()) so to_timm() returns the user's module itself.
-        self.__dict__["_timm_original"] = attn
+        self.keep_original(attn)
         self.train(attn.training)
 
-    kind = "timm"
+    kind, reused = "timm", _REUSED
 
     @classmethod
     def from_timm(cls, attn: nn.Module, **options) -> "LinearTimmAttention":
@@ -102,37 +100,13 @@ class LinearTimmAttention(nn.Module):
     def unsupported_reason(cls, attn: nn.Module):
         return None
 
-    @property
-    def original(self) -> nn.Module:
-        return self.__dict__["_timm_original"]
-
-    @property
-    def mode(self) -> str:
-        return self.method.name
-
-    def redraw_features(self, generator: Optional[torch.Generator] = None) -> None:
-        """Draw a new FAVOR+ random projection (mode='kernel' with feature_map='favor')."""
-        self.method.redraw(self, generator)
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
-        drop_missing_state(self.method.state_names + LOCAL_TERM_STATE, prefix, state_dict, missing_keys)
-
     def extra_repr(self) -> str:
         s = f"attn_dim={self.attn_dim}, num_heads={self.num_heads}, {self.method.describe()}"
         return s + (f", dwc_kernel={self.dwc_weight.shape[-1]}" if self.dwc_weight is not None else "")
 
     def to_timm(self) -> nn.Module:
         """The original timm module, holding this adapter's current submodules (and so its trained weights)."""
-        original = self.original
-        for name in _REUSED:
-            if name in original._modules:
-                original._modules[name] = getattr(self, name)
-        return original.train(self.training)
-
-    to_original = to_timm
+        return self.to_original()
 
     def output_padding(self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False):
         """For ``calibrate``: (B, N, 1) True on the padded tokens' own outputs (a key-padding ``attn_mask``), or
