@@ -71,6 +71,21 @@ def attend_heads(method: AttentionMethod, state: Mapping[str, Optional[Tensor]],
     return method.attend(q, k, v, state, dropout_p=dropout_p, **kwargs), None
 
 
+class MethodState:
+    """Mixin for the modules that hold a method's state (LinearMultiheadAttention, the patching adapters): FAVOR+
+    redraws, and checkpoints of the original model loading without the tensors the method added."""
+
+    def redraw_features(self, generator: Optional[torch.Generator] = None) -> None:
+        """Draw a new FAVOR+ random projection (mode='kernel' with feature_map='favor')."""
+        self.method.redraw(self, generator)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        drop_missing_state(self.method.state_names + LOCAL_TERM_STATE, prefix, state_dict, missing_keys)
+
+
 def drop_missing_state(names: Iterable[str], prefix: str, state_dict, missing_keys: list) -> None:
     """After ``_load_from_state_dict``: a checkpoint of the original model (nn.MultiheadAttention, timm) has none of
     the tensors linear_mha adds (``names``: the method's state, the local term's), which then keep their

@@ -17,8 +17,7 @@ from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from . import masks
-from .attend import (LOCAL_TERM_STATE, add_local_term, attend_heads, drop_missing_state, install_local_term,
-                     resolve_token_grid)
+from .attend import MethodState, add_local_term, attend_heads, install_local_term, resolve_token_grid
 from .registry import DEFAULT_MODE, create_method
 from .token_grid import TokenGrid
 
@@ -49,7 +48,7 @@ def _check_arguments(embed_dim, num_heads, dropout, kdim, vdim, dtype):
         raise TypeError(f"dtype must be a floating-point torch.dtype (or None), got {dtype!r}")
 
 
-class LinearMultiheadAttention(nn.Module):
+class LinearMultiheadAttention(MethodState, nn.Module):
     r"""Drop-in replacement for :class:`torch.nn.MultiheadAttention` with linear-time attention.
 
     Positional arguments and defaults are nn.MultiheadAttention's. Keyword arguments: ``mode``, the attention
@@ -174,16 +173,6 @@ class LinearMultiheadAttention(nn.Module):
                     setattr(new, name, getattr(mha, name))
             new.out_proj = mha.out_proj
         return new.train(mha.training)
-
-    def redraw_features(self, generator: Optional[torch.Generator] = None) -> None:
-        """Draw a new FAVOR+ random projection (mode='kernel' with feature_map='favor')."""
-        self.method.redraw(self, generator)
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
-        drop_missing_state(self.method.state_names + LOCAL_TERM_STATE, prefix, state_dict, missing_keys)
 
     def extra_repr(self) -> str:
         s = f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, {self.method.describe()}"

@@ -18,9 +18,9 @@ from typing import Callable, List, Optional, Tuple, Type
 
 from torch import nn
 
-from ..attend import LOCAL_TERM_STATE, drop_missing_state
+from ..attend import MethodState
 
-class AttentionAdapter:
+class AttentionAdapter(MethodState):
     """What every adapter shares (a mixin, before its nn.Module base): the replaced module kept unregistered (not in
     state_dict or parameters(), so ``to_original`` returns the user's module itself), handing the ``reused``
     submodules back, ``mode``, FAVOR+ redraws, and checkpoints of the original model loading without the tensors
@@ -48,15 +48,6 @@ class AttentionAdapter:
                 original._modules[name] = getattr(self, name)
         return original.train(self.training)
 
-    def redraw_features(self, generator=None) -> None:
-        """Draw a new FAVOR+ random projection (mode='kernel' with feature_map='favor')."""
-        self.method.redraw(self, generator)
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
-        drop_missing_state(self.method.state_names + LOCAL_TERM_STATE, prefix, state_dict, missing_keys)
 
 
 # (function returning the original classes, matched by exact type, adapter class)
