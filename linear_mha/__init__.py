@@ -13,14 +13,14 @@ from .token_grid import TokenGrid, track_token_grid
 from .lm import (AutoregressiveWrapper, ImageLinearAttention, LinearAttentionTransformer,
                  LinearAttentionTransformerLM, LinearImageAttention, LinearSelfAttention, Linformer,
                  LinformerContextSettings, LinformerLM, LinformerSelfAttention, LinformerSettings)
-from .patching import CalibrationReport, PatchReport, calibrate, patch, patched, unpatch
+from .patching import CalibrationReport, PatchReport, calibrate, output_distance, patch, patched, unpatch
 
 __version__ = "0.1.0"
 __all__ = [
     "LinearMultiheadAttention", "functional",
     "AttentionMethod", "Option", "register_method", "unregister_method", "available_methods", "method_class",
     "TokenGrid", "track_token_grid",
-    "patch", "unpatch", "patched", "PatchReport", "calibrate", "CalibrationReport",
+    "patch", "unpatch", "patched", "PatchReport", "calibrate", "CalibrationReport", "output_distance",
     "LinearAttentionTransformerLM", "LinearAttentionTransformer", "AutoregressiveWrapper", "LinformerSettings",
     "LinformerContextSettings", "Linformer", "LinformerLM", "LinformerSelfAttention", "LinearSelfAttention",
     "ImageLinearAttention", "LinearImageAttention",

@@ -106,6 +106,46 @@ def test_a_second_stage_fine_tunes_the_whole_model_with_the_users_loss():
     assert len(report.finetune_losses) == 3 and not torch.equal(model.layers[0].linear1.weight, before)
 
 
+def test_distillation_fits_the_outputs_of_the_original_model_as_it_was():
+    """distill=True: the target is the original model (softmax attention, the weights stage 2 started from), exact
+    (eval mode) on the very batch, every step, although stage 2 moves the weights the kept softmax modules share
+    (without the copy the target would follow the student); the patched model's outputs move toward it."""
+    model = encoder()
+    original = copy.deepcopy(model).eval()
+    batches = data()
+    patch(model, "hedgehog")
+    targets = []
+
+    def distance(output, target):
+        targets.append(target)
+        return linear_mha.output_distance(output, target)
+    with torch.no_grad():
+        start = sum(float(linear_mha.output_distance(model.eval()(b), original(b))) for b in batches)
+    report = calibrate(model, batches, steps=0, eval_batches=0, finetune_steps=8, finetune_lr=3e-3, distill=distance,
+                       progress=False)
+    assert report.distilled and "distilling the original's outputs" in report.table()
+    assert len(targets) == 8 and not torch.equal(model.layers[0].linear1.weight, original.layers[0].linear1.weight)
+    for step, target in enumerate(targets):
+        torch.testing.assert_close(target, original(batches[step % len(batches)]), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        end = sum(float(linear_mha.output_distance(model.eval()(b), original(b))) for b in batches)
+    assert end < 0.7 * start and report.finetune_losses[-1] < report.finetune_losses[0]
+
+
+def test_distillation_by_default_fits_every_floating_point_output():
+    from linear_mha import output_distance
+    t = {"logits": torch.tensor([[3.0, 4.0]]), "aux": [torch.tensor([1.0, 0.0]), torch.tensor([2])]}
+    o = {"logits": torch.tensor([[0.0, 4.0]]), "aux": [torch.tensor([1.0, 1.0]), torch.tensor([5])]}
+    assert float(output_distance(o, t)) == pytest.approx(9 / 25 + 1 / 1)  # each relative to its own size; ints skipped
+    with pytest.raises(ValueError, match="no floating-point tensor.*distill=a function"):
+        output_distance([torch.tensor([1])], [torch.tensor([1])])
+    model = encoder()
+    patch(model, "hedgehog", init="favor")
+    report = calibrate(model, data(), steps=0, eval_batches=0, finetune_steps=4, finetune_lr=3e-3, distill=True,
+                       progress=False)
+    assert report.finetune_losses[-1] < report.finetune_losses[0] and model.training
+
+
 def test_what_calibrate_cannot_do_is_refused():
     with pytest.raises(ValueError, match="found no linear attention"):
         calibrate(encoder(), data(), progress=False)
@@ -120,8 +160,12 @@ def test_what_calibrate_cannot_do_is_refused():
     patch(model, "hedgehog")
     with pytest.raises(ValueError, match="a generator"):
         calibrate(model, (b for b in data(2)), steps=5, eval_batches=0, progress=False)
-    with pytest.raises(ValueError, match="finetune_steps needs loss_fn"):
+    with pytest.raises(ValueError, match="finetune_steps needs one of loss_fn.*or distill=True"):
         calibrate(model, data(), finetune_steps=2, progress=False)
+    with pytest.raises(ValueError, match="not both"):
+        calibrate(model, data(), finetune_steps=2, distill=True, loss_fn=lambda m, b: m(b).sum(), progress=False)
+    with pytest.raises(ValueError, match="distill must be True, False or a function"):
+        calibrate(model, data(), finetune_steps=2, distill="yes", progress=False)
 
 
 def test_a_timm_vit_is_calibrated_against_its_own_attention():
@@ -148,16 +192,59 @@ def test_the_detr_trainer_calibrates_a_pretrained_softmax_detr(tmp_path):
     saved = json.loads((tmp_path / "hedgehog" / "calibration.json").read_text())
     assert saved["steps"] == 4 and len(saved["losses"]) == 4 and len(saved["layers"]) == 2
     assert 0 <= result["coco"]["AP"] <= 1
+    # --distill: the fine-tune after calibration trains against the softmax DETR's predictions, not the labels
+    result = main(TINY + ["--pretrained", str(tmp_path / "softmax" / "checkpoint.pth"), "--attention", "hedgehog",
+                          "--calibrate-steps", "2", "--distill", "--epochs", "1", "--max-iters", "2",
+                          "--output-dir", str(tmp_path / "distilled")])
+    entry = result["log"][-1]
+    assert entry["train_loss_kd_giou"] >= 0 and "train_loss_giou" not in entry and "test_loss_giou" in entry
+    for argv, match in ((["--attention", "hedgehog"], "--distill .*--pretrained"),
+                        (["--attention", "softmax", "--pretrained", "x.pth"], "own teacher")):
+        with pytest.raises(ValueError, match=match):
+            main(TINY + argv + ["--distill", "--output-dir", str(tmp_path / "refused")])
+
+
+def test_detr_distillation_compares_each_query_with_the_teachers():
+    """--distill's loss: 0 when the student predicts what the teacher does; each term grows with its own error;
+    query i is compared with query i (a permutation of the queries is an error, though a matcher would forgive it);
+    auxiliary layers get their own terms."""
+    from integrations.detr.distill import DistillationCriterion
+    g = torch.Generator().manual_seed(0)
+
+    def outputs():
+        def layer():
+            return {"pred_logits": torch.randn(2, 5, 4, generator=g),
+                    "pred_boxes": 0.3 + 0.4 * torch.rand(2, 5, 4, generator=g)}
+        return {**layer(), "aux_outputs": [layer()]}
+    criterion = DistillationCriterion({"loss_ce": 1.0, "loss_bbox": 5.0, "loss_giou": 2.0, "loss_ce_0": 1.0,
+                                       "loss_bbox_0": 5.0, "loss_giou_0": 2.0})
+    assert criterion.weight_dict == {"loss_kd_ce": 1.0, "loss_kd_bbox": 5.0, "loss_kd_giou": 2.0,
+                                     "loss_kd_ce_0": 1.0, "loss_kd_bbox_0": 5.0, "loss_kd_giou_0": 2.0}
+    teacher = outputs()
+    same = criterion(teacher, teacher)
+    assert set(same) == set(criterion.weight_dict) and all(abs(float(v)) < 1e-6 for v in same.values())
+    shuffled = {k: v[:, [1, 0, 2, 3, 4]] for k, v in teacher.items() if k != "aux_outputs"}
+    moved = criterion({**shuffled, "aux_outputs": teacher["aux_outputs"]}, teacher)
+    assert all(float(moved[k]) > 1e-3 for k in ("loss_kd_ce", "loss_kd_bbox", "loss_kd_giou"))
+    assert all(float(moved[f"{k}_0"]) < 1e-6 for k in ("loss_kd_ce", "loss_kd_bbox", "loss_kd_giou"))
+    student = {**teacher, "pred_boxes": teacher["pred_boxes"] + 0.01}
+    assert float(criterion(student, teacher)["loss_kd_bbox"]) == pytest.approx(0.04, rel=1e-4)  # 4 coordinates
+    p = torch.softmax(teacher["pred_logits"], -1)
+    q = torch.softmax(outputs()["pred_logits"], -1)
+    kl = (p * (p.log() - q.log())).sum(-1).mean()
+    got = criterion({**teacher, "pred_logits": q.log()}, teacher)["loss_kd_ce"]
+    torch.testing.assert_close(got, kl)
 
 
 def test_the_bench_reports_accuracy_kept_on_a_vit_trained_here(tmp_path):
     pytest.importorskip("sklearn")
     from tools import calibrate_bench
     result = calibrate_bench.main(["vit", "--seeds", "0", "--train-steps", "20", "--calibration-steps", "3",
-                                   "--finetune-after", "3", "--finetune-steps", "2", "--out", str(tmp_path),
-                                   "--json", str(tmp_path / "records.json")])
+                                   "--finetune-after", "3", "--finetune-steps", "2", "--distill-steps", "1",
+                                   "--out", str(tmp_path), "--json", str(tmp_path / "records.json")])
     stages = [r["stage"] for r in result["records"]]
-    assert stages == ["softmax (original)", "patch", "calibrated", "calibrated + fine-tuned"]
+    assert stages == ["softmax (original)", "patch", "calibrated", "calibrated + distilled", "calibrated + fine-tuned"]
+    assert result["records"][3]["fraction_of_training_steps"] == pytest.approx(4 / 20)
     assert all(0 <= r["top1"] <= 1 and r["kept"] > 0 for r in result["records"])
     assert result["records"][-1]["fraction_of_training_steps"] == pytest.approx(5 / 20)
     assert (tmp_path / "calibrate_vit.png").stat().st_size > 0 and (tmp_path / "records.json").exists()
@@ -236,12 +323,43 @@ def test_the_detr_bench_hands_its_calibration_options_to_the_trainer(monkeypatch
     monkeypatch.setattr(plots, "read_log", lambda path: [{"test_AP": 0.5}])
     monkeypatch.setattr(train, "main", lambda argv: calls.append(argv) or {"coco": {"AP": 0.4, "AP50": 0.6,
                                                                                      "AP75": 0.4}})
-    calibrate_bench.main(["detr", "--checkpoints", str(tmp_path / "c.pth"), "--lr", "0.03", "--calibration-steps",
-                          "7", "--finetune-after", "7", "--finetune-steps", "3", "--out", str(tmp_path),
-                          "--option", "init=favor"])
+    result = calibrate_bench.main(["detr", "--checkpoints", str(tmp_path / "c.pth"), "--lr", "0.03",
+                                   "--calibration-steps", "7", "--finetune-after", "7", "--finetune-steps", "3",
+                                   "--distill-after", "5", "--distill-steps", "2", "--distill-lr", "1e-5",
+                                   "--out", str(tmp_path), "--option", "init=favor"])
     calibrated = [argv for argv in calls if "--calibrate-steps" in argv]
     assert calibrated and all(argv[argv.index("--calibrate-lr") + 1] == "0.03" for argv in calibrated)
     assert all("--attention-option=init=favor" in argv for argv in calls)
+    distilled = [argv for argv in calls if "--distill" in argv]
+    assert len(distilled) == 1 and [distilled[0][distilled[0].index(f) + 1] for f in (
+        "--calibrate-steps", "--max-iters", "--lr")] == ["5", "2", "1e-05"]
+    distilled_record = [r for r in result["records"] if r["stage"] == "calibrated + distilled"][0]
+    assert distilled_record["finetune_steps"] == 2
+    assert distilled_record["fraction_of_training_steps"] == pytest.approx(7 / 10)  # 80 images / batch 8, 1 epoch
+
+
+def test_the_detr_bench_counts_the_original_training_steps(tmp_path):
+    """The budget's denominator (it was None for every DETR record: a synthetic run's --train-ann is set)."""
+    import json
+    from tools.calibrate_bench import original_training_steps
+    ann = tmp_path / "run" / "synthetic-coco" / "annotations" / "instances_train.json"
+    ann.parent.mkdir(parents=True)
+    ann.write_text(json.dumps({"images": [{"id": i} for i in range(100)]}))
+    args = {"train_ann": str(ann), "synthetic_train": 2000, "batch_size": 8, "max_iters": 0,
+            "output_dir": str(tmp_path / "run"), "coco_path": None}
+    assert original_training_steps(args, 15) == 16 * 12  # the file's 100 images, not --synthetic-train
+    assert original_training_steps({**args, "max_iters": 5}, 15) == 16 * 5
+    ann.unlink()  # the generated set is gone: --synthetic-train says how many it had
+    assert original_training_steps(args, 15) == 16 * 250
+    assert original_training_steps({**args, "train_ann": str(tmp_path / "own.json")}, 15) is None
+
+
+def test_a_fine_tune_from_a_calibration_the_bench_does_not_run_is_refused(tmp_path, capsys):
+    from tools import calibrate_bench
+    with pytest.raises(SystemExit):
+        calibrate_bench.main(["vit", "--calibration-steps", "3", "--finetune-after", "3", "--distill-steps", "2",
+                              "--distill-after", "5", "--out", str(tmp_path)])
+    assert "--distill-after 5 must be one of --calibration-steps [3]" in capsys.readouterr().err
 
 
 def test_a_detr_resume_without_explicit_seeds_is_refused(tmp_path, capsys):

@@ -92,8 +92,9 @@ def train_vit(model, x, y, steps, lr, seed):
 
 def calibration_stages(a, seed, original, inputs, finetune, metric, score):
     """The records every model's table has after its original: ``original`` patched with --mode, then calibrated
-    on ``inputs`` for each of --calibration-steps (0: the plain patch), and at --finetune-after also fine-tuned by
-    ``finetune(model, steps)`` for --finetune-steps; ``score(model)`` is the value stored under ``metric``."""
+    on ``inputs`` for each of --calibration-steps (0: the plain patch), at --finetune-after also fine-tuned by
+    ``finetune(model, steps)`` for --finetune-steps, and at --distill-after distilled from the original for
+    --distill-steps (calibrate's distill=True); ``score(model)`` is the value stored under ``metric``."""
     records = []
     for steps in [0] + a.calibration_steps:
         model = copy.deepcopy(original)
@@ -102,6 +103,12 @@ def calibration_stages(a, seed, original, inputs, finetune, metric, score):
             calibrate(model, inputs, steps=steps, lr=a.lr, seed=seed, progress=False)
         records.append(dict(seed=seed, stage="patch" if not steps else "calibrated", calibration_steps=steps,
                             finetune_steps=0, **{metric: score(model)}))
+        if steps == a.distill_after and a.distill_steps:
+            distilled = copy.deepcopy(model)
+            calibrate(distilled, inputs, steps=0, eval_batches=0, finetune_steps=a.distill_steps,
+                      finetune_lr=a.distill_lr, distill=True, seed=seed, progress=False)
+            records.append(dict(seed=seed, stage="calibrated + distilled", calibration_steps=steps,
+                                finetune_steps=a.distill_steps, **{metric: score(distilled)}))
         if steps == a.finetune_after:
             finetune(model, a.finetune_steps)
             records.append(dict(seed=seed, stage="calibrated + fine-tuned", calibration_steps=steps,
@@ -139,6 +146,25 @@ def vit_records(a, seed):
 
 
 # ---------------------------------------------------------------------------------------------------- DETR
+def original_training_steps(args: dict, last_epoch: int):
+    """The steps a DETR checkpoint trained for, from its saved arguments: epochs x batches per epoch (training
+    images // batch size, at most --max-iters), as one process counts them; None when its images cannot be
+    counted. The synthetic set's annotation file is counted like any other (the trainer writes --train-ann for
+    it), falling back to --synthetic-train when the file is gone."""
+    ann = args.get("train_ann")
+    generated = Path(args.get("output_dir") or ".") / "synthetic-coco"  # where prepare_data_args writes the set
+    if ann and Path(ann).is_file():
+        images = len(json.loads(Path(ann).read_text())["images"])
+    elif args.get("synthetic_train") and (not ann or Path(ann).is_relative_to(generated)):
+        images = args["synthetic_train"]
+    else:
+        return None
+    per_epoch = images // args["batch_size"]
+    if args.get("max_iters"):
+        per_epoch = min(per_epoch, args["max_iters"])
+    return (last_epoch + 1) * per_epoch
+
+
 def detr_records(a, seed, checkpoint):
     from integrations.detr.checkpoint import load_checkpoint
     from integrations.detr.plots import read_log
@@ -146,18 +172,18 @@ def detr_records(a, seed, checkpoint):
     saved = load_checkpoint(checkpoint, "--checkpoints")
     log = read_log(Path(checkpoint).with_name("log.jsonl"))
     base, args = log[-1]["test_AP"], saved["args"]
-    per_epoch = args.get("max_iters") or (args["synthetic_train"] // args["batch_size"] if not args.get("train_ann")
-                                          else None)
-    iterations = (saved["epoch"] + 1) * per_epoch if per_epoch else None  # the original training's steps
+    iterations = original_training_steps(args, saved["epoch"])
     common = ["--seed", str(seed), "--no-progress", "--num-workers", "0", "--pretrained", str(checkpoint),
               "--attention", a.mode] + [f"--attention-option={o}" for o in a.option] + a.train_args
     records = [dict(seed=seed, stage="softmax (original)", calibration_steps=0, finetune_steps=0, AP=base)]
 
-    def run(stage, calibration, finetune):
+    def run(stage, calibration, finetune, distill=False):
         with tempfile.TemporaryDirectory(prefix="calib_detr_") as out:
             extra = ["--calibrate-steps", str(calibration), "--calibrate-lr", str(a.lr)] if calibration else []
-            extra += (["--epochs", "1", "--max-iters", str(finetune), "--lr", str(a.finetune_lr),
-                       "--lr-backbone", str(a.finetune_lr / 10)] if finetune else ["--eval"])
+            lr = a.distill_lr if distill else a.finetune_lr
+            extra += (["--epochs", "1", "--max-iters", str(finetune), "--lr", str(lr),
+                       "--lr-backbone", str(lr / 10)] if finetune else ["--eval"])
+            extra += ["--distill"] if distill else []
             result = train_main(common + extra + ["--output-dir", out])
         coco = result["coco"]
         records.append(dict(seed=seed, stage=stage, calibration_steps=calibration, finetune_steps=finetune,
@@ -165,6 +191,8 @@ def detr_records(a, seed, checkpoint):
     for steps in [0] + a.calibration_steps:
         run("patch" if not steps else "calibrated", steps, 0)
     run("calibrated + fine-tuned", a.finetune_after, a.finetune_steps)
+    if a.distill_steps:
+        run("calibrated + distilled", a.distill_after, a.distill_steps, distill=True)
     run("fine-tuned without calibration", 0, a.finetune_after + a.finetune_steps)
     for r in records:
         r["kept"] = r["AP"] / base
@@ -264,6 +292,13 @@ def main(argv=None):
     p.add_argument("--finetune-after", type=int, default=50, help="the calibration steps the fine-tune follows")
     p.add_argument("--finetune-steps", type=int, default=50)
     p.add_argument("--finetune-lr", type=float, default=3e-4)
+    p.add_argument("--distill-steps", type=int, default=0,
+                   help="also fine-tune by distillation from the original model (its outputs, not the labels) for "
+                        "this many steps after --distill-after calibration steps (0: no such row)")
+    p.add_argument("--distill-after", type=int, default=None,
+                   help="the calibration steps the distillation follows (default --finetune-after)")
+    p.add_argument("--distill-lr", type=float, default=None, help="the distillation's learning rate (default "
+                                                                  "--finetune-lr)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, default=Path("runs/calibrate"), help="results.json and the PNG go here")
     p.add_argument("--json", type=Path, help="also write the records here")
@@ -274,6 +309,13 @@ def main(argv=None):
     own, train_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     a = p.parse_args(own)
     a.train_args = train_args
+    a.distill_after = a.finetune_after if a.distill_after is None else a.distill_after
+    a.distill_lr = a.finetune_lr if a.distill_lr is None else a.distill_lr
+    for name in ("finetune_after", "distill_after"):
+        if a.model != "detr" and getattr(a, name) not in a.calibration_steps and \
+                (a.finetune_steps if name == "finetune_after" else a.distill_steps):
+            p.error(f"--{name.replace('_', '-')} {getattr(a, name)} must be one of --calibration-steps "
+                    f"{a.calibration_steps}: the fine-tune starts from that calibrated model")
     a.options = parse_attention_options(a.option)
     method_class(a.mode).validate(a.options)  # a misspelt option fails now, not after the softmax model trained
     M.pin_threads(a.threads)

@@ -102,6 +102,9 @@ def get_args_parser():
       help="with --pretrained (a softmax DETR) and a learnable --attention such as hedgehog: first fit the linear "
            "attention to the softmax attention it replaces, N steps on training images (linear_mha.calibrate)")
     a("--calibrate-lr", type=float, default=1e-2, help="learning rate of --calibrate-steps")
+    a("--distill", action="store_true",
+      help="train against the --pretrained softmax DETR's predictions instead of the labels (query by query: class "
+           "KL, box L1 and GIoU, weighted as DETR's loss): the fine-tune of a conversion, after --calibrate-steps")
     a("--attention-option", action="append", metavar="NAME=VALUE",
       help="any option of the --attention method (repeatable; values are Python literals or strings)")
     # matcher and loss

@@ -50,13 +50,15 @@ class Meter:
 
 
 def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, max_norm=0.0, scaler=None,
-                    amp=False, max_iters=0, progress=True, start_iter=0, meter=None, stop=None, bar=None):
+                    amp=False, max_iters=0, progress=True, start_iter=0, meter=None, stop=None, bar=None,
+                    teacher=None):
     """Trains until the loader (or --max-iters) ends, or stops after a step once any process's ``stop`` (an
     integrations.stop.StopRequest) was signalled.
     A resumed epoch passes the loader of its remaining batches, ``start_iter`` (batches already done) and the
     ``meter`` holding their losses. Returns (meter, batches done in the epoch, whether it was stopped early);
     ``meter.averages()`` is the epoch's mean of every (process-averaged) loss, `loss` the weighted total.
-    ``bar``: a tqdm to advance by one per step (the trainer's bar over all epochs), else the epoch shows its own."""
+    ``bar``: a tqdm to advance by one per step (the trainer's bar over all epochs), else the epoch shows its own.
+    ``teacher``: a model whose outputs on the batch replace the labels (--distill; ``criterion`` compares them)."""
     model.train()
     criterion.train()
     meter = Meter() if meter is None else meter
@@ -73,6 +75,9 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, max
         samples, targets = samples.to(device), _targets_to(targets, device)
         with torch.autocast(device_type="cuda", dtype=torch.float16, enabled=amp):
             outputs = model(samples)
+            if teacher is not None:
+                with torch.no_grad():
+                    targets = teacher(samples)
         loss_dict = criterion(outputs, targets)  # the criterion upcasts half-precision outputs itself
         losses = _weighted_total(loss_dict, weight_dict)
         logged, stopping = _reduce_with_stop(loss_dict, stop, device)

@@ -45,6 +45,8 @@ def start_banner(args, datasets, attention_report, device, threads, world, itera
             rows["resume"] = f"{args.resume}: continues at epoch {start_epoch + 1}/{args.epochs}"
         if args.calibrate_steps:
             rows["calibrate"] = f"{args.calibrate_steps} attention-transfer steps from {args.pretrained} first"
+        if args.distill:
+            rows["loss"] = f"distillation from {args.pretrained}'s predictions (softmax attention), not the labels"
     rows["device"] = f"{device}, threads {threads}"
     rows["output"] = f"{out_dir}/ (checkpoint.pth, log.jsonl, curves.png{', eval.json' if args.eval else ''})"
     banner("DETR / Linear-DETR" + (" evaluation" if args.eval else " training"), rows)

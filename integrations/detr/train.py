@@ -37,6 +37,7 @@ from .backbone import backbone_stride
 from .backbone_cache import pretrained_backbone, wants_pretraining
 from ..checkpoint_io import check_same_args
 from .checkpoint import load_checkpoint, load_pretrained, rng_state, save_atomic, set_rng_state
+from .distill import DistillationCriterion, build_teacher, check_distill_args
 from .config import parse_args
 from .datasets import build_dataset
 from .detr import build_model
@@ -167,6 +168,7 @@ def main(argv=None):
     """Runs training (or --eval); returns {'log': [...epoch entries], 'coco': last stats, 'model': model,
     'stopped_at': (epoch, batches done) when a signal stopped it, else None}."""
     args = parse_args(argv)
+    check_distill_args(args)
     if args.eval and not (args.resume or args.pretrained):
         raise ValueError("--eval evaluates trained weights: pass --resume (a checkpoint of this trainer) or --pretrained "
                          "(a DETR checkpoint); without one it would score a random model")
@@ -203,6 +205,10 @@ def main(argv=None):
     criterion.to(device)
     if args.calibrate_steps and not args.resume:  # a resumed run's checkpoint holds the calibrated model already
         calibrate_attention(model, args, datasets["train"], device, out_dir)
+    teacher, train_criterion = None, criterion
+    if args.distill:
+        teacher = build_teacher(args, device)
+        train_criterion = DistillationCriterion(criterion.weight_dict)
     model_without_ddp = model
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local] if device.type == "cuda" else None)
@@ -275,9 +281,9 @@ def main(argv=None):
             train_sampler.set_epoch(epoch)
             t0 = time.time() - seconds_before
             meter, done, stopped = train_one_epoch(
-                model, criterion, train_loader(args, datasets["train"], train_sampler, epoch, rank, start_iter),
+                model, train_criterion, train_loader(args, datasets["train"], train_sampler, epoch, rank, start_iter),
                 optimizer, device, epoch, args.clip_max_norm, scaler, amp, args.max_iters, args.progress,
-                start_iter=start_iter, meter=Meter(meter_state), stop=stop, bar=bar)
+                start_iter=start_iter, meter=Meter(meter_state), stop=stop, bar=bar, teacher=teacher)
             start_iter, meter_state, seconds_before = 0, None, 0.0
             trained = rng_state()  # the evaluation's transforms draw from it; a redone evaluation must start here
             finished = None if stopped else _finish_epoch(run, epoch, meter, time.time() - t0, done, stop)

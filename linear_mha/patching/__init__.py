@@ -5,11 +5,13 @@
     patched(mode, ...)        context manager: nn.MultiheadAttention(...) builds LinearMultiheadAttention
     PatchReport               what was replaced, skipped (and why), parameters added
     calibrate(model, batches) fit the patched linear attention to the softmax attention it replaced
+    output_distance           calibrate(distill=True)'s loss: the outputs against the original model's
 """
-from .calibrate import CalibrationReport, calibrate
+from .calibrate import CalibrationReport, calibrate, output_distance
 from .context import patched
 from .patcher import patch, unpatch
 from .report import PatchReport
 from .timm_attention import LinearTimmAttention
 
-__all__ = ["patch", "unpatch", "patched", "PatchReport", "LinearTimmAttention", "calibrate", "CalibrationReport"]
+__all__ = ["patch", "unpatch", "patched", "PatchReport", "LinearTimmAttention", "calibrate", "CalibrationReport",
+           "output_distance"]
