@@ -263,10 +263,13 @@ def plot(records, metric, path, title):
     alone = [r for r in summarize(records, metric) if r["stage"].startswith("window alone")]
     if alone:
         ax.axhline(alone[0]["mean"], color="C1", linestyle=":", label="the window alone (far keys dropped)")
-    tuned = [r for r in summarize(records, metric) if r["stage"] == "calibrated + fine-tuned"]
-    if tuned:
-        ax.errorbar([tuned[0]["calibration_steps"]], [tuned[0]["mean"]], [tuned[0]["std"]], marker="s", color="C2",
-                    linestyle="none", label=f"+ {tuned[0]['finetune_steps']} fine-tuning steps")
+    for stage, marker, color, what in (("calibrated + fine-tuned", "s", "C2", "fine-tuning steps (task loss)"),
+                                       ("calibrated + distilled", "D", "C3", "distillation steps")):
+        row = [r for r in summarize(records, metric) if r["stage"] == stage]
+        if row:  # drawn a little to the right when both start from the same calibration, so neither hides
+            shift = 2 if stage.endswith("distilled") else 0
+            ax.errorbar([row[0]["calibration_steps"] + shift], [row[0]["mean"]], [row[0]["std"]], marker=marker,
+                        color=color, linestyle="none", capsize=3, label=f"+ {row[0]['finetune_steps']} {what}")
     ax.set(xlabel="calibration steps", ylabel=metric, title=title)
     ax.legend(fontsize=8)
     fig.tight_layout()
