@@ -314,11 +314,11 @@ def main(argv=None):
     a.train_args = train_args
     a.distill_after = a.finetune_after if a.distill_after is None else a.distill_after
     a.distill_lr = a.finetune_lr if a.distill_lr is None else a.distill_lr
-    for name in ("finetune_after", "distill_after"):
-        if a.model != "detr" and getattr(a, name) not in a.calibration_steps and \
-                (a.finetune_steps if name == "finetune_after" else a.distill_steps):
-            p.error(f"--{name.replace('_', '-')} {getattr(a, name)} must be one of --calibration-steps "
-                    f"{a.calibration_steps}: the fine-tune starts from that calibrated model")
+    for flag, after, steps in (("--finetune-after", a.finetune_after, a.finetune_steps),
+                               ("--distill-after", a.distill_after, a.distill_steps)):
+        if a.model != "detr" and steps and after not in a.calibration_steps:  # detr calibrates each row afresh
+            p.error(f"{flag} {after} must be one of --calibration-steps {a.calibration_steps}: the fine-tune starts "
+                    f"from that calibrated model")
     a.options = parse_attention_options(a.option)
     method_class(a.mode).validate(a.options)  # a misspelt option fails now, not after the softmax model trained
     M.pin_threads(a.threads)

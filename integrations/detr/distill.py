@@ -52,17 +52,6 @@ class DistillationCriterion(nn.Module):
         return losses
 
 
-def check_distill_args(args):
-    """--distill's refusals, before any data or model is built."""
-    if not args.distill:
-        return
-    if not args.pretrained:
-        raise ValueError("--distill trains against a softmax DETR's predictions: pass its checkpoint with --pretrained")
-    if args.attention in (None, "softmax"):
-        raise ValueError("--distill fits a linear --attention (e.g. --attention hedgehog) to the --pretrained softmax "
-                         "DETR; with softmax attention the model would be its own teacher")
-
-
 def build_teacher(args, device):
     """The --pretrained DETR as it was released: softmax attention (``apply_attention`` is what patches a model),
     frozen, in eval mode (no dropout: its predictions are exact targets)."""

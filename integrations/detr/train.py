@@ -37,7 +37,7 @@ from .backbone import backbone_stride
 from .backbone_cache import pretrained_backbone, wants_pretraining
 from ..checkpoint_io import check_same_args
 from .checkpoint import load_checkpoint, load_pretrained, rng_state, save_atomic, set_rng_state
-from .distill import DistillationCriterion, build_teacher, check_distill_args
+from .distill import DistillationCriterion, build_teacher
 from .config import parse_args
 from .datasets import build_dataset
 from .detr import build_model
@@ -129,15 +129,25 @@ def train_loader(args, dataset, sampler, epoch, rank, skip_batches=0):
                       collate_fn=collate_fn, num_workers=args.num_workers, persistent_workers=False)
 
 
+def check_conversion_args(args):
+    """--calibrate-steps and --distill convert a --pretrained softmax DETR to a linear --attention: refused without
+    either, before any data or model is built. A resumed run's checkpoint is calibrated already; its distillation
+    still needs the teacher."""
+    for flag, wanted in (("--calibrate-steps", args.calibrate_steps and not args.resume), ("--distill", args.distill)):
+        if not wanted:
+            continue
+        if not args.pretrained:
+            raise ValueError(f"{flag} fits linear attention to a trained softmax DETR: pass its checkpoint with "
+                             "--pretrained")
+        if args.attention in (None, "softmax"):
+            raise ValueError(f"{flag} needs a linear --attention to fit to the --pretrained softmax DETR, e.g. "
+                             "--attention hedgehog; with softmax attention the model would be its own teacher")
+
+
 def calibrate_attention(model, args, dataset, device, out_dir):
     """--calibrate-steps: fit the linear attention of a model patched from a --pretrained softmax DETR to the softmax
     attention it replaced, on training images (linear_mha.calibrate, attention transfer), before any training.
     Every process calibrates on the same batches; DDP then starts every process from the first one's weights."""
-    if not args.pretrained:
-        raise ValueError("--calibrate-steps fits linear attention to a trained softmax DETR: pass its checkpoint with "
-                         "--pretrained")
-    if args.attention == "softmax":
-        raise ValueError("--calibrate-steps needs a linear --attention to fit, e.g. --attention hedgehog")
     loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, drop_last=True, collate_fn=collate_fn,
                         num_workers=args.num_workers, generator=torch.Generator().manual_seed(args.seed))
     report = calibrate(model, loader, steps=args.calibrate_steps, lr=args.calibrate_lr, seed=args.seed,
@@ -168,7 +178,7 @@ def main(argv=None):
     """Runs training (or --eval); returns {'log': [...epoch entries], 'coco': last stats, 'model': model,
     'stopped_at': (epoch, batches done) when a signal stopped it, else None}."""
     args = parse_args(argv)
-    check_distill_args(args)
+    check_conversion_args(args)
     if args.eval and not (args.resume or args.pretrained):
         raise ValueError("--eval evaluates trained weights: pass --resume (a checkpoint of this trainer) or --pretrained "
                          "(a DETR checkpoint); without one it would score a random model")
