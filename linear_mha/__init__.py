@@ -9,11 +9,12 @@ from .registry import (AttentionMethod, Option, available_methods, method_class,
                        unregister_method)
 from . import methods  # noqa: F401  (registers the built-in methods)
 from .attention import LinearMultiheadAttention
-from .token_grid import TokenGrid, track_token_grid
+from .token_grid import TokenGrid
 from .lm import (AutoregressiveWrapper, ImageLinearAttention, LinearAttentionTransformer,
                  LinearAttentionTransformerLM, LinearImageAttention, LinearSelfAttention, Linformer,
                  LinformerContextSettings, LinformerLM, LinformerSelfAttention, LinformerSettings)
-from .patching import CalibrationReport, PatchReport, calibrate, output_distance, patch, patched, unpatch
+from .patching import (CalibrationReport, PatchReport, calibrate, output_distance, patch, patched,
+                       track_token_grid, unpatch)
 
 __version__ = "0.1.0"
 __all__ = [

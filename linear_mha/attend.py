@@ -1,33 +1,32 @@
 """The attention step every linear_mha module shares: (q, k, v) heads and nn.MultiheadAttention's masks in, the
 method's output out. Masks are turned here, once, into what the method declares it honours (``registry``), and
-anything it cannot honour exactly is refused before it runs. The optional local term (``dwc_kernel``: a depthwise
-convolution of the values over the token grid, ``functional.grid_conv``) is added here too, for every method."""
-from typing import Iterable, Mapping, Optional, Tuple
+anything it cannot honour exactly is refused before it runs. The options every module takes on top of its method's
+(the local term, ``local_term.py``) are checked here too."""
+from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from . import masks
-from .functional.grid_conv import token_grid_conv
-from .registry import AttentionMethod, causal_methods
-from .token_grid import TokenGrid
+from .local_term import LOCAL_TERM_STATE, check_dwc_kernel
+from .registry import AttentionMethod, causal_methods, method_class
+from .token_grid import NO_GRID, TokenGrid
 
-LOCAL_TERM_STATE = ("dwc_weight", "dwc_bias")
-NO_GRID = ("needs the token grid of this call: patch() finds it for DETR, timm and torchvision ViTs; elsewhere call "
-           "linear_mha.track_token_grid(model, source=...) or pass token_grid=TokenGrid(height, width, prefix) to "
-           "forward")
+MODULE_OPTIONS = ("dwc_kernel",)  # options of the attention modules themselves, for every method
 
 
 def needs_token_grid(module: nn.Module) -> bool:
-    """Whether ``module`` (LinearMultiheadAttention, LinearTimmAttention) reads the token grid of its input."""
+    """Whether ``module`` (an attention module holding a method) reads the token grid of its input."""
     return getattr(module, "dwc_weight", None) is not None or module.method.needs_grid
 
 
-def resolve_token_grid(module: nn.Module, token_grid: Optional[TokenGrid]) -> Optional[TokenGrid]:
-    """The grid passed to forward, else the one the module's tracker recorded for this forward, else None."""
-    if token_grid is not None:
-        return token_grid
-    return getattr(module.__dict__.get("token_grid_source"), "grid", None)
+def validate_options(mode: str, options: Mapping[str, Any]) -> Dict[str, Any]:
+    """The options of a module running ``mode``, completed and checked without building anything (patch and patched
+    check early): the method's own, and the modules' (``MODULE_OPTIONS``), returned as given."""
+    check_dwc_kernel(options.get("dwc_kernel"))
+    module_options = {key: options[key] for key in MODULE_OPTIONS if key in options}
+    return {**method_class(mode).validate({k: v for k, v in options.items() if k not in MODULE_OPTIONS}),
+            **module_options}
 
 
 def attend_heads(method: AttentionMethod, state: Mapping[str, Optional[Tensor]], q: Tensor, k: Tensor, v: Tensor, *,
@@ -93,44 +92,3 @@ def drop_missing_state(names: Iterable[str], prefix: str, state_dict, missing_ke
     owned = [prefix + name for name in names]
     if owned and not any(key in state_dict for key in owned):
         missing_keys[:] = [key for key in missing_keys if key not in owned]
-
-
-def check_dwc_kernel(dwc_kernel) -> Optional[int]:
-    if dwc_kernel is not None and (isinstance(dwc_kernel, bool) or not isinstance(dwc_kernel, int)
-                                   or dwc_kernel < 1 or dwc_kernel % 2 == 0):
-        raise ValueError(f"dwc_kernel must be None or an odd positive int (the k of a k x k convolution), "
-                         f"got {dwc_kernel!r}")
-    return dwc_kernel
-
-
-def install_local_term(module: nn.Module, channels: int, dwc_kernel: Optional[int], factory_kwargs: dict) -> None:
-    """Register the local term's parameters on ``module``: ``dwc_weight`` (channels, 1, k, k) and ``dwc_bias``
-    (channels,), zero at first, so a patched model starts as its linear attention alone (or None without one)."""
-    if check_dwc_kernel(dwc_kernel) is None:
-        for name in LOCAL_TERM_STATE:
-            module.register_parameter(name, None)
-        return
-    module.dwc_weight = nn.Parameter(torch.zeros(channels, 1, dwc_kernel, dwc_kernel, **factory_kwargs))
-    module.dwc_bias = nn.Parameter(torch.zeros(channels, **factory_kwargs))
-
-
-def add_local_term(module: nn.Module, out: Tensor, v: Tensor, key_padding_mask: Optional[Tensor],
-                   attn_mask: Optional[Tensor], is_causal: bool, token_grid: Optional[TokenGrid]) -> Tensor:
-    """out + the local term of ``module`` (a no-op without one). v (B, H, S, d) are the values of this call."""
-    if module.dwc_weight is None:
-        return out
-    if out.shape[2] != v.shape[2]:
-        raise ValueError(f"dwc_kernel adds a convolution of the values at the queries' own grid positions, so it "
-                         f"needs self-attention (as many queries as keys); got L={out.shape[2]}, S={v.shape[2]}")
-    forbidding = attn_mask is not None and (attn_mask.dtype != torch.bool or bool(attn_mask.any()))
-    if is_causal or forbidding:
-        raise ValueError("dwc_kernel mixes neighbouring tokens in every direction over the grid: it has no causal "
-                         "form and applies no attn_mask; use key_padding_mask for padding, or build the module "
-                         "without dwc_kernel")
-    grid = resolve_token_grid(module, token_grid)
-    if grid is None:
-        raise ValueError(f"dwc_kernel {NO_GRID}")
-    if key_padding_mask is not None:
-        key_padding_mask = masks.to_forbidden(key_padding_mask, "key_padding_mask", "with dwc_kernel")
-    return out + token_grid_conv(v, module.dwc_weight, module.dwc_bias, grid.height, grid.width, grid.prefix,
-                                 key_padding_mask).to(out.dtype)

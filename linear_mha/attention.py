@@ -17,9 +17,10 @@ from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from . import masks
-from .attend import MethodState, add_local_term, attend_heads, install_local_term, resolve_token_grid
+from .attend import MethodState, attend_heads
+from .local_term import add_local_term, install_local_term
 from .registry import DEFAULT_MODE, create_method
-from .token_grid import TokenGrid
+from .token_grid import TokenGrid, resolve_token_grid
 
 
 def _disable_torch_fast_path(module, args):

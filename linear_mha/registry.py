@@ -263,19 +263,6 @@ def create_method(mode: str, options: Mapping[str, Any]) -> AttentionMethod:
     return method_class(mode)(**options)
 
 
-MODULE_OPTIONS = ("dwc_kernel",)  # options of the attention modules themselves, for every method
-
-
-def validate_options(mode: str, options: Mapping[str, Any]) -> Dict[str, Any]:
-    """The options of ``mode`` completed and checked, without building anything (patch and patched check early);
-    the modules' own options (``MODULE_OPTIONS``) are checked by the modules and returned as given."""
-    from .attend import check_dwc_kernel  # the module options' checks live with the modules
-    check_dwc_kernel(options.get("dwc_kernel"))
-    module_options = {key: options[key] for key in MODULE_OPTIONS if key in options}
-    return {**method_class(mode).validate({k: v for k, v in options.items() if k not in MODULE_OPTIONS}),
-            **module_options}
-
-
 def causal_methods() -> Tuple[str, ...]:
     return tuple(name for name, cls in _METHODS.items() if cls.causal)
 

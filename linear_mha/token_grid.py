@@ -3,13 +3,17 @@
 nn.MultiheadAttention is never told the height and width of the feature map its tokens come from. A
 ``GridTracker`` is told instead: a forward pre-hook on the module that receives the image-shaped input (DETR's
 transformer, a ViT's patch embedding) records the grid of every forward, and the attention modules inside read it.
-``patch`` attaches one for DETR, timm and torchvision ViTs; ``track_token_grid`` attaches one to any model; a
-caller can also pass ``token_grid=TokenGrid(h, w)`` to LinearMultiheadAttention's forward directly.
+``patch`` attaches one for DETR, timm and torchvision ViTs, ``linear_mha.track_token_grid`` one to any model;
+a caller can also pass ``token_grid=TokenGrid(h, w)`` to LinearMultiheadAttention's forward directly.
 """
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 from torch import Tensor, nn
+
+NO_GRID = ("needs the token grid of this call: patch() finds it for DETR, timm and torchvision ViTs; elsewhere call "
+           "linear_mha.track_token_grid(model, source=...) or pass token_grid=TokenGrid(height, width, prefix) to "
+           "forward")
 
 
 @dataclass(frozen=True)
@@ -69,17 +73,14 @@ def feature_map_grid(prefix: int = 0, stride: int = 1, round_up: bool = False) -
     return grid_of
 
 
+def resolve_token_grid(module: nn.Module, token_grid: Optional[TokenGrid]) -> Optional[TokenGrid]:
+    """The grid passed to forward, else the one ``module``'s tracker recorded for this forward, else None."""
+    if token_grid is not None:
+        return token_grid
+    return getattr(module.__dict__.get("token_grid_source"), "grid", None)
+
+
 def attach_tracker(modules, tracker: GridTracker) -> None:
     """Let ``modules`` (attention modules with a local term) read ``tracker``'s grid."""
     for module in modules:
         module.__dict__["token_grid_source"] = tracker  # unregistered: not a submodule, not in any state dict
-
-
-def track_token_grid(model: nn.Module, source: str, *, prefix: int = 0, stride: int = 1) -> GridTracker:
-    """Make every LinearMultiheadAttention / LinearTimmAttention in ``model`` that needs the token grid (a local
-    convolution term, or a method such as ``agent``) read it from ``source`` (a submodule name) whose first input is a (B, C, H, W) feature map: grid
-    H / stride x W / stride after ``prefix`` tokens. Returns the tracker (``tracker.remove()`` detaches it)."""
-    from .attend import needs_token_grid
-    tracker = GridTracker(source, feature_map_grid(prefix, stride)).watch(model.get_submodule(source))
-    attach_tracker([m for m in model.modules() if hasattr(m, "method") and needs_token_grid(m)], tracker)
-    return tracker

@@ -186,11 +186,11 @@ def test_timm_vit_leaves_class_and_register_tokens_out():
     def spy(v, weight, bias, height, width, prefix, kpm=None):
         seen.append((height, width, prefix, v.shape[2]))
         return real(v, weight, bias, height, width, prefix, kpm)
-    linear_mha.attend.token_grid_conv, saved = spy, linear_mha.attend.token_grid_conv
+    linear_mha.local_term.token_grid_conv, saved = spy, linear_mha.local_term.token_grid_conv
     try:
         vit(torch.randn(2, 3, 64, 64))
     finally:
-        linear_mha.attend.token_grid_conv = saved
+        linear_mha.local_term.token_grid_conv = saved
     assert seen and all(s == (4, 4, 3, 19) for s in seen)  # 4 x 4 patches after the class + 2 register tokens
     assert attn.dwc_weight.shape == (192, 1, 3, 3)
 

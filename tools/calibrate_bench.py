@@ -18,7 +18,6 @@ fraction of the original training steps, the table, a JSON of every record and a
 steps).
 """
 import argparse
-import copy
 import itertools
 import json
 import platform
@@ -32,9 +31,10 @@ import torch.nn.functional as F
 
 from integrations.console import HelpFormatter
 from integrations.detr.attention import parse_attention_options
-from linear_mha import calibrate, method_class, patch
+from linear_mha import calibrate, method_class
 
 from . import measure as M
+from .calibrate_stages import calibration_stages, train_one_cycle
 
 
 # ---------------------------------------------------------------------------------------------------- the ViT
@@ -68,61 +68,11 @@ def top1(model, x, y):
     return float((model(x).argmax(-1) == y).float().mean())
 
 
-def train_one_cycle(model, batches_, loss_fn, steps, lr, weight_decay):
-    """Train ``model`` for ``steps`` batches of the iterable ``batches_`` with AdamW under a one-cycle schedule
-    (10% warm-up) at peak ``lr``; ``loss_fn(model, batch)`` is the loss. Returns the model."""
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.1)
-    for batch in itertools.islice(batches_, steps):
-        loss = loss_fn(model, batch)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-    return model
-
-
 def train_vit(model, x, y, steps, lr, seed):
     def epochs():  # a fresh shuffle per epoch, the last batch of each first
         for epoch in itertools.count():
             yield from reversed(batches(x, y, 64, seed * 1000 + epoch))
     return train_one_cycle(model, epochs(), lambda m, b: F.cross_entropy(m(b[0]), b[1]), steps, lr, 0.05)
-
-
-def calibration_stages(a, seed, original, inputs, finetune, metric, score):
-    """The records every model's table has after its original: ``original`` patched with --mode, then calibrated
-    on ``inputs`` for each of --calibration-steps (0: the plain patch), at --finetune-after also fine-tuned by
-    ``finetune(model, steps)`` for --finetune-steps, and at --distill-after distilled from the original for
-    --distill-steps (calibrate's distill=True); ``score(model)`` is the value stored under ``metric``."""
-    records = []
-    for steps in [0] + a.calibration_steps:
-        model = copy.deepcopy(original)
-        patch(model, a.mode, **a.options)
-        if steps:
-            calibrate(model, inputs, steps=steps, lr=a.lr, seed=seed, progress=False)
-        records.append(dict(seed=seed, stage="patch" if not steps else "calibrated", calibration_steps=steps,
-                            finetune_steps=0, **{metric: score(model)}))
-        if steps == a.distill_after and a.distill_steps:
-            distilled = copy.deepcopy(model)
-            calibrate(distilled, inputs, steps=0, eval_batches=0, finetune_steps=a.distill_steps,
-                      finetune_lr=a.distill_lr, distill=True, seed=seed, progress=False)
-            records.append(dict(seed=seed, stage="calibrated + distilled", calibration_steps=steps,
-                                finetune_steps=a.distill_steps, **{metric: score(distilled)}))
-        if steps == a.finetune_after:
-            finetune(model, a.finetune_steps)
-            records.append(dict(seed=seed, stage="calibrated + fine-tuned", calibration_steps=steps,
-                                finetune_steps=a.finetune_steps, **{metric: score(model)}))
-    if a.options.get("window"):  # the ablation: how much comes from the exact window and how much from the maps
-        model = copy.deepcopy(original)
-        patch(model, a.mode, **a.options)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("hedgehog_window_logit"):
-                    p.fill_(1e4)  # sigmoid = 1: all weight on the window, far keys dropped
-        records.append(dict(seed=seed, stage="window alone (softmax over the window, far keys dropped)",
-                            calibration_steps=0, finetune_steps=0, **{metric: score(model)}))
-    return records
 
 
 def vit_records(a, seed):

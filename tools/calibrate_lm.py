@@ -17,7 +17,7 @@ from torch import nn
 
 from linear_mha import calibrate, patch
 
-from .calibrate_bench import calibration_stages, train_one_cycle
+from .calibrate_stages import calibration_stages, train_one_cycle
 from .train_lm import build_model, stdlib_corpus
 
 SEQ_LEN, BATCH, CORPUS_BYTES = 128, 32, 2_000_000

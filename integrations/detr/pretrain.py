@@ -31,7 +31,7 @@ from .checkpoint import load_checkpoint, rng_state, save_atomic, set_rng_state
 from .config import parse_args
 from .datasets import build_dataset
 from .misc import collate_fn
-from .train import prepare_data_args, seed_everything
+from .run_setup import prepare_data_args, seed_everything
 
 IGNORE = -100
 

@@ -15,14 +15,12 @@ default), so raise it where writing a checkpoint takes longer.
 """
 import itertools
 import json
-import random
 import sys
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 from tqdm import tqdm
@@ -45,34 +43,14 @@ from .engine import Meter, evaluate, train_one_epoch
 from .misc import collate_fn
 from .plots import append_log, plot_curves, read_log, truncate_log
 from .run_report import end_summary, start_banner
-from .synthetic import make_synthetic_coco
+from .run_setup import prepare_data_args, seed_everything
 from .transforms import feature_tokens, max_padded_hw
-
-
-def seed_everything(seed):
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 # Options that change the model a checkpoint holds: --resume refuses a run that changes any of them.
 MODEL_ARGS = ("backbone", "dilation", "position_embedding", "enc_layers", "dec_layers", "dim_feedforward",
               "hidden_dim", "nheads", "num_queries", "pre_norm", "aux_loss", "num_classes", "attention", "attention_on",
               "proj_k", "param_sharing", "feature_map", "attention_option", "dwc_kernel")
-
-
-def prepare_data_args(args):
-    """With no dataset given, points --{train,val}-{images,ann} at a (cached) generated synthetic set."""
-    if args.coco_path or args.train_ann or args.val_ann:
-        return
-    root = Path(args.output_dir) / "synthetic-coco"
-    if dist_utils.is_main_process():
-        make_synthetic_coco(root, args.synthetic_train, args.synthetic_val, seed=args.seed)
-    if dist_utils.is_dist_avail_and_initialized():
-        torch.distributed.barrier()
-    paths = make_synthetic_coco(root, args.synthetic_train, args.synthetic_val, seed=args.seed)  # cached: no rewrite
-    args.train_images, args.train_ann = paths["train"]["images"], paths["train"]["annotations"]
-    args.val_images, args.val_ann = paths["val"]["images"], paths["val"]["annotations"]
 
 
 def check_categories(datasets, num_classes):

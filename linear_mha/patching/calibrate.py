@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, List, Optional, Union
 import torch
 from torch import nn
 
-from ..attend import LOCAL_TERM_STATE
+from ..local_term import LOCAL_TERM_STATE
 from ..attention import LinearMultiheadAttention
 from .adapters import adapter_classes
 from .generic import ORIGINAL_ATTR

@@ -4,7 +4,8 @@ import contextlib
 import sys
 
 from ..attention import LinearMultiheadAttention
-from ..registry import DEFAULT_MODE, validate_options
+from ..attend import validate_options
+from ..registry import DEFAULT_MODE
 from .generic import TORCH_MHA as _TORCH_MHA
 
 

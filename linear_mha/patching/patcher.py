@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from ..attention import LinearMultiheadAttention
-from ..registry import DEFAULT_MODE, method_class, validate_options
-from ..attend import needs_token_grid
+from ..attend import needs_token_grid, validate_options
+from ..registry import DEFAULT_MODE, method_class
 from ..token_grid import GridTracker, attach_tracker, feature_map_grid
 from .generic import disable_nested_tensor, restore_nested_tensor, to_linear, to_torch
 from .report import PatchReport

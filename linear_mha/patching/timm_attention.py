@@ -11,7 +11,9 @@ import torch
 from torch import Tensor, nn
 
 from .. import masks
-from ..attend import add_local_term, attend_heads, install_local_term, resolve_token_grid
+from ..attend import attend_heads
+from ..local_term import add_local_term, install_local_term
+from ..token_grid import resolve_token_grid
 from ..registry import create_method
 from .adapters import AttentionAdapter, register_adapter
 

@@ -1,0 +1,58 @@
+"""What every model of tools.calibrate_bench shares: training a model one cycle, and the rows a converted model gets
+after its original (plain patch, calibrated, fine-tuned, distilled)."""
+import copy
+import itertools
+
+import torch
+
+from linear_mha import calibrate, patch
+
+
+def train_one_cycle(model, batches_, loss_fn, steps, lr, weight_decay):
+    """Train ``model`` for ``steps`` batches of the iterable ``batches_`` with AdamW under a one-cycle schedule
+    (10% warm-up) at peak ``lr``; ``loss_fn(model, batch)`` is the loss. Returns the model."""
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.1)
+    for batch in itertools.islice(batches_, steps):
+        loss = loss_fn(model, batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+    return model
+
+
+def calibration_stages(a, seed, original, inputs, finetune, metric, score):
+    """The records every model's table has after its original: ``original`` patched with --mode, then calibrated
+    on ``inputs`` for each of --calibration-steps (0: the plain patch), at --finetune-after also fine-tuned by
+    ``finetune(model, steps)`` for --finetune-steps, and at --distill-after distilled from the original for
+    --distill-steps (calibrate's distill=True); ``score(model)`` is the value stored under ``metric``."""
+    records = []
+    for steps in [0] + a.calibration_steps:
+        model = copy.deepcopy(original)
+        patch(model, a.mode, **a.options)
+        if steps:
+            calibrate(model, inputs, steps=steps, lr=a.lr, seed=seed, progress=False)
+        records.append(dict(seed=seed, stage="patch" if not steps else "calibrated", calibration_steps=steps,
+                            finetune_steps=0, **{metric: score(model)}))
+        if steps == a.distill_after and a.distill_steps:
+            distilled = copy.deepcopy(model)
+            calibrate(distilled, inputs, steps=0, eval_batches=0, finetune_steps=a.distill_steps,
+                      finetune_lr=a.distill_lr, distill=True, seed=seed, progress=False)
+            records.append(dict(seed=seed, stage="calibrated + distilled", calibration_steps=steps,
+                                finetune_steps=a.distill_steps, **{metric: score(distilled)}))
+        if steps == a.finetune_after:
+            finetune(model, a.finetune_steps)
+            records.append(dict(seed=seed, stage="calibrated + fine-tuned", calibration_steps=steps,
+                                finetune_steps=a.finetune_steps, **{metric: score(model)}))
+    if a.options.get("window"):  # the ablation: how much comes from the exact window and how much from the maps
+        model = copy.deepcopy(original)
+        patch(model, a.mode, **a.options)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("hedgehog_window_logit"):
+                    p.fill_(1e4)  # sigmoid = 1: all weight on the window, far keys dropped
+        records.append(dict(seed=seed, stage="window alone (softmax over the window, far keys dropped)",
+                            calibration_steps=0, finetune_steps=0, **{metric: score(model)}))
+    return records
