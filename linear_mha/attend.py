@@ -42,6 +42,10 @@ def attend_heads(method: AttentionMethod, state: Mapping[str, Optional[Tensor]],
     ``needs_grid`` (None: refused with how to give it).
     """
     L, S = q.shape[2], k.shape[2]
+    if method.self_attention_only and L != S:
+        raise ValueError(f"mode={method.name!r} with these options needs self-attention (queries and keys at the "
+                         f"same positions), got L={L} queries and S={S} keys; patch cross-attention with another "
+                         f"method or options (e.g. exclude= it)")
     kwargs = {}
     if method.needs_grid:
         if token_grid is None:

@@ -96,7 +96,8 @@ class AttentionMethod:
     exact: ClassVar[bool] = False            # computes exact softmax attention: the reference, not a linear method
     needs_grid: ClassVar[bool] = False       # attends over the image's token grid: receives ``token_grid=``
     sequence_length_option: ClassVar[Optional[str]] = None  # option bounding the key length (Linformer's seq_len)
-    presets: ClassVar[Mapping[str, dict]] = {}  # named option sets worth comparing (benchmarks, tests)
+    presets: ClassVar[Mapping[str, dict]] = {}  # named option sets worth comparing (benchmarks and tests run each)
+    variants: ClassVar[Mapping[str, dict]] = {}  # option sets that take other code paths (the tests run each too)
     cost: ClassVar[str] = ""                 # for the modes table, e.g. "O(N·d²)"
     summary: ClassVar[str] = ""              # one line: what it computes
 
@@ -191,6 +192,32 @@ class AttentionMethod:
     def attend_with_weights(self, q, k, v, state, **kwargs) -> Tuple[Tensor, Tensor]:
         """(out, weights (B, H, L, S + n)) for methods that declare ``returns_weights``."""
         raise NotImplementedError(f"method {self.name!r} does not return attention weights")
+
+    @property
+    def self_attention_only(self) -> bool:
+        """Whether queries and keys must be the same positions (a grid of tokens, a window of neighbours):
+        cross-attention is then refused before the method runs."""
+        return self.needs_grid
+
+    # ------------------------------------------------------------------ facts (tests, benchmarks, docs)
+    def reference_weights(self, q: Tensor, k: Tensor, state: Mapping[str, Optional[Tensor]], *,
+                          key_padding_mask: Optional[Tensor] = None, causal: bool = False,
+                          token_grid=None) -> Tensor:
+        """The (B, H, L, S) weights this method implies (its output is ``weights @ v``), formed naively from its
+        definition in O(L S) memory: the reference every implementation is tested against in float64. Masks as
+        in :meth:`attend`; masked keys get weight 0, a query that sees no key a zero row. Optional for a user's
+        method; every built-in one has it."""
+        raise NotImplementedError(f"method {self.name!r} has no naive reference (reference_weights)")
+
+    def reference(self, q, k, v, state, **masks) -> Tensor:
+        """The naive output ``reference_weights(q, k, state, **masks) @ v``: (B, H, L, d_v)."""
+        return self.reference_weights(q, k, state, **masks) @ v.to(q.dtype)
+
+    def flops(self, batch_heads: int, tokens: int, head_dim: int, causal: bool) -> Optional[float]:
+        """Floating-point operations (a multiply-add counts 2) of one self-attention call over ``tokens`` positions
+        of ``batch_heads`` heads of ``head_dim``: what the benchmarks divide by time. None: not stated (no rate is
+        reported, none is made up)."""
+        return None
 
 
 def append_extra_keys(k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], extra_keys) -> Tuple:

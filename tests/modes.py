@@ -1,10 +1,11 @@
 """The built-in attention methods as the tests enumerate them: read from linear_mha's registry, so a method added
 to the library is tested by every parametrized check without editing a list here."""
 import linear_mha
+from linear_mha import TokenGrid
 
 BUILT_IN = linear_mha.available_methods()  # at collection, before any test registers a method of its own
 # Methods that attend over an image's token grid (agent) need one in every call: the generic checks below run on
-# plain sequences, and tests/test_agent.py checks those methods on grids.
+# plain sequences, and the checks that take VARIANTS give them a grid (``grid_for``).
 GRID = [m for m in BUILT_IN if linear_mha.method_class(m).needs_grid]
 SEQUENCE = [m for m in BUILT_IN if m not in GRID]
 LINEAR = [m for m in SEQUENCE if not linear_mha.method_class(m).exact]
@@ -22,14 +23,37 @@ def sized(mode, length, **options):
     return kept
 
 
-def _variants():
+def sized_variant(options, length, **extra):
+    """A variant's options (``mode`` and the method's options) with its sequence-length option set to ``length``
+    and the ``extra`` options the method has (variants' own values win)."""
+    mode = options["mode"]
+    own = {k: v for k, v in options.items() if k != "mode"}
+    return {"mode": mode, **sized(mode, length, **{**extra, **own})}
+
+
+def _variants(methods, sets=("presets", "variants")):
     found = {}
-    for mode in SEQUENCE:
+    for mode in methods:
         cls = linear_mha.method_class(mode)
-        for preset, options in (cls.presets or {None: {}}).items():
-            found[mode if preset is None else f"{mode}_{preset}"] = dict(mode=mode, **options)
+        named = {name: options for attr in sets for name, options in getattr(cls, attr).items()}
+        if not cls.presets:
+            named = {None: {}, **named}  # the defaults, unless a preset names them
+        for variant, options in named.items():
+            found[mode if variant is None else f"{mode}_{variant}"] = dict(mode=mode, **options)
     return found
 
 
-VARIANTS = _variants()  # "kernel_favor" -> {"mode": "kernel", "feature_map": "favor"}: each sequence method and preset
+VARIANTS = _variants(SEQUENCE, ("presets",))  # "kernel_favor" -> {"mode": "kernel", "feature_map": "favor"}
 CAUSAL_VARIANTS = [name for name, options in VARIANTS.items() if linear_mha.method_class(options["mode"]).causal]
+# Every preset and variant of every built-in method, grid methods included: the checks against each method's own
+# float64 reference run all of them.
+ALL_VARIANTS = _variants(BUILT_IN)
+ALL_CAUSAL = [name for name, options in ALL_VARIANTS.items() if linear_mha.method_class(options["mode"]).causal]
+
+
+def grid_for(mode, tokens):
+    """The most nearly square grid of ``tokens`` tokens for methods that need one, else None."""
+    if not linear_mha.method_class(mode).needs_grid:
+        return None
+    height = max(f for f in range(1, int(tokens ** 0.5) + 1) if tokens % f == 0)
+    return TokenGrid(height, tokens // height)

@@ -1,29 +1,20 @@
-"""Naive float64 references: explicit L x S weight matrices, written independently of linear_mha."""
-import math
-
+"""Float64 references for the functional tests: explicit L x S weight matrices. Each method's own naive form lives
+with the method (``AttentionMethod.reference_weights``); these are those forms called the way the functional API is
+(feature maps and projections as arguments), and the building blocks the tests share."""
 import torch
 import torch.nn.functional as F
 
-
-def _visible(L, S, key_padding_mask, causal, device):
-    """bool (B or 1, 1, L, S): True where query i may see key j."""
-    vis = torch.ones(1, 1, L, S, dtype=torch.bool, device=device)
-    if key_padding_mask is not None:
-        vis = vis & ~key_padding_mask[:, None, None, :]
-    if causal:
-        vis = vis & torch.ones(L, S, dtype=torch.bool, device=device).tril()
-    return vis
+import linear_mha
+from linear_mha.naive import normalised, visible  # noqa: F401  (shared by the tests)
 
 
-def normalised(weights, vis):
-    w = weights.masked_fill(~vis, 0.0)
-    den = w.sum(-1, keepdim=True)
-    return torch.where(den > 0, w / torch.where(den > 0, den, torch.ones_like(den)), torch.zeros_like(w))
+def _weights(mode, q, k, key_padding_mask=None, causal=False, state=None, **options):
+    method = linear_mha.method_class(mode)(**options)
+    return method.reference_weights(q, k, state or {}, key_padding_mask=key_padding_mask, causal=causal)
 
 
 def kernel_weights(phi, q, k, key_padding_mask=None, causal=False):
-    w = phi(q) @ phi(k).transpose(-1, -2)
-    return normalised(w, _visible(q.shape[-2], k.shape[-2], key_padding_mask, causal, q.device))
+    return _weights("kernel", q, k, key_padding_mask, causal, feature_map=phi)
 
 
 def elu1(x):
@@ -46,63 +37,32 @@ def hedgehog_features(x, weight, bias):
 
 def two_map_weights(phi_q, phi_k, key_padding_mask=None, causal=False):
     """Normalised phi_q phi_k^T for feature maps of their own (B, H, L, F), (B, H, S, F)."""
-    w = phi_q @ phi_k.transpose(-1, -2)
-    return normalised(w, _visible(phi_q.shape[-2], phi_k.shape[-2], key_padding_mask, causal, phi_q.device))
+    seen = visible(phi_q.shape[-2], phi_k.shape[-2], key_padding_mask, causal, phi_q.device)
+    return normalised(phi_q @ phi_k.transpose(-1, -2), seen)
 
 
 def taylor_weights(q, k, key_padding_mask=None, causal=False):
-    w = 1 + F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-1, -2)
-    return normalised(w, _visible(q.shape[-2], k.shape[-2], key_padding_mask, causal, q.device))
+    return _weights("taylor", q, k, key_padding_mask, causal)
 
 
 def taylor2_weights(q, k, key_padding_mask=None, causal=False):
-    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    return normalised(1 + s + s * s / 2, _visible(q.shape[-2], k.shape[-2], key_padding_mask, causal, q.device))
+    return _weights("taylor2", q, k, key_padding_mask, causal)
 
 
 def softmax_weights(q, k, key_padding_mask=None, causal=False):
-    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    vis = _visible(q.shape[-2], k.shape[-2], key_padding_mask, causal, q.device)
-    w = torch.exp(s - s.masked_fill(~vis, -1e300).amax(-1, keepdim=True))
-    return normalised(w, vis)
+    return _weights("softmax", q, k, key_padding_mask, causal)
 
 
 def efficient_weights(q, k, key_padding_mask=None):
-    qs = torch.softmax(q, dim=-1)
-    logits = k if key_padding_mask is None else k.masked_fill(key_padding_mask[:, None, :, None], -1e300)
-    ks = torch.softmax(logits, dim=-2)
-    if key_padding_mask is not None:
-        ks = ks.masked_fill(key_padding_mask[:, None, :, None], 0.0)
-    return qs @ ks.transpose(-1, -2)
+    return _weights("efficient", q, k, key_padding_mask)
 
 
 def linformer_weights(q, k, e, f, key_padding_mask=None):
     """Implied (L, S) matrix of Linformer: softmax(q (E k)^T / sqrt d) F, masked keys' columns zero."""
-    S = k.shape[-2]
-    e, f = e[..., :S], f[..., :S]
-    if key_padding_mask is not None:
-        keep = (~key_padding_mask)[:, None, None, :].to(q.dtype)  # (B, 1, 1, S)
-        e, f = e * keep, f * keep
-    kp = e @ k
-    p = torch.softmax(q @ kp.transpose(-1, -2) / math.sqrt(q.shape[-1]), dim=-1)
-    return p @ f
+    return _weights("linformer", q, k, key_padding_mask, state={"e_proj": e, "f_proj": f})
 
 
 def relative_error(got, ref):
     """||got - ref|| / ||ref||, with ``got`` brought to ``ref``'s device and dtype (e.g. float32 CUDA against a
     float64 CPU reference)."""
     return ((got.to(ref.device, ref.dtype) - ref).norm() / ref.norm()).item()
-
-
-def sliding_window_weights(q, k, phi_q, phi_k, window, mix, key_padding_mask=None, causal=False):
-    """LoLCATs' hybrid: weight mix * exp(s_ij - max near s_i) for keys at most ``window`` positions away and
-    (1 - mix) * phi_q phi_k^T for the rest, normalised together; mix (H,)."""
-    L, S = q.shape[-2], k.shape[-2]
-    vis = _visible(L, S, key_padding_mask, causal, q.device)
-    i, j = torch.arange(L)[:, None], torch.arange(S)[None, :]
-    near = vis & ((i - j).abs() <= window)
-    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    top = s.masked_fill(~near, -1e300).amax(-1, keepdim=True)
-    f = mix[None, :, None, None]
-    w = torch.where(near, f * torch.exp(s - top), (1 - f) * (phi_q @ phi_k.transpose(-1, -2)))
-    return normalised(w, vis)

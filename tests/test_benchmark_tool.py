@@ -122,13 +122,14 @@ def test_flop_formulas_match_torch_flop_counter(key, causal, backends):
 
 def test_flop_formula_values_on_a_tiny_case():
     c = dict(B=1, H=2, N=8, d=4, proj_k=3, causal=False)
+    kernel, softmax = benchmark_flops.method_flops("kernel"), benchmark_flops.method_flops("softmax")
     # phi(K)^T V and phi(Q) S: 2 x (2 N F d); the normaliser phi(Q) sum phi(K): 2 N F
-    assert benchmark_flops.kernel_flops(c, 4) == 2 * 2 * 8 * 4 * (2 * 4 + 1)
-    assert benchmark_flops.softmax_flops(c) == 4 * 2 * 64 * 4 and benchmark_flops.softmax_flops(
-        dict(c, causal=True)) == 2 * 2 * 64 * 4
+    assert kernel(c) == 2 * 2 * 8 * 4 * (2 * 4 + 1)
+    assert softmax(c) == 4 * 2 * 64 * 4 and softmax(dict(c, causal=True)) == 2 * 2 * 64 * 4
     chunk = min(benchmark_flops.chunk_size(), 8)
     padded = -(-8 // chunk) * chunk
-    assert benchmark_flops.kernel_flops(dict(c, causal=True), 4) == 4 * 2 * padded * 4 * 5 + 2 * 2 * padded * chunk * 9
+    assert kernel(dict(c, causal=True)) == 4 * 2 * padded * 4 * 5 + 2 * 2 * padded * chunk * 9
+    assert benchmark_flops.method_flops("linformer")(c) == 8 * 2 * 8 * 3 * 4  # the case's --proj-k
 
 
 def test_allocator_is_named_from_the_mapped_libraries_and_the_environment(tmp_path):

@@ -133,6 +133,17 @@ def test_every_entry_point_reads_the_registry(registered):
     assert set(registry.causal_methods()) == causal | {registered} and {"kernel", "softmax"} <= causal
 
 
+@pytest.mark.parametrize("mode", modes.BUILT_IN)
+def test_every_built_in_method_carries_its_facts(mode):
+    """What the tests, the benchmark and the docs read from a method instead of a list of names: its naive
+    reference, its FLOP count, its documentation row."""
+    cls = linear_mha.method_class(mode)
+    assert cls.reference_weights is not linear_mha.AttentionMethod.reference_weights
+    flops = cls(**modes.sized(mode, 64)).flops(4, 64, 16, False)
+    assert isinstance(flops, float) and flops > 0
+    assert cls.cost and cls.summary
+
+
 def test_the_readme_modes_table_lists_the_built_in_methods():
     """The README's table is checked against the registry: a method added to the library appears in it."""
     readme = (ROOT / "README.md").read_text()

@@ -9,7 +9,6 @@ kernel_elu in float64: the check that the peer computes the same function.
 import functools
 import importlib
 import inspect
-import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
@@ -19,10 +18,10 @@ from torch import nn
 
 import linear_mha.functional as LF
 from linear_mha import LinearMultiheadAttention, TokenGrid, available_methods, method_class
+from linear_mha.attend import attend_heads
 
 from . import measure as M
-from .benchmark_flops import (efficient_flops, favor_features, favor_flops, kernel_flops, linformer_flops,
-                              method_flops, plus_projections, softmax_flops)
+from .benchmark_flops import case_options, method_flops, plus_projections
 
 
 # ------------------------------------------------------------------------------------------------- methods
@@ -38,45 +37,31 @@ class Method:
     reference: Optional[str] = None  # float64 reference: this method of ours (same level), not the method itself
 
 
-def favor_projection(c, dtype, device):
-    g = torch.Generator().manual_seed(c["seed"] + 1)
-    return LF.orthogonal_random_features(favor_features(c["d"]), c["d"], generator=g, device=device, dtype=dtype)
-
-
-def linformer_projection(c, dtype, device):
-    g = torch.Generator().manual_seed(c["seed"] + 2)
-    e = torch.randn(c["proj_k"], c["N"], generator=g, dtype=torch.float64) / math.sqrt(c["proj_k"])
-    return e.to(device, dtype)
-
-
 def _core(make):
     """make(case, dtype, device) -> fn(q, k, v); core functions own no modules."""
     return lambda c, dtype, device: (make(c, dtype, device), [])
 
 
-def _kernel_core(c, dtype, device):
-    return lambda q, k, v: LF.kernel(q, k, v, "elu", causal=c["causal"])
+def _method_core(mode, **options):
+    """A registered method on (B, H, N, d) heads through ``attend_heads``, as every module runs it, with the state
+    the method draws for itself (FAVOR+'s projection, Linformer's E and F, learnable maps at their start)."""
+    cls = method_class(mode)
 
-
-def _favor_core(c, dtype, device):
-    proj = favor_projection(c, dtype, device)
-    return lambda q, k, v: LF.kernel(q, k, v, "favor", causal=c["causal"], projection=proj)
-
-
-def _linformer_core(c, dtype, device):
-    e = linformer_projection(c, dtype, device)
-    return lambda q, k, v: LF.linformer(q, k, v, e)[0]
+    def build(c, dtype, device):
+        method = cls(**options, **case_options(mode, c))
+        state = {key: None if t is None else t.detach().to(device=device, dtype=dtype)
+                 for key, t in method.init_state(c["H"], c["d"], {"device": None, "dtype": None}).items()}
+        grid = {"token_grid": square_grid(c["N"])} if cls.needs_grid else {}
+        return lambda q, k, v: attend_heads(method, state, q, k, v, is_causal=c["causal"], **grid)[0]
+    return _core(build)
 
 
 def _module(mode, **options):
     cls = method_class(mode)
-    extra = {"proj_k": None} if "proj_k" in cls.options else {}  # the case's --proj-k
 
     def build(c, dtype, device):
-        sized = {key: c["proj_k"] for key in extra}
-        if cls.sequence_length_option is not None:
-            sized[cls.sequence_length_option] = c["N"]
-        m = LinearMultiheadAttention(c["H"] * c["d"], c["H"], batch_first=True, mode=mode, **options, **sized)
+        m = LinearMultiheadAttention(c["H"] * c["d"], c["H"], batch_first=True, mode=mode, **options,
+                                     **case_options(mode, c))
         m = m.to(device=device, dtype=dtype)
         grid = {"token_grid": square_grid(c["N"])} if cls.needs_grid else {}  # methods over an image's tokens
         return (lambda x: m(x, x, x, is_causal=c["causal"], **grid)[0]), [m]
@@ -119,7 +104,8 @@ def _peer_lat(c, dtype, device):
 
 def _peer_performer(c, dtype, device):
     performer = importlib.import_module("performer_pytorch")
-    m = performer.FastAttention(dim_heads=c["d"], nb_features=favor_features(c["d"]), causal=c["causal"])
+    m = performer.FastAttention(dim_heads=c["d"], nb_features=LF.default_num_favor_features(c["d"]),
+                                causal=c["causal"])
     m = m.to(device=device, dtype=dtype)
     return (lambda q, k, v: m(q, k, v)), [m]
 
@@ -150,9 +136,9 @@ def _peer_fla(c, dtype, device):
 
 
 def registry_methods() -> dict:
-    """("module", name) -> Method for every registered linear method (exact ones are nn.MultiheadAttention's rows),
-    one per preset, named "<method>_<preset>", read when called: methods registered before the benchmark runs are
-    measured too."""
+    """(level, name) -> Method for every registered linear method (exact ones are SDPA's and nn.MultiheadAttention's
+    rows), at both levels, one per preset, named "<method>_<preset>", read when called: methods registered before the
+    benchmark runs are measured too."""
     methods = {}
     for mode in available_methods():
         cls = method_class(mode)
@@ -160,38 +146,36 @@ def registry_methods() -> dict:
             continue
         for preset, options in (cls.presets or {None: {}}).items():
             name = mode if preset is None else f"{mode}_{preset}"
-            methods[("module", name)] = Method(_module(mode, **options), plus_projections(method_flops(mode, options)),
-                                               causal=cls.causal)
+            flops = method_flops(mode, options)
+            methods[("core", name)] = Method(_method_core(mode, **options), flops, causal=cls.causal)
+            methods[("module", name)] = Method(_module(mode, **options), plus_projections(flops), causal=cls.causal)
     return methods
 
 
 def methods() -> dict:
-    """Every method of the benchmark: the fixed core, softmax and peer rows, and the registry's module rows."""
+    """Every method of the benchmark: the softmax and peer rows, and the registry's methods at both levels."""
     return {**METHODS, **registry_methods()}
 
 
+SOFTMAX_FLOPS = method_flops("softmax")
+KERNEL_ELU_FLOPS = method_flops("kernel", {"feature_map": "elu"})
 METHODS = {
-    ("core", "kernel_elu"): Method(_core(_kernel_core), lambda c: kernel_flops(c, c["d"])),
-    ("core", "kernel_favor"): Method(_core(_favor_core), favor_flops),
-    ("core", "taylor"): Method(_core(lambda c, t, d: lambda q, k, v: LF.taylor(q, k, v, causal=c["causal"])),
-                               lambda c: kernel_flops(c, c["d"] + 1)),
-    ("core", "efficient"): Method(_core(lambda c, t, d: LF.efficient_attention), efficient_flops, causal=False),
-    ("core", "linformer"): Method(_core(_linformer_core), linformer_flops, causal=False),
     ("core", "sdpa"): Method(_core(lambda c, t, d: lambda q, k, v: F.scaled_dot_product_attention(
-        q, k, v, is_causal=c["causal"])), softmax_flops, kind="sdpa"),
-    ("core", "sdpa_flash"): Method(_sdpa_backend("FLASH_ATTENTION"), softmax_flops, kind="sdpa", devices=("cuda",)),
-    ("core", "sdpa_efficient"): Method(_sdpa_backend("EFFICIENT_ATTENTION"), softmax_flops, kind="sdpa",
+        q, k, v, is_causal=c["causal"])), SOFTMAX_FLOPS, kind="sdpa"),
+    ("core", "sdpa_flash"): Method(_sdpa_backend("FLASH_ATTENTION"), SOFTMAX_FLOPS, kind="sdpa", devices=("cuda",)),
+    ("core", "sdpa_efficient"): Method(_sdpa_backend("EFFICIENT_ATTENTION"), SOFTMAX_FLOPS, kind="sdpa",
                                        devices=("cuda",)),
     ("core", "softmax_weights"): Method(_core(lambda c, t, d: lambda q, k, v: LF.softmax(
-        q, k, v, causal=c["causal"], need_weights=True)[0]), softmax_flops, kind="weights"),
-    ("core", "peer_lat"): Method(_peer_lat, efficient_flops, peer="linear_attention_transformer"),
-    ("core", "peer_performer"): Method(_peer_performer, lambda c: favor_flops(c, causal=False),
+        q, k, v, causal=c["causal"], need_weights=True)[0]), SOFTMAX_FLOPS, kind="weights"),
+    # Peers compute the function of one of our methods, and take its count.
+    ("core", "peer_lat"): Method(_peer_lat, method_flops("efficient"), peer="linear_attention_transformer"),
+    ("core", "peer_performer"): Method(_peer_performer, method_flops("kernel", {"feature_map": "favor"}, causal=False),
                                        peer="performer_pytorch"),
-    ("core", "peer_fla"): Method(_peer_fla, lambda c: kernel_flops(c, c["d"]), peer="fla", full=False,
-                                 devices=("cuda",), reference="kernel_elu"),
-    ("module", "mha_sdpa"): Method(_torch_mha(False), plus_projections(softmax_flops), kind="sdpa"),
-    ("module", "mha_weights"): Method(_torch_mha(True), plus_projections(softmax_flops), kind="weights"),
-    ("module", "peer_linformer"): Method(_peer_linformer, plus_projections(linformer_flops), causal=False,
+    ("core", "peer_fla"): Method(_peer_fla, KERNEL_ELU_FLOPS, peer="fla", full=False, devices=("cuda",),
+                                 reference="kernel_elu"),
+    ("module", "mha_sdpa"): Method(_torch_mha(False), plus_projections(SOFTMAX_FLOPS), kind="sdpa"),
+    ("module", "mha_weights"): Method(_torch_mha(True), plus_projections(SOFTMAX_FLOPS), kind="weights"),
+    ("module", "peer_linformer"): Method(_peer_linformer, plus_projections(method_flops("linformer")), causal=False,
                                          peer="linformer"),
 }
 BASELINE = {"core": "sdpa", "module": "mha_sdpa"}

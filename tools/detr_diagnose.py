@@ -4,11 +4,12 @@ encoder sees (positions added to queries and keys, image padding masked), agains
     python -m tools.detr_diagnose runs/detr_cmp/softmax/seed42/checkpoint.pth --images 32 --json diag.json
 
 For every encoder layer of the (softmax-trained) checkpoint, on validation images: the norms of q and k per head and
-the spread of the softmax scores (how peaked trained attention is), then for each method the weights it would use
-on the same q, k (its L x S matrix, from the functional layer on an identity value matrix) compared with
-softmax's: the mean total-variation distance per query row (0 = the same weights, 1 = disjoint), the rows'
-entropy against softmax's, the largest weight per row (how far a method can focus), the error of its output on the
-layer's values, and the same output in float32 against float64 (accumulation error).
+the spread of the softmax scores (how peaked trained attention is), then for every linear method of the registry
+(each preset; learnable state at its initialisation) the weights it would use on the same q, k (its L x S matrix:
+its own attention on an identity value matrix) compared with softmax's: the mean total-variation distance per query
+row (0 = the same weights, 1 = disjoint), the rows' entropy against softmax's, the largest weight per row (how far a
+method can focus), the error of its output on the layer's values, and the same output in float32 against float64
+(accumulation error).
 """
 import argparse
 import json
@@ -19,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from integrations.console import HelpFormatter
-import linear_mha.functional as LF
+from linear_mha import TokenGrid, available_methods, method_class
+from linear_mha.attend import attend_heads
 from integrations.detr.checkpoint import load_checkpoint
 from integrations.detr.config import parse_args
 from integrations.detr.datasets import build_dataset
@@ -27,36 +29,53 @@ from integrations.detr.detr import build_model
 from integrations.detr.misc import collate_fn
 
 
-def _focused(p):
-    return lambda q, k, v, m: LF.focused(q, k, v, focusing_factor=p, key_padding_mask=m)
+def registry_variants(names=None) -> dict:
+    """name -> (method, options): every preset of every linear method in the registry (or those ``names``)."""
+    found = {}
+    for mode in available_methods():
+        cls = method_class(mode)
+        if cls.exact:
+            continue
+        for preset, options in (cls.presets or {None: {}}).items():
+            found[mode if preset is None else f"{mode}_{preset}"] = (mode, options)
+    if names:
+        unknown = sorted(set(names) - set(found))
+        if unknown:
+            raise SystemExit(f"--methods: unknown {unknown}; choose from {sorted(found)}")
+        found = {name: found[name] for name in names}
+    return found
 
 
-METHODS = {  # functional forms of the methods, without learnable state (the focused scale at its start, s = 1)
-    "kernel (elu)": lambda q, k, v, m: LF.kernel(q, k, v, "elu", key_padding_mask=m),
-    "kernel (relu)": lambda q, k, v, m: LF.kernel(q, k, v, "relu", key_padding_mask=m),
-    "taylor": lambda q, k, v, m: LF.taylor(q, k, v, key_padding_mask=m),
-    "taylor2": lambda q, k, v, m: LF.taylor2(q, k, v, key_padding_mask=m),
-    "efficient": lambda q, k, v, m: LF.efficient_attention(q, k, v, key_padding_mask=m),
-    "focused p=3": _focused(3.0),
-    "focused p=6": _focused(6.0),
-    "kernel (elu) on q/sqrt(d)": lambda q, k, v, m: LF.kernel(q / q.shape[-1] ** 0.5, k, v, "elu", key_padding_mask=m),
-}
+def method_output(mode, options, q, k, v, kpm, grid):
+    """The method's attention of v on these q, k, with whatever state it owns at its initialisation (learnable maps
+    untrained, Linformer's E and F drawn; the same draw in every call). On an identity v it gives the (B, H, L, S)
+    weights the method uses."""
+    cls = method_class(mode)
+    sized = {cls.sequence_length_option: k.shape[2]} if cls.sequence_length_option else {}
+    method = cls(**options, **sized)
+    torch.manual_seed(0)
+    state = {key: None if t is None else t.detach().to(q) for key, t in
+             method.init_state(q.shape[1], q.shape[-1], {"device": q.device, "dtype": torch.float64}).items()}
+    return attend_heads(method, state, q, k, v, key_padding_mask=kpm, token_grid=grid)[0]
 
 
 def capture_encoder_inputs(model, samples):
-    """(q, k, v, key_padding_mask) as each encoder layer's self-attention receives them."""
-    captured = []
+    """(q, k, v, key_padding_mask) as each encoder layer's self-attention receives them, and the token grid (the
+    feature map's height x width) they come from."""
+    captured, grids = [], []
 
     def hook(module, args, kwargs):
         q, k, v = args[:3] if len(args) >= 3 else (args[0], args[1], kwargs["value"])
         captured.append((q.detach(), k.detach(), v.detach(), kwargs.get("key_padding_mask")))
     handles = [layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True)
                for layer in model.transformer.encoder.layers]
+    handles.append(model.transformer.register_forward_pre_hook(
+        lambda module, args: grids.append(TokenGrid(*args[0].shape[-2:]))))
     with torch.no_grad():
         model(samples)
     for h in handles:
         h.remove()
-    return captured
+    return captured, grids[0]
 
 
 @torch.no_grad()
@@ -79,7 +98,7 @@ def row_stats(weights, valid):
 
 
 @torch.no_grad()
-def diagnose_layer(q, k, v, kpm):
+def diagnose_layer(q, k, v, kpm, grid, variants):
     d = q.shape[-1]
     valid = ~kpm
     scores = (q @ k.transpose(-1, -2)) / math.sqrt(d)
@@ -92,13 +111,13 @@ def diagnose_layer(q, k, v, kpm):
              "k_norm": float(k.norm(dim=-1)[valid[:, None].expand(k.shape[:3])].mean()),
              "score_std": float(torch.nanmean((score_valid - torch.nanmean(score_valid, -1, keepdim=True)) ** 2) ** 0.5),
              "softmax": {"entropy": ent, "max_weight": peak}, "methods": {}}
-    for name, fn in METHODS.items():
-        w = fn(q, k, eye, kpm)
+    for name, (mode, options) in variants.items():
+        w = method_output(mode, options, q, k, eye, kpm, grid)
         out = w @ v
         tv = 0.5 * (w - ref_w).abs().sum(-1)
         ent, peak = row_stats(w.clamp_min(0), valid)
         mask = valid[:, None, :].expand_as(tv)
-        out32 = fn(q.float(), k.float(), v.float(), kpm)
+        out32 = method_output(mode, options, q.float(), k.float(), v.float(), kpm, grid)
         layer["methods"][name] = {
             "tv_distance": float(tv[mask].mean()), "entropy": ent, "max_weight": peak,
             "output_rel_err": float((out - ref_out)[mask].norm() / ref_out[mask].norm()),
@@ -111,7 +130,9 @@ def main(argv=None):
     p.add_argument("checkpoint", help="a softmax DETR checkpoint written by integrations.detr.train")
     p.add_argument("--images", type=int, default=32, help="validation images to run (one batch)")
     p.add_argument("--json", help="write the numbers here")
+    p.add_argument("--methods", nargs="+", help="these registry methods / presets only (default: every linear one)")
     a = p.parse_args(argv)
+    variants = registry_variants(a.methods)
     ckpt = load_checkpoint(a.checkpoint, "checkpoint")
     saved = ckpt["args"]
     args = parse_args(["--backbone", saved["backbone"]])
@@ -123,9 +144,10 @@ def main(argv=None):
     dataset = build_dataset("val", args)
     samples, _ = collate_fn([dataset[i] for i in range(min(a.images, len(dataset)))])
     layers = []
-    for layer, (q, k, v, kpm) in zip(model.transformer.encoder.layers, capture_encoder_inputs(model, samples)):
+    inputs, grid = capture_encoder_inputs(model, samples)
+    for layer, (q, k, v, kpm) in zip(model.transformer.encoder.layers, inputs):
         qh, kh, vh = heads(layer.self_attn, q, k, v)
-        layers.append(diagnose_layer(qh, kh, vh, kpm))
+        layers.append(diagnose_layer(qh, kh, vh, kpm, grid, variants))
     for i, layer in enumerate(layers):
         print(f"\nencoder layer {i}: |q| {layer['q_norm']:.2f}, |k| {layer['k_norm']:.2f}, softmax score std "
               f"{layer['score_std']:.2f}, softmax row entropy {layer['softmax']['entropy']:.2f} (uniform: "

@@ -25,7 +25,9 @@ from pathlib import Path
 import torch
 
 from integrations.console import HelpFormatter
+from linear_mha import available_methods, method_class
 from linear_mha.patching import calibrate, patch
+from linear_mha.registry import DEFAULT_MODE
 
 from . import measure as M
 
@@ -50,7 +52,8 @@ def _key_values(items, flag):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m tools.patch_model", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("model", help="timm model name, or torchvision:<name>")
-    p.add_argument("--mode", default="linformer", help="linformer, kernel, efficient, taylor or softmax")
+    p.add_argument("--mode", default=DEFAULT_MODE, choices=available_methods(),
+                   help="the attention method (linear_mha.available_methods())")
     p.add_argument("--option", action="append", metavar="KEY=VALUE",
                    help="LinearMultiheadAttention option, repeatable (e.g. proj_k=64, feature_map=favor)")
     p.add_argument("--model-arg", action="append", metavar="KEY=VALUE",
@@ -180,10 +183,11 @@ def compare(args):
     original, library = build_model(args.model, model_args)
     original = original.to(device=device, dtype=dtype).eval()
     img_sizes = args.img_sizes or [native_img_size(original)]
-    if args.mode == "linformer" and "seq_len" not in options:
+    length_option = method_class(args.mode).sequence_length_option  # Linformer's seq_len
+    if length_option is not None and length_option not in options:
         longest = token_count(original, max(img_sizes))
         if longest is not None:  # the largest input this run feeds, native size or not
-            options["seq_len"] = longest
+            options[length_option] = longest
     patched = copy.deepcopy(original)
     report = patch(patched, args.mode, **options)
     calibration = None

@@ -24,6 +24,7 @@ from ._common import compiling, functorch_active, needs_grad, no_autocast
 __all__ = ["causal_linear_product", "causal_linear_state", "causal_linear_step"]
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+CHUNK_SIZE = 64  # positions per chunk unless the caller says otherwise
 
 
 def _state_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -294,7 +295,7 @@ def _composed_product(phi_q, phi_k, v, initial_state, chunk_size):
     return out.flatten(2, 3)[:, :, :n].to(phi_q.dtype)
 
 
-def causal_linear_product(phi_q, phi_k, v, initial_state=None, chunk_size=64):
+def causal_linear_product(phi_q, phi_k, v, initial_state=None, chunk_size=CHUNK_SIZE):
     """Causal linear attention numerator, chunked.
 
     phi_q, phi_k: (B, H, N, Dk); v: (B, H, N, Dv); initial_state: (B, H, Dk, Dv) or None.

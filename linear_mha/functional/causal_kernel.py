@@ -20,7 +20,7 @@ from torch.autograd.function import once_differentiable
 
 from . import backend
 from ._common import append_ones, needs_grad, no_autocast, safe_normaliser
-from .causal import _PrefixStates, _causal_scores_into, _layout, _to_chunks, _unchunk
+from .causal import CHUNK_SIZE, _PrefixStates, _causal_scores_into, _layout, _to_chunks, _unchunk
 from .causal import _backward as _product_backward
 from .feature_maps import IN_PLACE_FEATURE_MAPS, apply_feature_map
 
@@ -114,7 +114,7 @@ def causal_kernel(
     *,
     key_padding_mask: Optional[Tensor] = None,
     initial_state: Optional[Tensor] = None,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
 ) -> Tensor:
     """Normalised causal kernel attention for feature_map in backend.FUSED_FEATURE_MAPS; no argument checks
     (``kernel.kernel`` does them and calls this).

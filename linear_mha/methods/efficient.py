@@ -1,6 +1,8 @@
 """mode='efficient': Efficient Attention (Shen et al., 2021), softmax(q over features) (softmax(k over the
 sequence)ᵀ v): O(N·d²), non-causal."""
-from .. import functional
+import torch
+
+from .. import functional, naive
 from ..registry import AttentionMethod, append_extra_keys, register_method
 
 
@@ -15,3 +17,12 @@ class Efficient(AttentionMethod):
         if extra_keys is not None:
             k, v, key_padding_mask = append_extra_keys(k, v, key_padding_mask, extra_keys)
         return functional.efficient_attention(q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p)
+
+    def reference_weights(self, q, k, state, *, key_padding_mask=None, causal=False, token_grid=None):
+        # each key feature softmax-normalised over the valid keys, each query over its features
+        keys = naive.softmax_weights(k.transpose(-1, -2), naive.visible(1, k.shape[-2], key_padding_mask,
+                                                                          device=q.device))  # (B, H, d, S)
+        return torch.softmax(q, dim=-1) @ keys
+
+    def flops(self, batch_heads, tokens, head_dim, causal):
+        return 4.0 * batch_heads * tokens * head_dim ** 2  # softmax(K)ᵀ V, then softmax(Q) times it

@@ -6,8 +6,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import functional
-from ..registry import AttentionMethod, Option, positive_float, register_method
-from .kernel import Kernel, kernel_attend
+from ..functional.focused import RELU_EPS
+from ..registry import Option, positive_float, register_method
+from .kernel import CHUNK_OPTION, FeatureMapMethod
 
 
 def _bool(value, name):
@@ -17,15 +18,14 @@ def _bool(value, name):
 
 
 @register_method
-class Focused(AttentionMethod):
+class Focused(FeatureMapMethod):
     name = "focused"
     options = {
         "focusing_factor": Option(3.0, positive_float, "power p of the focused map (FLatten uses 3)"),
         "learnable_scale": Option(True, _bool, "learn the per-channel scale s (False: s = 1)"),
-        "chunk_size": Kernel.options["chunk_size"],
+        "chunk_size": CHUNK_OPTION,
     }
-    causal = True
-    extra_keys = True
+    variants = {"p2_fixed_scale": {"focusing_factor": 2.0, "learnable_scale": False}}
     cost = "O(N·d²)"
     summary = "FLatten's focused map: ReLU features sharpened by a power at constant norm, a learnable scale"
 
@@ -34,14 +34,19 @@ class Focused(AttentionMethod):
             return {}
         return {"focus_scale": nn.Parameter(torch.zeros(num_heads, 1, head_dim, **factory_kwargs))}
 
-    def feature_map(self, state):
+    def _scale(self, state):
         raw = state.get("focus_scale")
-        scale = None if raw is None else F.softplus(raw)
+        return None if raw is None else F.softplus(raw)
 
-        def focused_map(x):
-            return functional.focused_feature_map(x, self.focusing_factor, scale)
-        return focused_map
+    def features(self, x, state):
+        return functional.focused_feature_map(x, self.focusing_factor, self._scale(state))
 
-    def attend(self, q, k, v, state, *, key_padding_mask=None, causal=False, dropout_p=0.0, extra_keys=None):
-        return kernel_attend(q, k, v, self.feature_map(state), key_padding_mask=key_padding_mask, causal=causal,
-                             dropout_p=dropout_p, extra_keys=extra_keys, chunk_size=self.chunk_size)
+    def similarity(self, q, k, state):
+        # The map as FLatten writes it: (|y| / |y**p|) y**p with y = (relu(x) + 1e-6) / s.
+        scale, p = self._scale(state), self.focusing_factor
+
+        def phi(x):
+            y = torch.relu(x) + RELU_EPS
+            y = y if scale is None else y / scale.to(y.dtype)
+            return y.norm(dim=-1, keepdim=True) / (y ** p).norm(dim=-1, keepdim=True) * y ** p
+        return phi(q) @ phi(k).transpose(-1, -2)

@@ -6,15 +6,14 @@ mixed under one normaliser by a learnable weight per head; O(N·(w + m)·d)."""
 import torch
 from torch import nn
 
-from .. import functional
+from .. import functional, naive
 from ..functional.hedgehog import hedgehog_state
-from ..registry import (AttentionMethod, Option, append_extra_keys, non_negative_int, one_of, optional,
-                        positive_int, register_method)
-from .kernel import Kernel
+from ..registry import Option, append_extra_keys, non_negative_int, one_of, optional, positive_int, register_method
+from .kernel import CHUNK_OPTION, FeatureMapMethod
 
 
 @register_method
-class Hedgehog(AttentionMethod):
+class Hedgehog(FeatureMapMethod):
     name = "hedgehog"
     options = {
         "feature_dim": Option(None, optional(positive_int), "m: features per softmax (2m in all); default head_dim, "
@@ -24,10 +23,9 @@ class Hedgehog(AttentionMethod):
                        "Performer's positive random features, so the maps start as an estimate of softmax's weights"),
         "window": Option(0, non_negative_int, "softmax over the keys at most this many positions away (causal: "
                                               "before), the feature maps for the rest (LoLCATs); 0 = maps only"),
-        "chunk_size": Kernel.options["chunk_size"],
+        "chunk_size": CHUNK_OPTION,
     }
-    causal = True
-    extra_keys = True
+    variants = {"m3": {"feature_dim": 3}, "window": {"window": 2}}
     cost = "O(N·m·d); O(N·(w + m)·d) with window=w"
     summary = "learnable per-head feature maps [softmax(xW), softmax(-xW)], fitted to softmax by calibrate()"
 
@@ -62,3 +60,37 @@ class Hedgehog(AttentionMethod):
         return functional.hedgehog(q, k, v, q_map, k_map, causal=causal, key_padding_mask=key_padding_mask,
                                    dropout_p=dropout_p, initial_state=initial_state, chunk_size=self.chunk_size,
                                    window=window)
+
+    @property
+    def self_attention_only(self):
+        return self.window > 0  # the window pairs query i with the keys near position i
+
+    # ------------------------------------------------------------------ facts
+    def features(self, x, state, side="q"):
+        """[softmax(x W + b), softmax(-(x W + b))] over the m features, with the query's or the key's map."""
+        z = torch.einsum("bhnd,hdm->bhnm", x, state[f"hedgehog_{side}_weight"].to(x.dtype))
+        z = z + state[f"hedgehog_{side}_bias"].to(x.dtype)[None, :, None, :]
+        return torch.cat([torch.softmax(z, -1), torch.softmax(-z, -1)], -1)
+
+    def similarity(self, q, k, state):
+        return self.features(q, state, "q") @ self.features(k, state, "k").transpose(-1, -2)
+
+    def reference_weights(self, q, k, state, *, key_padding_mask=None, causal=False, token_grid=None):
+        if not self.window:
+            return super().reference_weights(q, k, state, key_padding_mask=key_padding_mask, causal=causal)
+        # LoLCATs: mix * exp(s_ij - max near s_i) for keys at most `window` positions away, (1 - mix) phi_q phi_k^T
+        # for the rest, normalised together.
+        seen = naive.visible(q.shape[-2], k.shape[-2], key_padding_mask, causal, q.device)
+        i, j = torch.arange(q.shape[-2])[:, None], torch.arange(k.shape[-2])[None, :]
+        near = seen & ((i - j).abs() <= self.window).to(q.device)
+        s = naive.scaled_scores(q, k)
+        top = s.masked_fill(~near, -1e300).amax(-1, keepdim=True)
+        mix = torch.sigmoid(state["hedgehog_window_logit"]).to(q.dtype)[None, :, None, None]
+        weights = torch.where(near, mix * torch.exp(s - top), (1 - mix) * self.similarity(q, k, state))
+        return naive.normalised(weights, seen)
+
+    def feature_count(self, head_dim):
+        return 2 * (self.feature_dim or head_dim)
+
+    def map_flops(self, batch_heads, tokens, head_dim):
+        return 4.0 * batch_heads * tokens * head_dim * (self.feature_dim or head_dim)  # q and k times their W

@@ -1,12 +1,83 @@
 """mode='kernel' (Katharopoulos et al., 2020; Performer's FAVOR+): phi(q) (phi(k)ᵀ v) / phi(q) sum phi(k), O(N·F·d),
-with a chunked causal form whose memory is O(N·d)."""
+with a chunked causal form whose memory is O(N·d). ``FeatureMapMethod`` is what every method of this family shares
+(taylor, focused, hedgehog, a user's own map): a method of it only says what its feature map is."""
 from typing import Optional
 
 import torch
 
-from .. import functional
-from ..functional.causal import check_chunk_size
+from .. import functional, naive
+from ..functional.causal import CHUNK_SIZE, check_chunk_size
+from ..functional.feature_maps import elementwise_feature_map
 from ..registry import AttentionMethod, Option, append_extra_keys, optional, positive_int, register_method
+
+CHUNK_OPTION = Option(None, optional(lambda value, name: check_chunk_size(value)),
+                      "chunk length of the causal product")
+
+
+def feature_attention_flops(batch_heads: int, tokens: int, features: int, head_dim: int, causal: bool,
+                            chunk_size: Optional[int] = None) -> float:
+    """FLOPs of normalised kernel attention on features made already: non-causal, phi(K)ᵀ V, phi(Q) S and the
+    normaliser phi(Q) sum phi(K), 2 N F (2 d + 1) per head; causal, the chunk states and the inter-chunk product with
+    the ones column that yields the normaliser (Dv = d + 1) over N rounded up to whole chunks of C, plus the C x C
+    products inside each chunk."""
+    if not causal:
+        return 2.0 * batch_heads * tokens * features * (2 * head_dim + 1)
+    chunk = max(1, min(chunk_size or CHUNK_SIZE, tokens))
+    padded = -(-tokens // chunk) * chunk
+    width = head_dim + 1
+    return 4.0 * batch_heads * padded * features * width + 2.0 * batch_heads * padded * chunk * (features + width)
+
+
+class FeatureMapMethod(AttentionMethod):
+    """Kernel attention with a feature map: the weight of key j for query i is phi(q_i)·phi(k_j) >= 0, normalised
+    over the keys. A subclass gives its map as ``features(x, state)`` (any function of the last dimension that
+    returns non-negative features), or overrides ``kernel_map(state)`` to name a map ``functional.kernel`` knows;
+    attention, its causal form, extra keys, the naive reference and the FLOP count come from here."""
+
+    options = {"chunk_size": CHUNK_OPTION}
+    causal = True
+    extra_keys = True
+
+    def features(self, x, state):
+        """phi(x): (..., d) -> (..., F), non-negative."""
+        raise NotImplementedError(f"method {self.name!r} defines neither features() nor kernel_map()")
+
+    def kernel_map(self, state):
+        """The map ``functional.kernel`` applies: a name it knows, or a callable x -> phi(x)."""
+        def phi(x):
+            return self.features(x, state)
+        phi.__name__ = self.name
+        return phi
+
+    def attend(self, q, k, v, state, *, key_padding_mask=None, causal=False, dropout_p=0.0, extra_keys=None):
+        return kernel_attend(q, k, v, self.kernel_map(state), key_padding_mask=key_padding_mask, causal=causal,
+                             dropout_p=dropout_p, extra_keys=extra_keys, chunk_size=self.chunk_size)
+
+    # ------------------------------------------------------------------ facts
+    def similarity(self, q, k, state):
+        """phi(q) phi(k)ᵀ (B, H, L, S), multiplied out (a subclass may give its closed form instead)."""
+        fn = self.kernel_map(state)
+        fn = fn if callable(fn) else elementwise_feature_map(fn)
+        return fn(q) @ fn(k).transpose(-1, -2)
+
+    def reference_weights(self, q, k, state, *, key_padding_mask=None, causal=False, token_grid=None):
+        seen = naive.visible(q.shape[-2], k.shape[-2], key_padding_mask, causal, q.device)
+        return naive.normalised(self.similarity(q, k, state), seen)
+
+    def feature_count(self, head_dim: int) -> int:
+        """F, the features per query or key: read off the map applied to one vector."""
+        fn = self.kernel_map({})
+        fn = fn if callable(fn) else elementwise_feature_map(fn)
+        return fn(torch.zeros(1, head_dim)).shape[-1]
+
+    def map_flops(self, batch_heads: int, tokens: int, head_dim: int) -> float:
+        """FLOPs of making the features of the queries and keys (elementwise maps: none counted)."""
+        return 0.0
+
+    def flops(self, batch_heads, tokens, head_dim, causal):
+        return (feature_attention_flops(batch_heads, tokens, self.feature_count(head_dim), head_dim, causal,
+                                        getattr(self, "chunk_size", None))
+                + self.map_flops(batch_heads, tokens, head_dim))
 
 
 def _feature_map(value, name):
@@ -14,7 +85,7 @@ def _feature_map(value, name):
 
 
 @register_method
-class Kernel(AttentionMethod):
+class Kernel(FeatureMapMethod):
     name = "kernel"
     options = {
         "feature_map": Option("elu", _feature_map, "'elu' (elu+1), 'relu', 'favor' (FAVOR+ random features), "
@@ -23,12 +94,10 @@ class Kernel(AttentionMethod):
         "num_features": Option(None, optional(positive_int), "FAVOR+'s random-feature count (default d log d)"),
         "redraw_interval": Option(None, optional(positive_int),
                                   "FAVOR+: redraw the features every that many training forwards"),
-        "chunk_size": Option(None, optional(lambda value, name: check_chunk_size(value)),
-                             "chunk length of the causal product"),
+        "chunk_size": CHUNK_OPTION,
     }
-    causal = True
-    extra_keys = True
     presets = {"elu": {"feature_map": "elu"}, "favor": {"feature_map": "favor"}}
+    variants = {"relu": {"feature_map": "relu"}}
     cost = "O(N·F·d)"
     summary = "normalised phi(q) (phi(k)ᵀ v) with a feature map; causal in chunks, O(N·d) memory"
 
@@ -41,6 +110,9 @@ class Kernel(AttentionMethod):
 
     def describe(self):
         return f"mode='kernel', feature_map={getattr(self.feature_map, '__name__', self.feature_map)!r}"
+
+    def kernel_map(self, state):  # the option is the map itself
+        return self.feature_map
 
     def init_state(self, num_heads, head_dim, factory_kwargs):
         self._forwards_since_redraw = 0
@@ -67,9 +139,32 @@ class Kernel(AttentionMethod):
         self._forwards_since_redraw = 0
 
     def attend(self, q, k, v, state, *, key_padding_mask=None, causal=False, dropout_p=0.0, extra_keys=None):
-        return kernel_attend(q, k, v, self.feature_map, key_padding_mask=key_padding_mask, causal=causal,
+        return kernel_attend(q, k, v, self.kernel_map(state), key_padding_mask=key_padding_mask, causal=causal,
                              dropout_p=dropout_p, extra_keys=extra_keys, projection=state.get("favor_projection"),
                              chunk_size=self.chunk_size)
+
+    # ------------------------------------------------------------------ facts
+    def similarity(self, q, k, state):
+        if self.kernel_map(state) != "favor":
+            return super().similarity(q, k, state)
+        # Performer's positive random features exp(w.x~ - |x~|^2 / 2), x~ = x d^(-1/4): their stabilisers are
+        # constants per query row and per (batch, head) of keys, which the normalisation cancels.
+        w = state["favor_projection"].to(q.dtype)
+
+        def phi(x):
+            x = x * x.shape[-1] ** -0.25
+            return torch.exp(x @ w.T - 0.5 * (x * x).sum(-1, keepdim=True))
+        return phi(q) @ phi(k).transpose(-1, -2)
+
+    def feature_count(self, head_dim):
+        if self.kernel_map({}) == "favor":
+            return self.num_features or functional.default_num_favor_features(head_dim)
+        return super().feature_count(head_dim)
+
+    def map_flops(self, batch_heads, tokens, head_dim):
+        if self.kernel_map({}) != "favor":
+            return 0.0
+        return 4.0 * batch_heads * tokens * head_dim * self.feature_count(head_dim)  # q and k times the projection
 
 
 def kernel_attend(q, k, v, feature_map, *, key_padding_mask, causal, dropout_p, extra_keys, projection=None,

@@ -5,7 +5,7 @@ import math
 import torch
 from torch import nn
 
-from .. import functional
+from .. import functional, naive
 from ..registry import AttentionMethod, Option, one_of, positive_int, register_method
 
 PARAM_SHARING = ("none", "headwise", "kv", "layerwise")
@@ -24,6 +24,7 @@ class Linformer(AttentionMethod):
     }
     extra_keys = True
     sequence_length_option = "seq_len"
+    variants = {"headwise": {"param_sharing": "headwise"}, "kv": {"param_sharing": "kv"}}
     cost = "O(L·k·d)"
     summary = "keys and values projected onto k positions along the sequence, then softmax (S ≤ seq_len)"
 
@@ -76,3 +77,19 @@ class Linformer(AttentionMethod):
         out, _ = functional.linformer(q, k, v, state["e_proj"], state["f_proj"], key_padding_mask=key_padding_mask,
                                       dropout_p=dropout_p, **extra)
         return out
+
+    def reference_weights(self, q, k, state, *, key_padding_mask=None, causal=False, token_grid=None):
+        """softmax(q (E k)ᵀ / sqrt(d)) F: the (L, S) matrix the projections imply, masked keys' columns zero."""
+        e = state["e_proj"]
+        f = e if state["f_proj"] is None else state["f_proj"]
+        S = k.shape[-2]
+        e, f = e[..., :S].to(q.dtype), f[..., :S].to(q.dtype)
+        if key_padding_mask is not None:
+            keep = (~key_padding_mask)[:, None, None, :].to(q.dtype)  # (B, 1, 1, S)
+            e, f = e * keep, f * keep
+        projected = e @ k
+        seen = naive.visible(q.shape[-2], projected.shape[-2], device=q.device)
+        return naive.softmax_weights(naive.scaled_scores(q, projected), seen) @ f
+
+    def flops(self, batch_heads, tokens, head_dim, causal):
+        return 8.0 * batch_heads * tokens * self.proj_k * head_dim  # E K, F V, the scores, the weights times F V
