@@ -2,13 +2,12 @@
 method's output out. Masks are turned here, once, into what the method declares it honours (``registry``), and
 anything it cannot honour exactly is refused before it runs. The options every module takes on top of its method's
 (the local term, ``local_term.py``) are checked here too."""
-from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
-import torch
 from torch import Tensor, nn
 
 from . import masks
-from .local_term import LOCAL_TERM_STATE, check_dwc_kernel
+from .local_term import check_dwc_kernel
 from .registry import AttentionMethod, causal_methods, method_class
 from .token_grid import NO_GRID, TokenGrid
 
@@ -72,27 +71,3 @@ def attend_heads(method: AttentionMethod, state: Mapping[str, Optional[Tensor]],
     if need_weights and method.returns_weights:
         return method.attend_with_weights(q, k, v, state, dropout_p=dropout_p, **kwargs)
     return method.attend(q, k, v, state, dropout_p=dropout_p, **kwargs), None
-
-
-class MethodState:
-    """Mixin for the modules that hold a method's state (LinearMultiheadAttention, the patching adapters): FAVOR+
-    redraws, and checkpoints of the original model loading without the tensors the method added."""
-
-    def redraw_features(self, generator: Optional[torch.Generator] = None) -> None:
-        """Draw a new FAVOR+ random projection (mode='kernel' with feature_map='favor')."""
-        self.method.redraw(self, generator)
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
-        drop_missing_state(self.method.state_names + LOCAL_TERM_STATE, prefix, state_dict, missing_keys)
-
-
-def drop_missing_state(names: Iterable[str], prefix: str, state_dict, missing_keys: list) -> None:
-    """After ``_load_from_state_dict``: a checkpoint of the original model (nn.MultiheadAttention, timm) has none of
-    the tensors linear_mha adds (``names``: the method's state, the local term's), which then keep their
-    initialisation instead of being reported missing."""
-    owned = [prefix + name for name in names]
-    if owned and not any(key in state_dict for key in owned):
-        missing_keys[:] = [key for key in missing_keys if key not in owned]

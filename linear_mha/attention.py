@@ -16,11 +16,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from . import masks
-from .attend import MethodState, attend_heads
-from .local_term import add_local_term, install_local_term
+from . import masks, torch_models
+from .adapters import AttentionAdapter, register_adapter
+from .attend import attend_heads
+from .local_term import add_local_term
 from .registry import DEFAULT_MODE, create_method
 from .token_grid import TokenGrid, resolve_token_grid
+from .torch_models import TORCH_MHA
 
 
 def _disable_torch_fast_path(module, args):
@@ -49,7 +51,8 @@ def _check_arguments(embed_dim, num_heads, dropout, kdim, vdim, dtype):
         raise TypeError(f"dtype must be a floating-point torch.dtype (or None), got {dtype!r}")
 
 
-class LinearMultiheadAttention(MethodState, nn.Module):
+@register_adapter
+class LinearMultiheadAttention(AttentionAdapter, nn.Module):
     r"""Drop-in replacement for :class:`torch.nn.MultiheadAttention` with linear-time attention.
 
     Positional arguments and defaults are nn.MultiheadAttention's. Keyword arguments: ``mode``, the attention
@@ -128,14 +131,8 @@ class LinearMultiheadAttention(MethodState, nn.Module):
         self.add_zero_attn = add_zero_attn
 
         self._reset_parameters()
-        self.method = method
-        method.install(self, num_heads, self.head_dim, factory_kwargs)
-        install_local_term(self, embed_dim, dwc_kernel, factory_kwargs)
+        self.init_method(method, num_heads, self.head_dim, factory_kwargs, dwc_kernel)
         self.register_forward_pre_hook(_disable_torch_fast_path)
-
-    @property
-    def mode(self) -> str:
-        return self.method.name
 
     # ------------------------------------------------------------------ construction
     def _reset_parameters(self):
@@ -159,7 +156,7 @@ class LinearMultiheadAttention(MethodState, nn.Module):
 
         copy=False reuses mha's Parameter objects instead of copying them (no extra memory; an optimizer that
         holds them keeps working)."""
-        if not isinstance(mha, nn.MultiheadAttention):
+        if not isinstance(mha, TORCH_MHA):
             raise TypeError(f"from_torch expects an nn.MultiheadAttention, got {type(mha).__name__}")
         ref = mha.in_proj_weight if mha._qkv_same_embed_dim else mha.q_proj_weight
         new = cls(mha.embed_dim, mha.num_heads, dropout=mha.dropout, bias=mha.in_proj_bias is not None,
@@ -168,12 +165,57 @@ class LinearMultiheadAttention(MethodState, nn.Module):
         if copy:
             new.load_state_dict(mha.state_dict(), strict=True)
         else:
-            for name in ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias",
-                         "bias_k", "bias_v"):
-                if getattr(mha, name) is not None:
-                    setattr(new, name, getattr(mha, name))
-            new.out_proj = mha.out_proj
+            _share_parameters(mha, new)
         return new.train(mha.training)
+
+    def to_torch(self) -> nn.MultiheadAttention:
+        """The nn.MultiheadAttention this module replaced (or a new one, for a module built directly), holding this
+        module's current Parameters."""
+        return self.to_original()
+
+    # ------------------------------------------------------------------ as the adapter of nn.MultiheadAttention
+    kind = "mha"
+
+    @classmethod
+    def matches(cls, module):
+        return isinstance(module, TORCH_MHA)
+
+    @classmethod
+    def unsupported_reason(cls, module):
+        return torch_models.mha_subclass_reason(module)
+
+    @classmethod
+    def from_original(cls, mha: nn.MultiheadAttention, **options) -> "LinearMultiheadAttention":
+        """The same Parameter objects (so state_dict tensors are equal and an optimizer holding them keeps
+        working), device, dtype and train/eval state, with the method of ``options``; ``mha`` is kept."""
+        new = cls.from_torch(mha, copy=False, **options)
+        new.keep_original(mha)
+        return new
+
+    def to_original(self) -> nn.MultiheadAttention:
+        original = self.original
+        if original is None:
+            ref = self.in_proj_weight if self._qkv_same_embed_dim else self.q_proj_weight
+            original = TORCH_MHA(
+                self.embed_dim, self.num_heads, dropout=self.dropout, bias=self.in_proj_bias is not None,
+                add_bias_kv=self.bias_k is not None, add_zero_attn=self.add_zero_attn, kdim=self.kdim,
+                vdim=self.vdim, batch_first=self.batch_first, device=ref.device, dtype=ref.dtype)
+        _share_parameters(self, original)
+        original.dropout = self.dropout
+        return original.train(self.training)
+
+    def original_output(self, args, kwargs):
+        """nn.MultiheadAttention's attention output on this call, without forming its weights."""
+        kwargs = {key: value for key, value in kwargs.items() if key != "token_grid"}
+        return super().original_output(args, {**kwargs, "need_weights": False})[0]
+
+    @classmethod
+    def sequence_length(cls, owner):
+        return torch_models.sequence_length(owner)
+
+    @classmethod
+    def grid_source(cls, owner_name, owner, name):
+        return torch_models.grid_source(owner_name, owner, name)
 
     def extra_repr(self) -> str:
         s = f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, {self.method.describe()}"
@@ -346,3 +388,14 @@ class LinearMultiheadAttention(MethodState, nn.Module):
                                     is_causal=is_causal)
         out = out if self.batch_first else out.transpose(0, 1)
         return torch.nested.as_nested_tensor([o[:n] for o, n in zip(out, q_lens)]), weights
+
+
+_PARAMETERS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias", "bias_k", "bias_v")
+
+
+def _share_parameters(source: nn.Module, target: nn.Module) -> None:
+    """Give ``target`` the very Parameter objects of ``source`` (nn.MultiheadAttention's names, both classes)."""
+    for name in _PARAMETERS:
+        if getattr(source, name) is not None:
+            setattr(target, name, getattr(source, name))
+    target.out_proj = source.out_proj

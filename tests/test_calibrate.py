@@ -58,7 +58,7 @@ def test_the_teacher_is_the_original_softmax_without_its_weights_and_runs_are_re
     patch(model, "hedgehog")
     calls = []
     for layer in model.layers:
-        original = layer.self_attn.__dict__["_linear_mha_original"]
+        original = layer.self_attn.original
         original.register_forward_pre_hook(lambda m, a, kw: calls.append(kw.get("need_weights")), with_kwargs=True)
     twin = copy.deepcopy(model)
     first = calibrate(model, data(), steps=5, progress=False, seed=3)
@@ -90,7 +90,7 @@ def test_padded_positions_own_outputs_are_not_fitted(batch_first):
     with torch.no_grad():  # what the rows hold: the padded ones do differ from softmax's
         layer = model.layers[0].self_attn
         out = layer(x[0], x[0], x[0], key_padding_mask=padding)[0]
-        teacher = layer.__dict__["_linear_mha_original"].eval()(x[0], x[0], x[0], key_padding_mask=padding)[0]
+        teacher = layer.original.eval()(x[0], x[0], x[0], key_padding_mask=padding)[0]
         rows = layer.output_padding(x[0], x[0], x[0], key_padding_mask=padding)
         assert rows.shape == ((3, 12, 1) if batch_first else (12, 3, 1))
         assert (out - teacher).masked_fill(rows, 0).abs().max() < 1e-5 < (out - teacher).abs().max()

@@ -9,7 +9,6 @@ from torch import nn
 
 from linear_mha import LinearMultiheadAttention
 from linear_mha import attention as attention_module
-from linear_mha.patching.generic import to_torch
 
 E, H = 16, 2
 
@@ -92,7 +91,7 @@ def test_nested_tensor_from_an_encoder_built_before_the_swap():
     torch.testing.assert_close(nested_path[valid], reference.detach()[valid], rtol=1e-5, atol=1e-5)
     # and it really was the linear attention, not a softmax fallback
     for layer in encoder.layers:
-        layer.self_attn = LinearMultiheadAttention.from_torch(to_torch(layer.self_attn), mode="softmax").eval()
+        layer.self_attn = LinearMultiheadAttention.from_torch(layer.self_attn.to_torch(), mode="softmax").eval()
     with torch.no_grad():
         exact = encoder(src, src_key_padding_mask=kpm)
     assert not torch.allclose(exact[valid], nested_path[valid], atol=1e-3)

@@ -15,9 +15,9 @@ method's own recurrent state would be O(1); the registry does not expose one yet
 import torch
 from torch import nn
 
+from ..adapters import AttentionAdapter, register_adapter
 from ..attend import attend_heads
-from ..patching.adapters import AttentionAdapter, register_adapter
-from ..registry import causal_methods, create_method
+from ..registry import DEFAULT_MODE, causal_methods, create_method
 from .padding import padding_of_layer
 from .self_attention import SelfAttention
 
@@ -26,12 +26,13 @@ _SETTINGS = ("heads", "dim_head", "causal", "kv_heads", "n_local", "window", "bl
              "rotary", "attn_dropout")
 
 
+@register_adapter
 class PatchedSelfAttention(AttentionAdapter, SelfAttention):
     """A SelfAttention whose ``n_local`` softmax heads run ``mode`` (any registry method and its options)."""
 
     kind, reused = "lm", _REUSED
 
-    def __init__(self, attention: SelfAttention, mode: str = "hedgehog", dwc_kernel=None, **options):
+    def __init__(self, attention: SelfAttention, mode: str = DEFAULT_MODE, dwc_kernel=None, **options):
         reason = self.unsupported_reason(attention)
         if reason:
             raise ValueError(f"cannot patch this SelfAttention: {reason}")
@@ -48,11 +49,18 @@ class PatchedSelfAttention(AttentionAdapter, SelfAttention):
             setattr(self, name, getattr(attention, name))
         for name in _REUSED:
             setattr(self, name, getattr(attention, name))
-        self.method = method
         weight = attention.to_q.weight
-        method.install(self, self.n_local, self.dim_head, {"device": weight.device, "dtype": weight.dtype})
+        self.init_method(method, self.n_local, self.dim_head, {"device": weight.device, "dtype": weight.dtype})
         self.keep_original(attention)
         self.train(attention.training)
+
+    @classmethod
+    def originals(cls):
+        return (SelfAttention,)
+
+    @classmethod
+    def sequence_length(cls, owner):
+        return owner.max_seq_len if isinstance(getattr(owner, "max_seq_len", None), int) else None
 
     @classmethod
     def unsupported_reason(cls, attention: SelfAttention):
@@ -92,6 +100,3 @@ class PatchedSelfAttention(AttentionAdapter, SelfAttention):
             cache[key] = value if key not in cache else torch.cat([cache[key], value], dim=-1 if key == "padding"
                                                                   else 2)
         return self._local_heads(cache["q"], cache["k"], cache["v"], cache["padding"], 0.0)[:, :, -1]
-
-
-register_adapter(lambda: (SelfAttention,), PatchedSelfAttention)

@@ -23,10 +23,7 @@ from typing import Any, Callable, Iterable, List, Optional, Union
 import torch
 from torch import nn
 
-from ..local_term import LOCAL_TERM_STATE
-from ..attention import LinearMultiheadAttention
-from .adapters import adapter_classes
-from .generic import ORIGINAL_ATTR
+from ..adapters import adapter_classes
 
 
 @dataclass
@@ -55,19 +52,12 @@ class CalibrationReport:
     __str__ = table
 
 
-def _original(module: nn.Module) -> Optional[nn.Module]:
-    if isinstance(module, LinearMultiheadAttention):
-        return module.__dict__.get(ORIGINAL_ATTR)
-    return module.original
-
-
 def _linear_modules(model: nn.Module):
-    found = [(name, m) for name, m in model.named_modules()
-             if isinstance(m, (LinearMultiheadAttention, *adapter_classes()))]
+    found = [(name, m) for name, m in model.named_modules() if isinstance(m, adapter_classes())]
     if not found:
         raise ValueError("calibrate() found no linear attention in the model: patch it first, e.g. "
                          "linear_mha.patch(model, mode='hedgehog')")
-    missing = [name for name, m in found if _original(m) is None]
+    missing = [name for name, m in found if m.original is None]
     if missing:
         raise ValueError(f"calibrate() needs the softmax attention each module replaced, which patch() keeps; "
                          f"{missing[:3]} were built directly. Patch the original model instead of building "
@@ -76,27 +66,14 @@ def _linear_modules(model: nn.Module):
 
 
 def _added_parameters(modules) -> List[nn.Parameter]:
-    """The parameters linear_mha added: each method's own state and the local term, once each (shared ones too)."""
+    """The parameters linear_mha added (each method's own state and the local term), once each (shared ones too)."""
     seen, params = set(), []
     for _, m in modules:
-        for name in tuple(m.method.state_names) + LOCAL_TERM_STATE:
-            p = getattr(m, name, None)
-            if isinstance(p, nn.Parameter) and id(p) not in seen:
+        for p in m.added_parameters():
+            if id(p) not in seen:
                 seen.add(id(p))
                 params.append(p)
     return params
-
-
-def _teacher(original: nn.Module, student: nn.Module, args, kwargs):
-    """The replaced softmax attention's output on the same call, never forming its weights. It runs in the
-    student's train/eval mode: patch() kept it in the mode the model had then (often training), and model.eval()
-    does not reach it, so its dropout would otherwise make a noisy target."""
-    original.train(student.training)
-    kwargs = {k: v for k, v in kwargs.items() if k != "token_grid"}
-    if isinstance(original, nn.MultiheadAttention):
-        kwargs["need_weights"] = False
-        return original(*args, **kwargs)[0]
-    return original(*args, **kwargs)
 
 
 def _padding_rows(module: nn.Module, args, kwargs):
@@ -130,13 +107,11 @@ class _Transfer:
 
     def __enter__(self):
         for name, module in self.modules:
-            original = _original(module)
-
-            def hook(mod, args, kwargs, output, name=name, original=original):
+            def hook(mod, args, kwargs, output, name=name):
                 if name in self.rerunning:
                     return None
                 with torch.no_grad():
-                    teacher = _teacher(original, mod, args, kwargs)
+                    teacher = mod.original_output(args, kwargs)
                 student = output[0] if isinstance(output, tuple) else output
                 if self.train and not student.requires_grad:
                     self.rerunning.add(name)

@@ -6,7 +6,7 @@ import sys
 from ..attention import LinearMultiheadAttention
 from ..attend import validate_options
 from ..registry import DEFAULT_MODE
-from .generic import TORCH_MHA as _TORCH_MHA
+from ..torch_models import TORCH_MHA as _TORCH_MHA
 
 
 class _ActsAsTorchMHA(type):

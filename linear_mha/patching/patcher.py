@@ -1,71 +1,76 @@
-"""patch(model) / unpatch(model): swap attention modules for linear ones in place, and back."""
+"""patch(model) / unpatch(model): swap attention modules for linear ones in place, and back.
+
+Every attention class patch can replace has an adapter (``linear_mha.adapters``): LinearMultiheadAttention for
+nn.MultiheadAttention, LinearTimmAttention for timm's Attention, PatchedSelfAttention for the LM stack's
+SelfAttention, and any a user registers. This file knows none of them by name."""
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Type
 
 import torch
 from torch import nn
 
-from ..attention import LinearMultiheadAttention
+from ..adapters import UnknownLength, adapter_classes, adapter_for
 from ..attend import needs_token_grid, validate_options
-from ..registry import DEFAULT_MODE, method_class
+from ..registry import DEFAULT_MODE, AttentionMethod, method_class
 from ..token_grid import GridTracker, attach_tracker, feature_map_grid
-from .generic import disable_nested_tensor, restore_nested_tensor, to_linear, to_torch
+from .nested_tensor import disable_nested_tensor, restore_nested_tensor
 from .report import PatchReport
 from .selection import Selection
-from .adapters import adapter_classes, adapter_for
-from .timm_attention import supported_timm_classes, timm_token_count
-from .unsupported import mha_subclass_reason, unsupported_reason
-
-
-def _is_linear(module) -> bool:
-    return isinstance(module, (LinearMultiheadAttention, *adapter_classes()))
+from .unsupported import unsupported_reason
 
 
 @dataclass
 class _Plan:
+    """One module to replace, resolved once: its adapter, its method's class and the options it gets."""
     name: str
     module: nn.Module
-    adapter: Optional[type]  # None: an nn.MultiheadAttention, swapped for LinearMultiheadAttention
+    adapter: Type[nn.Module]
     options: dict
 
-    @property
-    def kind(self) -> str:
-        return "mha" if self.adapter is None else self.adapter.kind
+    def __post_init__(self):
+        try:
+            self.method: Type[AttentionMethod] = method_class(self.options["mode"])
+        except ValueError as err:
+            raise ValueError(f"patch(): cannot patch {self.name!r} ({type(self.module).__name__}): {err}") from None
 
 
-def _default_seq_len(model: nn.Module, plan: _Plan) -> Optional[int]:
-    """Tokens this module is fed, where the nearest enclosing model says so: a timm ViT (patch grid + prefix
-    tokens; None when its size varies), torchvision's VisionTransformer (seq_length) or the LM stack's transformer
-    (max_seq_len). The nearest one, not the root: a ViT is often a backbone inside a user's wrapper."""
-    parts = plan.name.split(".")
+def _is_adapter(module) -> bool:
+    return isinstance(module, adapter_classes())
+
+
+def _owners(model: nn.Module, name: str):
+    """(name, module) of every module enclosing ``name``, the nearest first: a ViT is often a backbone inside a
+    user's wrapper, and the nearest enclosing model is the one that feeds the attention."""
+    parts = name.split(".")
     for depth in range(len(parts) - 1, -1, -1):
-        owner = model.get_submodule(".".join(parts[:depth]))
-        if plan.kind == "timm" and hasattr(owner, "patch_embed"):
-            return timm_token_count(owner)
-        if plan.kind == "lm" and isinstance(getattr(owner, "max_seq_len", None), int):
-            return owner.max_seq_len
-        if (type(owner).__module__.startswith("torchvision.models.vision_transformer")
-                and isinstance(getattr(owner, "seq_length", None), int)):
-            return owner.seq_length
-    return None
+        owner_name = ".".join(parts[:depth])
+        yield owner_name, model.get_submodule(owner_name)
 
 
 def _resolve_sequence_lengths(model: nn.Module, plans) -> None:
-    """Methods whose keys are bounded by an option (Linformer's seq_len) get the token count the model feeds the
-    module when the option is left out, and an error when it is too small."""
+    """Methods whose keys are bounded by an option (Linformer's seq_len) get the token count the enclosing model
+    feeds the module (its adapter reads it off the model) when the option is left out, and an error when it is too
+    small."""
     for plan in plans:
-        option = method_class(plan.options["mode"]).sequence_length_option
+        option = plan.method.sequence_length_option
         if option is None:
             continue
+        tokens, unknown = None, None
+        for _, owner in _owners(model, plan.name):
+            try:
+                tokens = plan.adapter.sequence_length(owner)
+            except UnknownLength as err:
+                unknown = err
+                break
+            if tokens is not None:
+                break
         opts = plan.options
-        tokens = _default_seq_len(model, plan)
         if option not in opts:
             if tokens is not None:
                 opts[option] = tokens
-            elif plan.kind == "timm":
-                raise ValueError(f"patch(): {plan.name!r} is timm attention in a model whose token count varies "
-                                 f"(dynamic_img_size=True) or is unknown; pass {option}= the largest token count "
-                                 f"you will feed (patch grid + class/register tokens)")
+            elif unknown is not None:
+                raise ValueError(f"patch(): {plan.name!r} is {unknown}; pass {option}= the largest token count you "
+                                 f"will feed (patch grid + class/register tokens)")
         elif tokens is not None and opts[option] < tokens:
             raise ValueError(f"patch(): {option}={opts[option]} for {plan.name!r}, but the model feeds it "
                              f"{tokens} tokens; pass {option} >= {tokens} (or leave it out to use {tokens})")
@@ -73,31 +78,25 @@ def _resolve_sequence_lengths(model: nn.Module, plans) -> None:
 
 def _build(plan: _Plan) -> nn.Module:
     try:
-        if plan.adapter is None:
-            return to_linear(plan.module, plan.options)
         return plan.adapter.from_original(plan.module, **plan.options)
     except (ValueError, TypeError) as err:
         raise type(err)(f"patch(): cannot patch {plan.name!r} ({type(plan.module).__name__}): {err}") from err
-
-
-def _layer_shared(plan: _Plan):
-    """(state name, option name) of a tensor this plan's method shares across layers, or None."""
-    return method_class(plan.options["mode"]).layer_shared(plan.options)
 
 
 def _build_all(plans) -> list:
     """One new module per plan. A method that shares one tensor across layers (Linformer's param_sharing=
     'layerwise') gets ONE for all of them: the first module draws it (with the method's initialisation) and the
     others receive it through the method's option."""
-    tied = [p for p in plans if _layer_shared(p) is not None]
+    tied = [p for p in plans if p.method.layer_shared(p.options) is not None]
     shared, state_name, option = None, None, None
     if tied:
-        modes = sorted({p.options["mode"] for p in tied})
-        if len(modes) > 1:
-            raise ValueError(f"patch(): one shared tensor cannot serve modes {modes}")
-        state_name, option = _layer_shared(tied[0])
-        length_option = method_class(modes[0]).sequence_length_option
-        defaults = {key: opt.default for key, opt in method_class(modes[0]).options.items()}
+        methods = {p.method for p in tied}
+        if len(methods) > 1:
+            raise ValueError(f"patch(): one shared tensor cannot serve modes {sorted(m.name for m in methods)}")
+        method = tied[0].method
+        state_name, option = method.layer_shared(tied[0].options)
+        length_option = method.sequence_length_option
+        defaults = {key: opt.default for key, opt in method.options.items()}
         for key in sorted({k for p in tied for k in p.options} - {length_option, option}):
             values = sorted({repr(p.options.get(key, defaults.get(key))) for p in tied})
             if len(values) > 1:
@@ -108,8 +107,7 @@ def _build_all(plans) -> list:
             raise ValueError(f"patch(): {option} ties one tensor across modules, which needs all patched modules on "
                              f"one device; found {sorted(map(str, devices))}; patch before splitting the model")
         if length_option is not None:  # a shared tensor must cover the longest sequence
-            longest = max(p.options.get(length_option, method_class(modes[0]).options[length_option].default)
-                          for p in tied)
+            longest = max(p.options.get(length_option, defaults[length_option]) for p in tied)
             for plan in tied:
                 plan.options[length_option] = longest
         shared = tied[0].options.get(option)
@@ -126,31 +124,17 @@ def _build_all(plans) -> list:
 
 
 def _grid_source(model: nn.Module, plan: _Plan):
-    """(name of the module whose input is the image-shaped tensor, reader of its grid) for a module with a local
-    term: the nearest enclosing timm ViT (its patch embedding), torchvision VisionTransformer, or DETR-style
-    transformer (a module with an encoder and a decoder, fed a (B, C, H, W) feature map); None if there is none."""
-    parts = plan.name.split(".")
-    for depth in range(len(parts) - 1, -1, -1):
-        name = ".".join(parts[:depth])
-        owner = model.get_submodule(name)
-        patch_embed = getattr(owner, "patch_embed", None)
-        if plan.kind == "timm" and patch_embed is not None:
-            stride = getattr(patch_embed, "patch_size", (1,))[0]
-            return (f"{name}.patch_embed" if name else "patch_embed",
-                    feature_map_grid(int(getattr(owner, "num_prefix_tokens", 0)), stride,
-                                     round_up=bool(getattr(patch_embed, "dynamic_img_pad", False))))
-        if (type(owner).__module__.startswith("torchvision.models.vision_transformer")
-                and isinstance(getattr(owner, "patch_size", None), int)):
-            return name, feature_map_grid(1, owner.patch_size)  # the class token comes first
-        if (isinstance(getattr(owner, "encoder", None), nn.Module) and isinstance(getattr(owner, "decoder", None),
-                                                                                 nn.Module)
-                and plan.name.startswith(f"{name}.encoder." if name else "encoder.")):
-            return name, feature_map_grid(0)
+    """(name of the module whose input is the image-shaped tensor, reader of its grid) for a module that needs its
+    token grid: what the nearest enclosing model tells the plan's adapter; None if none does."""
+    for owner_name, owner in _owners(model, plan.name):
+        found = plan.adapter.grid_source(owner_name, owner, plan.name)
+        if found is not None:
+            return found
     return None
 
 
 def _track_grids(model: nn.Module, plans, built, grid_source, grid_prefix, grid_stride) -> list:
-    """Give every new module with a local term a tracker of its token grid; returns the trackers."""
+    """Give every new module that reads its token grid a tracker of it; returns the trackers."""
     trackers = {}
     for plan, new in zip(plans, built):
         if not needs_token_grid(new):
@@ -159,10 +143,9 @@ def _track_grids(model: nn.Module, plans, built, grid_source, grid_prefix, grid_
                  else _grid_source(model, plan))
         if found is None:
             raise ValueError(f"patch(): {plan.name!r} needs the token grid (dwc_kernel, or mode={new.mode!r}), and no "
-                             f"DETR transformer or "
-                             f"timm / torchvision ViT encloses it; pass grid_source='<module whose first input is the "
-                             f"(B, C, H, W) feature map>' (with grid_prefix= tokens before the grid and grid_stride= "
-                             f"pixels per token)")
+                             f"DETR transformer or timm / torchvision ViT encloses it; pass grid_source='<module whose "
+                             f"first input is the (B, C, H, W) feature map>' (with grid_prefix= tokens before the "
+                             f"grid and grid_stride= pixels per token)")
         name, grid_of = found
         if name not in trackers:
             trackers[name] = GridTracker(name, grid_of).watch(model.get_submodule(name))
@@ -185,7 +168,7 @@ def _check_model(model, fn: str) -> None:
     if isinstance(model, torch.jit.ScriptModule):
         raise TypeError(f"{fn}() cannot change a TorchScript module (its code is compiled, so a swapped submodule would "
                         f"never run); {fn} the Python model first, then script or trace it")
-    if isinstance(model, nn.MultiheadAttention) or _is_linear(model) or adapter_for(model) is not None:
+    if _is_adapter(model) or adapter_for(model) is not None:
         raise TypeError(f"{fn}() replaces submodules in place, but the model itself is a {type(model).__name__}; "
                         f"convert a bare module with LinearMultiheadAttention.from_torch(module) or wrap it in a "
                         f"container (e.g. nn.Sequential(module))")
@@ -194,35 +177,34 @@ def _check_model(model, fn: str) -> None:
 def patch(model: nn.Module, mode: str = DEFAULT_MODE, *, include=None, exclude=None,
           filter: Optional[Callable] = None, options_for: Optional[Callable] = None, grid_source: Optional[str] = None,
           grid_prefix: int = 0, grid_stride: int = 1, **options) -> PatchReport:
-    """Replace, in place, every selected nn.MultiheadAttention (and subclass that keeps its forward) with
-    LinearMultiheadAttention, every timm.layers.Attention with LinearTimmAttention and the softmax heads of every
-    ``linear_mha.lm`` SelfAttention with the method (PatchedSelfAttention), reusing the original Parameter objects.
+    """Replace, in place, every selected attention module that has an adapter (``linear_mha.adapters``): every
+    nn.MultiheadAttention (and subclass that keeps its forward) with LinearMultiheadAttention, every
+    timm.layers.Attention with LinearTimmAttention and the softmax heads of every ``linear_mha.lm`` SelfAttention
+    with the method (PatchedSelfAttention), reusing the original Parameter objects.
 
     include / exclude: fnmatch patterns over qualified module names ("encoder.layers.*.self_attn");
     filter(name, module) -> bool; options_for(name, module) -> dict merged over ``options`` for that module.
-    options: LinearMultiheadAttention's keyword options. For Linformer, seq_len defaults to the model's token
-    count for timm ViTs and torchvision's VisionTransformer. With ``dwc_kernel`` the token grid is read from the
-    enclosing DETR transformer, timm or torchvision ViT, or from ``grid_source``: a submodule name whose first input
-    is (B, C, H, W), giving an H / grid_stride x W / grid_stride grid after ``grid_prefix`` tokens. Returns a PatchReport. Modules already linear are
-    skipped (patching twice is a no-op); unsupported attention classes are reported, never touched.
+    options: the method's keyword options and ``dwc_kernel``. For Linformer, seq_len defaults to the model's token
+    count (timm ViTs, torchvision's VisionTransformer, the LM stack). With ``dwc_kernel`` the token grid is read from
+    the enclosing DETR transformer, timm or torchvision ViT, or from ``grid_source``: a submodule name whose first
+    input is (B, C, H, W), giving an H / grid_stride x W / grid_stride grid after ``grid_prefix`` tokens. Returns a
+    PatchReport. Modules already linear are skipped (patching twice is a no-op); unsupported attention classes are
+    reported, never touched.
     """
     _check_model(model, "patch")
     selection = Selection(include, exclude, filter, options_for)
     base = {"mode": mode, **options}
     report = PatchReport(mode=mode)
-    timm_classes = supported_timm_classes()
     plans = []
     for name, module in model.named_modules():
-        if _is_linear(module):
+        if _is_adapter(module):
             selection.why_not(name, module, use_filter=False)  # a pattern naming it is not a typo
             report.skipped.append((name, type(module), f"already linear (mode={module.mode!r}); call "
                                                        f"unpatch(model) first to change it"))
             continue
         adapter = adapter_for(module)
-        mha = isinstance(module, nn.MultiheadAttention) and mha_subclass_reason(module) is None
-        reason = (None if mha else adapter.unsupported_reason(module) if adapter is not None
-                  else unsupported_reason(module, timm_classes))
-        if reason or not (mha or adapter is not None):
+        reason = adapter.unsupported_reason(module) if adapter is not None else unsupported_reason(module)
+        if reason or adapter is None:
             if reason:
                 selection.why_not(name, module, use_filter=False)
                 report.skipped.append((name, type(module), reason))
@@ -249,7 +231,7 @@ def patch(model: nn.Module, mode: str = DEFAULT_MODE, *, include=None, exclude=N
             report.notes.append(f"forward hooks on {plan.name!r} stay on the replaced module; register them again")
     for tracker in trackers:
         report.notes.append(f"token grid for dwc_kernel read from the input of {tracker.source_name or '<root>'!r}")
-    for name in disable_nested_tensor(model, _is_linear):
+    for name in disable_nested_tensor(model, _is_adapter):
         report.notes.append(f"nn.TransformerEncoder {name or '<root>'!r}: use_nested_tensor set to False (its "
                             f"nested-tensor fast path would run softmax attention)")
     return report
@@ -258,16 +240,16 @@ def patch(model: nn.Module, mode: str = DEFAULT_MODE, *, include=None, exclude=N
 def unpatch(model: nn.Module) -> PatchReport:
     """Put back, in place, the module each linear attention replaced (its own class, subclasses included; a plain
     nn.MultiheadAttention for a LinearMultiheadAttention built directly), holding the current, possibly
-    fine-tuned, Parameters. The mode's extra parameters (Linformer E/F, FAVOR+ projection, the dwc_kernel term)
+    fine-tuned, Parameters. The method's extra parameters (Linformer E/F, FAVOR+ projection, the dwc_kernel term)
     are dropped, and the hooks that read token grids removed."""
     _check_model(model, "unpatch")
     report = PatchReport(mode="unpatch")
     olds, news, trackers = [], [], set()
     for name, module in model.named_modules():
-        if _is_linear(module):
+        if _is_adapter(module):
             if module.__dict__.get("token_grid_source") is not None:
                 trackers.add(module.__dict__.pop("token_grid_source"))
-            new = to_torch(module) if isinstance(module, LinearMultiheadAttention) else module.to_original()
+            new = module.to_original()
             olds.append(module)
             news.append(new)
             report.replaced.append((name, type(module), type(new)))
@@ -278,6 +260,6 @@ def unpatch(model: nn.Module) -> PatchReport:
         report.notes.append(f"{removed} parameter tensor(s) of the linear modes removed")
     for tracker in trackers:  # the hooks that read token grids for dwc_kernel
         tracker.remove()
-    for name in restore_nested_tensor(model, _is_linear):
+    for name in restore_nested_tensor(model, _is_adapter):
         report.notes.append(f"nn.TransformerEncoder {name or '<root>'!r}: use_nested_tensor restored to True")
     return report

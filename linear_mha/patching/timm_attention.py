@@ -11,11 +11,11 @@ import torch
 from torch import Tensor, nn
 
 from .. import masks
+from ..adapters import AttentionAdapter, UnknownLength, register_adapter
 from ..attend import attend_heads
-from ..local_term import add_local_term, install_local_term
-from ..token_grid import resolve_token_grid
-from ..registry import create_method
-from .adapters import AttentionAdapter, register_adapter
+from ..local_term import add_local_term
+from ..registry import DEFAULT_MODE, create_method
+from ..token_grid import feature_map_grid, resolve_token_grid
 
 _REUSED = ("qkv", "q_norm", "k_norm", "attn_drop", "norm", "gate", "proj", "proj_drop")
 
@@ -64,11 +64,12 @@ def _timm_mask_to_nn(attn_mask: Tensor, batch: int, heads: int, n: int, method):
     return None, forbidden
 
 
+@register_adapter
 class LinearTimmAttention(AttentionAdapter, nn.Module):
     """timm ``Attention`` with linear attention. Options are LinearMultiheadAttention's keyword options: ``mode``
     and that method's options. Build it with :meth:`from_timm`; :meth:`to_timm` gives the timm module back."""
 
-    def __init__(self, attn: nn.Module, mode: str = "linformer", dwc_kernel=None, **options):
+    def __init__(self, attn: nn.Module, mode: str = DEFAULT_MODE, dwc_kernel=None, **options):
         method = create_method(mode, options)
         super().__init__()
         self.num_heads = attn.num_heads
@@ -81,10 +82,8 @@ class LinearTimmAttention(AttentionAdapter, nn.Module):
                 module = nn.Identity()  # older timm: no such step
             setattr(self, name, module)
         weight = attn.qkv.weight
-        self.method = method
-        factory_kwargs = {"device": weight.device, "dtype": weight.dtype}
-        method.install(self, self.num_heads, self.head_dim, factory_kwargs)
-        install_local_term(self, self.num_heads * self.head_dim, dwc_kernel, factory_kwargs)
+        self.init_method(method, self.num_heads, self.head_dim, {"device": weight.device, "dtype": weight.dtype},
+                         dwc_kernel)
         self.keep_original(attn)
         self.train(attn.training)
 
@@ -99,8 +98,35 @@ class LinearTimmAttention(AttentionAdapter, nn.Module):
     from_original = from_timm
 
     @classmethod
-    def unsupported_reason(cls, attn: nn.Module):
-        return None
+    def matches(cls, module):
+        return isinstance(module, supported_timm_classes())
+
+    @classmethod
+    def unsupported_reason(cls, attn):
+        if type(attn) in supported_timm_classes():
+            return None
+        return (f"subclass of {supported_timm_classes()[0].__module__}.Attention: matched by exact class only, "
+                f"since a subclass may change forward")
+
+    @classmethod
+    def sequence_length(cls, owner):
+        if getattr(owner, "patch_embed", None) is None:
+            return None
+        tokens = timm_token_count(owner)
+        if tokens is None:
+            raise UnknownLength("timm attention in a model whose token count varies (dynamic_img_size=True) or is "
+                                "unknown")
+        return tokens
+
+    @classmethod
+    def grid_source(cls, owner_name, owner, name):
+        patch_embed = getattr(owner, "patch_embed", None)
+        if patch_embed is None:
+            return None
+        stride = getattr(patch_embed, "patch_size", (1,))[0]
+        return (f"{owner_name}.patch_embed" if owner_name else "patch_embed",
+                feature_map_grid(int(getattr(owner, "num_prefix_tokens", 0)), stride,
+                                 round_up=bool(getattr(patch_embed, "dynamic_img_pad", False))))
 
     def extra_repr(self) -> str:
         s = f"attn_dim={self.attn_dim}, num_heads={self.num_heads}, {self.method.describe()}"
@@ -136,6 +162,3 @@ class LinearTimmAttention(AttentionAdapter, nn.Module):
         if gate is not None:
             out = out * gate
         return self.proj_drop(self.proj(out))
-
-
-register_adapter(supported_timm_classes, LinearTimmAttention)

@@ -1,0 +1,151 @@
+"""Attention adapters: every attention module of linear_mha holds a registry method in place of an attention
+step, and every one is an adapter of the class it stands in for (nn.MultiheadAttention, timm's Attention, the LM
+stack's SelfAttention, ...). ``patch`` reads this file's registry of adapters to find what it can replace; nothing
+in patching or calibration knows one class from another.
+
+An adapter is an nn.Module class deriving from ``AttentionAdapter`` (a mixin, before nn.Module). Its constructor
+calls ``init_method`` (the method, its state, the local term); ``from_original`` builds it around a module it
+replaces, reusing that module's Parameters (so state_dict keys and tensors stay as they were) and keeping it for
+``to_original`` and for ``calibrate``'s teacher. A class registered with ``register_adapter`` says:
+
+    kind                               a short name for reports ("mha", "timm", "lm")
+    matches(module)                    classmethod: whether this adapter is the one for ``module``
+    unsupported_reason(module)         classmethod: why this matched instance cannot be replaced, or None
+    from_original(module, **options)   classmethod: the adapter around ``module``, running ``mode`` and its options
+    to_original()                      the replaced module again, holding the adapter's current weights
+    sequence_length(owner)             classmethod: the tokens an enclosing model ``owner`` feeds this kind of
+                                       attention (None: it does not say; raises UnknownLength if it varies)
+    grid_source(owner_name, owner, name)  classmethod: (module whose input is the image, grid reader) when ``owner``
+                                       encloses the module ``name`` and says where its token grid comes from
+    output_padding(*args, **kwargs)    optional: which output rows of that call are padding's own
+    original_output(args, kwargs)      the replaced module's attention output on the same call (the teacher)
+"""
+from typing import Iterable, List, Optional, Tuple, Type
+
+import torch
+from torch import nn
+
+from .local_term import LOCAL_TERM_STATE, install_local_term
+
+
+class UnknownLength(ValueError):
+    """An enclosing model feeds an attention module a number of tokens that varies, so no length can be read off it;
+    the message says which model."""
+
+
+class AttentionAdapter:
+    """What every attention module shares: its method, the state the method owns, the local term, FAVOR+ redraws,
+    checkpoints of the original model loading without the tensors linear_mha added, and the module it replaced."""
+
+    kind = ""
+    reused: Tuple[str, ...] = ()  # submodules taken over from the original, given back by to_original()
+
+    # ------------------------------------------------------------------ the method
+    def init_method(self, method, num_heads: int, head_dim: int, factory_kwargs: dict, dwc_kernel=None) -> None:
+        """Hold ``method`` (``registry.create_method``), register its state and the local term of ``dwc_kernel``."""
+        self.method = method
+        method.install(self, num_heads, head_dim, factory_kwargs)
+        install_local_term(self, num_heads * head_dim, dwc_kernel, factory_kwargs)
+
+    @property
+    def mode(self) -> str:
+        return self.method.name
+
+    def added_parameters(self) -> List[nn.Parameter]:
+        """The parameters linear_mha added to the replaced module: the method's state and the local term."""
+        found = (getattr(self, name, None) for name in tuple(self.method.state_names) + LOCAL_TERM_STATE)
+        return [p for p in found if isinstance(p, nn.Parameter)]
+
+    def redraw_features(self, generator: Optional[torch.Generator] = None) -> None:
+        """Draw a new FAVOR+ random projection (mode='kernel' with feature_map='favor')."""
+        self.method.redraw(self, generator)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        drop_missing_state(self.method.state_names + LOCAL_TERM_STATE, prefix, state_dict, missing_keys)
+
+    # ------------------------------------------------------------------ the module it replaced
+    def keep_original(self, module: Optional[nn.Module]) -> None:
+        """Keep ``module`` unregistered (not in state_dict, parameters() or .to()), so ``to_original`` gives back the
+        user's own module, subclasses included, and ``calibrate`` can run it as the teacher."""
+        self.__dict__["_adapter_original"] = module
+
+    @property
+    def original(self) -> Optional[nn.Module]:
+        """The module this one replaced, or None for a module built directly."""
+        return self.__dict__.get("_adapter_original")
+
+    def to_original(self) -> nn.Module:
+        """The replaced module, holding this adapter's current submodules (and so its trained weights)."""
+        original = self.original
+        for name in self.reused:
+            if name in original._modules:
+                original._modules[name] = getattr(self, name)
+        return original.train(self.training)
+
+    def original_output(self, args: tuple, kwargs: dict):
+        """The replaced module's output on this call, in this module's train/eval mode (``patch`` kept it in the
+        mode the model had then, and model.eval() does not reach an unregistered module)."""
+        self.original.train(self.training)
+        return self.original(*args, **kwargs)
+
+    # ------------------------------------------------------------------ what patch asks
+    @classmethod
+    def originals(cls) -> tuple:
+        """The classes this adapter replaces, matched exactly (a subclass may change forward)."""
+        return ()
+
+    @classmethod
+    def matches(cls, module: nn.Module) -> bool:
+        return type(module) in cls.originals()
+
+    @classmethod
+    def unsupported_reason(cls, module: nn.Module) -> Optional[str]:
+        return None
+
+    @classmethod
+    def sequence_length(cls, owner: nn.Module) -> Optional[int]:
+        return None
+
+    @classmethod
+    def grid_source(cls, owner_name: str, owner: nn.Module, name: str):
+        return None
+
+
+def drop_missing_state(names: Iterable[str], prefix: str, state_dict, missing_keys: list) -> None:
+    """After ``_load_from_state_dict``: a checkpoint of the original model (nn.MultiheadAttention, timm) has none of
+    the tensors linear_mha adds (``names``: the method's state, the local term's), which then keep their
+    initialisation instead of being reported missing."""
+    owned = [prefix + name for name in names]
+    if owned and not any(key in state_dict for key in owned):
+        missing_keys[:] = [key for key in missing_keys if key not in owned]
+
+
+# ---------------------------------------------------------------------------------------------- registry
+_ADAPTERS: List[Type[nn.Module]] = []
+
+
+def register_adapter(adapter: Type[nn.Module]) -> Type[nn.Module]:
+    """Let ``patch`` replace every module ``adapter.matches`` with ``adapter`` (usable as a class decorator)."""
+    if not (isinstance(adapter, type) and issubclass(adapter, AttentionAdapter) and issubclass(adapter, nn.Module)):
+        raise TypeError(f"register_adapter(): {adapter!r} must subclass AttentionAdapter and nn.Module")
+    if not hasattr(adapter, "from_original"):
+        raise TypeError(f"register_adapter(): {adapter.__name__} has no from_original; see linear_mha.adapters")
+    if adapter not in _ADAPTERS:
+        _ADAPTERS.append(adapter)
+    return adapter
+
+
+def adapter_for(module: nn.Module) -> Optional[Type[nn.Module]]:
+    """The adapter that replaces ``module``, or None."""
+    return next((adapter for adapter in _ADAPTERS if adapter.matches(module)), None)
+
+
+def adapter_classes() -> tuple:
+    """Every registered adapter class: an instance of one is linear_mha's attention module."""
+    return tuple(_ADAPTERS)
+
+
+__all__ = ["AttentionAdapter", "UnknownLength", "register_adapter", "adapter_for", "adapter_classes"]
