@@ -4,6 +4,8 @@ Layers: ``functional`` (pure attention functions) -> ``registry`` / ``methods`` 
 ``LinearMultiheadAttention`` (the module) -> ``patching`` (model surgery) -> ``lm`` (language models and image
 attention built on the layers below).
 """
+import warnings
+
 from . import functional
 from .registry import (AttentionMethod, Option, available_methods, method_class, register_method,
                        unregister_method)
@@ -26,3 +28,16 @@ __all__ = [
     "LinformerContextSettings", "Linformer", "LinformerLM", "LinformerSelfAttention", "LinearSelfAttention",
     "ImageLinearAttention", "LinearImageAttention",
 ]
+
+
+def __getattr__(name):
+    """Names that moved, kept working with a warning (deprecated, not broken)."""
+    if name == "MODES":
+        warnings.warn("linear_mha.MODES is now linear_mha.available_methods(), which also lists the methods registered "
+                      "since", DeprecationWarning, stacklevel=2)
+        return available_methods()
+    if name == "keep_freed_memory":
+        raise AttributeError("linear_mha.keep_freed_memory moved out of the library (it sets the process's allocator, "
+                             "it is not attention): call tools.cpu_allocator.keep_freed_memory() from the repository "
+                             "root; see docs/cpu_allocator.md")
+    raise AttributeError(f"module 'linear_mha' has no attribute {name!r}")

@@ -6,25 +6,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from linear_mha.functional import backend
-from linear_mha.functional.causal import (
-    causal_linear_product,
-    causal_linear_state,
-    causal_linear_step,
-)
+from linear_mha.functional import backend, causal_linear_product, causal_linear_state, causal_linear_step
+from linear_mha.functional.kernel.naive import naive_causal_product
 
 F64 = torch.float64
-
-
-def naive_causal_product(phi_q, phi_k, v, initial_state=None):
-    """Explicit O(N^2) masked product: out_i = q_i (S0 + sum_{j<=i} k_j^T v_j)."""
-    n = phi_q.shape[2]
-    mask = torch.ones(n, n, dtype=torch.bool, device=phi_q.device).tril()
-    scores = (phi_q @ phi_k.transpose(-1, -2)).masked_fill(~mask, 0.0)
-    out = scores @ v
-    if initial_state is not None:
-        out = out + phi_q @ initial_state
-    return out
 
 
 def make_inputs(b=2, h=3, n=10, dk=4, dv=5, dtype=F64, with_state=True, seed=0):

@@ -1,4 +1,4 @@
-"""The fast kernel paths (the fused causal Function of functional/causal_kernel.py, the in-place inference
+"""The fast kernel paths (the fused causal Function of functional/kernel/fused.py, the in-place inference
 path of the non-causal kernel) against the same attention composed from autograd ops, and what they keep."""
 import sys
 
@@ -8,7 +8,7 @@ import torch
 import linear_mha.functional as LF
 from linear_mha.functional import backend
 from linear_mha.functional._common import append_ones, split_normalise
-from linear_mha.functional.causal_kernel import causal_kernel
+from linear_mha.functional.kernel.fused import causal_kernel
 from linear_mha.functional.feature_maps import apply_feature_map
 
 
@@ -154,3 +154,31 @@ def test_blocked_non_causal_inference_takes_strided_inputs(backends):
     with torch.no_grad():
         out = LF.kernel(q, k, v, "elu")
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_every_call_asks_the_chooser_once_and_runs_what_it_names(monkeypatch):
+    """kernel() and kernel_step() ask backend.py once per call (kernel() once asked twice for half inputs), and the
+    path that runs is the one the answer names."""
+    kernel_module = sys.modules["linear_mha.functional.kernel"]
+    asked, ran = [], []
+    for name in ("kernel_backend", "step_backend"):
+        real = getattr(backend, name)
+        monkeypatch.setattr(backend, name, lambda *a, real=real, **kw: asked.append(real(*a, **kw)) or asked[-1])
+    paths = {"causal_kernel": backend.FUSED_CAUSAL, "kernel_inference_blocks": backend.BLOCKED,
+             "feature_attention": backend.COMPOSED}
+    for name in paths:
+        real = getattr(kernel_module, name)
+        monkeypatch.setattr(kernel_module, name, lambda *a, real=real, name=name, **kw: ran.append(name) or real(*a, **kw))
+    q, k, v, _, _ = inputs()
+    half = [t.bfloat16() for t in (q, k, v)]
+    cases = [((q, k, v, "elu"), dict(causal=True), "causal_kernel"), ((*half, "elu"), dict(causal=True), "causal_kernel"),
+             ((q, k, v, "elu"), dict(), "kernel_inference_blocks"),
+             ((q, k, v, "taylor"), dict(causal=True), "feature_attention")]
+    for args, options, path in cases:
+        asked.clear(), ran.clear()
+        with torch.no_grad(), backend.override(native_kernels=False, block_positions=6):
+            LF.kernel(*args, **options)
+        assert len(asked) == 1 and ran == [path] and asked[0].backend == paths[path], (path, asked, ran)
+    asked.clear()
+    LF.kernel_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], None, "elu")
+    assert len(asked) == 1

@@ -7,7 +7,7 @@ same functions as a method of ours and take its count. The module level adds the
 from typing import Callable, Optional
 
 from linear_mha import method_class
-from linear_mha.functional.causal import CHUNK_SIZE
+from linear_mha.functional.kernel import CHUNK_SIZE
 
 
 def chunk_size() -> int:

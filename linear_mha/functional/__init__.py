@@ -2,7 +2,8 @@
 
     softmax    exact reference (SDPA when no weights are needed)
     linformer  keys/values projected along the sequence (Wang et al.)
-    kernel     phi(Q)(phi(K)^T V) normalised; elu / relu / favor / taylor / callable feature maps
+    kernel     phi(Q)(phi(K)^T V) normalised; elu / relu / favor / taylor / callable feature maps: the package
+               kernel/ (its entry, the naive form, composed ops, the chunked causal product, the fused paths)
     efficient_attention  softmax(Q over features) (softmax(K over sequence)^T V) (Shen et al.)
     taylor     first-order Taylor of exp on L2-normalised Q, K
     focused    kernel attention with FLatten's focused map (ReLU features, direction raised to a power)
@@ -11,14 +12,16 @@
     agent_attention  softmax through a x a agent tokens pooled from the queries over the token grid (Han et al.)
     causal_linear_product / causal_linear_step  the chunked causal product and its recurrent form
     append_ones / split_normalise / drop_keys   the building blocks other layers reuse with the product
-    backend    which implementation runs a call (compiled CPU kernels, fused causal, blocked, composed) and why
-    native     compiled CPU kernels (``native_build`` compiles and caches them)
+    backend    which implementation runs a call (compiled CPU code, fla, fused causal, blocked, chunked, composed)
+               and why: asked once per call
+    native     the compiled CPU code (``native_build`` compiles and caches it)
 """
+import warnings
+
 from . import backend, native  # noqa: F401  (public submodules)
 from ._common import append_ones, drop_keys, split_normalise
-from .causal import causal_linear_product, causal_linear_state, causal_linear_step
 from .agent import agent_attention, pool_agents
-from .efficient import efficient_attention
+from .efficient_attention import efficient_attention
 from .focused import focused, focused_feature_map
 from .hedgehog import hedgehog, hedgehog_features
 from .grid_conv import token_grid_conv
@@ -34,7 +37,8 @@ from .feature_maps import (
     taylor_feature_map,
     taylor2_feature_map,
 )
-from .kernel import kernel, kernel_state, kernel_step
+from .kernel import (causal_linear_product, causal_linear_state, causal_linear_step, kernel, kernel_state,
+                     kernel_step)
 from .linformer import linformer
 from .softmax import softmax
 from .taylor import taylor
@@ -48,3 +52,10 @@ __all__ = [
     "FEATURE_MAPS", "apply_feature_map", "resolve_feature_map", "default_num_favor_features",
     "elu_feature_map", "relu_feature_map", "taylor_feature_map", "taylor2_feature_map", "favor_feature_map", "orthogonal_random_features",
 ]
+
+
+def efficient(q, k, v, **kwargs):
+    """Deprecated: the old name of :func:`efficient_attention`, which it calls."""
+    warnings.warn("linear_mha.functional.efficient() is now efficient_attention(); the old name still works and will "
+                  "be removed in a later release", DeprecationWarning, stacklevel=2)
+    return efficient_attention(q, k, v, **kwargs)

@@ -1,43 +1,54 @@
 """Which implementation runs an attention call, and why: the one place that decides.
 
-    native             the compiled C kernels of ``native.py`` (float32 CPU; kernel attention with elu/relu,
-                       Efficient Attention), forward and backward
+    native             the compiled C kernels of ``native.py`` (float32 CPU, or half CPU inputs once copied to float32;
+                       kernel attention with elu/relu, Efficient Attention), forward and backward, and the decoding step
     fla                ``fla_causal.py``: causal elu/relu kernel attention on bfloat16 CUDA tensors through
-                       flash-linear-attention's Triton kernel, when fla-core is installed
-    fused_causal       ``causal_kernel.py``: causal elu/relu kernel attention as one autograd Function, the feature
+                       flash-linear-attention's Triton kernel, when fla-core is installed and the path is enabled
+    fused_causal       ``kernel/fused.py``: causal elu/relu kernel attention as one autograd Function, the feature
                        map and the division done block by block in reused buffers
-    blocked_inference  ``causal_kernel.kernel_inference_blocks``: non-causal elu/relu inference without autograd, a
-                       block of positions at a time (CPU)
-    composed           plain PyTorch ops (any map, dtype and device, torch.func, autograd through every op), with
-                       the chunked causal product of ``causal.py`` for causal attention
+    blocked_inference  ``kernel/fused.py``: non-causal elu/relu inference without autograd, a block of positions at a
+                       time (CPU)
+    chunked            ``kernel/chunked.py``: the causal product on features made already, with its own backward
+    composed           plain PyTorch ops (any map, dtype and device, torch.func, autograd through every op)
 
-``kernel_backend`` / ``efficient_backend`` / ``step_backend`` return a :class:`Choice` naming the backend and the
-reason, so a user can ask why a call was not fast (``str(choice)``), as torch's ``why_not_fast_path`` does.
+``kernel_backend`` / ``product_backend`` / ``efficient_backend`` / ``step_backend`` return a :class:`Choice` naming
+the backend and the reason, so a user can ask why a call was not fast (``str(choice)``), as torch's
+``why_not_fast_path`` does; each function is asked once per call, and the caller runs what it names.
 :func:`override` switches choices for a block of code (tests, comparisons): ``native=False`` runs PyTorch ops
 instead of the compiled kernels; ``block_positions=None`` runs CPU work as one block, as on accelerators.
 """
 import contextlib
-from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor
 
 from . import fla_causal, native
-from ._common import compiling, functorch_active, needs_grad
+from ._common import compiling, compute_dtype, functorch_active, needs_grad
 from .feature_maps import IN_PLACE_FEATURE_MAPS
 
-NATIVE, FLA, FUSED_CAUSAL, BLOCKED, COMPOSED = "native", "fla", "fused_causal", "blocked_inference", "composed"
+NATIVE, FLA, FUSED_CAUSAL, BLOCKED, CHUNKED, COMPOSED = ("native", "fla", "fused_causal", "blocked_inference",
+                                                         "chunked", "composed")
 FUSED_FEATURE_MAPS = tuple(IN_PLACE_FEATURE_MAPS)  # the maps causal_kernel.py and the blocked path apply in place
 
 
-@dataclass(frozen=True)
 class Choice:
-    backend: str
-    reason: str
+    """A backend and the reason it was chosen. The reason may be given as a function, spelled out only when read:
+    the decoding step asks for a choice every token, and only a person reads why."""
+    __slots__ = ("backend", "_reason")
+
+    def __init__(self, backend: str, reason: Union[str, Callable[[], str]]):
+        self.backend, self._reason = backend, reason
+
+    @property
+    def reason(self) -> str:
+        return self._reason if isinstance(self._reason, str) else self._reason()
 
     def __str__(self):
         return f"{self.backend}: {self.reason}"
+
+    def __repr__(self):
+        return f"Choice({self.backend!r}, {self.reason!r})"
 
 
 # Positions per block of work on CPU. Every temporary (scores, chunk states) is sized to one block
@@ -89,13 +100,14 @@ def override(*, native_kernels: Optional[bool] = None, block_positions=_UNSET, f
 
 
 def kernel_backend(q: Tensor, k: Tensor, v: Tensor, feature_map, *, causal: bool,
-                   initial_state: Optional[Tensor] = None, input_dtype: Optional[torch.dtype] = None) -> Choice:
-    """The backend ``functional.kernel`` uses for these tensors as it computes with them: half inputs are float32
-    by then, and ``input_dtype`` is the dtype the caller passed (default: q's), which decides the fla path."""
-    why_not_fla = fla_causal.why_not(q, k, v, feature_map, initial_state, dtype=input_dtype) if causal else None
+                   initial_state: Optional[Tensor] = None) -> Choice:
+    """The backend ``functional.kernel`` runs for these tensors, as the caller passes them: half inputs go to fla as
+    they are, everywhere else they are computed in float32 copies (so the compiled kernels take bfloat16 CPU
+    inputs too)."""
+    why_not_fla = fla_causal.why_not(q, k, v, feature_map, initial_state) if causal else None
     if causal and why_not_fla is None:
         return Choice(FLA, "causal elu/relu attention on bfloat16 CUDA tensors, with fla enabled (LINEAR_MHA_FLA=1)")
-    why_not_native = native.why_not_kernel(feature_map, q, k, v, initial_state)
+    why_not_native = native.why_not_kernel(feature_map, q, k, v, initial_state, dtype=compute_dtype(q.dtype))
     if why_not_native is None:
         return Choice(NATIVE, f"float32 CPU tensors and the {feature_map!r} map, which the compiled kernels fuse")
     fused = isinstance(feature_map, str) and feature_map in FUSED_FEATURE_MAPS
@@ -117,17 +129,34 @@ def kernel_backend(q: Tensor, k: Tensor, v: Tensor, feature_map, *, causal: bool
     return Choice(BLOCKED, f"not native because {why_not_native}; inference, a block of positions at a time")
 
 
+def product_backend(phi_q: Tensor, phi_k: Tensor, v: Tensor, initial_state: Optional[Tensor] = None) -> Choice:
+    """The backend ``functional.causal_linear_product`` runs for features made already."""
+    if functorch_active():
+        return Choice(COMPOSED, "inside a torch.func transform, which supports neither custom autograd Functions "
+                                "nor out=")
+    if compiling() and needs_grad(phi_q, phi_k, v, initial_state):
+        return Choice(COMPOSED, "compiling with gradients: plain ops trace where the chunked Function's out= "
+                                "products may not")
+    return Choice(CHUNKED, "the chunked product with its own backward, in blocks of reused buffers")
+
+
 def efficient_backend(q: Tensor, k: Tensor, v: Tensor) -> Choice:
-    """The backend ``functional.efficient_attention`` uses for these tensors."""
-    why_not_native = native.why_not(q, k, v)
+    """The backend ``functional.efficient_attention`` runs for these tensors (in their compute dtype)."""
+    why_not_native = native.why_not(q, k, v, dtype=compute_dtype(q.dtype))
     if why_not_native is None:
         return Choice(NATIVE, "float32 CPU tensors")
     return Choice(COMPOSED, f"not native because {why_not_native}")
 
 
+_NATIVE_STEP = Choice(NATIVE, "contiguous float32 CPU tensors without autograd and an elu/relu map")
+
+
 def step_backend(q: Tensor, k: Tensor, v: Tensor, state: Optional[Tensor], feature_map) -> Choice:
-    """The backend ``functional.kernel_step`` uses (its hot path asks ``native.step_ready`` directly)."""
+    """The backend ``functional.kernel_step`` runs. Decoding is bound by per-call overhead: the compiled step's
+    readiness is one pass over the arguments (``native.step_ready``), and the answer a constant; only the slower
+    path spells out why."""
     if native.step_ready(feature_map, q, k, v, state):
-        return Choice(NATIVE, "contiguous float32 CPU tensors without autograd and an elu/relu map")
-    return Choice(COMPOSED, "the compiled step needs contiguous float32 CPU tensors of consistent shapes, no "
-                            "autograd, an elu/relu map and a build; " + (native.why_not(q, k, v, state) or "see above"))
+        return _NATIVE_STEP
+    return Choice(COMPOSED, lambda: "the compiled step needs contiguous float32 CPU tensors of consistent shapes, no "
+                                    "autograd, an elu/relu map and a build; "
+                                    + (native.why_not(q, k, v, state) or "see above"))

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ._common import check_qkv, compute_dtype, drop_keys, mask_keys, outside_autocast
-from .causal import check_chunk_size
+from .kernel import check_chunk_size
 from .kernel import feature_attention
 from .sliding_window import sliding_window_linear
 

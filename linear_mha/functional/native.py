@@ -98,19 +98,20 @@ def build_error() -> Optional[str]:
     return _error
 
 
-def why_not_kernel(feature_map, *tensors: Optional[Tensor]) -> Optional[str]:
+def why_not_kernel(feature_map, *tensors: Optional[Tensor], dtype: Optional[torch.dtype] = None) -> Optional[str]:
     """Why kernel attention with ``feature_map`` on these tensors cannot run in the compiled kernels, or None if it
-    can (the caller has a backward for it)."""
+    can (the caller has a backward for it). ``dtype``: the dtype they will be computed in, if not their own."""
     if not isinstance(feature_map, str) or feature_map not in MAPS:
         name = getattr(feature_map, "__name__", feature_map)
         return f"feature_map {name!r} is not one the compiled kernels compute ({', '.join(MAPS)})"
-    return why_not(*tensors)
+    return why_not(*tensors, dtype=dtype)
 
 
-def why_not(*tensors: Optional[Tensor]) -> Optional[str]:
+def why_not(*tensors: Optional[Tensor], dtype: Optional[torch.dtype] = None) -> Optional[str]:
     """Why a call on these tensors cannot take the compiled path, or None: it needs float32 CPU tensors whose last
     dimension is contiguous, no torch.compile or torch.func transform around it, a build, and OpenMP in that build
-    unless torch itself runs on one thread."""
+    unless torch itself runs on one thread. ``dtype``: the dtype the tensors will be computed in (half inputs
+    accumulate in float32 copies), if not their own."""
     if not _enabled:
         return "the compiled kernels are switched off (LINEAR_MHA_NATIVE=0 or native.set_enabled(False))"
     for t in tensors:
@@ -118,8 +119,8 @@ def why_not(*tensors: Optional[Tensor]) -> Optional[str]:
             continue
         if not t.is_cpu:
             return f"a tensor is on {t.device}; the compiled kernels run on the CPU"
-        if t.dtype is not torch.float32:
-            return f"a tensor is {t.dtype}; the compiled kernels take float32"
+        if (dtype or t.dtype) is not torch.float32:
+            return f"a tensor is {dtype or t.dtype}; the compiled kernels take float32"
         if t.stride(-1) != 1:
             return "a tensor's last dimension is not contiguous"
         if t.numel() == 0:  # the kernels split work by batch x heads and by rows

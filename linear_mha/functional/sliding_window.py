@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ._common import append_ones, normalise
-from .causal import causal_linear_product
+from .kernel import causal_linear_product
 from .kernel import key_value_sums
 
 

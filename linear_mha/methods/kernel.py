@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from .. import functional, naive
-from ..functional.causal import CHUNK_SIZE, check_chunk_size
+from ..functional.kernel import CHUNK_SIZE, check_chunk_size
 from ..functional.feature_maps import elementwise_feature_map
 from ..registry import AttentionMethod, Option, append_extra_keys, optional, positive_int, register_method
 

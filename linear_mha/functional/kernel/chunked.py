@@ -18,10 +18,10 @@ state carried between blocks; on accelerators everything is one block (see backe
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import backend
-from ._common import compiling, functorch_active, needs_grad, no_autocast
+from .. import backend
+from .._common import needs_grad, no_autocast
 
-__all__ = ["causal_linear_product", "causal_linear_state", "causal_linear_step"]
+__all__ = ["causal_linear_product", "causal_linear_state", "causal_linear_step", "CHUNK_SIZE"]
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 CHUNK_SIZE = 64  # positions per chunk unless the caller says otherwise
@@ -80,7 +80,7 @@ def check_chunk_size(chunk_size) -> int:
     return chunk_size
 
 
-def _to_chunks(x: torch.Tensor, n_chunks: int, chunk: int, dtype: torch.dtype) -> torch.Tensor:
+def to_chunks(x: torch.Tensor, n_chunks: int, chunk: int, dtype: torch.dtype) -> torch.Tensor:
     """(B, H, N, D) -> (B * H * n_chunks, chunk, D); zero rows pad the tail and add nothing to any state.
 
     A flat 3-D batch lets every product be one bmm and keeps chunk c of head h at index h * n_chunks + c.
@@ -112,7 +112,7 @@ def _blocks(groups: int, n_chunks: int, target: int):
             yield g0 * n_chunks, g1 * n_chunks, g1 - g0, n_chunks, True, True
 
 
-class _PrefixStates:
+class PrefixStates:
     """Exclusive prefix states S_prev[c] = init + sum_{c' < c} k_c'^T v_c', one block at a time, in order.
 
     Each block's per-chunk products are written one slot late into a buffer with a spare slot, so
@@ -146,12 +146,12 @@ class _PrefixStates:
         return buf[:-1]
 
 
-def _causal_scores_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def causal_scores_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """tril(a b^T) per chunk, diagonal kept, written into out."""
     return torch.bmm(a, b.transpose(1, 2), out=out).tril_()
 
 
-def _layout(phi_q: torch.Tensor, chunk_size: int):
+def chunk_layout(phi_q: torch.Tensor, chunk_size: int):
     b, h, n, _ = phi_q.shape
     chunk = min(chunk_size, n)
     n_chunks = -(-n // chunk)
@@ -162,45 +162,45 @@ def _layout(phi_q: torch.Tensor, chunk_size: int):
     return b, h, n, chunk, n_chunks, _state_dtype(phi_q.dtype), blocks, max_block
 
 
-def _unchunk(x: torch.Tensor, b: int, h: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+def unchunk(x: torch.Tensor, b: int, h: int, n: int, dtype: torch.dtype) -> torch.Tensor:
     if b * h == 0:  # an empty batch: no rows to view, only the shape to give back
         return x.new_empty(b, h, n, x.shape[-1], dtype=dtype)
     return x.view(b, h, x.shape[0] // (b * h) * x.shape[1], x.shape[-1])[:, :, :n].to(dtype)
 
 
-def _forward(phi_q, phi_k, v, initial_state, chunk_size):
+def product_forward(phi_q, phi_k, v, initial_state, chunk_size):
     with no_autocast(phi_q.device):
-        return _forward_impl(phi_q, phi_k, v, initial_state, chunk_size)
+        return _product_forward_impl(phi_q, phi_k, v, initial_state, chunk_size)
 
 
-def _forward_impl(phi_q, phi_k, v, initial_state, chunk_size):
-    b, h, n, chunk, n_chunks, dtype, blocks, max_block = _layout(phi_q, chunk_size)
-    q = _to_chunks(phi_q, n_chunks, chunk, dtype)
-    k = _to_chunks(phi_k, n_chunks, chunk, dtype)
-    vc = _to_chunks(v, n_chunks, chunk, dtype)
+def _product_forward_impl(phi_q, phi_k, v, initial_state, chunk_size):
+    b, h, n, chunk, n_chunks, dtype, blocks, max_block = chunk_layout(phi_q, chunk_size)
+    q = to_chunks(phi_q, n_chunks, chunk, dtype)
+    k = to_chunks(phi_k, n_chunks, chunk, dtype)
+    vc = to_chunks(v, n_chunks, chunk, dtype)
     init = None if initial_state is None else initial_state.to(dtype).reshape(b * h, *initial_state.shape[2:])
 
     out = q.new_empty(q.shape[0], chunk, vc.shape[-1])
-    prefix = _PrefixStates(k, k.shape[-1], vc.shape[-1], init, n_chunks, max_block)
+    prefix = PrefixStates(k, k.shape[-1], vc.shape[-1], init, n_chunks, max_block)
     scores = q.new_empty(max_block, chunk, chunk)
     for a, z, *shape in blocks:
         torch.bmm(q[a:z], prefix.block(k[a:z], vc[a:z], a, z, *shape), out=out[a:z])
-        out[a:z].baddbmm_(_causal_scores_into(scores[: z - a], q[a:z], k[a:z]), vc[a:z])
-    return _unchunk(out, b, h, n, phi_q.dtype)
+        out[a:z].baddbmm_(causal_scores_into(scores[: z - a], q[a:z], k[a:z]), vc[a:z])
+    return unchunk(out, b, h, n, phi_q.dtype)
 
 
-def _backward(phi_q, phi_k, v, initial_state, grad_out, chunk_size, needs):
+def product_backward(phi_q, phi_k, v, initial_state, grad_out, chunk_size, needs):
     with no_autocast(phi_q.device):
-        return _backward_impl(phi_q, phi_k, v, initial_state, grad_out, chunk_size, needs)
+        return _product_backward_impl(phi_q, phi_k, v, initial_state, grad_out, chunk_size, needs)
 
 
-def _backward_impl(phi_q, phi_k, v, initial_state, grad_out, chunk_size, needs):
+def _product_backward_impl(phi_q, phi_k, v, initial_state, grad_out, chunk_size, needs):
     need_q, need_k, need_v, need_init = needs
-    b, h, n, chunk, n_chunks, dtype, blocks, max_block = _layout(phi_q, chunk_size)
-    q = _to_chunks(phi_q, n_chunks, chunk, dtype)
-    k = _to_chunks(phi_k, n_chunks, chunk, dtype)
-    vc = _to_chunks(v, n_chunks, chunk, dtype)
-    do = _to_chunks(grad_out, n_chunks, chunk, dtype)
+    b, h, n, chunk, n_chunks, dtype, blocks, max_block = chunk_layout(phi_q, chunk_size)
+    q = to_chunks(phi_q, n_chunks, chunk, dtype)
+    k = to_chunks(phi_k, n_chunks, chunk, dtype)
+    vc = to_chunks(v, n_chunks, chunk, dtype)
+    do = to_chunks(grad_out, n_chunks, chunk, dtype)
     dk, dv = q.shape[-1], vc.shape[-1]
     scores = q.new_empty(max_block, chunk, chunk)
     gq = q.new_empty(q.shape) if need_q else None
@@ -212,9 +212,9 @@ def _backward_impl(phi_q, phi_k, v, initial_state, grad_out, chunk_size, needs):
     if need_q or need_k:
         if need_q:
             init = None if initial_state is None else initial_state.to(dtype).reshape(b * h, dk, dv)
-            prefix = _PrefixStates(k, dk, dv, init, n_chunks, max_block)
+            prefix = PrefixStates(k, dk, dv, init, n_chunks, max_block)
         for a, z, *shape in blocks:
-            do_v = _causal_scores_into(scores[: z - a], do[a:z], vc[a:z])
+            do_v = causal_scores_into(scores[: z - a], do[a:z], vc[a:z])
             if need_q:
                 torch.bmm(do[a:z], prefix.block(k[a:z], vc[a:z], a, z, *shape).transpose(1, 2), out=gq[a:z])
                 gq[a:z].baddbmm_(do_v, k[a:z])
@@ -251,11 +251,11 @@ def _backward_impl(phi_q, phi_k, v, initial_state, grad_out, chunk_size, needs):
                 gk[a:z].baddbmm_(vc[a:z], nxt.transpose(1, 2))
             if need_v:
                 torch.bmm(k[a:z], nxt, out=gv[a:z])
-                gv[a:z].baddbmm_(_causal_scores_into(scores[:length], q[a:z], k[a:z]).transpose(1, 2), do[a:z])
+                gv[a:z].baddbmm_(causal_scores_into(scores[:length], q[a:z], k[a:z]).transpose(1, 2), do[a:z])
 
-    grad_q = None if gq is None else _unchunk(gq, b, h, n, phi_q.dtype)
-    grad_k = None if gk is None else _unchunk(gk, b, h, n, phi_k.dtype)
-    grad_v = None if gv is None else _unchunk(gv, b, h, n, v.dtype)
+    grad_q = None if gq is None else unchunk(gq, b, h, n, phi_q.dtype)
+    grad_k = None if gk is None else unchunk(gk, b, h, n, phi_k.dtype)
+    grad_v = None if gv is None else unchunk(gv, b, h, n, v.dtype)
     grad_init = None if g_init is None else g_init.view_as(initial_state).to(initial_state.dtype)
     return grad_q, grad_k, grad_v, grad_init
 
@@ -266,14 +266,14 @@ class _CausalLinearProduct(torch.autograd.Function):
         # Only the inputs are kept; chunk states are rebuilt in backward so memory stays O(N * d).
         ctx.save_for_backward(phi_q, phi_k, v, initial_state)
         ctx.chunk_size = chunk_size
-        return _forward(phi_q, phi_k, v, initial_state, chunk_size)
+        return product_forward(phi_q, phi_k, v, initial_state, chunk_size)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
         phi_q, phi_k, v, initial_state = ctx.saved_tensors
         needs = ctx.needs_input_grad[:4]
-        grads = _backward(phi_q, phi_k, v, initial_state, grad_out, ctx.chunk_size, needs)
+        grads = product_backward(phi_q, phi_k, v, initial_state, grad_out, ctx.chunk_size, needs)
         return (*grads, None)
 
 
@@ -307,13 +307,11 @@ def causal_linear_product(phi_q, phi_k, v, initial_state=None, chunk_size=CHUNK_
     check_chunk_size(chunk_size)
     if phi_q.shape[2] == 0:
         raise ValueError("phi_q has sequence length 0; pass at least one position (N >= 1).")
-    if functorch_active():
+    if backend.product_backend(phi_q, phi_k, v, initial_state).backend == backend.COMPOSED:
         return _composed_product(phi_q, phi_k, v, initial_state, chunk_size)
     if needs_grad(phi_q, phi_k, v, initial_state):
-        if compiling():  # plain ops trace where the custom Function's out= products may not
-            return _composed_product(phi_q, phi_k, v, initial_state, chunk_size)
         return _CausalLinearProduct.apply(phi_q, phi_k, v, initial_state, chunk_size)
-    return _forward(phi_q, phi_k, v, initial_state, chunk_size)
+    return product_forward(phi_q, phi_k, v, initial_state, chunk_size)
 
 
 def causal_linear_state(phi_k, v, initial_state=None):

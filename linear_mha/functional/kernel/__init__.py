@@ -2,25 +2,37 @@
 
     out_i = phi(q_i) . sum_j phi(k_j) v_j^T  /  phi(q_i) . sum_j phi(k_j)
 
-computed right-to-left in O(N F Dv) instead of O(N^2). Causal attention restricts the sums to j <= i and runs the
-chunked product in ``causal.py``, where a ones column appended to v carries the normaliser through the same product
-(the state then has shape (F, Dv + 1), the layout ``kernel_state`` and ``kernel_step`` use too). Non-causal
-attention computes the normaliser as a separate matrix-vector product instead, which is cheaper than widening v.
-On float32 CPU tensors with elu/relu, attention (forward and backward, causal or not) and the decoding step run
-in the compiled kernels of ``native.py`` when they could be built, with the feature map and the division fused
-into the products.
+computed right-to-left in O(N F Dv) instead of O(N^2). One package, one formula, several implementations:
+
+    __init__.py   the entry: ``kernel`` asks ``backend.kernel_backend`` once and runs what it names; the state of a
+                  set of keys (``kernel_state``) and the recurrent decoding step (``kernel_step``, through
+                  ``backend.step_backend``)
+    naive.py      the explicit O(L S) form every implementation is tested against
+    composed.py   plain PyTorch ops on features made already (any map, dtype, device; autograd, torch.func)
+    chunked.py    the causal product in chunks (O(N d) memory) with its own backward, and its recurrent step
+    fused.py      elu/relu without N-sized temporaries: the causal Function, and blocked inference
+    ../native.py  the compiled CPU kernels (elu/relu, float32), forward, backward and step
+
+Causal attention carries the normaliser through the product as a ones column appended to v (states of shape
+(F, Dv + 1), the layout ``kernel_state`` and ``kernel_step`` use too); non-causal attention computes it as a separate
+matrix-vector product, which is cheaper than widening v.
 """
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from . import backend, fla_causal, native
-from ._common import (append_ones, check_qkv, compute_dtype, drop_keys, functorch_active, mask_keys, needs_grad,
-                      normalise, outside_autocast, safe_normaliser, split_normalise)
-from .causal import causal_linear_product, check_chunk_size, step_unchecked
-from .causal_kernel import causal_kernel, kernel_inference_blocks
-from .feature_maps import FeatureMap, apply_feature_map, elementwise_feature_map
+from .. import backend, fla_causal, native
+from .._common import (append_ones, check_qkv, compute_dtype, drop_keys, mask_keys, outside_autocast,
+                       split_normalise)
+from ..feature_maps import FeatureMap, apply_feature_map, elementwise_feature_map
+from .chunked import (CHUNK_SIZE, causal_linear_product, causal_linear_state, causal_linear_step, check_chunk_size,
+                      step_unchecked)
+from .composed import feature_attention, key_value_sums
+from .fused import causal_kernel, kernel_inference_blocks
+
+__all__ = ["kernel", "kernel_state", "kernel_step", "feature_attention", "key_value_sums", "causal_linear_product",
+           "causal_linear_state", "causal_linear_step", "check_chunk_size", "CHUNK_SIZE"]
 
 
 @outside_autocast
@@ -46,36 +58,30 @@ def kernel(
     causal: query i sees keys j <= i (requires L == S).
     dropout_p: key dropout on the numerator (see ``_common.drop_keys``); pass 0 in eval.
     initial_state: (B, H, F, Dv + 1) state of extra keys every query sees (e.g. from ``kernel_state``).
+    chunk_size: chunk length of the causal product (the compiled kernels and fla pick their own; still checked).
     """
     check_qkv(q, k, v, key_padding_mask)
     if causal and q.shape[-2] != k.shape[-2]:
         raise ValueError(f"causal kernel attention needs as many queries as keys, got L={q.shape[-2]}, S={k.shape[-2]}")
+    if chunk_size is not None:
+        check_chunk_size(chunk_size)
     causal = causal and q.shape[-2] > 0  # an empty sequence has no future to hide; the chunked paths need N >= 1
-    out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
-    if causal and dtype != out_dtype and backend.kernel_backend(  # half inputs: fla takes them as they are
-            q, k, v, feature_map, causal=True, initial_state=initial_state).backend == backend.FLA:
-        if chunk_size is not None:
-            check_chunk_size(chunk_size)  # fla picks its own chunks; the argument is still checked
+    chosen = backend.kernel_backend(q, k, v, feature_map, causal=causal, initial_state=initial_state).backend
+    if chosen == backend.FLA:  # half inputs as they are: fla accumulates in its own way
         return fla_causal.causal_kernel_fla(q, k, drop_keys(v, dropout_p), feature_map, key_padding_mask)
+    out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
     q, k, v = q.to(dtype), k.to(dtype), drop_keys(v.to(dtype), dropout_p)
     if initial_state is not None:
         initial_state = initial_state.to(dtype)
-    chosen = backend.kernel_backend(q, k, v, feature_map, causal=causal, initial_state=initial_state,
-                                    input_dtype=out_dtype).backend
-    if chosen == backend.NATIVE:
-        # The compiled kernels skip masked keys themselves, so v is not copied to zero them.
-        _check_state(initial_state, q, v)
-        if chunk_size is not None:
-            check_chunk_size(chunk_size)  # the kernels pick their own block size; the argument is still checked
+        if chosen != backend.COMPOSED:  # elu/relu: F = D (the composed path's product checks its own F)
+            _check_state(initial_state, q, v)
+    if chosen == backend.NATIVE:  # the compiled kernels skip masked keys themselves: v is not copied to zero them
         return native.kernel_attention(q, k, v, feature_map, key_padding_mask, initial_state, causal).to(out_dtype)
     v = mask_keys(v, key_padding_mask)
     if chosen == backend.FUSED_CAUSAL:
-        _check_state(initial_state, q, v)
-        kwargs = {} if chunk_size is None else {"chunk_size": check_chunk_size(chunk_size)}
-        return causal_kernel(q, k, v, feature_map, key_padding_mask=key_padding_mask,
-                             initial_state=initial_state, **kwargs).to(out_dtype)
+        return causal_kernel(q, k, v, feature_map, key_padding_mask=key_padding_mask, initial_state=initial_state,
+                             chunk_size=chunk_size or CHUNK_SIZE).to(out_dtype)
     if chosen == backend.BLOCKED:
-        _check_state(initial_state, q, v)
         return kernel_inference_blocks(q, k, v, feature_map, key_padding_mask, initial_state).to(out_dtype)
     # With an initial state, the keys' FAVOR+ stabiliser must be kernel_state's data-independent one: both sums
     # enter one normaliser, and a per-call data-dependent constant would not cancel between them.
@@ -86,59 +92,6 @@ def kernel(
     # The output may be written over phi(k) when the map made it fresh (a named map), at inference.
     return feature_attention(phi_q, phi_k, v, causal=causal, initial_state=initial_state, chunk_size=chunk_size,
                              reuse_keys=isinstance(feature_map, str)).to(out_dtype)
-
-
-def feature_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, *, causal: bool = False,
-                      initial_state: Optional[Tensor] = None, chunk_size: Optional[int] = None,
-                      reuse_keys: bool = False) -> Tensor:
-    """Normalised linear attention on features already made: phi_q (B, H, L, F), phi_k (B, H, S, F) non-negative
-    with masked keys' rows zero, v (B, H, S, Dv) with masked rows zero -> (B, H, L, Dv), in the features' dtype.
-    initial_state (B, H, F, Dv + 1): extra keys every query sees. reuse_keys: phi_k is a temporary the output may
-    be written over (inference only)."""
-    if causal:
-        kwargs = {} if chunk_size is None else {"chunk_size": chunk_size}
-        num_den = causal_linear_product(phi_q, phi_k, append_ones(v), initial_state=initial_state, **kwargs)
-        return split_normalise(num_den)
-    # Non-causal: the normaliser phi(q) . sum_j phi(k_j) is a matrix-vector product; keeping it out of the value
-    # GEMM avoids copying v into a ones-column layout and an odd GEMM width.
-    kv, k_sum = key_value_sums(phi_k, v)
-    if initial_state is not None:
-        kv = kv + initial_state[..., :-1]
-        k_sum = k_sum + initial_state[..., -1:]
-    den = torch.matmul(phi_q, k_sum)
-    if needs_grad(phi_q, phi_k, v, initial_state):
-        return normalise(torch.matmul(phi_q, kv), den)
-    # Inference (accelerators, or maps without a blocked path): the output is written over phi(k) (a fresh
-    # tensor for the named maps, used up by now) and divided in place. Fresh multi-megabyte outputs cost page
-    # faults, not only bandwidth: at N = 16k on CPU this measured 30% faster.
-    reuse = reuse_keys and phi_k.shape == phi_q.shape[:-1] + v.shape[-1:] and not functorch_active()
-    num = torch.matmul(phi_q, kv, out=phi_k) if reuse else torch.matmul(phi_q, kv)
-    return num.div_(safe_normaliser(den))
-
-
-def key_value_sums(phi_k: Tensor, v: Tensor, pieces: Optional[int] = None) -> Tuple[Tensor, Tensor]:
-    """sum_j phi(k_j) v_j^T (B, H, F, Dv) and sum_j phi(k_j) (B, H, F, 1) over the S positions of phi_k (B, H, S, F)
-    and v (B, H, S, Dv).
-
-    On CUDA the sum runs as ``pieces`` partial products of one batched matmul, then a sum over them: a single
-    (F x S) @ (S x Dv) product per head gives the GPU only B * H small output tiles to spread over its
-    multiprocessors, each walking all S positions. A forward written this way measured 0.69 ms against 1.19 ms in
-    bfloat16 and 0.48 against 1.01 in float32 (B 1, H 16, S 16k, d 64, H100). Elsewhere (CPU threads split a
-    single product well) ``pieces`` defaults to 1."""
-    s = phi_k.shape[-2]
-    if pieces is None:
-        pieces = min(64, s // 256) if phi_k.device.type == "cuda" else 1
-    if pieces < 2:
-        return torch.matmul(phi_k.transpose(-2, -1), v), phi_k.sum(dim=-2).unsqueeze(-1)
-    whole = s - s % pieces  # positions that split evenly; the rest is one more product
-    split_k = phi_k[..., :whole, :].unflatten(-2, (pieces, whole // pieces))
-    split_v = v[..., :whole, :].unflatten(-2, (pieces, whole // pieces))
-    kv = torch.matmul(split_k.transpose(-2, -1), split_v).sum(dim=-3)
-    k_sum = split_k.sum(dim=-2).sum(dim=-2)
-    if whole < s:
-        kv = kv + torch.matmul(phi_k[..., whole:, :].transpose(-2, -1), v[..., whole:, :])
-        k_sum = k_sum + phi_k[..., whole:, :].sum(dim=-2)
-    return kv, k_sum.unsqueeze(-1)
 
 
 def _check_state(initial_state, q, v):
@@ -193,7 +146,7 @@ def kernel_step(
     if inplace and state is not None and state.requires_grad and torch.is_grad_enabled():
         raise ValueError("kernel_step(inplace=True) overwrites the state, which autograd cannot differentiate "
                          "through; pass inplace=False when gradients are needed")
-    if native.step_ready(feature_map, q, k, v, state):  # valid inputs for the compiled step, checked cheaply
+    if backend.step_backend(q, k, v, state, feature_map).backend == backend.NATIVE:
         return native.kernel_step(q, k, v, state, feature_map, inplace)
     _check_step(q, k, v, state)
     out_dtype, dtype = q.dtype, compute_dtype(q.dtype)

@@ -18,11 +18,10 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from . import backend
-from ._common import append_ones, needs_grad, no_autocast, safe_normaliser
-from .causal import CHUNK_SIZE, _PrefixStates, _causal_scores_into, _layout, _to_chunks, _unchunk
-from .causal import _backward as _product_backward
-from .feature_maps import IN_PLACE_FEATURE_MAPS, apply_feature_map
+from .. import backend
+from .._common import append_ones, needs_grad, no_autocast, safe_normaliser
+from ..feature_maps import IN_PLACE_FEATURE_MAPS, apply_feature_map
+from .chunked import CHUNK_SIZE, PrefixStates, causal_scores_into, chunk_layout, product_backward, to_chunks, unchunk
 
 
 def _features(q, k, v, key_padding_mask, feature_map):
@@ -47,8 +46,8 @@ def _forward_blocks(q, k, v, initial_state, key_padding_mask, feature_map, chunk
     """The chunked product of ``causal.py`` with the feature map, the ones column and the normalisation done
     block by block in reused buffers: no N-sized temporaries, and every elementwise pass runs on data the
     block's matmuls are about to read (see backend.block_positions for the block sizes)."""
-    b, h, n, chunk, n_chunks, dtype, blocks, max_block = _layout(q, chunk_size)
-    qc, kc, vc = (_to_chunks(t, n_chunks, chunk, dtype) for t in (q, k, v))
+    b, h, n, chunk, n_chunks, dtype, blocks, max_block = chunk_layout(q, chunk_size)
+    qc, kc, vc = (to_chunks(t, n_chunks, chunk, dtype) for t in (q, k, v))
     dk, dv = q.shape[-1], v.shape[-1]
     masked = None
     if key_padding_mask is not None:
@@ -62,7 +61,7 @@ def _forward_blocks(q, k, v, initial_state, key_padding_mask, feature_map, chunk
     v1_buf[..., dv] = 1.0
     scores = qc.new_empty(max_block, chunk, chunk)
     out, den = qc.new_empty(qc.shape[0], chunk, dv), qc.new_empty(qc.shape[0], chunk, 1)
-    prefix = _PrefixStates(qc, dk, dv + 1, init, n_chunks, max_block)
+    prefix = PrefixStates(qc, dk, dv + 1, init, n_chunks, max_block)
     for a, z, *shape in blocks:
         length = z - a
         phi_q = feature(phi_q_buf[:length].copy_(qc[a:z]))
@@ -72,10 +71,10 @@ def _forward_blocks(q, k, v, initial_state, key_padding_mask, feature_map, chunk
         v1 = v1_buf[:length]
         v1[..., :dv] = vc[a:z]
         num_den = torch.bmm(phi_q, prefix.block(phi_k, v1, a, z, *shape), out=num_den_buf[:length])
-        num_den.baddbmm_(_causal_scores_into(scores[:length], phi_q, phi_k), v1)
+        num_den.baddbmm_(causal_scores_into(scores[:length], phi_q, phi_k), v1)
         block_den = den[a:z].copy_(safe_normaliser(num_den[..., dv:]))
         torch.div(num_den[..., :dv], block_den, out=out[a:z])
-    return _unchunk(out, b, h, n, q.dtype), _unchunk(den, b, h, n, q.dtype)
+    return unchunk(out, b, h, n, q.dtype), unchunk(den, b, h, n, q.dtype)
 
 
 class _CausalKernel(torch.autograd.Function):
@@ -97,7 +96,7 @@ class _CausalKernel(torch.autograd.Function):
         grad_num_den = torch.cat([grad_num, grad_den], dim=-1)
         del grad_num, grad_den
         phi_q, phi_k, v1 = _features(q, k, v, key_padding_mask, ctx.feature_map)
-        g_phi_q, g_phi_k, g_v1, g_init = _product_backward(
+        g_phi_q, g_phi_k, g_v1, g_init = product_backward(
             phi_q, phi_k, v1, initial_state, grad_num_den, ctx.chunk_size, (need_q, need_k, need_v, need_init))
         del grad_num_den, v1
         g_q = None if g_phi_q is None else _derivative_in_place(g_phi_q, phi_q, ctx.feature_map)
@@ -117,7 +116,7 @@ def causal_kernel(
     chunk_size: int = CHUNK_SIZE,
 ) -> Tensor:
     """Normalised causal kernel attention for feature_map in backend.FUSED_FEATURE_MAPS; no argument checks
-    (``kernel.kernel`` does them and calls this).
+    (``functional.kernel`` does them and calls this).
 
     Shapes: q, k (B, H, N, D), v (B, H, N, Dv), all of one float32/float64 dtype; key_padding_mask
     (B, N) bool, True = ignore; initial_state (B, H, D, Dv + 1). Returns (B, H, N, Dv).
