@@ -4,6 +4,7 @@ anything it cannot honour exactly is refused before it runs. The options every m
 (the local term, ``local_term.py``) are checked here too."""
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+import torch
 from torch import Tensor, nn
 
 from . import masks
@@ -71,3 +72,50 @@ def attend_heads(method: AttentionMethod, state: Mapping[str, Optional[Tensor]],
     if need_weights and method.returns_weights:
         return method.attend_with_weights(q, k, v, state, dropout_p=dropout_p, **kwargs)
     return method.attend(q, k, v, state, dropout_p=dropout_p, **kwargs), None
+
+
+# --------------------------------------------------------------------------------------------------- decoding
+def prefill_heads(method: AttentionMethod, state: Mapping[str, Optional[Tensor]], q: Tensor, k: Tensor, v: Tensor,
+                  cache: dict, *, key_padding_mask: Optional[Tensor] = None) -> Tensor:
+    """Causal attention over a prompt, q, k (B, H, N, d), v (B, H, N, d_v) -> (B, H, N, d_v), that leaves in the empty
+    dict ``cache`` what ``step_heads`` needs to decode the next position. key_padding_mask (B, N): True = padding.
+    A ``recurrent`` method keeps a state of fixed size (kernel methods: the (B, H, F, d_v + 1) sums; a window: its
+    last keys); any other causal method keeps every key and value (O(t) memory and work per token, as a KV cache)."""
+    _check_decodes(method)
+    if key_padding_mask is not None:
+        key_padding_mask = masks.to_forbidden(key_padding_mask, "key_padding_mask", method.name)
+    if method.recurrent:
+        return method.prefill(q, k, v, state, cache, key_padding_mask=key_padding_mask)
+    padding = key_padding_mask if key_padding_mask is not None else q.new_zeros(q.shape[0], q.shape[2], dtype=bool)
+    cache.update(k=k, v=v, padding=padding, **({"q": q} if method.self_attention_only else {}))
+    return attend_heads(method, state, q, k, v, key_padding_mask=key_padding_mask, is_causal=True)[0]
+
+
+def step_heads(method: AttentionMethod, state: Mapping[str, Optional[Tensor]], q: Tensor, k: Tensor, v: Tensor,
+               cache: dict, *, padding: Optional[Tensor] = None) -> Tensor:
+    """The next position after what ``cache`` holds (an empty dict: the first): q, k (B, H, d), v (B, H, d_v) ->
+    (B, H, d_v), exactly what causal attention over the whole sequence gives it. padding (B,) bool: True = this
+    position is padding. ``cache`` is updated in place."""
+    _check_decodes(method)
+    if method.recurrent:
+        return method.step(q, k, v, state, cache, padding=padding)
+    if padding is None:
+        padding = q.new_zeros(q.shape[0], dtype=torch.bool)
+    new = {"k": k[:, :, None], "v": v[:, :, None], "padding": padding[:, None]}
+    if method.self_attention_only:  # queries pair with positions: attend the whole sequence again
+        new["q"] = q[:, :, None]
+    for key, value in new.items():
+        cache[key] = value if key not in cache else torch.cat([cache[key], value], dim=-1 if key == "padding" else 2)
+    if method.self_attention_only:
+        out, _ = attend_heads(method, state, cache["q"], cache["k"], cache["v"], key_padding_mask=cache["padding"],
+                              is_causal=True)
+        return out[:, :, -1]
+    # the newest query sees every key so far: the last row of causal attention, for one query's work
+    out, _ = attend_heads(method, state, q[:, :, None], cache["k"], cache["v"], key_padding_mask=cache["padding"])
+    return out[:, :, 0]
+
+
+def _check_decodes(method: AttentionMethod) -> None:
+    if not method.causal:
+        raise ValueError(f"mode={method.name!r} has no causal form, so it cannot decode token by token; causal "
+                         f"methods: {causal_methods()}")

@@ -189,6 +189,24 @@ class AttentionMethod:
         ``token_grid`` (a ``TokenGrid``: the sequence is its prefix tokens, then a row-major height x width grid)."""
         raise NotImplementedError(f"method {self.name!r} does not implement attend()")
 
+    # ------------------------------------------------------------------ decoding (``attend.prefill_heads``)
+    recurrent: ClassVar[bool] = False  # decodes with a state of its own whose size does not grow with the context
+
+    def prefill(self, q: Tensor, k: Tensor, v: Tensor, state: Mapping[str, Optional[Tensor]], cache: dict, *,
+                key_padding_mask: Optional[Tensor] = None) -> Tensor:
+        """Methods that declare ``recurrent``: causal attention over positions 0..N-1 of q, k (B, H, N, d),
+        v (B, H, N, d_v), exactly as ``attend(..., causal=True)`` gives it, leaving in the empty dict ``cache`` what
+        :meth:`step` continues from. Other causal methods decode through ``attend.step_heads``' generic cache."""
+        raise NotImplementedError(f"method {self.name!r} declares recurrent but has no prefill()")
+
+    def step(self, q: Tensor, k: Tensor, v: Tensor, state: Mapping[str, Optional[Tensor]], cache: dict, *,
+             padding: Optional[Tensor] = None) -> Tensor:
+        """Methods that declare ``recurrent``: the next position, q, k (B, H, d), v (B, H, d_v) -> (B, H, d_v),
+        exactly what ``attend(..., causal=True)`` gives it after the positions ``cache`` has seen (none, for an empty
+        cache); ``cache`` is updated in place. padding (B,) bool: this position is padding, so its key reaches no
+        later output."""
+        raise NotImplementedError(f"method {self.name!r} declares recurrent but has no step()")
+
     def attend_with_weights(self, q, k, v, state, **kwargs) -> Tuple[Tensor, Tensor]:
         """(out, weights (B, H, L, S + n)) for methods that declare ``returns_weights``."""
         raise NotImplementedError(f"method {self.name!r} does not return attention weights")

@@ -10,6 +10,7 @@ from integrations.detr.misc import NestedTensor
 from integrations.detr.position_encoding import PositionEmbeddingSine
 from integrations.detr.transformer import Transformer
 import modes
+from linear_mha import method_class
 
 ARGS = ["--backbone", "tiny", "--hidden-dim", "32", "--nheads", "4", "--enc-layers", "2", "--dec-layers", "2",
         "--dim-feedforward", "64", "--num-queries", "5", "--num-classes", "4"]
@@ -60,7 +61,9 @@ def test_padding_stays_exact_with_linear_attention(mode):
                         dropout=0.0, return_intermediate_dec=True)
     wrapper = nn.Module()
     wrapper.transformer, wrapper.num_queries = model, 3  # the module paths apply_attention targets
-    apply_attention(wrapper, {"attention": mode, "attention_on": "encoder,cross", "proj_k": 8}, max_tokens=30)
+    # a method that pairs queries with keys' positions (block_local) cannot run the decoder's cross-attention
+    targets = "encoder" if method_class(mode)().self_attention_only else "encoder,cross"
+    apply_attention(wrapper, {"attention": mode, "attention_on": targets, "proj_k": 8}, max_tokens=30)
     model = model.double().eval()
     g = torch.Generator().manual_seed(1)
     src = torch.randn(2, 16, 5, 6, generator=g, dtype=torch.float64)

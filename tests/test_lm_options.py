@@ -3,8 +3,12 @@ import pytest
 import torch
 
 from linear_mha.lm import FeedForward, LinearAttentionTransformerLM, LinformerSelfAttention, SelfAttention
-from linear_mha.lm.global_attention import causal_global_attention
-from linear_mha.lm.local_attention import local_attention
+from linear_mha import method_class
+from linear_mha.attend import attend_heads
+from linear_mha.functional import block_local_attention
+from linear_mha.lm.blindspot import bucket_attention
+import modes
+from lm_checks import assert_causal, assert_steps_equal_full
 
 V, N = 16, 24
 
@@ -153,8 +157,10 @@ def test_causal_global_matches_quadratic_reference():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 10, 4, generator=g, dtype=torch.float64) for _ in range(3))
     keep = torch.rand(2, 10, generator=g) > 0.3
+    method = method_class("feature_softmax")()  # the causal global heads' default
     for b in (1, 3):
-        out = causal_global_attention(q, k, v, ~keep, blindspot_size=b)
+        out = (attend_heads(method, {}, q, k, v, key_padding_mask=~keep, is_causal=True)[0] if b == 1
+               else bucket_attention(method, {}, q, k, v, ~keep, b))
         w = torch.softmax(q, -1) @ torch.softmax(k, -1).transpose(-1, -2)
         i, j = torch.arange(10)[:, None], torch.arange(10)[None, :]
         visible = (j <= i) if b == 1 else (j // b < i // b)
@@ -170,14 +176,15 @@ def test_local_attention_matches_banded_softmax_reference(causal):
     n, w = 11, 4
     q, k, v = (torch.randn(2, 2, n, 4, generator=g, dtype=torch.float64) for _ in range(3))
     keep = torch.rand(2, n, generator=g) > 0.3
-    out = local_attention(q, k, v, w, causal=causal, padding=~keep)
+    out = block_local_attention(q, k, v, w, causal=causal, key_padding_mask=~keep)
     i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
     band = (j // w >= i // w - 1) & (j // w <= i // w + (0 if causal else 1))
     if causal:
         band = band & (j <= i)
-    allowed = band & (keep[:, None, None, :] | (i == j))
+    allowed = band & keep[:, None, None, :]
     scores = (q @ k.transpose(-1, -2)) / 2.0
-    ref = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v
+    weights = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1)
+    ref = weights.nan_to_num(0.0) @ v  # a query that sees no key (a padded one) gets 0
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
 
 
@@ -237,3 +244,30 @@ def test_step_checks_its_keep_mask():
         m.step(torch.zeros(2, dtype=torch.long), {}, torch.ones(2, 1, dtype=torch.bool))
     with pytest.raises(TypeError, match="mask_t must be a bool tensor"):
         m.step(torch.zeros(2, dtype=torch.long), {}, torch.ones(2))
+
+
+@pytest.mark.parametrize("mode", modes.LINEAR_CAUSAL + ["softmax"])
+def test_any_causal_method_of_the_registry_runs_the_global_heads(mode):
+    """The LM's global heads get their attention from the registry: a causal LM built on any causal method decodes
+    token by token exactly as it forwards, padding included, and never sees the future."""
+    torch.manual_seed(0)
+    m = LinearAttentionTransformerLM(16, 32, 2, 24, heads=4, dim_head=8, causal=True, n_local_attn_heads=2,
+                                     local_attn_window_size=4, global_mode=mode,
+                                     global_options=modes.sized(mode, 24)).double().eval()
+    x = torch.randint(0, 16, (2, 24), generator=torch.Generator().manual_seed(1))
+    keep = torch.ones(2, 24, dtype=torch.bool)
+    keep[1, :3] = False  # a left-padded prompt
+    assert_steps_equal_full(m, x)
+    assert_steps_equal_full(m, x, input_mask=keep)
+    assert_causal(m, x, 16, positions=[0, 11, 23], name=mode)
+
+
+def test_global_methods_that_cannot_serve_are_refused():
+    with pytest.raises(ValueError, match="no causal form"):
+        SelfAttention(16, heads=2, causal=True, global_mode="linformer")
+    with pytest.raises(ValueError, match="blindspot_size > 1 buckets the keys of a feature-map method"):
+        SelfAttention(16, heads=2, causal=True, blindspot_size=2, global_mode="softmax")
+    with pytest.raises(ValueError, match="every head is local"):
+        SelfAttention(16, heads=2, n_local_attn_heads=2, global_mode="taylor")
+    with pytest.raises(ValueError, match="has no option 'windw'"):
+        SelfAttention(16, heads=2, global_mode="hedgehog", global_options={"windw": 2})

@@ -10,6 +10,7 @@
     hedgehog   kernel attention with learnable per-head maps [softmax(xW), softmax(-xW)] (Zhang et al.)
     token_grid_conv  the local term: a depthwise convolution of the values over the token grid
     agent_attention  softmax through a x a agent tokens pooled from the queries over the token grid (Han et al.)
+    block_local_attention  softmax within blocks of w positions and the block before (and after): local heads
     causal_linear_product / causal_linear_step  the chunked causal product and its recurrent form
     append_ones / split_normalise / drop_keys   the building blocks other layers reuse with the product
     backend    which implementation runs a call (compiled CPU code, fla, fused causal, blocked, chunked, composed)
@@ -21,6 +22,7 @@ import warnings
 from . import backend, native  # noqa: F401  (public submodules)
 from ._common import append_ones, drop_keys, split_normalise
 from .agent import agent_attention, pool_agents
+from .block_local import block_local_attention
 from .efficient_attention import efficient_attention
 from .focused import focused, focused_feature_map
 from .hedgehog import hedgehog, hedgehog_features
@@ -46,7 +48,7 @@ from .taylor2 import taylor2
 
 __all__ = [
     "softmax", "linformer", "kernel", "kernel_state", "kernel_step", "efficient_attention", "taylor", "taylor2", "focused",
-    "focused_feature_map", "token_grid_conv", "agent_attention", "pool_agents", "hedgehog", "hedgehog_features",
+    "focused_feature_map", "token_grid_conv", "agent_attention", "pool_agents", "block_local_attention", "hedgehog", "hedgehog_features",
     "causal_linear_product", "causal_linear_state", "causal_linear_step",
     "append_ones", "split_normalise", "drop_keys",
     "FEATURE_MAPS", "apply_feature_map", "resolve_feature_map", "default_num_favor_features",

@@ -8,7 +8,8 @@ original, strided convolutions work: the output grid is taken from the convoluti
 import torch
 from torch import nn
 
-from ..functional import efficient_attention
+from ..attend import attend_heads
+from ..registry import create_method
 
 
 class ImageLinearAttention(nn.Module):
@@ -23,6 +24,7 @@ class ImageLinearAttention(nn.Module):
         self.to_k = nn.Conv2d(chan, key_dim * heads, **conv)
         self.to_v = nn.Conv2d(chan, value_dim * heads, **conv)
         self.to_out = nn.Conv2d(value_dim * heads, chan_out, kernel_size, padding=padding)
+        self.method = create_method("efficient", {})  # norm_queries=True: the registry's Efficient Attention
 
     def forward(self, x, context=None):
         """x (B, chan, H, W) -> (B, chan_out, H', W'); context (B, chan, ...) of any spatial shape, or None."""
@@ -47,7 +49,7 @@ class ImageLinearAttention(nn.Module):
             v = torch.cat([v, tokens(self.to_v(ctx), self.value_dim)], dim=2)
         q, k = q * scale, k * scale
         if self.norm_queries:
-            out = efficient_attention(q, k, v)
+            out, _ = attend_heads(self.method, {}, q, k, v)
         else:
             # Un-normalised queries: Q (softmax_seq(K)^T V), the original's norm_queries=False form.
             out = q @ (k.softmax(dim=-2).transpose(-1, -2) @ v)

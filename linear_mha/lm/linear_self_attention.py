@@ -1,15 +1,16 @@
-"""LinearSelfAttention: kernel self-attention layer on (B, N, dim) with a feature map ``psi_fn``.
+"""LinearSelfAttention: kernel self-attention layer on (B, N, dim) with a feature map ``psi_fn``: the registry's
+``kernel`` method with ``feature_map=psi_fn``.
 
-psi_fn: any name the core accepts ("elu", "relu", "taylor", ...) or a callable psi(x) -> non-negative features
-(default elu(x) + 1). Causal mode uses the core's chunked causal kernel; ``one_kv_head`` shares one key/value
-head across the query heads. ``step`` decodes one token with a constant-size state.
+psi_fn: any map the method accepts ("elu", "relu", "favor", "taylor", ...) or a callable psi(x) -> non-negative
+features (default elu(x) + 1). Causal mode uses the core's chunked causal kernel; ``one_kv_head`` shares one
+key/value head across the query heads. ``step`` decodes one token with a constant-size state.
 """
 from typing import Optional
 
-import torch
 from torch import nn
 
-from ..functional import kernel, kernel_step
+from ..attend import attend_heads, step_heads
+from ..registry import create_method
 from .padding import padding_from_keep
 
 
@@ -27,6 +28,8 @@ class LinearSelfAttention(nn.Module):
         self.to_kv = nn.Linear(dim, 2 * self.kv_heads * dim_head, bias=False)
         self.to_out = nn.Linear(heads * dim_head, dim)
         self.dropout = dropout
+        self.method = create_method("kernel", {"feature_map": psi_fn})
+        self.method.install(self, heads, dim_head, {"device": self.to_q.weight.device, "dtype": self.to_q.weight.dtype})
 
     def _split(self, t, n_heads):
         t = t.reshape(*t.shape[:-1], n_heads, self.dim_head).transpose(-2, -3)
@@ -38,9 +41,9 @@ class LinearSelfAttention(nn.Module):
         padding = padding_from_keep("input_mask", input_mask, (b, n))
         q = self._split(self.to_q(x), self.heads)
         k, v = (self._split(t, self.kv_heads) for t in self.to_kv(x).chunk(2, dim=-1))
-        out = kernel(q, k, v, self.psi_fn, causal=self.causal,
-                     key_padding_mask=padding,
-                     dropout_p=self.dropout if self.training else 0.0)
+        self.method.before_forward(self)
+        out, _ = attend_heads(self.method, self.method.state(self), q, k, v, key_padding_mask=padding,
+                              is_causal=self.causal, dropout_p=self.dropout if self.training else 0.0)
         return self.to_out(out.transpose(1, 2).reshape(b, n, -1))
 
     def step(self, x, cache: dict):
@@ -49,9 +52,6 @@ class LinearSelfAttention(nn.Module):
             raise ValueError("step() needs causal=True")
         q = self._split(self.to_q(x)[:, None], self.heads)[:, :, 0]
         k, v = (self._split(t[:, None], self.kv_heads)[:, :, 0] for t in self.to_kv(x).chunk(2, dim=-1))
-        state = cache.get("state")
-        # The cache owns its state, so decoding updates it in place (no allocation per step) unless autograd
-        # is recording through it.
-        inplace = state is not None and not (torch.is_grad_enabled() and state.requires_grad)
-        out, cache["state"] = kernel_step(q, k, v, state, self.psi_fn, inplace=inplace)
+        # The method's state (B, H, F, Dv + 1) lives in the cache, updated in place where autograd allows.
+        out = step_heads(self.method, self.method.state(self), q, k, v, cache)
         return self.to_out(out.reshape(x.shape[0], -1))

@@ -11,7 +11,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from ..functional import linformer as linformer_attention
+from ..attend import attend_heads
+from ..registry import create_method
 from .padding import padding_of_layer
 
 
@@ -44,6 +45,9 @@ class LinformerSelfAttention(nn.Module):
         self.proj_k = nn.Parameter(torch.empty(k, seq_len).uniform_(-bound, bound))
         self.proj_v = None if share_kv else nn.Parameter(torch.empty(k, seq_len).uniform_(-bound, bound))
         self.to_out = nn.Linear(dim_head * heads, dim)
+        # The registry's linformer method, on this layer's own projections (the linformer package's names)
+        self.method = create_method("linformer", {"seq_len": seq_len, "proj_k": k,
+                                                  "param_sharing": "kv" if share_kv else "headwise"})
 
     def _heads(self, t, n_heads):
         t = t.reshape(*t.shape[:-1], n_heads, self.dim_head).transpose(1, 2)
@@ -66,11 +70,8 @@ class LinformerSelfAttention(nn.Module):
         q = self._heads(self.to_q(x), self.heads)
         k = self._heads(self.to_k(src), self.kv_heads)
         v = k if self.to_v is None else self._heads(self.to_v(src), self.kv_heads)
-        out, _ = linformer_attention(
-            q, k, v, self.proj_k, self.proj_v,
-            key_padding_mask=key_padding,
-            dropout_p=self.dropout if self.training else 0.0,
-        )
+        out, _ = attend_heads(self.method, {"e_proj": self.proj_k, "f_proj": self.proj_v}, q, k, v,
+                              key_padding_mask=key_padding, dropout_p=self.dropout if self.training else 0.0)
         return self.to_out(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
 
     def step(self, x, cache, t, padding_t=None, context=None, context_padding=None):

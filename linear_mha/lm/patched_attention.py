@@ -8,22 +8,20 @@ the local heads through the method over every key the query may see (every earli
 cost is linear, so it needs no window. A window shorter than the sequence is therefore not kept; ``calibrate``
 fits the method to the windowed softmax all the same. Layers without softmax heads are already linear and skipped.
 
-Decoding (``prefill`` / ``step``) keeps the patched heads' queries, keys and values and runs the method's causal
-attention over them again for each new position: exactly what ``forward`` gives, at O(t) work per token (the
-method's own recurrent state would be O(1); the registry does not expose one yet).
+Decoding (``prefill`` / ``step``) runs the method's own decoding through ``attend.prefill_heads`` / ``step_heads``:
+a recurrent method (every feature-map method, hedgehog with a window included) keeps a state of fixed size, so each
+token costs the same however long the context; any other causal method keeps the keys and values (O(t) per token).
 """
-import torch
 from torch import nn
 
 from ..adapters import AttentionAdapter, register_adapter
-from ..attend import attend_heads
 from ..registry import DEFAULT_MODE, causal_methods, create_method
 from .padding import padding_of_layer
 from .self_attention import SelfAttention
 
 _REUSED = ("to_q", "to_k", "to_v", "to_out", "dropout", "gate", "conv")
 _SETTINGS = ("heads", "dim_head", "causal", "kv_heads", "n_local", "window", "blindspot_size", "receives_context",
-             "rotary", "attn_dropout")
+             "rotary", "attn_dropout", "global_method")
 
 
 @register_adapter
@@ -49,8 +47,15 @@ class PatchedSelfAttention(AttentionAdapter, SelfAttention):
             setattr(self, name, getattr(attention, name))
         for name in _REUSED:
             setattr(self, name, getattr(attention, name))
+        for name in () if self.global_method is None else self.global_method.state_names:
+            tensor = getattr(attention, name)  # the global heads' own tensors, the very same ones
+            if tensor is None or isinstance(tensor, nn.Parameter):
+                self.register_parameter(name, tensor)
+            else:
+                self.register_buffer(name, tensor)
         weight = attention.to_q.weight
         self.init_method(method, self.n_local, self.dim_head, {"device": weight.device, "dtype": weight.dtype})
+        self.local_method = method  # the local heads run the patched method
         self.keep_original(attention)
         self.train(attention.training)
 
@@ -80,23 +85,3 @@ class PatchedSelfAttention(AttentionAdapter, SelfAttention):
         and the method does not let a padding token see itself as the windowed softmax does."""
         padding = padding_of_layer("input_mask", input_mask, padding, tuple(x.shape[:2]))
         return None if padding is None else padding[:, :, None]
-
-    def _local_heads(self, q, k, v, padding, dropout_p):  # (B, n_local, N, D) each -> (B, n_local, N, Dv)
-        self.method.before_forward(self)
-        out, _ = attend_heads(self.method, self.method.state(self), q, k, v, key_padding_mask=padding,
-                              is_causal=self.causal, dropout_p=dropout_p)
-        return out
-
-    def _local_prefill(self, q, k, v, cache, padding):
-        if padding is None:
-            padding = torch.zeros(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device)
-        cache.update(q=q, k=k, v=v, padding=padding)
-
-    def _local_step(self, q, k, v, cache, t, padding_t):  # (B, n_local, D) each -> (B, n_local, Dv)
-        if padding_t is None:
-            padding_t = torch.zeros(q.shape[0], dtype=torch.bool, device=q.device)
-        new = {"q": q[:, :, None], "k": k[:, :, None], "v": v[:, :, None], "padding": padding_t[:, None]}
-        for key, value in new.items():
-            cache[key] = value if key not in cache else torch.cat([cache[key], value], dim=-1 if key == "padding"
-                                                                  else 2)
-        return self._local_heads(cache["q"], cache["k"], cache["v"], cache["padding"], 0.0)[:, :, -1]

@@ -1,6 +1,11 @@
-"""The attention layer of the linear-attention transformer: local heads + global linear heads.
+"""The attention layer of the linear-attention transformer: local heads + global linear heads, each group running a
+method of linear_mha's registry.
 
-The first ``n_local_attn_heads`` heads attend within local windows (softmax), the others globally (linear).
+The first ``n_local_attn_heads`` heads attend within local blocks (``block_local``: softmax over the query's block
+of ``local_attn_window_size`` positions and the block before, and after when not causal), the others globally with a
+linear method: ``global_mode`` (default ``efficient``, Efficient Attention, when not causal or attending to a
+context; ``feature_softmax`` when causal) and its ``global_options``. Every registered method with the needed form
+can run the global heads; ``linear_mha.patch`` swaps the local heads' method (patched_attention.py).
 Two optional improvements on the output, both before ``to_out``:
 
 - ``local_conv``: a depthwise 3-tap convolution over the values added to the attention output (as in the
@@ -10,11 +15,13 @@ Two optional improvements on the output, both before ``to_out``:
 - ``attn_gate``: the output is multiplied feature-wise by sigmoid(W_g x).
 
 ``attn_dropout`` drops attention weights in local heads and whole keys (numerator only) in global heads;
-``dropout`` (the transformer's ``attn_layer_dropout``) acts on the layer output.
+``dropout`` (the transformer's ``attn_layer_dropout``) acts on the layer output. ``blindspot_size`` > 1 (causal
+global heads with a feature-map method) hides a query's own bucket of positions (blindspot.py).
 
 Called directly, the layer takes keep-masks (``input_mask``, ``context_mask``: True = keep); inside the
 transformer's stack it gets padding masks (``padding``, ``context_padding``, ``padding_t``: True = padding),
-converted once at the transformer's boundary (padding.py). ``prefill`` and ``step`` belong to the stack.
+converted once at the transformer's boundary (padding.py). ``prefill`` and ``step`` belong to the stack and decode
+every head group through ``attend.prefill_heads`` / ``step_heads``: O(1) work per token for recurrent methods.
 """
 from typing import Optional
 
@@ -22,8 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .global_attention import causal_global_attention, causal_global_prefill, causal_global_step, global_attention
-from .local_attention import local_attention, local_attention_prefill, local_attention_step
+from ..attend import attend_heads, prefill_heads, step_heads
+from ..methods.kernel import FeatureMapMethod
+from ..registry import causal_methods, create_method
+from .blindspot import bucket_attention, bucket_prefill, bucket_step
 from .padding import padding_of_layer
 from .positional import apply_rotary, rotary_cos_sin
 
@@ -45,6 +54,8 @@ class SelfAttention(nn.Module):
         rotary: bool = False,
         attn_gate: bool = False,
         local_conv: bool = False,
+        global_mode: Optional[str] = None,
+        global_options: Optional[dict] = None,
     ):
         super().__init__()
         if dim_head is None:
@@ -76,6 +87,32 @@ class SelfAttention(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.gate = nn.Linear(dim, inner) if attn_gate else None
         self.conv = nn.Conv1d(inner, inner, 3, groups=inner, bias=False) if local_conv else None
+        self.local_method = (create_method("block_local", {"window": local_attn_window_size})
+                             if n_local_attn_heads else None)
+        self.global_method = None
+        if n_local_attn_heads < heads:
+            default = "feature_softmax" if causal else "efficient"
+            self.global_method = create_method(global_mode or default, dict(global_options or {}))
+            self._check_global_method()
+            self.global_method.install(self, heads - n_local_attn_heads, dim_head,
+                                       {"device": self.to_q.weight.device, "dtype": self.to_q.weight.dtype})
+        elif global_mode is not None or global_options:
+            raise ValueError("global_mode / global_options choose the global heads' method, and every head is local "
+                             "(n_local_attn_heads = heads); drop them or keep some heads global")
+
+    def _check_global_method(self):
+        method = self.global_method
+        if self.causal and not method.causal:
+            raise ValueError(f"global_mode={method.name!r} has no causal form and this layer is causal; causal "
+                             f"methods: {', '.join(causal_methods())}")
+        if method.self_attention_only and self.receives_context:
+            raise ValueError(f"global_mode={method.name!r} needs self-attention, and this layer attends to a context")
+        if method.needs_grid:
+            raise ValueError(f"global_mode={method.name!r} attends over an image's token grid; an LM's tokens are a "
+                             f"sequence")
+        if self.blindspot_size > 1 and not isinstance(method, FeatureMapMethod):
+            raise ValueError(f"blindspot_size > 1 buckets the keys of a feature-map method (e.g. feature_softmax, "
+                             f"taylor); global_mode={method.name!r} is not one")
 
     def _heads(self, t: Tensor, n_heads: int) -> Tensor:  # (B, N, n_heads * D) -> (B, H, N, D)
         t = t.reshape(*t.shape[:-1], n_heads, self.dim_head).transpose(-2, -3)
@@ -109,19 +146,20 @@ class SelfAttention(nn.Module):
         return self._attend(x, q, k, v, padding, context_padding)
 
     def _attend(self, x, q, k, v, padding, context_padding):
-        b, n, _ = x.shape
         kv_padding = context_padding if self.receives_context else padding
-        outs = []
         p = self.attn_dropout if self.training else 0.0
+        outs = []
         if self.n_local:
             l = self.n_local
             outs.append(self._local_heads(q[:, :l], k[:, :l], v[:, :l], padding, p))
-        if self.n_local < self.heads:
+        if self.global_method is not None:
             g = slice(self.n_local, None)
-            if self.causal:
-                outs.append(causal_global_attention(q[:, g], k[:, g], v[:, g], padding, self.blindspot_size, p))
-            else:
-                outs.append(global_attention(q[:, g], k[:, g], v[:, g], kv_padding, p))
+            outs.append(self._global_heads(q[:, g], k[:, g], v[:, g], kv_padding, p))
+        return self._output(x, outs, v, padding)
+
+    def _output(self, x, outs, v, padding):
+        """The head groups' outputs (B, H_group, N, Dv) joined, the local term and the gate applied, projected."""
+        b, n, _ = x.shape
         attn = torch.cat(outs, dim=1)
         if self.conv is not None:
             attn = attn + self._conv(v, padding)
@@ -130,6 +168,20 @@ class SelfAttention(nn.Module):
             attn = attn * torch.sigmoid(self.gate(x))
         return self.dropout(self.to_out(attn))
 
+    # The local heads, apart so linear_mha.patch can swap their method (patched_attention.py).
+    def _local_heads(self, q, k, v, padding, dropout_p):  # (B, n_local, N, D) each -> (B, n_local, N, Dv)
+        self.local_method.before_forward(self)
+        return attend_heads(self.local_method, self.local_method.state(self), q, k, v, key_padding_mask=padding,
+                            is_causal=self.causal, dropout_p=dropout_p)[0]
+
+    def _global_heads(self, q, k, v, padding, dropout_p):  # (B, H - n_local, ., D) each -> (B, H - n_local, N, Dv)
+        method = self.global_method
+        method.before_forward(self)
+        if self.causal and self.blindspot_size > 1:
+            return bucket_attention(method, method.state(self), q, k, v, padding, self.blindspot_size, dropout_p)
+        return attend_heads(method, method.state(self), q, k, v, key_padding_mask=padding, is_causal=self.causal,
+                            dropout_p=dropout_p)[0]
+
     def prefill(self, x, cache, padding=None, context=None, context_padding=None):
         """``forward`` over positions 0..N-1 that also leaves in ``cache`` what ``step`` would have after them."""
         if not (self.causal or self.receives_context):
@@ -137,30 +189,26 @@ class SelfAttention(nn.Module):
         q, k, v = self._project(x, context)
         if self.receives_context:
             cache["ctx_k"], cache["ctx_v"] = k, v
-        else:
-            if self.n_local:
-                l = self.n_local
-                self._local_prefill(q[:, :l], k[:, :l], v[:, :l], cache.setdefault("local", {}), padding)
-            if self.n_local < self.heads:
-                g = slice(self.n_local, None)
-                causal_global_prefill(k[:, g], v[:, g], cache.setdefault("global", {}), padding,
-                                      self.blindspot_size)
-            if self.conv is not None:
-                vm = v if padding is None else v.masked_fill(padding[:, None, :, None], 0.0)
-                b, h, n, d = vm.shape
-                flat = vm[:, :, max(0, n - 2):].permute(0, 1, 3, 2).reshape(b, h * d, -1)
-                cache["conv"] = F.pad(flat, (2 - flat.shape[-1], 0))
-        return self._attend(x, q, k, v, padding, context_padding)
-
-    # The local (softmax) heads, apart so linear_mha.patch can swap them (patched_attention.py).
-    def _local_heads(self, q, k, v, padding, dropout_p):  # (B, n_local, N, D) each -> (B, n_local, N, Dv)
-        return local_attention(q, k, v, self.window, causal=self.causal, padding=padding, dropout_p=dropout_p)
-
-    def _local_prefill(self, q, k, v, cache, padding):
-        local_attention_prefill(k, v, cache, self.window, padding)
-
-    def _local_step(self, q, k, v, cache, t, padding_t):  # (B, n_local, D) each -> (B, n_local, Dv)
-        return local_attention_step(q, k, v, cache, t, self.window, padding_t)
+            return self._attend(x, q, k, v, padding, context_padding)
+        outs = []
+        if self.n_local:
+            l, method = self.n_local, self.local_method
+            outs.append(prefill_heads(method, method.state(self), q[:, :l], k[:, :l], v[:, :l],
+                                      cache.setdefault("local", {}), key_padding_mask=padding))
+        if self.global_method is not None:
+            g, method = slice(self.n_local, None), self.global_method
+            if self.blindspot_size > 1:
+                outs.append(bucket_prefill(method, method.state(self), q[:, g], k[:, g], v[:, g],
+                                           cache.setdefault("global", {}), padding, self.blindspot_size))
+            else:
+                outs.append(prefill_heads(method, method.state(self), q[:, g], k[:, g], v[:, g],
+                                          cache.setdefault("global", {}), key_padding_mask=padding))
+        if self.conv is not None:
+            vm = v if padding is None else v.masked_fill(padding[:, None, :, None], 0.0)
+            b, h, n, d = vm.shape
+            flat = vm[:, :, max(0, n - 2):].permute(0, 1, 3, 2).reshape(b, h * d, -1)
+            cache["conv"] = F.pad(flat, (2 - flat.shape[-1], 0))
+        return self._output(x, outs, v, padding)
 
     def _conv(self, v: Tensor, padding: Optional[Tensor]) -> Tensor:
         b, h, n, d = v.shape
@@ -182,7 +230,9 @@ class SelfAttention(nn.Module):
             if "ctx_k" not in cache:  # the context is fixed while decoding: project it once
                 cache["ctx_k"] = self._heads(self.to_k(context), self.kv_heads)
                 cache["ctx_v"] = self._heads(self.to_v(context), self.kv_heads)
-            attn = global_attention(q, cache["ctx_k"], cache["ctx_v"], context_padding)
+            method = self.global_method
+            attn, _ = attend_heads(method, method.state(self), q, cache["ctx_k"], cache["ctx_v"],
+                                   key_padding_mask=context_padding)
         else:
             k, v = self._heads(self.to_k(x)[:, None], self.kv_heads), self._heads(self.to_v(x)[:, None], self.kv_heads)
             if self.rotary:
@@ -191,13 +241,17 @@ class SelfAttention(nn.Module):
             q1, k1, v1 = q[:, :, 0], k[:, :, 0], v[:, :, 0]
             outs = []
             if self.n_local:
-                l = self.n_local
-                outs.append(self._local_step(q1[:, :l], k1[:, :l], v1[:, :l], cache.setdefault("local", {}), t,
-                                             padding_t))
-            if self.n_local < self.heads:
-                g = slice(self.n_local, None)
-                outs.append(causal_global_step(q1[:, g], k1[:, g], v1[:, g], cache.setdefault("global", {}), t,
-                                               padding_t, self.blindspot_size))
+                l, method = self.n_local, self.local_method
+                outs.append(step_heads(method, method.state(self), q1[:, :l], k1[:, :l], v1[:, :l],
+                                       cache.setdefault("local", {}), padding=padding_t))
+            if self.global_method is not None:
+                g, method = slice(self.n_local, None), self.global_method
+                if self.blindspot_size > 1:
+                    outs.append(bucket_step(method, method.state(self), q1[:, g], k1[:, g], v1[:, g],
+                                            cache.setdefault("global", {}), t, padding_t, self.blindspot_size))
+                else:
+                    outs.append(step_heads(method, method.state(self), q1[:, g], k1[:, g], v1[:, g],
+                                           cache.setdefault("global", {}), padding=padding_t))
             attn = torch.cat(outs, dim=1)[:, :, None]
             if self.conv is not None:
                 attn = attn + self._conv_step(v, padding_t, cache)

@@ -1,5 +1,8 @@
 """LinearAttentionTransformer: the layer stack of the linear-attention transformer, every option wired.
 
+Every attention layer's global heads run ``global_mode`` (a method of linear_mha's registry, with ``global_options``;
+default Efficient Attention, or ``feature_softmax`` when causal), its local heads ``block_local`` (SelfAttention).
+
 Per depth: [self-attention, feed-forward], then with ``attend_axially`` an [axially folded attention,
 feed-forward] pair (fold size = ``local_attn_window_size``), then with ``receives_context`` a [context attention,
 feed-forward] pair. All feed-forwards are ``Chunk(ff_chunks, FeedForward(dim, glu=ff_glu, dropout=ff_dropout))``
@@ -64,6 +67,8 @@ class LinearAttentionTransformer(nn.Module):
         one_kv_head: bool = False,
         pkm_layers: Union[int, Sequence[int]] = (),
         pkm_num_keys: int = 128,
+        global_mode: Optional[str] = None,
+        global_options: Optional[dict] = None,
     ):
         super().__init__()
         pkm_layers = (pkm_layers,) if isinstance(pkm_layers, int) else tuple(pkm_layers)
@@ -86,7 +91,7 @@ class LinearAttentionTransformer(nn.Module):
             return Chunk(ff_chunks, inner, along_dim=1)
 
         common = dict(heads=heads, dim_head=dim_head, dropout=attn_layer_dropout, attn_dropout=attn_dropout,
-                      one_kv_head=one_kv_head)
+                      one_kv_head=one_kv_head, global_mode=global_mode, global_options=global_options)
         layers, kinds = [], []
         for layer_num, n_local in enumerate(local_heads, start=1):
             if linformer_settings is None:

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from .. import functional, naive
+from ..functional._common import mask_keys, normalise
 from ..functional.hedgehog import hedgehog_state
 from ..registry import Option, append_extra_keys, non_negative_int, one_of, optional, positive_int, register_method
 from .kernel import CHUNK_OPTION, FeatureMapMethod
@@ -64,6 +65,62 @@ class Hedgehog(FeatureMapMethod):
     @property
     def self_attention_only(self):
         return self.window > 0  # the window pairs query i with the keys near position i
+
+    # ------------------------------------------------------------------ decoding
+    def _maps(self, state):
+        return ((state["hedgehog_q_weight"], state["hedgehog_q_bias"]),
+                (state["hedgehog_k_weight"], state["hedgehog_k_bias"]))
+
+    def key_state(self, k, v, state, key_padding_mask=None):
+        return hedgehog_state(k, v, self._maps(state)[1], key_padding_mask)
+
+    def feature_pair(self, q, k, state, key_padding_mask=None):
+        phi_k = self.features(mask_keys(k, key_padding_mask), state, "k")
+        return self.features(q, state, "q"), mask_keys(phi_k, key_padding_mask)
+
+    def prefill(self, q, k, v, state, cache, *, key_padding_mask=None):
+        if not self.window:
+            return super().prefill(q, k, v, state, cache, key_padding_mask=key_padding_mask)
+        # After N positions the next one, t = N, finds the keys t - w - 1 .. t - 1 in the window buffer (its first
+        # slot leaves the window at that step) and every earlier key in the far state.
+        n, span = k.shape[2], self.window + 1
+        split = max(0, n - span)
+        far_mask = None if key_padding_mask is None else key_padding_mask[:, :split]
+        cache["far"] = self.key_state(k[:, :, :split], v[:, :, :split], state, far_mask)
+        valid = (torch.ones(k.shape[0], n, dtype=torch.bool, device=k.device) if key_padding_mask is None
+                 else ~key_padding_mask)
+        front = span - (n - split)  # empty slots before the first position, when N < w + 1
+        pad = lambda x: torch.nn.functional.pad(x[:, :, split:], (0, 0, front, 0))  # noqa: E731
+        cache.update(near_k=pad(k), near_v=pad(v), near_valid=torch.nn.functional.pad(valid[:, split:], (front, 0)))
+        return self.attend(q, k, v, state, key_padding_mask=key_padding_mask, causal=True)
+
+    def step(self, q, k, v, state, cache, *, padding=None):
+        if not self.window:
+            return super().step(q, k, v, state, cache, padding=padding)
+        if not cache:  # nothing seen yet: an empty window and no far keys
+            b, h, d = k.shape
+            span = self.window + 1
+            cache.update(far=self.key_state(k.new_zeros(b, h, 0, d),
+                                            v.new_zeros(b, h, 0, v.shape[-1]), state),
+                         near_k=k.new_zeros(b, h, span, d), near_v=v.new_zeros(b, h, span, v.shape[-1]),
+                         near_valid=torch.zeros(b, span, dtype=torch.bool, device=k.device))
+        leaving = cache["near_valid"][:, :1]  # the oldest slot leaves the window and joins the far keys
+        cache["far"] = cache["far"] + self.key_state(cache["near_k"][:, :, :1], cache["near_v"][:, :, :1], state,
+                                                     ~leaving)
+        valid = torch.ones_like(leaving[:, 0]) if padding is None else ~padding
+        cache["near_k"] = torch.cat([cache["near_k"][:, :, 1:], k[:, :, None]], dim=2)
+        cache["near_v"] = torch.cat([cache["near_v"][:, :, 1:], v[:, :, None]], dim=2)
+        cache["near_valid"] = torch.cat([cache["near_valid"][:, 1:], valid[:, None]], dim=1)
+        scores = torch.einsum("bhd,bhwd->bhw", q, cache["near_k"]) * q.shape[-1] ** -0.5
+        scores = scores.masked_fill(~cache["near_valid"][:, None, :], float("-inf"))
+        top = scores.amax(-1, keepdim=True)
+        near = torch.exp(scores - top.masked_fill(torch.isinf(top), 0.0))  # (B, H, w + 1), at most 1
+        phi_q = self.features(q[:, :, None], state, "q")[:, :, 0]
+        far = torch.einsum("bhf,bhfe->bhe", phi_q.to(cache["far"].dtype), cache["far"])
+        mix = torch.sigmoid(state["hedgehog_window_logit"]).to(far.dtype)[None, :, None]
+        num = mix * torch.einsum("bhw,bhwe->bhe", near.to(far.dtype), cache["near_v"].to(far.dtype)) + (1 - mix) * far[..., :-1]
+        den = mix * near.sum(-1, keepdim=True).to(far.dtype) + (1 - mix) * far[..., -1:]
+        return normalise(num, den).to(q.dtype)
 
     # ------------------------------------------------------------------ facts
     def features(self, x, state, side="q"):

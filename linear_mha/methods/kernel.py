@@ -53,6 +53,44 @@ class FeatureMapMethod(AttentionMethod):
         return kernel_attend(q, k, v, self.kernel_map(state), key_padding_mask=key_padding_mask, causal=causal,
                              dropout_p=dropout_p, extra_keys=extra_keys, chunk_size=self.chunk_size)
 
+    # ------------------------------------------------------------------ decoding: the (B, H, F, d_v + 1) sums
+    recurrent = True
+
+    def key_state(self, k, v, state, key_padding_mask=None):
+        """sum_j phi(k_j) [v_j, 1]ᵀ over the unmasked keys: (B, H, F, d_v + 1)."""
+        return functional.kernel_state(k, v, self.kernel_map(state), key_padding_mask=key_padding_mask,
+                                       projection=state.get("favor_projection"))
+
+    def feature_pair(self, q, k, state, key_padding_mask=None):
+        """phi(q) (B, H, L, F), phi(k) (B, H, S, F) with masked keys' features zero, as the causal form makes them
+        (FAVOR+'s key stabiliser does not depend on the data)."""
+        return functional.apply_feature_map(self.kernel_map(state), q, k, key_padding_mask=key_padding_mask,
+                                            causal=True, projection=state.get("favor_projection"))
+
+    def step_features(self, q, k, state):
+        """phi(q), phi(k) of one position each: (B, H, d) -> (B, H, F)."""
+        phi_q, phi_k = self.feature_pair(q[:, :, None], k[:, :, None], state)  # (B, H, 1, d): maps act per head
+        return phi_q[:, :, 0], phi_k[:, :, 0]
+
+    def prefill(self, q, k, v, state, cache, *, key_padding_mask=None):
+        cache["state"] = self.key_state(k, v, state, key_padding_mask)
+        return self.attend(q, k, v, state, key_padding_mask=key_padding_mask, causal=True)
+
+    def step(self, q, k, v, state, cache, *, padding=None):
+        previous = cache.get("state")
+        fn = self.kernel_map(state)
+        padded = padding is not None and bool(padding.any())
+        if isinstance(fn, str) and not padded:  # a map kernel_step knows: the compiled step where it can run
+            owned = previous is not None and not (torch.is_grad_enabled() and previous.requires_grad)
+            out, cache["state"] = functional.kernel_step(q, k, v, previous, fn, inplace=owned,
+                                                         projection=state.get("favor_projection"))
+            return out
+        phi_q, phi_k = self.step_features(q, k, state)
+        if padded:  # a padded position's key joins no state, its own query's included
+            phi_k = phi_k.masked_fill(padding[:, None, None], 0.0)
+        num_den, cache["state"] = functional.causal_linear_step(phi_q, phi_k, functional.append_ones(v), previous)
+        return functional.split_normalise(num_den)
+
     # ------------------------------------------------------------------ facts
     def similarity(self, q, k, state):
         """phi(q) phi(k)ᵀ (B, H, L, S), multiplied out (a subclass may give its closed form instead)."""

@@ -1,13 +1,14 @@
-"""Local windowed softmax attention (the ``n_local_attn_heads`` of the original) and its rolling decode cache.
+"""Block-local softmax attention (the local heads of the linear-attention transformer LMs) and its rolling decode
+cache.
 
-The sequence is cut into windows of ``window_size``; a query in window u sees the keys of windows u-1 and u
-(and u+1 when not causal), causal queries only keys at positions <= their own. Cost O(N * window).
+The sequence is cut into blocks of ``window`` positions; a query in block u sees the keys of blocks u-1 and u (and
+u+1 when not causal), causal queries only keys at positions <= their own. Cost O(N * window).
 
-Masks: ``padding`` (B, N) bool, True = padding. A token always sees itself, so no query is ever left without a
-key (a fully masked softmax row would otherwise produce NaN or spread over future keys).
+Masks: ``key_padding_mask`` (B, N) bool, True = padding: a masked key is seen by no query; a query that sees no key
+at all gets 0.
 
-Decoding keeps the last 2 * window_size keys/values: exactly what a causal query can see, so the work per token
-is constant however long the context grows.
+Decoding keeps the last 2 * window keys/values: exactly what a causal query can see, so the work per token is
+constant however long the context grows.
 """
 from typing import Optional
 
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..functional import softmax as softmax_attention
+from .softmax import softmax as softmax_attention
 
 
 def _look_around(x: Tensor, n_win: int, window: int, causal: bool) -> Tensor:
@@ -29,19 +30,21 @@ def _look_around(x: Tensor, n_win: int, window: int, causal: bool) -> Tensor:
     return torch.cat(parts, dim=3)
 
 
-def local_attention(
+def block_local_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    window_size: int,
+    window: int,
     *,
     causal: bool,
-    padding: Optional[Tensor] = None,
+    key_padding_mask: Optional[Tensor] = None,
     dropout_p: float = 0.0,
 ) -> Tensor:
-    """q, k (B, H, N, D), v (B, H, N, Dv) -> (B, H, N, Dv)."""
+    """q, k (B, H, N, D), v (B, H, N, Dv) -> (B, H, N, Dv): self-attention, the queries at the keys' positions."""
     b, h, n, d = q.shape
-    w = window_size
+    if b * h * n == 0:  # nothing to attend: the empty product, still on the autograd graph
+        return q @ k.transpose(-1, -2) @ v
+    w, padding = window, key_padding_mask
     n_win = -(-n // w)
     pad = n_win * w - n
     if pad:
@@ -56,7 +59,7 @@ def local_attention(
         key_ok = ~padded[:, kpos.clamp(0, n_win * w - 1)] & in_range  # (B, n_win, K)
     else:
         key_ok = in_range.expand(b, -1, -1)
-    allowed = key_ok[:, :, None, :] | (kpos[None, :, None, :] == qpos[None, :, :, None])
+    allowed = key_ok[:, :, None, :].expand(-1, -1, w, -1)
     if causal:
         allowed = allowed & (kpos[None, :, None, :] <= qpos[None, :, :, None])
     bias = torch.zeros(allowed.shape, dtype=q.dtype, device=device).masked_fill(~allowed, float("-inf"))
@@ -72,7 +75,7 @@ def local_attention(
     return out[:, :, :n]
 
 
-def local_attention_step(
+def block_local_step(
     q: Tensor, k: Tensor, v: Tensor, cache: dict, t: int, window_size: int, padding_t: Optional[Tensor] = None
 ) -> Tensor:
     """Causal decoding at position t: q, k (B, H, D), v (B, H, Dv) -> (B, H, Dv); ``cache`` is updated in place."""
@@ -91,14 +94,14 @@ def local_attention_step(
     cache["padding"] = torch.cat([cache["padding"][:, 1:], padding_t[:, None]], dim=1)
     pos = cache["pos"]
     visible = (pos >= 0) & (pos >= (t // window_size - 1) * window_size)
-    allowed = (~cache["padding"] | (pos == t)) & visible
+    allowed = ~cache["padding"] & visible
     out, _ = softmax_attention(q[:, :, None], cache["k"], cache["v"], key_padding_mask=~allowed)
     return out[:, :, 0]
 
 
-def local_attention_prefill(k: Tensor, v: Tensor, cache: dict, window_size: int,
-                            padding: Optional[Tensor] = None) -> None:
-    """Fill ``cache`` with the rolling window ``local_attention_step`` holds after positions 0..N-1 of
+def block_local_prefill(k: Tensor, v: Tensor, cache: dict, window_size: int,
+                        padding: Optional[Tensor] = None) -> None:
+    """Fill ``cache`` with the rolling window ``block_local_step`` holds after positions 0..N-1 of
     k (B, H, N, D), v (B, H, N, Dv): the last 2 * window_size keys, right-aligned, empty slots at position -1."""
     b, h, n, _ = k.shape
     span = 2 * window_size
