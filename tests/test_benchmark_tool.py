@@ -98,7 +98,7 @@ def _raw_baddbmm_(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs)
                                          if not m.peer and "cpu" in m.devices
                                          for causal in ((False, True) if m.causal else (False,))])
 def test_flop_formulas_match_torch_flop_counter(key, causal, backends):
-    # The counter sees torch ops only: the compiled CPU kernels (functional/native.py) are switched off.
+    # The counter sees torch ops only: the compiled CPU code (functional/native.py) is switched off.
     backends(native_kernels=False)
     method = benchmark_cases.methods()[key]
     case = dict(level=key[0], method=key[1], B=2, H=2, d=8, N=128, proj_k=16, seed=0, causal=causal)

@@ -1,4 +1,4 @@
-"""The same checks on every device: the CPU through the code CUDA runs (compiled kernels off, one block of
+"""The same checks on every device: the CPU through the code CUDA runs (compiled code off, one block of
 work instead of the CPU's cache-sized blocks), and CUDA when there is one. float32 on the device against float64
 on the CPU, gradients included; causality; the decode step; the softmax mode against nn.MultiheadAttention; a
 tiny LM's decoding and a tiny DETR. CI has no GPU, so its CUDA cases skip; a machine with one runs them with

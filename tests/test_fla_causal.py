@@ -57,7 +57,7 @@ def test_the_choice_names_why_fla_is_not_used():
     with backend.override(native_kernels=False):  # the path CUDA float32 inputs take
         choice = backend.kernel_backend(q, k, v, "elu", causal=True)
     assert choice.backend == backend.FUSED_CAUSAL and "not fla because" in str(choice)
-    # bfloat16 CPU inputs still reach the compiled kernels, which kernel() runs on float32 copies
+    # bfloat16 CPU inputs still reach the compiled code, which kernel() runs on float32 copies
     chosen = backend.kernel_backend(*[t.bfloat16() for t in (q, k, v)], "elu", causal=True)
     if native.available():
         assert chosen.backend == backend.NATIVE

@@ -46,7 +46,7 @@ REFERENCE_CASES = [(n, False) for n in modes.ALL_VARIANTS] + [(n, True) for n in
 @pytest.mark.parametrize("name,causal", REFERENCE_CASES, ids=[f"{n}-{'causal' if c else 'full'}"
                                                              for n, c in REFERENCE_CASES])
 def test_module_matches_its_method_s_float64_reference(name, causal):
-    """Every implementation (the compiled kernels, the fused and chunked causal paths, composed ops) behind the
+    """Every implementation (the compiled code, the fused and chunked causal paths, composed ops) behind the
     module against the method's own naive reference: explicit L x S weights (``reference_weights``)."""
     m = module(name, options=modes.sized_variant(modes.ALL_VARIANTS[name], SEQ_LEN, proj_k=PROJ_K))
     g = torch.Generator().manual_seed(1)

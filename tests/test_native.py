@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (functional/native.py, csrc/kernel_attention.c) against float64 attention composed
+"""The compiled CPU code (functional/native.py, csrc/kernel_attention.c) against float64 attention composed
 from tensor ops, and how ``kernel`` / ``kernel_step`` choose them."""
 import os
 import shutil
@@ -34,7 +34,7 @@ def relative_error(got, ref):
 
 
 def test_kernels_build_where_a_compiler_exists():
-    # Guards the skips below: with a C compiler on the machine (as on CI) the kernels must be in use.
+    # Guards the skips below: with a C compiler on the machine (as on CI) the compiled code must be in use.
     if not any(shutil.which(c) for c in ("cc", "gcc", "clang")):
         pytest.skip("no C compiler on this machine")
     assert native.available(), native.build_error()
@@ -169,7 +169,7 @@ def test_kernel_dispatches_float32_cpu_inference_to_the_kernels(monkeypatch):
     assert len(calls) == 2
     with pytest.raises(ValueError, match="chunk_size"):
         LF.kernel(q, k, v, "elu", causal=True, chunk_size=0)
-    # Autograd too: the kernels have their backward.
+    # Autograd too: the compiled code has its backward.
     LF.kernel(q.requires_grad_(), k, v, "elu")
     LF.kernel(q, k, v, "elu", causal=True)
     assert len(calls) == 4
@@ -299,7 +299,7 @@ def test_a_failed_build_warns_once_and_falls_back(tmp_path):
                 out = LF.kernel(q, q, q, "elu")
                 LF.kernel(q, q, q, "elu")
         assert not native.available() and "no C compiler could build" in native.build_error()
-        assert [str(w.message).count("compiled CPU kernels unavailable") for w in caught] == [1], caught
+        assert [str(w.message).count("compiled CPU code unavailable") for w in caught] == [1], caught
         assert torch.isfinite(out).all()
     """)
     env = dict(os.environ, CC="/bin/false", LINEAR_MHA_CACHE=str(tmp_path))
@@ -559,7 +559,7 @@ def test_a_cache_folder_others_can_write_is_never_loaded_from(tmp_path):
     assert not path.startswith(str(shared)) and "writable by other users" in warning
     # The control: the same planted folder, made private, is trusted; so the refusal above was the rule at work.
     os.chmod(shared, 0o700)
-    _run_with_cache(shared, check=False)  # it lacks the kernels' symbols: the child fails after loading it
+    _run_with_cache(shared, check=False)  # it lacks the compiled code's symbols: the child fails after loading it
     assert marker.exists()
 
 

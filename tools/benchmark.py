@@ -23,7 +23,7 @@ kernel_elu in float64: the check that the peer computes the same function. Peak 
 (fresh subprocess per case on CPU, CUDA peak counters on GPU). Slopes: least squares in log-log over measured
 N >= --slope-min-n (the two largest N when fewer). The recurrent decode step (kernel_step, elu) is timed at
 several context lengths, with a new state per step and in place. The header says whether linear_mha's compiled
-CPU kernels ran (--no-native turns them off) and which CPU allocator the process has (a preloaded tcmalloc,
+CPU code ran (--no-native turns it off) and which CPU allocator the process has (a preloaded tcmalloc,
 glibc's settings, or --keep-freed-memory; at long N it moves CPU times a good deal, README "CPU: the memory
 allocator"); --resume refuses to mix either.
 """
@@ -184,7 +184,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's current)")
     p.add_argument("--no-native", action="store_true",
-                   help="switch linear_mha's compiled CPU kernels off (torch ops only), e.g. to compare both")
+                   help="switch linear_mha's compiled CPU code off (torch ops only), e.g. to compare both")
     p.add_argument("--n", type=int, nargs="+", help="sequence lengths (default 256 .. 65536, doubling)")
     p.add_argument("--rows", nargs="+",
                    help="level:BxD[:maxN] grid rows (default core:1x64 core:4x64 core:1x128:16384 module:1x64)")
@@ -298,7 +298,7 @@ def main(argv=None):
     result = dict(meta=meta, records=[r for r in old.get("records", []) if not r.get("extrapolated")],
                   decode=old.get("decode", []))
     print(f"torch {meta['torch']} | {a.device} {meta.get('gpu', meta['cpu'])} | {a.dtype} | {threads} threads | "
-          f"matmul peak {meta['matmul_peak_gflops']:.1f} GFLOP/s | compiled CPU kernels: "
+          f"matmul peak {meta['matmul_peak_gflops']:.1f} GFLOP/s | compiled CPU code: "
           f"{'on' if meta['native_kernels'] else 'off'} | allocator: {meta['allocator']} | peers: {peers}", flush=True)
     if (a.device == "cpu" and meta["allocator"] == "glibc malloc (defaults)"
             and largest_output_bytes(a, dtype) >= 32 * 2 ** 20):

@@ -76,7 +76,7 @@ def print_table(result):
     meta = result["meta"]
     print(f"\n{meta['device']} {meta.get('gpu', meta['cpu'])}, {meta['dtype']}, {meta['threads']} threads, "
           f"matmul peak {meta['matmul_peak_gflops']:.1f} GFLOP/s, H={meta['heads']}, causal chunk "
-          f"{meta['chunk_size']}, compiled CPU kernels {'on' if meta.get('native_kernels') else 'off'}, allocator "
+          f"{meta['chunk_size']}, compiled CPU code {'on' if meta.get('native_kernels') else 'off'}, allocator "
           f"{meta.get('allocator', NOT_RECORDED)}; "
           f"* = extrapolated x4 per doubling, ~ = ratio against an extrapolated time")
     print("| level | B | d | mask | pass | method | N | ms | min ms | GFLOP/s | % peak | GB/s | rel err | x SDPA "

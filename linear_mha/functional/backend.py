@@ -1,6 +1,6 @@
 """Which implementation runs an attention call, and why: the one place that decides.
 
-    native             the compiled C kernels of ``native.py`` (float32 CPU, or half CPU inputs once copied to float32;
+    native             the compiled C code of ``native.py`` (float32 CPU, or half CPU inputs once copied to float32;
                        kernel attention with elu/relu, Efficient Attention), forward and backward, and the decoding step
     fla                ``fla_causal.py``: causal elu/relu kernel attention on bfloat16 CUDA tensors through
                        flash-linear-attention's Triton kernel, when fla-core is installed and the path is enabled
@@ -15,7 +15,7 @@
 the backend and the reason, so a user can ask why a call was not fast (``str(choice)``), as torch's
 ``why_not_fast_path`` does; each function is asked once per call, and the caller runs what it names.
 :func:`override` switches choices for a block of code (tests, comparisons): ``native=False`` runs PyTorch ops
-instead of the compiled kernels; ``block_positions=None`` runs CPU work as one block, as on accelerators.
+instead of the compiled code; ``block_positions=None`` runs CPU work as one block, as on accelerators.
 """
 import contextlib
 from typing import Callable, Optional, Union
@@ -54,10 +54,10 @@ class Choice:
 # Positions per block of work on CPU. Every temporary (scores, chunk states) is sized to one block
 # and reused, so it is not a fresh multi-megabyte allocation (page faults cost as much as the
 # matmuls) and transient memory does not grow with N. Single-threaded, a few thousand positions keep
-# the temporaries in cache and still give each bmm a large batch: measured 1.5x faster than one
-# block at N = 16k. With several threads every op is a fork/join of the thread pool, and on a
-# shared machine each join can wait a scheduler tick (2048-position blocks measured 10x slower than
-# one block with 2 threads), so blocks are 8x larger: few joins, temporaries still bounded.
+# the temporaries in cache and still give each bmm a large batch. With several threads every op is a
+# fork/join of the thread pool, and on a shared machine each join can wait a scheduler tick, so blocks
+# are 8x larger: few joins, temporaries still bounded. The measurements: docs/benchmarks.md, "Why the
+# code is shaped as it is".
 BLOCK_POSITIONS = 2048
 BLOCK_POSITIONS_THREADED = 16384
 
@@ -78,7 +78,7 @@ def block_positions(device: torch.device) -> Optional[int]:
 
 @contextlib.contextmanager
 def override(*, native_kernels: Optional[bool] = None, block_positions=_UNSET, fla: Optional[bool] = None):
-    """Within the block: ``native_kernels`` True/False switches the compiled CPU kernels on/off; ``block_positions``
+    """Within the block: ``native_kernels`` True/False switches the compiled CPU code on/off; ``block_positions``
     None makes CPU work one block (the code path CUDA runs), an int sets the block size; ``fla`` True/False switches
     flash-linear-attention's kernel on/off for causal bfloat16 CUDA attention. Restored on exit."""
     global _block_override
@@ -102,14 +102,14 @@ def override(*, native_kernels: Optional[bool] = None, block_positions=_UNSET, f
 def kernel_backend(q: Tensor, k: Tensor, v: Tensor, feature_map, *, causal: bool,
                    initial_state: Optional[Tensor] = None) -> Choice:
     """The backend ``functional.kernel`` runs for these tensors, as the caller passes them: half inputs go to fla as
-    they are, everywhere else they are computed in float32 copies (so the compiled kernels take bfloat16 CPU
+    they are, everywhere else they are computed in float32 copies (so the compiled code takes bfloat16 CPU
     inputs too)."""
     why_not_fla = fla_causal.why_not(q, k, v, feature_map, initial_state) if causal else None
     if causal and why_not_fla is None:
         return Choice(FLA, "causal elu/relu attention on bfloat16 CUDA tensors, with fla enabled (LINEAR_MHA_FLA=1)")
     why_not_native = native.why_not_kernel(feature_map, q, k, v, initial_state, dtype=compute_dtype(q.dtype))
     if why_not_native is None:
-        return Choice(NATIVE, f"float32 CPU tensors and the {feature_map!r} map, which the compiled kernels fuse")
+        return Choice(NATIVE, f"float32 CPU tensors and the {feature_map!r} map, which the compiled code fuses")
     fused = isinstance(feature_map, str) and feature_map in FUSED_FEATURE_MAPS
     if not fused:
         name = getattr(feature_map, "__name__", feature_map)

@@ -29,7 +29,7 @@ def efficient_attention(
     out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
     q, k, v = q.to(dtype), k.to(dtype), drop_keys(v.to(dtype), dropout_p)
     if backend.efficient_backend(q, k, v).backend == backend.NATIVE:
-        # The compiled kernel skips masked keys itself, so v is not copied to zero them.
+        # The compiled code skips masked keys itself, so v is not copied to zero them.
         return native.efficient_attention(q, k, v, key_padding_mask).to(out_dtype)
     q_soft = torch.softmax(q, dim=-1)
     k_logits = k

@@ -1,23 +1,22 @@
 """Causal kernel attention through flash-linear-attention's chunked Triton kernel (``pip install fla-core``), opt-in.
 
-fla's ``chunk_linear_attn(..., normalize=True)`` computes the normalised causal product of ``causal.py``,
+fla's ``chunk_linear_attn(..., normalize=True)`` computes the normalised causal product of ``kernel/chunked.py``,
 ``out_i = phi(q_i) . sum_{j<=i} phi(k_j) v_j^T / phi(q_i) . sum_{j<=i} phi(k_j)``, in fused Triton kernels, forward
 and backward. With ``LINEAR_MHA_FLA=1`` in the environment (or inside ``backend.override(fla=True)``),
 ``functional.kernel`` sends causal elu/relu attention here when all of this holds:
 
 * bfloat16 CUDA tensors. In float32 fla's products run in TF32 (a 10-bit mantissa), which would make float32
   results ~1e-3 off instead of ~1e-6. In float16 fla's normaliser, a float16 running sum of the key features
-  times the query, passes float16's largest value (65,504) within a few thousand positions: on an H100, N = 65,536
-  gave non-finite values and rows of zeros. Both stay on our own path, which accumulates half inputs in float32.
+  times the query, passes float16's largest value (65,504) within a few thousand positions (non-finite rows at
+  N = 65,536, docs/cuda.md). Both stay on our own path, which accumulates half inputs in float32.
 * no ``initial_state`` (fla keeps the normaliser's key sum apart from the state; ours is one (F, Dv + 1) tensor),
   and even head dims (fla's half-precision backward asserts even K and V);
 * fla imports and has the ``(B, T, H, K)`` + ``cu_seqlens`` interface (fla-core 0.6.0 was tested);
 * not inside a torch.func transform, not being compiled.
 
-Why opt-in: on the H100 its outputs were 3.1e-3 from float64 where ours were 1.6e-3 (one bfloat16 rounding; fla's
-normaliser is a bfloat16 cumulative sum, ours accumulates in float32), and its speed was measured against our path
-only at B = 1 (16 heads of 64, N = 16k): single calls took the same time (1.50 ms), back to back fla's were faster
-(0.91 against 1.40 ms); docs/cuda.md has the numbers.
+Why opt-in: its outputs are about twice as far from float64 as ours (fla's normaliser is a bfloat16 cumulative
+sum, ours accumulates in float32), and its speed was measured against our path at one batch size only;
+docs/cuda.md has the numbers.
 
 Key padding stays exact: masked keys' features and values are zeroed before the call (``masked_fill``, so
 non-finite padding neither leaks nor gets gradient), and a query that sees only masked keys gets 0 as on our path

@@ -1,14 +1,14 @@
-"""The compiled CPU kernels of ``csrc/``, called through ctypes on torch tensors.
+"""The compiled CPU code of ``csrc/`` (native code: C with OpenMP), called through ctypes on torch tensors.
 
 Kernel attention with an elementwise map spends most of its CPU time in elementwise passes over N-sized
-tensors, not in its two GEMMs; the C kernels fuse those passes into the GEMMs (see kernel_attention.c). They
+tensors, not in its two GEMMs; the C functions fuse those passes into the GEMMs (see kernel_attention.c). They
 cover float32 CPU tensors: kernel attention with elu/relu (non-causal and causal, with gradients, and the
 recurrent decoding step) and Efficient Attention (with gradients). Everything else (other maps and dtypes,
-accelerators) stays in PyTorch, and so does everything when the kernels are unavailable; ``backend.py`` decides
+accelerators) stays in PyTorch, and so does everything when the compiled code is unavailable; ``backend.py`` decides
 which calls come here.
 
 ``native_build.py`` compiles and caches the library on first use. ``LINEAR_MHA_NATIVE=0`` (or
-``set_enabled(False)``) turns the kernels off; ``available()`` says whether they are in use, ``build_error()`` why
+``set_enabled(False)``) turns it off; ``available()`` says whether it is in use, ``build_error()`` why
 not.
 """
 import ctypes
@@ -37,8 +37,8 @@ _enabled = os.environ.get("LINEAR_MHA_NATIVE", "1") != "0"
 
 
 def set_enabled(enabled: bool) -> bool:
-    """Turn the compiled kernels on or off for this process (the default comes from ``LINEAR_MHA_NATIVE``);
-    returns the previous setting, e.g. to compare both paths or to rule the kernels out when debugging."""
+    """Turn the compiled code on or off for this process (the default comes from ``LINEAR_MHA_NATIVE``);
+    returns the previous setting, e.g. to compare both paths or to rule it out when debugging."""
     global _enabled
     previous, _enabled = _enabled, bool(enabled)
     return previous
@@ -77,13 +77,13 @@ def _load():
                 _library, _threaded = library, threaded
             except Exception as exc:  # a missing or broken compiler must never break attention
                 _error = str(exc)
-                warnings.warn(f"linear_mha: compiled CPU kernels unavailable, using PyTorch ops ({_error})",
+                warnings.warn(f"linear_mha: compiled CPU code unavailable, using PyTorch ops ({_error})",
                               RuntimeWarning, stacklevel=3)
     return _library
 
 
 def available() -> bool:
-    """Whether the compiled kernels are enabled and built (builds them on the first call)."""
+    """Whether the compiled code is enabled and built (builds it on the first call)."""
     return _enabled and _load() is not None
 
 
@@ -93,17 +93,17 @@ def library_path() -> Optional[str]:
 
 
 def build_error() -> Optional[str]:
-    """Why the kernels could not be built, or None."""
+    """Why the compiled code could not be built, or None."""
     _load()
     return _error
 
 
 def why_not_kernel(feature_map, *tensors: Optional[Tensor], dtype: Optional[torch.dtype] = None) -> Optional[str]:
-    """Why kernel attention with ``feature_map`` on these tensors cannot run in the compiled kernels, or None if it
+    """Why kernel attention with ``feature_map`` on these tensors cannot run in the compiled code, or None if it
     can (the caller has a backward for it). ``dtype``: the dtype they will be computed in, if not their own."""
     if not isinstance(feature_map, str) or feature_map not in MAPS:
         name = getattr(feature_map, "__name__", feature_map)
-        return f"feature_map {name!r} is not one the compiled kernels compute ({', '.join(MAPS)})"
+        return f"feature_map {name!r} is not one the compiled code computes ({', '.join(MAPS)})"
     return why_not(*tensors, dtype=dtype)
 
 
@@ -113,40 +113,40 @@ def why_not(*tensors: Optional[Tensor], dtype: Optional[torch.dtype] = None) -> 
     unless torch itself runs on one thread. ``dtype``: the dtype the tensors will be computed in (half inputs
     accumulate in float32 copies), if not their own."""
     if not _enabled:
-        return "the compiled kernels are switched off (LINEAR_MHA_NATIVE=0 or native.set_enabled(False))"
+        return "the compiled code is switched off (LINEAR_MHA_NATIVE=0 or native.set_enabled(False))"
     for t in tensors:
         if t is None:
             continue
         if not t.is_cpu:
-            return f"a tensor is on {t.device}; the compiled kernels run on the CPU"
+            return f"a tensor is on {t.device}; the compiled code runs on the CPU"
         if (dtype or t.dtype) is not torch.float32:
-            return f"a tensor is {dtype or t.dtype}; the compiled kernels take float32"
+            return f"a tensor is {dtype or t.dtype}; the compiled code takes float32"
         if t.stride(-1) != 1:
             return "a tensor's last dimension is not contiguous"
-        if t.numel() == 0:  # the kernels split work by batch x heads and by rows
+        if t.numel() == 0:  # the compiled code splits work by batch x heads and by rows
             return "a tensor is empty"
     if compiling():
         return "inside torch.compile, which traces PyTorch ops"
     if functorch_active():
         return "inside a torch.func transform, whose tensors have no data pointers"
     if _load() is None:
-        return f"the compiled kernels could not be built: {_error}"
+        return f"the compiled code could not be built: {_error}"
     # A one-thread build (a compiler without OpenMP) loses to torch's threaded ops on whole sequences.
     if not (_threaded or torch.get_num_threads() == 1):
-        return "the kernels were built without OpenMP and torch runs on several threads"
+        return "the compiled code was built without OpenMP and torch runs on several threads"
     return None
 
 
 def _lib() -> ctypes.CDLL:
     library = _load()
     if library is None:
-        raise RuntimeError(f"linear_mha's compiled CPU kernels are unavailable: {_error}")
+        raise RuntimeError(f"linear_mha's compiled CPU code is unavailable: {_error}")
     return library
 
 
 def _check(status: int) -> None:
     if status != 0:
-        raise MemoryError("linear_mha's CPU kernel could not allocate its buffers")
+        raise MemoryError("linear_mha's compiled CPU code could not allocate its buffers")
 
 
 def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_map: str, key_padding_mask: Optional[Tensor] = None,

@@ -1,11 +1,11 @@
-"""Building and loading the compiled CPU kernels of ``csrc/``: compiler search, the cache folder, and the rule
+"""Building and loading the compiled CPU code of ``csrc/``: compiler search, the cache folder, and the rule
 that decides which shared library may be loaded.
 
 The library is compiled with the system C compiler (``$CC``, else cc/gcc/clang) for the host CPU, about a second,
 and cached under ``$LINEAR_MHA_CACHE`` (default ``~/.cache/linear_mha``), keyed by the source, the compiler, the
 flags and the CPU. Loading a shared library runs its code, so a cache folder is used only if it is ours: owned by
 the current user and writable by nobody else (mode ``0o700`` when this module creates it), and so is every library
-in it. A folder that fails the rule is never read from; the kernels are then built into a private temporary folder
+in it. A folder that fails the rule is never read from; the code is then built into a private temporary folder
 for this process (one warning says why). Builds go into a private temporary folder first and are renamed into
 place, so concurrent processes (DDP ranks, test workers) never load a half-written file.
 """
@@ -90,7 +90,7 @@ def build() -> Tuple[ctypes.CDLL, bool]:
     """(the loaded library, whether it was built with OpenMP). Raises RuntimeError when no compiler can build it."""
     cache, why_not_cache = cache_dir()
     if why_not_cache:
-        warnings.warn(f"linear_mha: {why_not_cache}, so nothing is loaded from it; building the compiled CPU kernels "
+        warnings.warn(f"linear_mha: {why_not_cache}, so nothing is loaded from it; building the compiled CPU code "
                       f"in the private folder {cache} for this process instead. Point LINEAR_MHA_CACHE at a folder "
                       f"only you can write to (e.g. mode 700) to keep them between runs.", RuntimeWarning, stacklevel=4)
     errors = []
@@ -105,7 +105,7 @@ def build() -> Tuple[ctypes.CDLL, bool]:
                 errors.append(error)
                 continue
             return ctypes.CDLL(str(target)), "-fopenmp" in flags
-    raise RuntimeError("no C compiler could build the kernels" + (": " + " | ".join(errors) if errors else
+    raise RuntimeError("no C compiler could build the compiled code" + (": " + " | ".join(errors) if errors else
                                                                     " (none of $CC, cc, gcc, clang was found)"))
 
 

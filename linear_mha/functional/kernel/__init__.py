@@ -11,7 +11,7 @@ computed right-to-left in O(N F Dv) instead of O(N^2). One package, one formula,
     composed.py   plain PyTorch ops on features made already (any map, dtype, device; autograd, torch.func)
     chunked.py    the causal product in chunks (O(N d) memory) with its own backward, and its recurrent step
     fused.py      elu/relu without N-sized temporaries: the causal Function, and blocked inference
-    ../native.py  the compiled CPU kernels (elu/relu, float32), forward, backward and step
+    ../native.py  the compiled CPU code (elu/relu, float32), forward, backward and step
 
 Causal attention carries the normaliser through the product as a ones column appended to v (states of shape
 (F, Dv + 1), the layout ``kernel_state`` and ``kernel_step`` use too); non-causal attention computes it as a separate
@@ -58,7 +58,7 @@ def kernel(
     causal: query i sees keys j <= i (requires L == S).
     dropout_p: key dropout on the numerator (see ``_common.drop_keys``); pass 0 in eval.
     initial_state: (B, H, F, Dv + 1) state of extra keys every query sees (e.g. from ``kernel_state``).
-    chunk_size: chunk length of the causal product (the compiled kernels and fla pick their own; still checked).
+    chunk_size: chunk length of the causal product (the compiled code and fla pick their own; still checked).
     """
     check_qkv(q, k, v, key_padding_mask)
     if causal and q.shape[-2] != k.shape[-2]:
@@ -75,7 +75,7 @@ def kernel(
         initial_state = initial_state.to(dtype)
         if chosen != backend.COMPOSED:  # elu/relu: F = D (the composed path's product checks its own F)
             _check_state(initial_state, q, v)
-    if chosen == backend.NATIVE:  # the compiled kernels skip masked keys themselves: v is not copied to zero them
+    if chosen == backend.NATIVE:  # the compiled code skips masked keys itself: v is not copied to zero them
         return native.kernel_attention(q, k, v, feature_map, key_padding_mask, initial_state, causal).to(out_dtype)
     v = mask_keys(v, key_padding_mask)
     if chosen == backend.FUSED_CAUSAL:
@@ -141,7 +141,7 @@ def kernel_step(
     q, k: (B, H, D); v: (B, H, Dv); state: (B, H, F, Dv + 1) or None for an empty context.
     Returns (out (B, H, Dv), new_state). Feeding tokens one by one equals ``kernel(..., causal=True)``.
     inplace: update ``state`` in place and return it as new_state (inference only), which saves allocating a
-    state per step (about 2 us of the compiled step's 12-14 us at B*H = 8, d = 64 on the README's CPU).
+    state per step (a measurable part of a step: docs/benchmarks.md, "Why the code is shaped as it is").
     """
     if inplace and state is not None and state.requires_grad and torch.is_grad_enabled():
         raise ValueError("kernel_step(inplace=True) overwrites the state, which autograd cannot differentiate "
@@ -150,7 +150,7 @@ def kernel_step(
         return native.kernel_step(q, k, v, state, feature_map, inplace)
     _check_step(q, k, v, state)
     out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
-    convert = out_dtype != dtype  # only half inputs: the no-op .to() calls alone cost ~20 us per step
+    convert = out_dtype != dtype  # only half inputs: decoding is bound by per-op overhead, even no-op .to() calls
     if feature_map == "favor":
         phi_q, phi_k = apply_feature_map(feature_map, q[:, :, None].to(dtype), k[:, :, None].to(dtype), causal=True,
                                          projection=projection)

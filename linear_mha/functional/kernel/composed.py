@@ -32,7 +32,7 @@ def feature_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, *, causal: bool =
         return normalise(torch.matmul(phi_q, kv), den)
     # Inference (accelerators, or maps without a blocked path): the output is written over phi(k) (a fresh
     # tensor for the named maps, used up by now) and divided in place. Fresh multi-megabyte outputs cost page
-    # faults, not only bandwidth: at N = 16k on CPU this measured 30% faster.
+    # faults, not only bandwidth (docs/benchmarks.md, "Why the code is shaped as it is").
     reuse = reuse_keys and phi_k.shape == phi_q.shape[:-1] + v.shape[-1:] and not functorch_active()
     num = torch.matmul(phi_q, kv, out=phi_k) if reuse else torch.matmul(phi_q, kv)
     return num.div_(safe_normaliser(den))
@@ -44,9 +44,8 @@ def key_value_sums(phi_k: Tensor, v: Tensor, pieces: Optional[int] = None) -> Tu
 
     On CUDA the sum runs as ``pieces`` partial products of one batched matmul, then a sum over them: a single
     (F x S) @ (S x Dv) product per head gives the GPU only B * H small output tiles to spread over its
-    multiprocessors, each walking all S positions. A forward written this way measured 0.69 ms against 1.19 ms in
-    bfloat16 and 0.48 against 1.01 in float32 (B 1, H 16, S 16k, d 64, H100). Elsewhere (CPU threads split a
-    single product well) ``pieces`` defaults to 1."""
+    multiprocessors, each walking all S positions (the split forward's time against the single product's on an
+    H100: docs/cuda.md). Elsewhere (CPU threads split a single product well) ``pieces`` defaults to 1."""
     s = phi_k.shape[-2]
     if pieces is None:
         pieces = min(64, s // 256) if phi_k.device.type == "cuda" else 1
