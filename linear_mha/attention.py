@@ -1,6 +1,5 @@
-"""LinearMultiheadAttention: nn.MultiheadAttention's parameters, signature and return values, with linear-time
-attention inside (Linformer, kernel feature maps, Efficient Attention, Taylor, or any registered method) or exact
-softmax as the reference.
+"""LinearMultiheadAttention: nn.MultiheadAttention's parameters, signature and return values, with any attention
+method of the registry inside: a linear one, or exact softmax as the reference.
 
 Parameters carry nn.MultiheadAttention's names and shapes in all three layouts (packed in_proj_weight, or
 separate q/k/v_proj_weight when kdim/vdim differ), so ``load_state_dict(mha.state_dict())`` loads every
@@ -55,22 +54,15 @@ def _check_arguments(embed_dim, num_heads, dropout, kdim, vdim, dtype):
 class LinearMultiheadAttention(AttentionAdapter, nn.Module):
     r"""Drop-in replacement for :class:`torch.nn.MultiheadAttention` with linear-time attention.
 
-    Positional arguments and defaults are nn.MultiheadAttention's. Keyword arguments: ``mode``, the attention
-    method's name (``linear_mha.available_methods()``: ``"linformer"`` (default), ``"kernel"``, ``"efficient"``,
-    ``"taylor"``, ``"softmax"`` (exact), and any method registered with ``linear_mha.register_method``), then that
-    method's own options; an option the method does not have raises a ValueError listing the ones it has.
-
-    * linformer: ``seq_len`` (100), ``proj_k`` (128): up to ``seq_len`` keys are projected onto ``proj_k``
-      positions. ``param_sharing``: ``"none"`` E_i, F_i per head; ``"headwise"`` one E, F per layer; ``"kv"``
-      E = F per layer; ``"layerwise"`` one projection (E = F) shared by every layer: pass it as
-      ``shared_projection`` (an ``nn.Parameter`` of shape (proj_k, seq_len)) or let the patcher tie it.
-    * kernel: ``feature_map``: ``"elu"`` (default), ``"relu"``, ``"favor"``, ``"taylor"`` or a callable
-      psi(x) -> features. ``num_features`` sets FAVOR's random-feature count (default d log d);
-      ``redraw_interval`` redraws them every that many training forwards (default: never; call
-      ``redraw_features()`` yourself). ``chunk_size``: chunk length of the causal product (kernel and taylor).
+    Positional arguments and defaults are nn.MultiheadAttention's. Keyword arguments: ``mode``, the name of an
+    attention method of the registry (``linear_mha.available_methods()``, the README's table: the built-in ones and
+    any registered with ``linear_mha.register_method``; default ``"linformer"``), then that method's own options
+    (``linear_mha.method_class(mode).options`` lists them, each with its default and help; an option the method
+    does not have raises a ValueError listing the ones it has), and ``dwc_kernel``.
 
     The configured method is ``self.method`` (its options are attributes: ``self.method.seq_len``); ``self.mode``
-    is its name.
+    is its name. Methods with state of their own (Linformer's E and F, FAVOR+'s projection, learnable maps)
+    register it on this module; ``redraw_features()`` draws FAVOR+'s projection again.
 
     ``dwc_kernel`` (any method; default None): add a depthwise ``dwc_kernel`` x ``dwc_kernel`` convolution of the
     values over the image's token grid to the attention output (FLatten's DWC, MLLA's LePE), the local term linear
@@ -79,14 +71,14 @@ class LinearMultiheadAttention(AttentionAdapter, nn.Module):
     ``linear_mha.track_token_grid`` elsewhere). Its parameters ``dwc_weight``, ``dwc_bias`` start at zero and may
     be absent from a checkpoint.
 
-    ``dropout`` is applied only in training. In ``softmax`` it drops attention probabilities, in ``linformer``
-    probabilities over the projected keys; ``kernel``, ``efficient`` and ``taylor`` have no probability matrix,
-    so each key is dropped from the numerator with probability ``dropout`` (per sample and head) and survivors are
-    rescaled, which keeps the expected output equal to the eval output.
+    ``dropout`` is applied only in training, as each method defines it: exact softmax drops attention
+    probabilities, Linformer probabilities over the projected keys; a method without a probability matrix drops
+    each key from the numerator with probability ``dropout`` (per sample and head) and rescales the survivors, which
+    keeps the expected output equal to the eval output.
 
-    ``need_weights``: only ``softmax`` returns attention weights. The linear modes never form the L x S matrix
-    and return ``None`` in its place (callers such as DETR discard it); use :meth:`attention_matrix` to get the
-    matrix the approximation implies, e.g. for visualisation.
+    ``need_weights``: only methods that form the weights (``softmax``) return them. The linear methods never form
+    the L x S matrix and return ``None`` in its place (callers such as DETR discard it); use
+    :meth:`attention_matrix` to get the matrix the approximation implies, e.g. for visualisation.
     """
 
     __constants__ = ["batch_first"]
