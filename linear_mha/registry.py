@@ -308,6 +308,22 @@ def create_method(mode: str, options: Mapping[str, Any]) -> AttentionMethod:
     return method_class(mode)(**options)
 
 
+def method_presets(linear_only: bool = True, variants: bool = False) -> Dict[str, Dict[str, Any]]:
+    """"<method>_<preset>" (or "<method>" for a method without presets) -> {"mode": method, **options}: every preset
+    of every registered method, read when called (the rows a benchmark or a diagnosis compares). ``linear_only``
+    leaves exact methods out; ``variants`` adds the option sets that take other code paths (what the tests run)."""
+    found = {}
+    for name, cls in _METHODS.items():
+        if linear_only and cls.exact:
+            continue
+        named = {**cls.presets, **(cls.variants if variants else {})}
+        if not cls.presets:
+            named = {None: {}, **named}  # the defaults, unless a preset names them
+        for preset, options in named.items():
+            found[name if preset is None else f"{name}_{preset}"] = {"mode": name, **options}
+    return found
+
+
 def causal_methods() -> Tuple[str, ...]:
     return tuple(name for name, cls in _METHODS.items() if cls.causal)
 

@@ -31,23 +31,16 @@ def sized_variant(options, length, **extra):
     return {"mode": mode, **sized(mode, length, **{**extra, **own})}
 
 
-def _variants(methods, sets=("presets", "variants")):
-    found = {}
-    for mode in methods:
-        cls = linear_mha.method_class(mode)
-        named = {name: options for attr in sets for name, options in getattr(cls, attr).items()}
-        if not cls.presets:
-            named = {None: {}, **named}  # the defaults, unless a preset names them
-        for variant, options in named.items():
-            found[mode if variant is None else f"{mode}_{variant}"] = dict(mode=mode, **options)
-    return found
+def _variants(methods, variants):
+    presets = linear_mha.registry.method_presets(linear_only=False, variants=variants)
+    return {name: options for name, options in presets.items() if options["mode"] in methods}
 
 
-VARIANTS = _variants(SEQUENCE, ("presets",))  # "kernel_favor" -> {"mode": "kernel", "feature_map": "favor"}
+VARIANTS = _variants(SEQUENCE, False)  # "kernel_favor" -> {"mode": "kernel", "feature_map": "favor"}
 CAUSAL_VARIANTS = [name for name, options in VARIANTS.items() if linear_mha.method_class(options["mode"]).causal]
 # Every preset and variant of every built-in method, grid methods included: the checks against each method's own
 # float64 reference run all of them.
-ALL_VARIANTS = _variants(BUILT_IN)
+ALL_VARIANTS = _variants(BUILT_IN, True)
 ALL_CAUSAL = [name for name, options in ALL_VARIANTS.items() if linear_mha.method_class(options["mode"]).causal]
 
 

@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import linear_mha.functional as LF
-from linear_mha import LinearMultiheadAttention, TokenGrid, available_methods, method_class
+from linear_mha import LinearMultiheadAttention, TokenGrid, method_class
 from linear_mha.attend import attend_heads
+from linear_mha.registry import method_presets
 
 from . import measure as M
 from .benchmark_flops import case_options, method_flops, plus_projections
@@ -140,15 +141,11 @@ def registry_methods() -> dict:
     rows), at both levels, one per preset, named "<method>_<preset>", read when called: methods registered before the
     benchmark runs are measured too."""
     methods = {}
-    for mode in available_methods():
-        cls = method_class(mode)
-        if cls.exact:
-            continue
-        for preset, options in (cls.presets or {None: {}}).items():
-            name = mode if preset is None else f"{mode}_{preset}"
-            flops = method_flops(mode, options)
-            methods[("core", name)] = Method(_method_core(mode, **options), flops, causal=cls.causal)
-            methods[("module", name)] = Method(_module(mode, **options), plus_projections(flops), causal=cls.causal)
+    for name, options in method_presets().items():
+        mode = options.pop("mode")
+        flops, causal = method_flops(mode, options), method_class(mode).causal
+        methods[("core", name)] = Method(_method_core(mode, **options), flops, causal=causal)
+        methods[("module", name)] = Method(_module(mode, **options), plus_projections(flops), causal=causal)
     return methods
 
 

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from integrations.console import HelpFormatter
-from linear_mha import TokenGrid, available_methods, method_class
+from linear_mha import TokenGrid, method_class
+from linear_mha.registry import method_presets
 from linear_mha.attend import attend_heads
 from integrations.detr.checkpoint import load_checkpoint
 from integrations.detr.config import parse_args
@@ -31,13 +32,7 @@ from integrations.detr.misc import collate_fn
 
 def registry_variants(names=None) -> dict:
     """name -> (method, options): every preset of every linear method in the registry (or those ``names``)."""
-    found = {}
-    for mode in available_methods():
-        cls = method_class(mode)
-        if cls.exact:
-            continue
-        for preset, options in (cls.presets or {None: {}}).items():
-            found[mode if preset is None else f"{mode}_{preset}"] = (mode, options)
+    found = {name: (options.pop("mode"), options) for name, options in method_presets().items()}
     if names:
         unknown = sorted(set(names) - set(found))
         if unknown:

@@ -190,25 +190,32 @@ class SelfAttention(nn.Module):
         if self.receives_context:
             cache["ctx_k"], cache["ctx_v"] = k, v
             return self._attend(x, q, k, v, padding, context_padding)
-        outs = []
-        if self.n_local:
-            l, method = self.n_local, self.local_method
-            outs.append(prefill_heads(method, method.state(self), q[:, :l], k[:, :l], v[:, :l],
-                                      cache.setdefault("local", {}), key_padding_mask=padding))
-        if self.global_method is not None:
-            g, method = slice(self.n_local, None), self.global_method
-            if self.blindspot_size > 1:
-                outs.append(bucket_prefill(method, method.state(self), q[:, g], k[:, g], v[:, g],
-                                           cache.setdefault("global", {}), padding, self.blindspot_size))
-            else:
-                outs.append(prefill_heads(method, method.state(self), q[:, g], k[:, g], v[:, g],
-                                          cache.setdefault("global", {}), key_padding_mask=padding))
+        outs = self._decode(q, k, v, cache, padding)
         if self.conv is not None:
             vm = v if padding is None else v.masked_fill(padding[:, None, :, None], 0.0)
             b, h, n, d = vm.shape
             flat = vm[:, :, max(0, n - 2):].permute(0, 1, 3, 2).reshape(b, h * d, -1)
             cache["conv"] = F.pad(flat, (2 - flat.shape[-1], 0))
         return self._output(x, outs, v, padding)
+
+    def _decode(self, q, k, v, cache, padding, t=None):
+        """Each head group's outputs, decoding through its method: a prompt (t None; q, k, v (B, H, N, D), padding
+        (B, N)) that fills the group's cache, or position t (q, k, v (B, H, D), padding (B,))."""
+        groups = []
+        if self.n_local:
+            groups.append(("local", self.local_method, slice(None, self.n_local)))
+        if self.global_method is not None:
+            groups.append(("global", self.global_method, slice(self.n_local, None)))
+        outs = []
+        for name, method, heads in groups:
+            args = (method, method.state(self), q[:, heads], k[:, heads], v[:, heads], cache.setdefault(name, {}))
+            if name == "global" and self.blindspot_size > 1:
+                outs.append(bucket_prefill(*args, padding, self.blindspot_size) if t is None
+                            else bucket_step(*args, t, padding, self.blindspot_size))
+            else:
+                outs.append(prefill_heads(*args, key_padding_mask=padding) if t is None
+                            else step_heads(*args, padding=padding))
+        return outs
 
     def _conv(self, v: Tensor, padding: Optional[Tensor]) -> Tensor:
         b, h, n, d = v.shape
@@ -238,20 +245,7 @@ class SelfAttention(nn.Module):
             if self.rotary:
                 cos, sin = rotary_cos_sin(torch.tensor([t], device=x.device), self.dim_head, q.dtype)
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            q1, k1, v1 = q[:, :, 0], k[:, :, 0], v[:, :, 0]
-            outs = []
-            if self.n_local:
-                l, method = self.n_local, self.local_method
-                outs.append(step_heads(method, method.state(self), q1[:, :l], k1[:, :l], v1[:, :l],
-                                       cache.setdefault("local", {}), padding=padding_t))
-            if self.global_method is not None:
-                g, method = slice(self.n_local, None), self.global_method
-                if self.blindspot_size > 1:
-                    outs.append(bucket_step(method, method.state(self), q1[:, g], k1[:, g], v1[:, g],
-                                            cache.setdefault("global", {}), t, padding_t, self.blindspot_size))
-                else:
-                    outs.append(step_heads(method, method.state(self), q1[:, g], k1[:, g], v1[:, g],
-                                           cache.setdefault("global", {}), padding=padding_t))
+            outs = self._decode(q[:, :, 0], k[:, :, 0], v[:, :, 0], cache, padding_t, t)
             attn = torch.cat(outs, dim=1)[:, :, None]
             if self.conv is not None:
                 attn = attn + self._conv_step(v, padding_t, cache)
