@@ -1,0 +1,26 @@
+"""tools.compare_trees on this checkout against itself: both sides run, every case gets a ratio, the JSON and the
+PNG are written; a folder without linear_mha is refused clearly."""
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tools import compare_trees
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_checkout_against_itself(tmp_path):
+    result = compare_trees.main([str(ROOT), "--rounds", "1", "--n", "64", "--steps", "3", "--prompt", "8",
+                                 "--threads", "1", "--json", str(tmp_path / "r.json"), "--png", str(tmp_path / "r.png")])
+    rows = result["rows"]
+    assert len(rows) == 11 and all("error" not in r for r in rows.values()), rows
+    assert all(r["before"] > 0 and r["after"] > 0 and math.isfinite(r["ratio"]) for r in rows.values())
+    assert json.loads((tmp_path / "r.json").read_text())["rows"] == json.loads(json.dumps(rows))
+    assert (tmp_path / "r.png").stat().st_size > 5_000
+
+
+def test_a_folder_without_the_package_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match="no linear_mha package"):
+        compare_trees.import_checkout(tmp_path)
