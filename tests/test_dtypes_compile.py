@@ -3,7 +3,7 @@ precision when a GPU is present, and torch.compile matching eager."""
 import pytest
 import torch
 
-from linear_mha import LinearMultiheadAttention
+from linear_mha import LinearMultiheadAttention, method_class
 import modes
 
 E, H = 16, 2
@@ -20,7 +20,7 @@ def test_bfloat16_long_sequence_is_finite_and_close_to_float32(options):
     torch.manual_seed(0)
     m = LinearMultiheadAttention(E, H, batch_first=True, **options)
     x = torch.randn(1, 65536, E)
-    causal = options["mode"] in ("kernel", "taylor")
+    causal = method_class(options["mode"]).causal
     with torch.inference_mode():
         ref, _ = m(x, x, x, is_causal=causal)
         out, _ = m.to(torch.bfloat16)(x.bfloat16(), x.bfloat16(), x.bfloat16(), is_causal=causal)
@@ -47,7 +47,7 @@ def test_cuda_half_precision_long_sequence(dtype, options):
     torch.manual_seed(0)
     m = LinearMultiheadAttention(64, 4, batch_first=True, **options).cuda()
     x = torch.randn(2, 65536, 64, device="cuda")
-    causal = options["mode"] in ("kernel", "taylor")
+    causal = method_class(options["mode"]).causal
     with torch.inference_mode():
         ref, _ = m(x, x, x, is_causal=causal)
         out, _ = m.to(dtype)(x.to(dtype), x.to(dtype), x.to(dtype), is_causal=causal)
