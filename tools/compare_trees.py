@@ -11,6 +11,7 @@ composed paths), Efficient Attention, a module's call, the recurrent decoding st
 and patched with a learnable method. Ratios after/before near 1 are noise; the JSON keeps every run.
 """
 import argparse
+import atexit
 import importlib
 import json
 import platform
@@ -33,6 +34,7 @@ def import_checkout(root: Path, alias: str = "linear_mha_before"):
     if not (source / "__init__.py").is_file():
         raise SystemExit(f"{root} holds no linear_mha package (expected {source}/__init__.py)")
     folder = Path(tempfile.mkdtemp(prefix="compare_trees."))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # kept while the process may import from it
     shutil.copytree(source, folder / alias, ignore=shutil.ignore_patterns("__pycache__"))
     sys.path.insert(0, str(folder))
     try:
