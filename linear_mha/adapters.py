@@ -8,7 +8,10 @@ calls ``init_method`` (the method, its state, the local term); ``from_original``
 replaces, reusing that module's Parameters (so state_dict keys and tensors stay as they were) and keeping it for
 ``to_original`` and for ``calibrate``'s teacher. A class registered with ``register_adapter`` says:
 
-    kind                               a short name for reports ("mha", "timm", "lm")
+    kind                               a short name for reports ("mha", "timm", "lm", "hf")
+    attaches                           True: added to the module it converts, as ``module.linear_mha``, which keeps
+                                       running (Hugging Face models call the adapter through their attention
+                                       interface); False: replaces it
     matches(module)                    classmethod: whether this adapter is the one for ``module``
     unsupported_reason(module)         classmethod: why this matched instance cannot be replaced, or None
     from_original(module, **options)   classmethod: the adapter around ``module``, running ``mode`` and its options
@@ -19,6 +22,8 @@ replaces, reusing that module's Parameters (so state_dict keys and tensors stay 
                                        encloses the module ``name`` and says where its token grid comes from
     output_padding(*args, **kwargs)    optional: which output rows of that call are padding's own
     original_output(args, kwargs)      the replaced module's attention output on the same call (the teacher)
+    prepare_model(model, modules)      classmethod: model-wide changes once its adapters are in place (none by default)
+    restore_model(model)               classmethod: undo them once unpatch has taken the adapters out
 """
 from typing import Iterable, List, Optional, Tuple, Type
 
@@ -26,6 +31,9 @@ import torch
 from torch import nn
 
 from .local_term import LOCAL_TERM_STATE, install_local_term
+
+
+ATTACHED = "linear_mha"  # the submodule name of an adapter that ``attaches``
 
 
 class UnknownLength(ValueError):
@@ -39,6 +47,7 @@ class AttentionAdapter:
 
     kind = ""
     reused: Tuple[str, ...] = ()  # submodules taken over from the original, given back by to_original()
+    attaches = False
 
     # ------------------------------------------------------------------ the method
     def init_method(self, method, num_heads: int, head_dim: int, factory_kwargs: dict, dwc_kernel=None) -> None:
@@ -113,6 +122,17 @@ class AttentionAdapter:
     def grid_source(cls, owner_name: str, owner: nn.Module, name: str):
         return None
 
+    @classmethod
+    def prepare_model(cls, model: nn.Module, modules: List[nn.Module]) -> List[str]:
+        """Model-wide changes ``patch`` makes once this class's adapters are in ``modules``; returns notes for the
+        report."""
+        return []
+
+    @classmethod
+    def restore_model(cls, model: nn.Module) -> List[str]:
+        """Undo ``prepare_model`` after ``unpatch`` took this class's adapters out; returns notes for the report."""
+        return []
+
 
 def drop_missing_state(names: Iterable[str], prefix: str, state_dict, missing_keys: list) -> None:
     """After ``_load_from_state_dict``: a checkpoint of the original model (nn.MultiheadAttention, timm) has none of
@@ -148,4 +168,4 @@ def adapter_classes() -> tuple:
     return tuple(_ADAPTERS)
 
 
-__all__ = ["AttentionAdapter", "UnknownLength", "register_adapter", "adapter_for", "adapter_classes"]
+__all__ = ["AttentionAdapter", "ATTACHED", "UnknownLength", "register_adapter", "adapter_for", "adapter_classes"]

@@ -196,7 +196,8 @@ class AttentionMethod:
                 key_padding_mask: Optional[Tensor] = None) -> Tensor:
         """Methods that declare ``recurrent``: causal attention over positions 0..N-1 of q, k (B, H, N, d),
         v (B, H, N, d_v), exactly as ``attend(..., causal=True)`` gives it, leaving in the empty dict ``cache`` what
-        :meth:`step` continues from. Other causal methods decode through ``attend.step_heads``' generic cache."""
+        :meth:`step` continues from. Other causal methods decode through ``attend.step_heads``' generic cache.
+        Every tensor a method keeps in ``cache`` has the batch as its first dimension (a beam search reorders them)."""
         raise NotImplementedError(f"method {self.name!r} declares recurrent but has no prefill()")
 
     def step(self, q: Tensor, k: Tensor, v: Tensor, state: Mapping[str, Optional[Tensor]], cache: dict, *,

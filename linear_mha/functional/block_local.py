@@ -78,23 +78,24 @@ def block_local_attention(
 def block_local_step(
     q: Tensor, k: Tensor, v: Tensor, cache: dict, t: int, window_size: int, padding_t: Optional[Tensor] = None
 ) -> Tensor:
-    """Causal decoding at position t: q, k (B, H, D), v (B, H, Dv) -> (B, H, Dv); ``cache`` is updated in place."""
+    """Causal decoding at position t: q, k (B, H, D), v (B, H, Dv) -> (B, H, Dv); ``cache`` is updated in place (every
+    tensor in it has the batch first, so a beam search can reorder it)."""
     b, h, d = k.shape
     span = 2 * window_size
     if "k" not in cache:
         cache["k"] = k.new_zeros(b, h, span, d)
         cache["v"] = v.new_zeros(b, h, span, v.shape[-1])
-        cache["pos"] = torch.full((span,), -1, dtype=torch.long, device=k.device)
+        cache["pos"] = torch.full((b, span), -1, dtype=torch.long, device=k.device)
         cache["padding"] = torch.ones(b, span, dtype=torch.bool, device=k.device)
     if padding_t is None:
         padding_t = torch.zeros(b, dtype=torch.bool, device=k.device)
     cache["k"] = torch.cat([cache["k"][:, :, 1:], k[:, :, None]], dim=2)
     cache["v"] = torch.cat([cache["v"][:, :, 1:], v[:, :, None]], dim=2)
-    cache["pos"] = torch.cat([cache["pos"][1:], cache["pos"].new_tensor([t])])
+    cache["pos"] = torch.cat([cache["pos"][:, 1:], cache["pos"].new_full((b, 1), t)], dim=1)
     cache["padding"] = torch.cat([cache["padding"][:, 1:], padding_t[:, None]], dim=1)
     pos = cache["pos"]
     visible = (pos >= 0) & (pos >= (t // window_size - 1) * window_size)
-    allowed = ~cache["padding"] & visible
+    allowed = ~cache["padding"] & visible  # (B, span)
     out, _ = softmax_attention(q[:, :, None], cache["k"], cache["v"], key_padding_mask=~allowed)
     return out[:, :, 0]
 
@@ -111,5 +112,5 @@ def block_local_prefill(k: Tensor, v: Tensor, cache: dict, window_size: int,
         padding = torch.zeros(b, n, dtype=torch.bool, device=k.device)
     cache["k"] = F.pad(k[:, :, n - kept:], (0, 0, pad, 0))
     cache["v"] = F.pad(v[:, :, n - kept:], (0, 0, pad, 0))
-    cache["pos"] = F.pad(torch.arange(n - kept, n, device=k.device), (pad, 0), value=-1)
+    cache["pos"] = F.pad(torch.arange(n - kept, n, device=k.device), (pad, 0), value=-1).expand(b, span)
     cache["padding"] = F.pad(padding[:, n - kept:], (pad, 0), value=True)

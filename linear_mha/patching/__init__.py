@@ -1,6 +1,7 @@
 """Model surgery: swap linear attention into existing models, keeping their weights.
 
-    patch(model, mode, ...)   in place; nn.MultiheadAttention (+ subclasses keeping its forward), timm Attention
+    patch(model, mode, ...)   in place; nn.MultiheadAttention (+ subclasses keeping its forward), timm Attention,
+                              transformers models (through their attention interface), the LM stack
     unpatch(model)            back to the original modules, with the current weights
     patched(mode, ...)        context manager: nn.MultiheadAttention(...) builds LinearMultiheadAttention
     PatchReport               what was replaced, skipped (and why), parameters added
@@ -12,8 +13,11 @@ from .calibrate import CalibrationReport, calibrate, output_distance
 from .context import patched
 from .patcher import patch, unpatch
 from .report import PatchReport
+from .huggingface import LinearHFAttention
+from .hf_generation import LinearStateCache
 from .timm_attention import LinearTimmAttention
 from .token_grids import track_token_grid
 
 __all__ = ["patch", "unpatch", "patched", "PatchReport", "LinearTimmAttention", "calibrate", "CalibrationReport",
-           "output_distance", "track_token_grid"]
+           "output_distance", "track_token_grid",
+           "LinearHFAttention", "LinearStateCache"]

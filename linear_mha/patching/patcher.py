@@ -9,7 +9,7 @@ from typing import Callable, Optional, Type
 import torch
 from torch import nn
 
-from ..adapters import UnknownLength, adapter_classes, adapter_for
+from ..adapters import ATTACHED, UnknownLength, adapter_classes, adapter_for
 from ..attend import needs_token_grid, validate_options
 from ..registry import DEFAULT_MODE, AttentionMethod, method_class
 from ..token_grid import GridTracker, attach_tracker, feature_map_grid
@@ -36,6 +36,11 @@ class _Plan:
 
 def _is_adapter(module) -> bool:
     return isinstance(module, adapter_classes())
+
+
+def _holds_adapter(module) -> bool:
+    """Whether an adapter that attaches sits in ``module`` (the module it converts)."""
+    return _is_adapter(module._modules.get(ATTACHED))
 
 
 def _owners(model: nn.Module, name: str):
@@ -197,10 +202,13 @@ def patch(model: nn.Module, mode: str = DEFAULT_MODE, *, include=None, exclude=N
     report = PatchReport(mode=mode)
     plans = []
     for name, module in model.named_modules():
-        if _is_adapter(module):
+        if _is_adapter(module) and type(module).attaches:
+            continue  # reported with the module it is attached to
+        if _is_adapter(module) or _holds_adapter(module):
             selection.why_not(name, module, use_filter=False)  # a pattern naming it is not a typo
-            report.skipped.append((name, type(module), f"already linear (mode={module.mode!r}); call "
-                                                       f"unpatch(model) first to change it"))
+            mode = (module if _is_adapter(module) else module._modules[ATTACHED]).mode
+            report.skipped.append((name, type(module), f"already linear (mode={mode!r}); call unpatch(model) first "
+                                                       f"to change it"))
             continue
         adapter = adapter_for(module)
         reason = adapter.unsupported_reason(module) if adapter is not None else unsupported_reason(module)
@@ -222,13 +230,21 @@ def patch(model: nn.Module, mode: str = DEFAULT_MODE, *, include=None, exclude=N
     trackers = _track_grids(model, plans, built, grid_source, grid_prefix, grid_stride)
 
     before = {id(p) for p in model.parameters()} | {id(b) for b in model.buffers()}
-    _swap(model, {id(plan.module): new for plan, new in zip(plans, built)})
+    replacement = {}
+    for plan, new in zip(plans, built):
+        if plan.adapter.attaches:
+            plan.module.add_module(ATTACHED, new)
+        else:
+            replacement[id(plan.module)] = new
+    _swap(model, replacement)
     report.parameters_added = sum(p.numel() for p in model.parameters() if id(p) not in before)
     report.buffers_added = sum(b.numel() for b in model.buffers() if id(b) not in before)
     for plan, new in zip(plans, built):
         report.replaced.append((plan.name, type(plan.module), type(new)))
-        if plan.module._forward_hooks or plan.module._forward_pre_hooks:
+        if (plan.module._forward_hooks or plan.module._forward_pre_hooks) and not plan.adapter.attaches:
             report.notes.append(f"forward hooks on {plan.name!r} stay on the replaced module; register them again")
+    for adapter in dict.fromkeys(plan.adapter for plan in plans):
+        report.notes += adapter.prepare_model(model, [plan.module for plan in plans if plan.adapter is adapter])
     for tracker in trackers:
         report.notes.append(f"token grid for dwc_kernel read from the input of {tracker.source_name or '<root>'!r}")
     for name in disable_nested_tensor(model, _is_adapter):
@@ -244,17 +260,24 @@ def unpatch(model: nn.Module) -> PatchReport:
     are dropped, and the hooks that read token grids removed."""
     _check_model(model, "unpatch")
     report = PatchReport(mode="unpatch")
-    olds, news, trackers = [], [], set()
-    for name, module in model.named_modules():
+    olds, news, trackers, kinds = [], [], set(), {}
+    for name, module in list(model.named_modules()):
         if _is_adapter(module):
             if module.__dict__.get("token_grid_source") is not None:
                 trackers.add(module.__dict__.pop("token_grid_source"))
             new = module.to_original()
-            olds.append(module)
-            news.append(new)
+            kinds[type(module)] = None
+            if type(module).attaches:  # the converted module stays; only the adapter leaves it
+                del new._modules[ATTACHED]
+                name = name.rpartition(".")[0]
+            else:
+                olds.append(module)
+                news.append(new)
             report.replaced.append((name, type(module), type(new)))
     before = {id(p) for p in model.parameters()}
     _swap(model, {id(old): new for old, new in zip(olds, news)})
+    for adapter in kinds:
+        report.notes += adapter.restore_model(model)
     removed = len(before - {id(p) for p in model.parameters()})
     if removed:
         report.notes.append(f"{removed} parameter tensor(s) of the linear modes removed")
