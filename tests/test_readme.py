@@ -40,6 +40,8 @@ def test_the_readme_stays_a_readme():
 
 @pytest.mark.parametrize("name,index,code,expected", SNIPPETS, ids=[f"{n}:{i}" for n, i, _, _ in SNIPPETS])
 def test_snippet_runs_and_prints_what_the_page_shows(name, index, code, expected, tmp_path, monkeypatch, capsys):
+    if "transformers" in code:  # an optional extra (.[hf]): its pages' snippets need it installed
+        pytest.importorskip("transformers")
     monkeypatch.chdir(tmp_path)
     methods = linear_mha.available_methods()
     try:

@@ -7,15 +7,15 @@ here (nothing is downloaded): plain patch, attention transfer alone, and transfe
 
     python -m tools.calibrate_bench lm --seeds 0 1 2 --out runs/calib_lm --json docs/results/calibrate_lm.json
 
-vit: a small timm ViT trained from scratch on scikit-learn's handwritten digits (1,797 8 x 8 images, upsampled to
-32 x 32; 80/20 split by seed), then patched with --mode (hedgehog) and calibrated. detr: softmax DETR checkpoints
-written by integrations.detr.train (e.g. tools.detr_compare's softmax runs), patched in the encoder and calibrated
-through the trainer's --calibrate-steps, on its training images; the options after `--` are the trainer's. lm: a
-byte-level causal LM on torch.nn.TransformerEncoder (--lm torch) or linear_mha.lm's own exact-softmax LM (--lm stack)
-trained on the standard library's sources (tools/calibrate_lm.py), measured in bits per byte (lower is better;
-kept = original / patched). All three report accuracy against the number of calibration steps, the budget as a
-fraction of the original training steps, the table, a JSON of every record and a PNG (accuracy against calibration
-steps).
+vit: a small timm ViT (--vit timm) or transformers ViT (--vit hf) trained from scratch on scikit-learn's handwritten
+digits (1,797 8 x 8 images, upsampled to 32 x 32; 80/20 split by seed), then patched with --mode (hedgehog) and
+calibrated. detr: softmax DETR checkpoints written by integrations.detr.train (e.g. tools.detr_compare's softmax
+runs), patched in the encoder and calibrated through the trainer's --calibrate-steps, on its training images; the
+options after `--` are the trainer's. lm: a byte-level causal LM on torch.nn.TransformerEncoder (--lm torch),
+linear_mha.lm's own exact-softmax LM (--lm stack) or transformers' LlamaForCausalLM (--lm hf), trained on the
+standard library's sources (tools/calibrate_lm.py), measured in bits per byte (lower is better; kept = original /
+patched). All three report accuracy against the number of calibration steps, the budget as a fraction of the
+original training steps, the table, a JSON of every record and a PNG (accuracy against calibration steps).
 """
 import argparse
 import itertools
@@ -35,6 +35,7 @@ from linear_mha import calibrate, method_class
 
 from . import measure as M
 from .calibrate_stages import calibration_stages, train_one_cycle
+from .hf_models import vit_classifier
 
 
 # ---------------------------------------------------------------------------------------------------- the ViT
@@ -50,7 +51,9 @@ def digits(seed):
     return x[order[:cut]], y[order[:cut]], x[order[cut:]], y[order[cut:]]
 
 
-def build_vit(seed):
+def build_vit(seed, kind="timm"):
+    if kind == "hf":
+        return vit_classifier(seed)
     import timm
     torch.manual_seed(seed)
     return timm.models.vision_transformer.VisionTransformer(img_size=32, patch_size=4, in_chans=1, num_classes=10,
@@ -77,7 +80,7 @@ def train_vit(model, x, y, steps, lr, seed):
 
 def vit_records(a, seed):
     x_train, y_train, x_test, y_test = digits(seed)
-    original = train_vit(build_vit(seed), x_train, y_train, a.train_steps, 2e-3, seed)
+    original = train_vit(build_vit(seed, a.vit), x_train, y_train, a.train_steps, 2e-3, seed)
     base = top1(original, x_test, y_test)
     records = [dict(seed=seed, stage="softmax (original)", calibration_steps=0, finetune_steps=0, top1=base)]
     train_batches = [images for images, _ in batches(x_train, y_train, 64, seed + 7)]
@@ -235,8 +238,11 @@ def main(argv=None):
     p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
                    help="an option of --mode, e.g. window=16 (repeatable; values are Python literals or strings)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="vit, lm: one trained model per seed")
-    p.add_argument("--lm", choices=["torch", "stack"], default="torch",
-                   help="lm: the nn.TransformerEncoder LM, or linear_mha.lm's own exact-softmax LM")
+    p.add_argument("--lm", choices=["torch", "stack", "hf"], default="torch",
+                   help="lm: the nn.TransformerEncoder LM, linear_mha.lm's own exact-softmax LM, or transformers' "
+                        "LlamaForCausalLM")
+    p.add_argument("--vit", choices=["timm", "hf"], default="timm",
+                   help="vit: timm's VisionTransformer, or transformers' ViTForImageClassification")
     p.add_argument("--checkpoints", nargs="+", default=[], help="detr: softmax checkpoints, one per seed")
     p.add_argument("--checkpoint-seeds", type=int, nargs="+", default=None, help="detr: their seeds (default 42..)")
     p.add_argument("--train-steps", type=int, default=2000, help="vit, lm: training steps of the softmax model")
@@ -294,7 +300,8 @@ def main(argv=None):
     records = [r for r in earlier if r["seed"] not in rerun] + records
     rows = summarize(records, metric)
     print_table(rows, metric)
-    result = {"model": a.model, **({"lm": a.lm} if a.model == "lm" else {}), "mode": a.mode, "options": a.options,
+    result = {"model": a.model, **({"lm": a.lm} if a.model == "lm" else {}), **({"vit": a.vit} if a.model == "vit" else {}),
+              "mode": a.mode, "options": a.options,
               "machine": f"{M.cpu_name()} ({platform.machine()})",
               "threads": torch.get_num_threads(), "torch": torch.__version__,
               "command": "python -m tools.calibrate_bench " + " ".join(argv), "argv": list(argv), "records": records,

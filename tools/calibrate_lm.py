@@ -18,6 +18,7 @@ from torch import nn
 from linear_mha import calibrate, patch
 
 from .calibrate_stages import calibration_stages, train_one_cycle
+from .hf_models import byte_llama
 from .train_lm import build_model, stdlib_corpus
 
 SEQ_LEN, BATCH, CORPUS_BYTES = 128, 32, 2_000_000
@@ -48,7 +49,9 @@ def build_lm(kind: str) -> nn.Module:
         return TorchCausalLM()
     if kind == "stack":
         return build_model(argparse.Namespace(variant="softmax", dim=128, depth=2, heads=4, seq_len=SEQ_LEN))
-    raise ValueError(f"--lm must be 'torch' or 'stack', got {kind!r}")
+    if kind == "hf":
+        return byte_llama(SEQ_LEN)
+    raise ValueError(f"--lm must be 'torch', 'stack' or 'hf', got {kind!r}")
 
 
 def text_splits():
