@@ -213,3 +213,14 @@ def test_calibrate_fits_a_transformers_model_with_its_model_output():
     tuned = calibrate(model, batches, steps=0, finetune_steps=2, finetune_lr=1e-4, distill=True, progress=False,
                       forward=lambda m, b: m(pixel_values=b))
     assert tuned.distilled and all(0 < loss < 1 for loss in tuned.finetune_losses)
+
+
+@pytest.mark.parametrize("mode", modes.GRID)
+@pytest.mark.parametrize("family", ["vit", "detr"])
+def test_methods_over_the_image_grid_get_it_from_the_model(family, mode):
+    """agent attends over the token grid: patch finds it (ViT's patches after the class token, DETR's feature map),
+    on padded images too."""
+    model = build(family)
+    patch(model, mode, **({"include": ["model.encoder.*"]} if family == "detr" else {}))
+    out = _run(model, inputs(family, padded=True))
+    assert torch.isfinite(out).all()
