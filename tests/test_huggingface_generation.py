@@ -99,3 +99,13 @@ def test_unpatch_gives_generate_back():
     ids = torch.randint(1, 64, (1, 5))
     assert torch.equal(model.generate(ids, max_new_tokens=4, **GREEDY), build("llama").generate(ids, max_new_tokens=4,
                                                                                               **GREEDY))
+
+
+def test_a_model_converted_in_part_generates_with_transformers_cache():
+    """Layers left on softmax need their keys back every step, which a state does not keep: generate then keeps
+    transformers' own cache (and the tokens are those of a full recompute)."""
+    model = build("llama")
+    patch(model, "hedgehog", include=["model.layers.0.*"])
+    assert "generate" not in model.__dict__
+    ids = torch.randint(1, 64, (1, 5))
+    assert torch.equal(model.generate(ids, max_new_tokens=6, **GREEDY), recompute(model, ids, 6))

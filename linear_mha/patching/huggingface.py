@@ -277,8 +277,10 @@ class LinearHFAttention(AttentionAdapter, nn.Module):
                 _set_implementation(config, NAME)
                 notes.append(f"{type(config).__name__}: attention implementation {config.__dict__[_SAVED]!r} -> "
                              f"{NAME!r} (modules left out of the selection run {config.__dict__[_SAVED]!r})")
-        if any(getattr(m, "is_causal", False) for m in modules) and hf_generation.install(model):
-            notes.append("generate() decodes with linear_mha's cache: a fixed-size state per layer")
+        causal = [m for m in model.modules() if cls.matches(m) and getattr(m, "is_causal", False)]
+        if causal and all(isinstance(m._modules.get(ATTACHED), cls) for m in causal):
+            if hf_generation.install(model):  # every layer that caches keys is linear: none needs the keys back
+                notes.append("generate() decodes with linear_mha's cache: a fixed-size state per layer")
         return notes
 
     @classmethod
