@@ -16,11 +16,13 @@ from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from . import masks, torch_models
+from .errors import InputError
 from .adapters import AttentionAdapter, register_adapter
 from .attend import attend_heads
 from .local_term import add_local_term
 from .registry import DEFAULT_MODE, create_method
 from .token_grid import TokenGrid, resolve_token_grid
+from .functional._common import autocast_active
 from .torch_models import TORCH_MHA
 
 
@@ -28,26 +30,6 @@ def _disable_torch_fast_path(module, args):
     """Registered as a forward pre-hook so that nn.TransformerEncoderLayer's inference fast path, which checks
     for hooks and otherwise runs exact softmax on in_proj_weight without calling our forward, is never taken."""
     return None
-
-
-def _check_arguments(embed_dim, num_heads, dropout, kdim, vdim, dtype):
-    """nn.MultiheadAttention's arguments, each named in its error (torch's own errors name none of them)."""
-    for name, value, optional in (("embed_dim", embed_dim, False), ("num_heads", num_heads, False),
-                                  ("kdim", kdim, True), ("vdim", vdim, True)):
-        if optional and value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    if embed_dim % num_heads:
-        raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
-        raise TypeError(f"dropout must be a number in [0, 1], got {type(dropout).__name__} {dropout!r}")
-    if not 0.0 <= dropout <= 1.0:
-        raise ValueError(f"dropout must be in [0, 1], got {dropout}")
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise TypeError(f"dtype must be a floating-point torch.dtype (or None), got {dtype!r}")
 
 
 @register_adapter
@@ -87,7 +69,7 @@ class LinearMultiheadAttention(AttentionAdapter, nn.Module):
                  kdim=None, vdim=None, batch_first=False, device=None, dtype=None, *, mode=DEFAULT_MODE,
                  dwc_kernel=None, **options):
         method = create_method(mode, options)  # first: a wrong option fails before anything is allocated
-        _check_arguments(embed_dim, num_heads, dropout, kdim, vdim, dtype)
+        torch_models.check_arguments(embed_dim, num_heads, dropout, kdim, vdim, dtype)
         factory_kwargs = {"device": device, "dtype": dtype}
         super().__init__()
         self.embed_dim = embed_dim
@@ -289,18 +271,19 @@ class LinearMultiheadAttention(AttentionAdapter, nn.Module):
         """Validate nn.MHA-style inputs and project them to heads (B, H, ., head_dim); the extra keys of add_bias_kv /
         add_zero_attn come back apart, as (k, v) heads of 1 or 2 positions, or None."""
         if query.dim() not in (2, 3):
-            raise ValueError(f"query must be 3-D (batched) or 2-D (unbatched (L, E)), got a {query.dim()}-D tensor "
+            raise InputError(f"query must be 3-D (batched) or 2-D (unbatched (L, E)), got a {query.dim()}-D tensor "
                              f"of shape {tuple(query.shape)}")
         unbatched = query.dim() == 2
         expected_dim = 2 if unbatched else 3
         for name, t in (("query", query), ("key", key), ("value", value)):
             if t.dim() != expected_dim:
-                raise ValueError(f"query, key and value must all be batched (3-D) or all unbatched (2-D); "
+                raise InputError(f"query, key and value must all be batched (3-D) or all unbatched (2-D); "
                                  f"query is {query.dim()}-D but {name} is {t.dim()}-D")
         for name, t, width in (("query", query, self.embed_dim), ("key", key, self.kdim), ("value", value, self.vdim)):
             if t.shape[-1] != width:
-                raise ValueError(f"{name} has feature size {t.shape[-1]}, expected {width}"
+                raise InputError(f"{name} has feature size {t.shape[-1]}, expected {width}"
                                  + ("" if name == "query" else " (kdim/vdim of this module)"))
+        self._check_dtypes(query, key, value)
         same_qkv, same_kv, query_is_key = query is key and key is value, key is value, query is key
 
         def batch_major(t):
@@ -309,7 +292,7 @@ class LinearMultiheadAttention(AttentionAdapter, nn.Module):
         query, key, value = batch_major(query), batch_major(key), batch_major(value)
         B, L, S = query.shape[0], query.shape[1], key.shape[1]
         if key.shape[:2] != value.shape[:2] or key.shape[0] != B:
-            raise ValueError(f"key and value must have the same batch and sequence sizes, and the batch of query; got "
+            raise InputError(f"key and value must have the same batch and sequence sizes, and the batch of query; got "
                              f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)} "
                              f"(batch-major)")
         kpm = masks.check_key_padding_mask(key_padding_mask, B, S, unbatched)
@@ -330,6 +313,15 @@ class LinearMultiheadAttention(AttentionAdapter, nn.Module):
         extra_keys = (torch.cat(extra_k, dim=2), torch.cat(extra_v, dim=2)) if extra_k else None
         layout = {"batch": B, "tgt_len": L, "unbatched": unbatched}
         return q, k, v, extra_keys, kpm, mask, layout
+
+    def _check_dtypes(self, query, key, value):
+        """Inputs in the parameters' dtype (torch's own error names neither), unless autocast casts them."""
+        weight = self.in_proj_weight if self._qkv_same_embed_dim else self.q_proj_weight
+        if not autocast_active(query.device):
+            for name, t in (("query", query), ("key", key), ("value", value)):
+                if t.dtype != weight.dtype:
+                    raise TypeError(f"{name} is {t.dtype} but this module's parameters are {weight.dtype}; convert "
+                                    f"the input ({name}.to({weight.dtype})) or the module (module.to({t.dtype}))")
 
     def _zero_padding(self, query, key, value, kpm, query_is_key, same_kv):
         """The linear methods' inputs with masked positions zeroed before the projection: garbage there (even NaN or
@@ -369,6 +361,8 @@ class LinearMultiheadAttention(AttentionAdapter, nn.Module):
             raise ValueError("query, key and value must all be NestedTensors or all be dense tensors")
         q_lens = [t.shape[0] for t in query.unbind()]
         k_lens = [t.shape[0] for t in key.unbind()]
+        if not q_lens:  # no sequences at all: nothing to attend, an empty batch back
+            return query, None
         pad = {id(t): t.to_padded_tensor(0.0) for t in (query, key, value)}  # (B, len, E) each
         q_pad, k_pad, v_pad = pad[id(query)], pad[id(key)], pad[id(value)]
         kpm = torch.arange(k_pad.shape[1], device=k_pad.device)[None] >= torch.tensor(k_lens, device=k_pad.device)[:, None]

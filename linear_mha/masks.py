@@ -11,6 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .errors import InputError
+
+
 def _check_dtype(mask: Tensor, name: str) -> None:
     if mask.dtype != torch.bool and not mask.is_floating_point():
         raise TypeError(
@@ -26,7 +29,7 @@ def check_key_padding_mask(mask: Optional[Tensor], batch: int, src_len: int, unb
     _check_dtype(mask, "key_padding_mask")
     expected = (src_len,) if unbatched else (batch, src_len)
     if tuple(mask.shape) != expected:
-        raise ValueError(f"key_padding_mask must have shape {expected} (batch, source length), got {tuple(mask.shape)}")
+        raise InputError(f"key_padding_mask must have shape {expected} (batch, source length), got {tuple(mask.shape)}")
     return mask.reshape(batch, src_len)
 
 
@@ -41,17 +44,21 @@ def check_attn_mask(mask: Optional[Tensor], batch: int, heads: int, tgt_len: int
         return mask
     if tuple(mask.shape) == per_sample:
         return mask.reshape(batch, heads, tgt_len, src_len)
-    raise ValueError(
+    raise InputError(
         f"attn_mask must have shape {(tgt_len, src_len)} or {per_sample}, got {tuple(mask.shape)}"
     )
 
 
-def to_additive(mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
-    """bool (True = forbidden) -> float 0/-inf; float masks are used as they are, as nn.MultiheadAttention does."""
+def to_additive(mask: Optional[Tensor], dtype: torch.dtype, name: str = "mask") -> Optional[Tensor]:
+    """bool (True = forbidden) -> float 0/-inf; float masks are used as they are, as nn.MultiheadAttention does, but
+    NaN or +inf (which would turn whole rows of scores into NaN) is refused."""
     if mask is None:
         return None
     if mask.dtype == torch.bool:
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
+    if bool((torch.isnan(mask) | torch.isposinf(mask)).any()):
+        raise ValueError(f"{name} holds NaN or +inf, which would make the scores of whole rows NaN; a float mask adds "
+                         f"finite values or -inf (forbidden), or pass a bool mask (True = forbidden)")
     return mask.to(dtype)
 
 
@@ -62,11 +69,11 @@ def additive_bias(key_padding_mask: Optional[Tensor], attn_mask: Optional[Tensor
     key_padding_mask (B, S) and attn_mask (L, S) or (B, H, L, S) as the ``check_*`` functions return them."""
     bias = None
     if key_padding_mask is not None:
-        bias = F.pad(to_additive(key_padding_mask, dtype), (0, n_extra))[:, None, None, :]
+        bias = F.pad(to_additive(key_padding_mask, dtype, "key_padding_mask"), (0, n_extra))[:, None, None, :]
     if attn_mask is None and is_causal:
         attn_mask = torch.ones(tgt_len, src_len, dtype=torch.bool, device=device).triu(1)
     if attn_mask is not None:
-        mask = F.pad(to_additive(attn_mask, dtype), (0, n_extra))
+        mask = F.pad(to_additive(attn_mask, dtype, "attn_mask"), (0, n_extra))
         mask = mask[None, None] if mask.dim() == 2 else mask
         bias = mask if bias is None else bias + mask
     return bias

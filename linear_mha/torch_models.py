@@ -1,9 +1,10 @@
-"""What models built on torch.nn.MultiheadAttention tell ``patch`` about the attention inside them: whether a
-module can be swapped for LinearMultiheadAttention at all, how many tokens torchvision's VisionTransformer feeds it,
-and where the token grid of a ViT or a DETR-style transformer comes from (``LinearMultiheadAttention``'s adapter
-class methods call these)."""
+"""torch.nn.MultiheadAttention's side of LinearMultiheadAttention: the constructor arguments it accepts, and what
+models built on it tell ``patch`` about the attention inside them: whether a module can be swapped at all, how many
+tokens torchvision's VisionTransformer feeds it, and where the token grid of a ViT or a DETR-style transformer comes
+from (``LinearMultiheadAttention``'s adapter class methods call these)."""
 from typing import Optional
 
+import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -11,6 +12,26 @@ from .token_grid import feature_map_grid
 
 # torch's class, captured at import: inside patched() the name nn.MultiheadAttention builds linear modules.
 TORCH_MHA = nn.MultiheadAttention
+
+
+def check_arguments(embed_dim, num_heads, dropout, kdim, vdim, dtype):
+    """nn.MultiheadAttention's arguments, each named in its error (torch's own errors name none of them)."""
+    for name, value, optional in (("embed_dim", embed_dim, False), ("num_heads", num_heads, False),
+                                  ("kdim", kdim, True), ("vdim", vdim, True)):
+        if optional and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if embed_dim % num_heads:
+        raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
+        raise TypeError(f"dropout must be a number in [0, 1], got {type(dropout).__name__} {dropout!r}")
+    if not 0.0 <= dropout <= 1.0:
+        raise ValueError(f"dropout must be in [0, 1], got {dropout}")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating-point torch.dtype (or None), got {dtype!r}")
 
 
 def mha_subclass_reason(module: nn.Module) -> Optional[str]:

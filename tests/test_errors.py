@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import linear_mha
+import linear_mha.functional as LF
 from linear_mha import LinearMultiheadAttention
 import modes
 
@@ -186,3 +187,74 @@ def test_patch_checks_a_misspelt_mode_or_option_even_where_nothing_is_patched():
         patch(empty, "kernal")
     with pytest.raises(ValueError, match="feature_map must be one of"):
         patch(empty, "kernel", feature_map="gelu")
+
+
+def test_an_input_in_another_dtype_than_the_module_names_both_fixes():
+    m = LinearMultiheadAttention(8, 2, mode="kernel")
+    x = torch.randn(3, 2, 8, dtype=torch.float64)
+    with pytest.raises(TypeError, match=r"query is torch.float64 but this module's parameters are torch.float32.*"
+                                        r"module.to\(torch.float64\)"):
+        m(x, x, x)
+    with pytest.raises(TypeError, match="key is torch.int64"):
+        m(x.float(), torch.ones(3, 2, 8, dtype=torch.long), x.float())
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts the inputs itself: no refusal there
+        assert m(x.float(), x.float(), x.float())[0].shape == (3, 2, 8)
+
+
+@pytest.mark.parametrize("fn", [LF.kernel, LF.efficient_attention, LF.taylor, LF.focused,
+                                lambda q, k, v: LF.softmax(q, k, v)[0],
+                                lambda q, k, v: LF.linformer(q, k, v, torch.randn(2, 3))[0]],
+                         ids=["kernel", "efficient_attention", "taylor", "focused", "softmax", "linformer"])
+def test_integer_tensors_to_the_functional_api_name_the_argument(fn):
+    x = torch.ones(1, 1, 3, 2, dtype=torch.long)
+    with pytest.raises(TypeError, match=r"q must be a floating-point tensor, got torch.int64; convert it with q.float"):
+        fn(x, x, x)
+
+
+def test_an_in_place_step_on_a_broadcast_state_is_refused():
+    q = torch.randn(1, 1, 2)
+    state = torch.zeros(1, 1, 1, 3).expand(1, 1, 2, 3)  # one row shared by both features
+    with pytest.raises(ValueError, match=r"broadcast \(expanded\) state.*state.clone\(\)"):
+        LF.kernel_step(q, q, q, state, inplace=True)
+    out, new = LF.kernel_step(q, q, q, state.clone(), inplace=True)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("which", ["key_padding_mask", "attn_mask"])
+def test_nan_or_inf_in_a_float_mask_is_refused_in_softmax_as_in_the_linear_methods(which, bad):
+    m = LinearMultiheadAttention(8, 2, mode="softmax")
+    x = torch.randn(3, 2, 8)
+    mask = torch.zeros(2, 3) if which == "key_padding_mask" else torch.zeros(3, 3)
+    mask[0, 1] = bad
+    with pytest.raises(ValueError, match=f"{which} holds NaN or \\+inf"):
+        m(x, x, x, **{which: mask})
+
+
+BAD_CALLS = {  # (query, key, value, kwargs) that torch.nn.MultiheadAttention refuses with an AssertionError
+    "embed_dim": (torch.randn(3, 2, 6), torch.randn(3, 2, 8), torch.randn(3, 2, 8), {}),
+    "key_value_lengths": (torch.randn(3, 2, 8), torch.randn(4, 2, 8), torch.randn(5, 2, 8), {}),
+    "key_padding_mask_shape": (torch.randn(3, 2, 8), torch.randn(4, 2, 8), torch.randn(4, 2, 8),
+                               {"key_padding_mask": torch.zeros(2, 5, dtype=torch.bool)}),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_malformed_inputs_raise_what_torch_raises_with_our_message(case):
+    """Code written against nn.MultiheadAttention catches AssertionError; ours is that and a ValueError naming the
+    argument."""
+    q, k, v, kwargs = BAD_CALLS[case]
+    with pytest.raises(AssertionError):
+        torch.nn.MultiheadAttention(8, 2)(q, k, v, **kwargs)
+    for mode in ("softmax", "kernel"):
+        with pytest.raises(AssertionError) as caught:
+            LinearMultiheadAttention(8, 2, mode=mode)(q, k, v, **kwargs)
+        assert isinstance(caught.value, ValueError) and ("mask" in str(caught.value) or "query" in str(caught.value)
+                                                         or "key" in str(caught.value))
+
+
+def test_an_empty_nested_tensor_gives_an_empty_batch_back():
+    m = LinearMultiheadAttention(8, 2, mode="kernel", batch_first=True).eval()
+    empty = torch.nested.nested_tensor([], dtype=torch.float32)
+    out, weights = m(empty, empty, empty)
+    assert out.is_nested and out.size(0) == 0 and weights is None

@@ -60,13 +60,17 @@ def compiling() -> bool:
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
 
+def autocast_active(device: torch.device) -> bool:
+    """Whether autocast is on for ``device``'s type."""
+    try:
+        return torch.is_autocast_enabled(device.type)
+    except (RuntimeError, TypeError):  # devices without autocast support (e.g. meta)
+        return False
+
+
 def no_autocast(device: torch.device):
     """A context that switches autocast off on ``device`` where it is on, else does nothing."""
-    try:
-        active = torch.is_autocast_enabled(device.type)
-    except (RuntimeError, TypeError):  # devices without autocast support (e.g. meta)
-        active = False
-    return torch.autocast(device_type=device.type, enabled=False) if active else contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, enabled=False) if autocast_active(device) else contextlib.nullcontext()
 
 
 def outside_autocast(fn):
@@ -118,7 +122,12 @@ def safe_normaliser(den: Tensor) -> Tensor:
 
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor] = None) -> None:
-    """Shape checks shared by every method; messages name the argument at fault."""
+    """Type and shape checks shared by every method; messages name the argument at fault."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}; convert it with {name}.float()")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             f"q, k, v must be 4-D (batch, heads, seq, dim); got q{tuple(q.shape)}, k{tuple(k.shape)}, v{tuple(v.shape)}"

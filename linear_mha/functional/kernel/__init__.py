@@ -146,6 +146,9 @@ def kernel_step(
     if inplace and state is not None and state.requires_grad and torch.is_grad_enabled():
         raise ValueError("kernel_step(inplace=True) overwrites the state, which autograd cannot differentiate "
                          "through; pass inplace=False when gradients are needed")
+    if inplace and state is not None and any(st == 0 and n > 1 for st, n in zip(state.stride(), state.shape)):
+        raise ValueError("kernel_step(inplace=True) would write through a broadcast (expanded) state, whose elements "
+                         "share memory; pass state.clone() (or inplace=False)")
     if backend.step_backend(q, k, v, state, feature_map).backend == backend.NATIVE:
         return native.kernel_step(q, k, v, state, feature_map, inplace)
     _check_step(q, k, v, state)
