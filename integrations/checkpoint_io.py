@@ -45,11 +45,21 @@ def safe_load(path, flag: str, *, map_location="cpu", extra_classes: Iterable[ty
                 f"checkpoint may only hold tensors and plain values (the file could run code as it loads; nothing in "
                 f"it was run). If it is a checkpoint this project wrote before version 0.2 and you trust it, convert "
                 f"it once with: python -m integrations.checkpoint_io {path} converted.pth --trust") from None
-        reason = re.search(r"WeightsUnpickler error: (.+)", str(exc))
-        raise ValueError(f"{flag} {path} is not a readable checkpoint ("
-                         f"{reason.group(1).strip() if reason else str(exc).splitlines()[0]})") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as exc:  # torn, empty or foreign files
-        raise ValueError(f"{flag} {path} is not a readable checkpoint ({type(exc).__name__}: {exc})") from None
+        raise ValueError(f"{flag} {path} is not a readable checkpoint ({_reason(exc)})") from None
+    except Exception as exc:  # torn, empty or foreign files: the unpickler fails in many ways (IndexError, ...)
+        raise ValueError(f"{flag} {path} is not a readable checkpoint ({_reason(exc)})") from None
+
+
+def _reason(exc: Exception) -> str:
+    """Why torch could not read a file, in one line, without torch's advice to retry with ``weights_only=False``:
+    for a damaged or foreign file that advice means running whatever code it holds."""
+    text = str(exc)
+    detail = re.search(r"WeightsUnpickler error: (.+)", text)
+    if detail:
+        return detail.group(1).strip()
+    if "weights_only" in text:
+        return f"{type(exc).__name__}: it is damaged or not a torch checkpoint"
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else 'no detail'}"
 
 
 def check_same_args(saved: dict, current: dict, keys: Iterable[str], flag: str, path) -> None:
