@@ -85,7 +85,7 @@ def lm_records(a, seed):
     train_data, val_data = text_splits()
     torch.manual_seed(seed)
     original = train_one_cycle(build_lm(a.lm), windows(train_data, a.train_steps, seed), next_byte_loss,
-                               a.train_steps, 2e-3, 0.01)
+                               a.train_steps, 2e-3, 0.01, desc=f"softmax LM ({a.lm}), seed {seed}")
     held_out = windows(val_data, 16, 10_000 + seed)
     base = bits_per_byte(original, held_out)
     records = [dict(seed=seed, stage="softmax (original)", calibration_steps=0, finetune_steps=0, bpb=base)]

@@ -6,20 +6,24 @@ import itertools
 import torch
 
 from linear_mha import calibrate, patch
+from linear_mha.progress import progress_bar
 
 
-def train_one_cycle(model, batches_, loss_fn, steps, lr, weight_decay):
+def train_one_cycle(model, batches_, loss_fn, steps, lr, weight_decay, desc="training the softmax model"):
     """Train ``model`` for ``steps`` batches of the iterable ``batches_`` with AdamW under a one-cycle schedule
     (10% warm-up) at peak ``lr``; ``loss_fn(model, batch)`` is the loss. Returns the model."""
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.1)
-    for batch in itertools.islice(batches_, steps):
+    bar = progress_bar(itertools.islice(batches_, steps), total=steps, desc=desc)
+    for i, batch in enumerate(bar):
         loss = loss_fn(model, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         schedule.step()
+        if i % 20 == 0:
+            bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
     return model
 
 

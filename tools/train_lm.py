@@ -25,6 +25,7 @@ import os
 import sys
 import sysconfig
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -33,6 +34,7 @@ from integrations.checkpoint_io import check_same_args, safe_load
 from integrations.console import HelpFormatter, banner, choose_threads, duration, refuse_overwrite
 from integrations.stop import StopRequest
 from linear_mha.lm import AutoregressiveWrapper, LinearAttentionTransformerLM
+from linear_mha.progress import progress_bar
 
 VARIANTS = {
     "baseline": {},
@@ -61,6 +63,8 @@ def stdlib_corpus(n_bytes: int) -> bytes:
 
 def load_splits(args):
     if args.enwik8:
+        if not Path(args.enwik8).is_file():
+            raise FileNotFoundError(f"--enwik8 {args.enwik8} is not a file; pass the path of enwik8 (unzipped)")
         with open(args.enwik8, "rb") as f:
             data = f.read(100_000_000)
         if len(data) < 100_000_000:
@@ -237,8 +241,8 @@ def main(argv=None):
                     + (f", from step {step}" if step else "") + f"; validation every {args.eval_every}",
         "device": f"{args.device}, threads {threads}",
         "output": f"{args.out}/ (checkpoint.pt, log.jsonl, curves.png, results.json)"}, stream=sys.stderr)
-    from tqdm import tqdm
-    bar = tqdm(total=args.steps, initial=step, disable=args.no_progress, desc=f"{args.variant} seed {args.seed}")
+    bar = progress_bar(total=args.steps, initial=step, disable=args.no_progress,
+                       desc=f"{args.variant} seed {args.seed}")
     start = time.time() - seconds_before  # "seconds" in the log counts training time across resumes
     with StopRequest() as stop:
         while step < args.steps:

@@ -4,7 +4,8 @@ import math
 from collections import defaultdict
 
 import torch
-from tqdm import tqdm
+
+from linear_mha.progress import progress_bar
 
 from .coco_eval import STAT_NAMES, CocoEvaluator
 from .distributed import is_main_process, reduce_dict
@@ -67,8 +68,8 @@ def train_one_epoch(model, criterion, data_loader, optimizer, device, epoch, max
     end = min(end, max_iters) if max_iters else end
     own_bar = bar is None  # the trainer passes one bar over the whole run; alone, the epoch gets its own
     if own_bar:
-        bar = tqdm(total=end, initial=start_iter, desc=f"epoch {epoch}", disable=not (progress and is_main_process()),
-                   leave=False)
+        bar = progress_bar(total=end, initial=start_iter, desc=f"epoch {epoch}",
+                           disable=not (progress and is_main_process()), leave=False)
     it, stopped = start_iter, False
     # islice: with --max-iters, no batch past the last is loaded (its transforms would draw from the RNG).
     for samples, targets in itertools.islice(data_loader, end - start_iter):
@@ -121,7 +122,8 @@ def evaluate(model, criterion, postprocessors, data_loader, coco_gt, device, amp
     criterion.eval()
     meter = Meter()
     evaluator = CocoEvaluator(coco_gt)
-    for samples, targets in tqdm(data_loader, desc="eval", disable=not (progress and is_main_process()), leave=False):
+    shown = progress and is_main_process()
+    for samples, targets in progress_bar(data_loader, desc="eval", disable=not shown, leave=False):
         samples, targets = samples.to(device), _targets_to(targets, device)
         with torch.autocast(device_type="cuda", dtype=torch.float16, enabled=amp):
             outputs = model(samples)

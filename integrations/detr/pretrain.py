@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm import tqdm
+
+from linear_mha.progress import progress_bar
 
 from ..console import HelpFormatter
 from ..stop import StopRequest
@@ -31,6 +32,7 @@ from .checkpoint import load_checkpoint, rng_state, save_atomic, set_rng_state
 from .config import parse_args
 from .datasets import build_dataset
 from .misc import collate_fn
+from .plots import read_log
 from .run_setup import prepare_data_args, seed_everything
 
 IGNORE = -100
@@ -134,8 +136,8 @@ def main(argv=None):
         set_rng_state(ckpt["rng"])
         start, running = ckpt["iter"], ckpt.get("running", [])
         if log_path.exists():  # entries past the checkpoint are redone
-            log_lines = [line for line in log_path.read_text().splitlines() if json.loads(line)["iter"] <= start]
-            log_path.write_text("".join(line + "\n" for line in log_lines))
+            kept = [e for e in read_log(log_path) if e.get("iter", start + 1) <= start]
+            log_path.write_text("".join(json.dumps(e) + "\n" for e in kept))
     else:
         running = []
         if log_path.exists():
@@ -147,7 +149,7 @@ def main(argv=None):
     if per_epoch == 0:
         raise ValueError(f"--batch-size {args.batch_size} exceeds the {len(datasets['train'])} training images")
     model.train()
-    it, bar = start, tqdm(total=args.iters, initial=start, disable=not args.progress, desc="pretrain")
+    it, bar = start, progress_bar(total=args.iters, initial=start, disable=not args.progress, desc="pretrain")
     with StopRequest() as stop:
         stopped = _train(model, optimizer, scheduler, datasets["train"], per_epoch, stride, device, args, it, bar,
                          running, log_path, ckpt_path, stop)

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
-from tqdm import tqdm
 
 from linear_mha import calibrate
+from linear_mha.progress import progress_bar
 
 from ..console import choose_threads, duration, eta, refuse_overwrite
 from ..stop import StopRequest
@@ -261,8 +261,8 @@ def main(argv=None):
                optimizer, lr_scheduler, scaler, n_parameters)
     entries, coco, stopped_at = [], None, None
     started = time.time()
-    bar = tqdm(total=args.epochs * per_epoch, initial=start_epoch * per_epoch + start_iter, unit="it",
-               disable=not (args.progress and dist_utils.is_main_process()), dynamic_ncols=True)
+    bar = progress_bar(total=args.epochs * per_epoch, initial=start_epoch * per_epoch + start_iter, unit="it",
+                       disable=not (args.progress and dist_utils.is_main_process()), dynamic_ncols=True)
     with StopRequest() as stop, bar:
         for epoch in range(start_epoch, args.epochs):
             bar.set_description(f"epoch {epoch + 1}/{args.epochs}")

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..adapters import adapter_classes
+from ..progress import progress_bar
 
 
 @dataclass
@@ -212,11 +213,7 @@ def _cycle(batches):
 
 
 def _progress(total, desc, enabled):
-    try:
-        from tqdm import tqdm
-    except ImportError:  # tqdm is an extra: without it there is no bar
-        return contextlib.nullcontext(None)
-    return tqdm(total=total, desc=desc, disable=not enabled)
+    return progress_bar(total=total, desc=desc, disable=not enabled)
 
 
 @torch.no_grad()
@@ -287,9 +284,8 @@ def calibrate(model: nn.Module, batches: Iterable, *, steps: int = 200, lr: floa
                     loss.backward()
                     optimizer.step()
                     report.losses.append(float(loss.detach()))
-                    if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix(loss=f"{report.losses[-1]:.4f}")
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{report.losses[-1]:.4f}")
         after = _errors(model, modules, batches, eval_batches, forward) if eval_batches else {}
         report.layers = [{"name": name, "error_before": before.get(name, float("nan")),
                           "error_after": after.get(name, float("nan"))} for name, _ in modules]
@@ -313,8 +309,7 @@ def calibrate(model: nn.Module, batches: Iterable, *, steps: int = 200, lr: floa
                     loss.backward()
                     optimizer.step()
                     report.finetune_losses.append(float(loss.detach()))
-                    if bar is not None:
-                        bar.update(1)
+                    bar.update(1)
     finally:
         for p, flag in flags.items():
             p.requires_grad_(flag)
