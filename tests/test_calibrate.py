@@ -2,6 +2,7 @@
 method; only the tensors linear_mha added train, everything is restored afterwards, runs are reproducible, and it
 works where users are (nn.MultiheadAttention models, timm ViTs, the DETR trainer)."""
 import copy
+import json
 
 import pytest
 import torch
@@ -377,3 +378,20 @@ def test_calibration_trains_the_window_mix_with_the_maps():
     assert len(start) == 2
     assert all(not torch.equal(p, start[n]) for n, p in model.named_parameters() if n in start)
     assert all(layer["error_after"] < 0.8 * layer["error_before"] for layer in report.layers), report.table()
+
+
+def test_the_bench_saves_each_seed_as_it_finishes_so_an_interrupted_run_keeps_them(tmp_path, monkeypatch):
+    """Hours of seeds must not be lost to a crash in the last one: results.json holds every finished seed."""
+    from tools import calibrate_bench
+
+    def records(a, seed):
+        if seed == 2:
+            raise KeyboardInterrupt
+        return [dict(seed=seed, stage="softmax (original)", calibration_steps=0, finetune_steps=0, top1=0.9,
+                     kept=1.0, fraction_of_training_steps=0.0)]
+    monkeypatch.setattr(calibrate_bench, "vit_records", records)
+    with pytest.raises(KeyboardInterrupt):
+        calibrate_bench.main(["vit", "--seeds", "0", "1", "2", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert [r["seed"] for r in saved["records"]] == [0, 1]
+    assert saved["summary"][0]["n"] == 2

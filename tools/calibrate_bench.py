@@ -75,7 +75,8 @@ def train_vit(model, x, y, steps, lr, seed):
     def epochs():  # a fresh shuffle per epoch, the last batch of each first
         for epoch in itertools.count():
             yield from reversed(batches(x, y, 64, seed * 1000 + epoch))
-    return train_one_cycle(model, epochs(), lambda m, b: F.cross_entropy(m(b[0]), b[1]), steps, lr, 0.05)
+    return train_one_cycle(model, epochs(), lambda m, b: F.cross_entropy(m(b[0]), b[1]), steps, lr, 0.05,
+                           desc=f"softmax ViT, seed {seed}")
 
 
 def vit_records(a, seed):
@@ -230,6 +231,25 @@ def plot(records, metric, path, title):
     plt.close(fig)
 
 
+def write_results(a, argv, metric, records):
+    """Write --out's results.json (every record, the summary, the command and machine) and return it."""
+    result = {"model": a.model, **({"lm": a.lm} if a.model == "lm" else {}),
+              **({"vit": a.vit} if a.model == "vit" else {}), "mode": a.mode, "options": a.options,
+              "machine": f"{M.cpu_name()} ({platform.machine()})", "threads": torch.get_num_threads(),
+              "torch": torch.__version__, **_transformers_version(a),
+              "command": "python -m tools.calibrate_bench " + " ".join(argv), "argv": list(argv), "records": records,
+              "summary": summarize(records, metric)}
+    (a.out / "results.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _transformers_version(a):
+    if getattr(a, a.model, None) != "hf":  # --lm hf or --vit hf: transformers' models
+        return {}
+    import transformers
+    return {"transformers": transformers.__version__}
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(prog="python -m tools.calibrate_bench", description=__doc__, formatter_class=HelpFormatter)
@@ -284,29 +304,26 @@ def main(argv=None):
                 "earlier run's records of those seeds")
     earlier = previous_records(a.out / "results.json", argv) if a.resume else []  # refused before hours of work
     if a.model == "vit":
-        metric = "top1"
-        records = [r for seed in a.seeds for r in vit_records(a, seed)]
+        metric, runs = "top1", [(seed, lambda seed=seed: vit_records(a, seed)) for seed in a.seeds]
     elif a.model == "lm":
         from .calibrate_lm import lm_records
-        metric = "bpb"
-        records = [r for seed in a.seeds for r in lm_records(a, seed)]
+        metric, runs = "bpb", [(seed, lambda seed=seed: lm_records(a, seed)) for seed in a.seeds]
     else:
         if not a.checkpoints:
             p.error("detr needs --checkpoints (softmax DETRs trained by integrations.detr.train)")
-        metric = "AP"
         seeds = a.checkpoint_seeds or list(range(42, 42 + len(a.checkpoints)))
-        records = [r for seed, ckpt in zip(seeds, a.checkpoints) for r in detr_records(a, seed, ckpt)]
-    rerun = {r["seed"] for r in records}
-    records = [r for r in earlier if r["seed"] not in rerun] + records
-    rows = summarize(records, metric)
-    print_table(rows, metric)
-    result = {"model": a.model, **({"lm": a.lm} if a.model == "lm" else {}), **({"vit": a.vit} if a.model == "vit" else {}),
-              "mode": a.mode, "options": a.options,
-              "machine": f"{M.cpu_name()} ({platform.machine()})",
-              "threads": torch.get_num_threads(), "torch": torch.__version__,
-              "command": "python -m tools.calibrate_bench " + " ".join(argv), "argv": list(argv), "records": records,
-              "summary": rows}
-    (a.out / "results.json").write_text(json.dumps(result, indent=1))
+        metric = "AP"
+        runs = [(seed, lambda seed=seed, ckpt=ckpt: detr_records(a, seed, ckpt))
+                for seed, ckpt in zip(seeds, a.checkpoints)]
+    print(f"calibrate_bench: {len(runs)} seed(s); {a.out / 'results.json'} is rewritten after each one, so an "
+          f"interrupted run resumes with --resume --seeds <the seeds not yet in it>", file=sys.stderr)
+    records = [r for r in earlier if r["seed"] not in {seed for seed, _ in runs}]
+    for seed, run in runs:
+        records += run()
+        result = write_results(a, argv, metric, records)
+        print(f"calibrate_bench: seed {seed} done, {len(records)} records in {a.out / 'results.json'}",
+              file=sys.stderr)
+    print_table(result["summary"], metric)
     plot(records, metric, a.out / f"calibrate_{a.model}.png", f"{a.model}: accuracy against calibration steps")
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
