@@ -14,11 +14,13 @@ class _LinePerUpdate:
 
     def __init__(self, stream):
         self.stream = stream
+        self.last = None
 
     def write(self, text):
         text = text.replace("\r", "").rstrip()
-        if text:
+        if text and text != self.last:  # closing redraws the last state: once is enough
             self.stream.write(text + "\n")
+            self.last = text
 
     def flush(self):
         self.stream.flush()
@@ -54,7 +56,9 @@ def progress_bar(iterable=None, *, disable=False, log_interval: float = 30.0, st
     stream = sys.stderr if stream is None else stream
     if not (hasattr(stream, "isatty") and stream.isatty()):
         stream = _LinePerUpdate(stream)
-        tqdm_kwargs = {"mininterval": log_interval, "maxinterval": max(log_interval, 10.0),
+        # maxinterval=inf: tqdm's monitor thread would otherwise redraw a slow bar between updates, which in a
+        # log is a second line with the same count.
+        tqdm_kwargs = {"mininterval": log_interval, "maxinterval": float("inf"),
                        "bar_format": "{desc}: {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]",
                        **tqdm_kwargs}
     return tqdm(iterable, file=stream, disable=disable, **tqdm_kwargs)

@@ -26,6 +26,7 @@ def test_a_log_gets_lines_and_a_terminal_gets_a_redrawn_bar():
     assert "\r" not in log.getvalue()
     lines = log.getvalue().splitlines()
     assert lines[-1].startswith("steps: 5/5") and "loss=0.5" in lines[-1]
+    assert len(lines) == len(set(lines)), "a line is repeated (the closing redraw)"
     assert "\r" in terminal.getvalue()
 
 
