@@ -7,6 +7,7 @@ file that needs anything else is refused with the file, the flag and the class i
 Our own checkpoints store only such values (``plain_rng_state``), so they always load.
 """
 import argparse
+import os
 import pickle
 import re
 from contextlib import nullcontext
@@ -124,3 +125,12 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+
+
+def write_text_atomic(path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: a run killed mid-write leaves the old
+    file or the new one, never a torn file to resume from."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -40,6 +40,7 @@ from typing import Optional
 
 import torch
 
+from integrations.checkpoint_io import write_text_atomic
 from integrations.console import HelpFormatter
 from linear_mha.functional import fla_causal, native
 
@@ -114,9 +115,7 @@ def save(path: Optional[Path], result: dict) -> None:
     if path is None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    os.replace(tmp, path)  # a crash mid-write never leaves a truncated file to resume from
+    write_text_atomic(path, json.dumps(result, indent=1))
 
 
 def time_group(group, a, device, dtype):

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from integrations.checkpoint_io import write_text_atomic
 from integrations.console import HelpFormatter
 from integrations.detr.attention import parse_attention_options
 from linear_mha import calibrate, method_class
@@ -156,6 +157,7 @@ def detr_records(a, seed, checkpoint):
 
 
 # ----------------------------------------------------------------------------------------------------- resume
+RECORD_KEYS = {"seed", "stage", "calibration_steps", "finetune_steps", "kept", "fraction_of_training_steps"}
 PER_SEED_FLAGS = {"--seeds", "--checkpoints", "--checkpoint-seeds", "--resume", "--json", "--threads"}
 
 
@@ -175,12 +177,19 @@ def previous_records(path: Path, argv):
     checkpoints, threads and output files) differ from this one's."""
     if not path.exists():
         raise SystemExit(f"--resume: {path} does not exist; run without --resume first (or give the same --out)")
-    old = json.loads(path.read_text())
-    before = _options(old.get("argv") or old["command"].split()[3:])  # files before "argv" was stored
+    try:
+        old = json.loads(path.read_text())
+        before = _options(old.get("argv") or old["command"].split()[3:])  # files before "argv" was stored
+        records = old["records"]
+        if not (isinstance(records, list) and all(isinstance(r, dict) and RECORD_KEYS <= r.keys() for r in records)):
+            raise TypeError(f"'records' is not a list of objects with {sorted(RECORD_KEYS)}")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # not JSON, or not a results.json
+        raise SystemExit(f"--resume: {path} is not a results.json this tool wrote ({type(exc).__name__}: {exc}); "
+                         f"move it aside and run the seeds again") from None
     if before != _options(list(argv)):
         raise SystemExit(f"--resume: {path} was made with other options:\n  {' '.join(before)}\nthis run has\n  "
                          f"{' '.join(_options(list(argv)))}\nrun with the same options or another --out")
-    return old["records"]
+    return records
 
 
 # ----------------------------------------------------------------------------------------------------- report
@@ -239,7 +248,7 @@ def write_results(a, argv, metric, records):
               "torch": torch.__version__, **_transformers_version(a),
               "command": "python -m tools.calibrate_bench " + " ".join(argv), "argv": list(argv), "records": records,
               "summary": summarize(records, metric)}
-    (a.out / "results.json").write_text(json.dumps(result, indent=1))
+    write_text_atomic(a.out / "results.json", json.dumps(result, indent=1))
     return result
 
 

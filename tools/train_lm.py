@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from integrations.checkpoint_io import check_same_args, safe_load
+from integrations.checkpoint_io import check_same_args, safe_load, write_text_atomic
 from integrations.console import HelpFormatter, banner, choose_threads, duration, refuse_overwrite
 from integrations.stop import StopRequest
 from linear_mha.lm import AutoregressiveWrapper, LinearAttentionTransformerLM
@@ -165,9 +165,7 @@ def save_state(args, path, model, opt, gen, step, log, train_losses, seconds):
     # The log is rewritten from the checkpoint's own records: a fresh run into an old --out, or a resume after
     # a crash, never leaves records that the checkpoint does not have.
     log_path = os.path.join(os.path.dirname(path), "log.jsonl")
-    with open(log_path + ".tmp", "w") as f:
-        f.writelines(json.dumps(record) + "\n" for record in log)
-    os.replace(log_path + ".tmp", log_path)
+    write_text_atomic(log_path, "".join(json.dumps(record) + "\n" for record in log))
 
 
 def check_args(args):

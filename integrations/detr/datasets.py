@@ -2,6 +2,7 @@
 import contextlib
 import io
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -26,22 +27,58 @@ def load_coco(ann_file, flag="--train-ann/--val-ann"):
     missing = [k for k in ("images", "annotations", "categories") if k not in data]
     if missing:
         raise ValueError(f"annotation file {path} lacks the COCO keys {missing}; it must be a COCO 'instances' file")
-    image_ids = {img.get("id") for img in data["images"]}
-    for n, ann in enumerate(data["annotations"]):
-        bbox = ann.get("bbox")
-        if not (isinstance(bbox, list) and len(bbox) == 4) or ann.get("image_id") not in image_ids or \
-                "category_id" not in ann:
-            raise ValueError(f"annotation file {path}: annotation #{n} needs image_id of a listed image, "
-                             f"category_id and bbox [x, y, w, h]; got {ann}")
-        # COCOeval reads these; many COCO-format exports omit them.
-        ann.setdefault("id", n + 1)
-        ann.setdefault("iscrowd", 0)
-        ann.setdefault("area", float(bbox[2] * bbox[3]))
+    _check_entries(path, data)
     coco = COCO()
     coco.dataset = data
     with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress chatter
         coco.createIndex()
     return coco
+
+
+def _check_entries(path, data):
+    """Every field the loader, the transforms and COCOeval read, checked up front: a damaged or foreign file fails
+    here with the entry at fault, not later with a raw KeyError or TypeError in a data-loader worker."""
+    def refuse(what):
+        raise ValueError(f"annotation file {path}: {what}; it must be a COCO 'instances' file (regenerate or "
+                         f"re-download it)")
+
+    def number(x):
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+    for key in ("images", "annotations", "categories"):
+        if not isinstance(data[key], list) or not all(isinstance(entry, dict) for entry in data[key]):
+            refuse(f"'{key}' must be a list of objects")
+    for n, img in enumerate(data["images"]):
+        if not isinstance(img.get("id"), int) or not isinstance(img.get("file_name"), str):
+            refuse(f"image #{n} needs an integer id and a file_name string; got {img}")
+        if any(k in img and not (isinstance(img[k], int) and img[k] > 0) for k in ("width", "height")):
+            refuse(f"image #{n} has a width/height that is not a positive integer; got {img}")
+    for n, cat in enumerate(data["categories"]):
+        if not isinstance(cat.get("id"), int):
+            refuse(f"category #{n} needs an integer id; got {cat}")
+    image_ids, category_ids = {img["id"] for img in data["images"]}, {cat["id"] for cat in data["categories"]}
+    for n, ann in enumerate(data["annotations"]):
+        bbox = ann.get("bbox")
+        if not (isinstance(bbox, list) and len(bbox) == 4 and all(number(x) for x in bbox)) or \
+                not _listed(ann.get("image_id"), image_ids) or not _listed(ann.get("category_id"), category_ids):
+            refuse(f"annotation #{n} needs image_id of a listed image, category_id of a listed category and bbox "
+                   f"[x, y, w, h] of four numbers; got {ann}")
+        # COCOeval reads these; many COCO-format exports omit them.
+        ann.setdefault("id", n + 1)
+        ann.setdefault("iscrowd", 0)
+        if not number(ann.setdefault("area", float(bbox[2] * bbox[3]))):
+            refuse(f"annotation #{n} has an area that is not a number; got {ann}")
+        if not isinstance(ann["id"], int) or ann["iscrowd"] not in (0, 1):
+            refuse(f"annotation #{n} needs an integer id and iscrowd 0 or 1; got {ann}")
+    # pycocotools indexes by id: a repeated id would silently hide an entry from training or evaluation.
+    for key in ("images", "annotations", "categories"):
+        ids = [entry["id"] for entry in data[key]]
+        if len(set(ids)) != len(ids):
+            refuse(f"'{key}' repeats the id {next(i for i in ids if ids.count(i) > 1)}; ids must be unique")
+
+
+def _listed(x, ids):
+    return isinstance(x, int) and x in ids
 
 
 def _target_from_annotations(image_id, anns, width, height):
@@ -66,7 +103,7 @@ class CocoDetection(torch.utils.data.Dataset):
             raise FileNotFoundError(f"images directory {self.img_folder} does not exist; pass the folder holding "
                                     "the images listed in the annotation file")
         self.coco = load_coco(ann_file, flag)
-        self.flag = flag
+        self.ann_file, self.flag = ann_file, flag
         self.ids = sorted(self.coco.imgs.keys())
         self.transforms = transforms
 
@@ -75,6 +112,10 @@ class CocoDetection(torch.utils.data.Dataset):
 
     def image_sizes(self):
         """Original (h, w) of every image, from the annotation file (no image is opened)."""
+        unsized = [i for i in self.ids if not {"height", "width"} <= self.coco.imgs[i].keys()]
+        if unsized:
+            raise ValueError(f"annotation file {self.ann_file}: image id {unsized[0]} (and {len(unsized) - 1} more) "
+                             f"has no width/height, which plans the padded size; add them to its 'images' entries")
         return [(self.coco.imgs[i]["height"], self.coco.imgs[i]["width"]) for i in self.ids]
 
     def __getitem__(self, index):
@@ -83,7 +124,11 @@ class CocoDetection(torch.utils.data.Dataset):
         path = self.img_folder / info["file_name"]
         if not path.is_file():
             raise FileNotFoundError(f"image {path} (id {image_id}) listed in the annotations is missing")
-        image = Image.open(path).convert("RGB")
+        try:
+            image = Image.open(path).convert("RGB")
+        except (OSError, SyntaxError, ValueError) as exc:  # PIL: unidentified, truncated or damaged image data
+            raise ValueError(f"image {path} (id {image_id}) cannot be read ({type(exc).__name__}: {exc}); "
+                             f"replace it with the image the annotations describe") from None
         if "width" in info and "height" in info and image.size != (info["width"], info["height"]):
             # The padded batch sizes (and Linformer's seq_len) are planned from the annotation file's sizes.
             raise ValueError(f"image {path} is {image.size[0]} x {image.size[1]} (width x height) but the "

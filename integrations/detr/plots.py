@@ -1,13 +1,34 @@
 """JSON-lines run log and the PNG of loss and AP curves."""
 import json
+import warnings
 from pathlib import Path
 
 
 def read_log(path):
+    """The entries of a JSON-lines log ([] when there is none). A last line cut short (the run was killed while
+    writing it) is dropped with a warning: the epoch it described is run again on resume. Any other damage is a
+    ValueError naming the file and the line."""
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    try:
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"log {path} is not text ({exc}); move it aside to start its log afresh") from None
+    entries = []
+    for n, line in enumerate(lines, 1):
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            entry = None
+        if not isinstance(entry, dict):
+            if n == len(lines) and entry is None:
+                warnings.warn(f"log {path}: its last line is cut short (the run stopped while writing it); "
+                              f"dropped it", stacklevel=2)
+                break
+            raise ValueError(f"log {path}: line {n} is not a JSON object ({line[:80]!r}); fix or remove that line")
+        entries.append(entry)
+    return entries
 
 
 def truncate_log(path, first_epoch):
