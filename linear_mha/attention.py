@@ -22,7 +22,7 @@ from .attend import attend_heads
 from .local_term import add_local_term
 from .registry import DEFAULT_MODE, create_method
 from .token_grid import TokenGrid, resolve_token_grid
-from .functional._common import autocast_active
+from .functional._common import autocast_active, compiling
 from .torch_models import TORCH_MHA
 
 
@@ -329,7 +329,7 @@ class LinearMultiheadAttention(AttentionAdapter, nn.Module):
         zero gradient is NaN). In self-attention the masked positions are queries too and are zeroed with the keys;
         their own outputs are padding's. (mode='softmax' computes what nn.MultiheadAttention does.)"""
         forbidden = masks.to_forbidden(kpm, "key_padding_mask", self.mode)
-        if not bool(forbidden.any()):
+        if not compiling() and not bool(forbidden.any()):  # a graph takes the masked path, exact for any mask
             return query, key, value
         rows = forbidden[:, :, None]
         key = key.masked_fill(rows, 0.0)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .errors import InputError
+from .functional._common import fixed_graph
 
 
 def _check_dtype(mask: Tensor, name: str) -> None:
@@ -56,7 +57,8 @@ def to_additive(mask: Optional[Tensor], dtype: torch.dtype, name: str = "mask") 
         return None
     if mask.dtype == torch.bool:
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
-    if bool((torch.isnan(mask) | torch.isposinf(mask)).any()):
+    # A recorded graph cannot check values (fixed_graph): there NaN spreads through the scores, as in torch.
+    if not fixed_graph() and bool((torch.isnan(mask) | torch.isposinf(mask)).any()):
         raise ValueError(f"{name} holds NaN or +inf, which would make the scores of whole rows NaN; a float mask adds "
                          f"finite values or -inf (forbidden), or pass a bool mask (True = forbidden)")
     return mask.to(dtype)
@@ -85,7 +87,7 @@ def to_forbidden(mask: Tensor, name: str, mode: str) -> Tensor:
     if mask.dtype == torch.bool:
         return mask
     forbidden = torch.isneginf(mask)
-    if not bool(((mask == 0) | forbidden).all()):
+    if not fixed_graph() and not bool(((mask == 0) | forbidden).all()):  # a graph cannot check (docs/modes.md)
         raise ValueError(
             f"{name} holds additive float values other than 0 and -inf; mode={mode!r} can only honour masks that "
             f"remove keys entirely. Use mode='softmax' for score biases, or pass a bool mask."
@@ -110,6 +112,13 @@ def classify_attn_mask_for_linear(attn_mask: Optional[Tensor], is_causal: bool, 
     Returns True for causal attention, False for none. A mask that forbids nothing is no mask."""
     if attn_mask is None:
         return is_causal
+    if fixed_graph():  # which pattern it is cannot be read from a graph's input, nor baked in
+        if is_causal:
+            return True  # as torch's own is_causal: the caller vouches that attn_mask is the causal mask
+        raise ValueError(
+            f"mode={mode!r} under torch.export or torch.jit.trace: a recorded graph cannot read attn_mask's values "
+            f"to tell the causal mask from another pattern. Pass is_causal=True with the causal mask (or "
+            f"attn_mask=None, is_causal=True), no attn_mask without causality, or use mode='softmax'")
     forbidden = to_forbidden(attn_mask, "attn_mask", mode)
     if is_causal_pattern(forbidden):
         return True

@@ -52,12 +52,23 @@ def functorch_active() -> bool:
 
 
 def compiling() -> bool:
-    """Whether torch.compile is tracing this call: traced graphs need plain ops (no ctypes calls, no per-block
-    loops, no out= products inside custom Functions, which some torch releases cannot trace)."""
-    return _is_compiling()
+    """Whether this call is being recorded into a graph (torch.compile, torch.export and its ONNX exporter, or
+    torch.jit.trace and the legacy ONNX exporter): graphs need plain ops (no ctypes calls, whose work a trace does
+    not see, no per-block loops, no out= products inside custom Functions, which some torch releases cannot
+    trace), and no Python branch on a tensor's values, which a graph would bake in or cannot record."""
+    return _is_compiling() or torch.jit.is_tracing()
 
 
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+_is_exporting = getattr(getattr(torch, "compiler", None), "is_exporting", lambda: False)
+
+
+def fixed_graph() -> bool:
+    """Whether this call is recorded into one graph that cannot branch on a tensor's values: torch.export (and
+    the ONNX exporter built on it) or torch.jit.trace (and the legacy ONNX exporter). A check that reads values
+    would fail there, or be baked in and hold for every later input. torch.compile is not one: it splits the
+    graph at such a check and runs it."""
+    return _is_exporting() or torch.jit.is_tracing()
 
 
 def autocast_active(device: torch.device) -> bool:

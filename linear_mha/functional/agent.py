@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._common import check_qkv, mask_keys
+from ._common import check_qkv, fixed_graph, mask_keys
 
 
 def pool_agents(q: Tensor, agents_per_side: int, height: int, width: int, prefix: int = 0,
@@ -28,9 +28,13 @@ def pool_agents(q: Tensor, agents_per_side: int, height: int, width: int, prefix
     of a x a bins over the valid tokens' bounding box (a bin with none is 0)."""
     b, h, _, d = q.shape
     grid = q[:, :, prefix:].transpose(2, 3).reshape(b, h * d, height, width)
-    valid = torch.ones(b, height, width, dtype=torch.bool, device=q.device)
-    if key_padding_mask is not None:
-        valid = ~key_padding_mask[:, prefix:].reshape(b, height, width)
+    if key_padding_mask is None:  # every box is the whole grid
+        return F.adaptive_avg_pool2d(grid, agents_per_side).reshape(b, h, d, -1).transpose(2, 3)
+    if fixed_graph():
+        raise ValueError("mode='agent' pools its agents over the box of each sample's unpadded tokens, which depends "
+                         "on key_padding_mask's values: torch.export / torch.jit.trace cannot record that. Export "
+                         "it without key_padding_mask (unpadded batches), or choose another method")
+    valid = ~key_padding_mask[:, prefix:].reshape(b, height, width)
     agents = []
     for i in range(b):  # each sample's own box: its image, wherever the batch padded it
         rows, cols = valid[i].any(1).nonzero().flatten(), valid[i].any(0).nonzero().flatten()

@@ -126,7 +126,7 @@ def why_not(*tensors: Optional[Tensor], dtype: Optional[torch.dtype] = None) -> 
         if t.numel() == 0:  # the compiled code splits work by batch x heads and by rows
             return "a tensor is empty"
     if compiling():
-        return "inside torch.compile, which traces PyTorch ops"
+        return "inside torch.compile, torch.export or torch.jit.trace, which record PyTorch ops only"
     if functorch_active():
         return "inside a torch.func transform, whose tensors have no data pointers"
     if _load() is None:
