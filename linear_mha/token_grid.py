@@ -9,7 +9,7 @@ a caller can also pass ``token_grid=TokenGrid(h, w)`` to LinearMultiheadAttentio
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from torch import Tensor, nn
+from torch import SymInt, Tensor, nn
 
 NO_GRID = ("needs the token grid of this call: patch() finds it for DETR, timm and torchvision ViTs; elsewhere call "
            "linear_mha.track_token_grid(model, source=...) or pass token_grid=TokenGrid(height, width, prefix) to "
@@ -26,6 +26,8 @@ class TokenGrid:
     def __post_init__(self):
         for name in ("height", "width", "prefix"):
             value = getattr(self, name)
+            if isinstance(value, SymInt):  # a size torch.export keeps symbolic: the graph holds it for any value
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "prefix" else 1):
                 raise ValueError(f"TokenGrid.{name} must be a {'non-negative' if name == 'prefix' else 'positive'} "
                                  f"int, got {value!r}")
