@@ -190,3 +190,29 @@ def test_linear_detr_exports_padded_batches_at_any_size(attention):
         other = padded_batch(96, 80, 1, 24)
         for got, expected in zip(exported(*other), Detector()(*other)):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_is_exporting
+@pytest.mark.parametrize("name", modes.VARIANTS)
+def test_onnx_export_runs_in_onnxruntime_as_eager(name, tmp_path):
+    """torch.onnx.export(dynamo=True) with a key padding mask, batch and length dynamic where export allows it, run
+    by onnxruntime on another batch and mask."""
+    pytest.importorskip("onnxscript")
+    onnxruntime = pytest.importorskip("onnxruntime")
+    fixed = EXPORT_VARIANTS[name]["mode"] in NOT_YET_DYNAMIC
+    model = _model(name)
+    x, kpm = _inputs(16, 0, {1: 12})
+    g = torch.Generator().manual_seed(2)
+    x2 = torch.randn(2 if fixed else 3, 16 if fixed else 24, 32, generator=g)
+    kpm2 = torch.zeros(x2.shape[:2], dtype=torch.bool)
+    kpm2[0, 5:] = True
+    dynamic = None if fixed else ({0: "batch", 1: "length"},) * 2
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (x, kpm), dynamo=True, dynamic_shapes=dynamic, verbose=False).save(
+            str(tmp_path / "attention.onnx"))
+        expected = model(x2, kpm2)
+    session = onnxruntime.InferenceSession(str(tmp_path / "attention.onnx"))
+    names = [i.name for i in session.get_inputs()]
+    got = session.run(None, {names[0]: x2.numpy(), names[1]: kpm2.numpy()})[0]
+    torch.testing.assert_close(torch.from_numpy(got), expected, rtol=1e-4, atol=1e-4)

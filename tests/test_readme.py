@@ -4,6 +4,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 import linear_mha
 
@@ -42,6 +43,11 @@ def test_the_readme_stays_a_readme():
 def test_snippet_runs_and_prints_what_the_page_shows(name, index, code, expected, tmp_path, monkeypatch, capsys):
     if "transformers" in code:  # an optional extra (.[hf]): its pages' snippets need it installed
         pytest.importorskip("transformers")
+    if "onnxruntime" in code:  # the .[onnx] extra, and torch.export of masked attention (torch >= 2.6)
+        pytest.importorskip("onnxruntime")
+        pytest.importorskip("onnxscript")
+        if not hasattr(torch.compiler, "is_exporting"):
+            pytest.skip("torch.export of masked attention needs torch >= 2.6")
     monkeypatch.chdir(tmp_path)
     methods = linear_mha.available_methods()
     try:
