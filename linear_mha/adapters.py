@@ -60,6 +60,13 @@ class AttentionAdapter:
     def mode(self) -> str:
         return self.method.name
 
+    def __prepare_scriptable__(self):
+        """torch.jit.script calls this on every submodule before compiling: one clear error instead of TorchScript's
+        complaints about the method object and properties it cannot compile."""
+        raise TypeError(f"torch.jit.script cannot compile {type(self).__name__} (mode={self.mode!r}): its attention "
+                        f"method is a Python object chosen at run time. Export the model with torch.export.export or "
+                        f"torch.onnx.export(..., dynamo=True), or record it with torch.jit.trace (docs/deploy.md)")
+
     def added_parameters(self) -> List[nn.Parameter]:
         """The parameters linear_mha added to the replaced module: the method's state and the local term."""
         found = (getattr(self, name, None) for name in tuple(self.method.state_names) + LOCAL_TERM_STATE)

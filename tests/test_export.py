@@ -216,3 +216,14 @@ def test_onnx_export_runs_in_onnxruntime_as_eager(name, tmp_path):
     names = [i.name for i in session.get_inputs()]
     got = session.run(None, {names[0]: x2.numpy(), names[1]: kpm2.numpy()})[0]
     torch.testing.assert_close(torch.from_numpy(got), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_scripting_a_patched_model_says_to_export_or_trace_instead():
+    torch.manual_seed(0)
+    model = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), 1,
+                                  enable_nested_tensor=False)
+    linear_mha.patch(model, "kernel")
+    with pytest.raises(TypeError, match=r"torch.jit.script cannot compile .*torch.export.export.*torch.jit.trace"):
+        torch.jit.script(model)
+    with pytest.raises(TypeError, match="torch.jit.script cannot compile LinearMultiheadAttention"):
+        torch.jit.script(linear_mha.LinearMultiheadAttention(32, 4, mode="taylor"))

@@ -127,7 +127,7 @@ def _map_tensors(value, fn):
 
 
 def LinearStateCache():  # noqa: N802 - a class to its users, made lazily
-    """A new linear_mha cache for ``model.generate(..., cache=...)`` or a manual decoding loop."""
+    """A new linear_mha cache for ``model.generate(..., past_key_values=...)`` or a manual decoding loop."""
     return cache_classes()[1]()
 
 

@@ -172,7 +172,8 @@ def _check_model(model, fn: str) -> None:
         raise TypeError(f"{fn}() expects an nn.Module, got {type(model).__name__}")
     if isinstance(model, torch.jit.ScriptModule):
         raise TypeError(f"{fn}() cannot change a TorchScript module (its code is compiled, so a swapped submodule would "
-                        f"never run); {fn} the Python model first, then script or trace it")
+                        f"never run); {fn} the Python model first, then export or trace it (torch.export, "
+                        f"torch.jit.trace: docs/deploy.md)")
     if _is_adapter(model) or adapter_for(model) is not None:
         raise TypeError(f"{fn}() replaces submodules in place, but the model itself is a {type(model).__name__}; "
                         f"convert a bare module with LinearMultiheadAttention.from_torch(module) or wrap it in a "
