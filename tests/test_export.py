@@ -227,3 +227,38 @@ def test_scripting_a_patched_model_says_to_export_or_trace_instead():
         torch.jit.script(model)
     with pytest.raises(TypeError, match="torch.jit.script cannot compile LinearMultiheadAttention"):
         torch.jit.script(linear_mha.LinearMultiheadAttention(32, 4, mode="taylor"))
+
+
+@pytest.mark.parametrize("name", ["kernel_elu", "efficient"])
+def test_the_legacy_onnx_exporter_records_the_computation_not_a_constant(name, tmp_path):
+    """The TorchScript-based exporter traces: with the compiled CPU kernels in the trace it saved a graph whose output
+    ignored its inputs."""
+    pytest.importorskip("onnx")
+    onnxruntime = pytest.importorskip("onnxruntime")
+    model = _model(name)
+    x, kpm = _inputs(16, 0, {1: 12})
+    x2, kpm2 = _inputs(16, 1, {0: 5})
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (x, kpm), str(tmp_path / "legacy.onnx"), dynamo=False)
+        expected = model(x2, kpm2)
+    session = onnxruntime.InferenceSession(str(tmp_path / "legacy.onnx"))
+    feeds = {i.name: t.numpy() for i, t in zip(session.get_inputs(), (x2, kpm2))}
+    got = session.run(None, feeds)[0]
+    torch.testing.assert_close(torch.from_numpy(got), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", modes.CAUSAL_VARIANTS)
+def test_a_causal_trace_computes_what_eager_does(name):
+    """Causal paths run custom autograd Functions and blocked loops in eager; a trace records what they compute."""
+    torch.manual_seed(0)
+    model = CausalAttention(is_causal=True)
+    model.attn = linear_mha.LinearMultiheadAttention(32, 4, batch_first=True,
+                                                     **modes.sized_variant(EXPORT_VARIANTS[name], 40))
+    model.eval()
+    causal = torch.ones(40, 40, dtype=torch.bool).triu(1)
+    x, x2 = torch.randn(2, 40, 32), torch.randn(2, 40, 32)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = torch.jit.trace(model, (x, causal), check_trace=False)
+        torch.testing.assert_close(traced(x2, causal), model(x2, causal), rtol=1e-5, atol=1e-5)

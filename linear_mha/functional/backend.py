@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from . import fla_causal, native
-from ._common import compiling, compute_dtype, functorch_active, needs_grad
+from ._common import compiling, compute_dtype, fixed_graph, functorch_active, needs_grad
 from .feature_maps import IN_PLACE_FEATURE_MAPS
 
 NATIVE, FLA, FUSED_CAUSAL, BLOCKED, CHUNKED, COMPOSED = ("native", "fla", "fused_causal", "blocked_inference",
@@ -117,9 +117,9 @@ def kernel_backend(q: Tensor, k: Tensor, v: Tensor, feature_map, *, causal: bool
     if causal:
         if functorch_active():
             return Choice(COMPOSED, "inside a torch.func transform, which custom autograd Functions do not support")
-        if compiling() and needs_grad(q, k, v, initial_state):
-            return Choice(COMPOSED, "compiling with gradients: the fused causal Function writes with out=, which "
-                                    "some torch releases cannot trace")
+        if compiling() and (needs_grad(q, k, v, initial_state) or fixed_graph()):
+            return Choice(COMPOSED, "recorded into a graph (with gradients, or by torch.export / torch.jit.trace): "
+                                    "the fused causal Function writes with out=, which exporters cannot read")
         return Choice(FUSED_CAUSAL, f"not native because {why_not_native}; not fla because {why_not_fla}")
     if needs_grad(q, k, v, initial_state):
         return Choice(COMPOSED, f"not native because {why_not_native}; gradients are needed, and the blocked path "
@@ -134,9 +134,9 @@ def product_backend(phi_q: Tensor, phi_k: Tensor, v: Tensor, initial_state: Opti
     if functorch_active():
         return Choice(COMPOSED, "inside a torch.func transform, which supports neither custom autograd Functions "
                                 "nor out=")
-    if compiling() and needs_grad(phi_q, phi_k, v, initial_state):
-        return Choice(COMPOSED, "compiling with gradients: plain ops trace where the chunked Function's out= "
-                                "products may not")
+    if compiling() and (needs_grad(phi_q, phi_k, v, initial_state) or fixed_graph()):
+        return Choice(COMPOSED, "recorded into a graph (with gradients, or by torch.export / torch.jit.trace): "
+                                "plain ops trace where the chunked Function's out= products may not")
     return Choice(CHUNKED, "the chunked product with its own backward, in blocks of reused buffers")
 
 

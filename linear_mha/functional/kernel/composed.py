@@ -6,7 +6,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._common import append_ones, functorch_active, needs_grad, normalise, safe_normaliser, split_normalise
+from .._common import append_ones, compiling, functorch_active, needs_grad, normalise, safe_normaliser, split_normalise
 from .chunked import causal_linear_product
 
 
@@ -33,7 +33,8 @@ def feature_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, *, causal: bool =
     # Inference (accelerators, or maps without a blocked path): the output is written over phi(k) (a fresh
     # tensor for the named maps, used up by now) and divided in place. Fresh multi-megabyte outputs cost page
     # faults, not only bandwidth (docs/benchmarks.md, "Why the code is shaped as it is").
-    reuse = reuse_keys and phi_k.shape == phi_q.shape[:-1] + v.shape[-1:] and not functorch_active()
+    reuse = reuse_keys and phi_k.shape == phi_q.shape[:-1] + v.shape[-1:] and not functorch_active() \
+        and not compiling()  # exporters cannot read out=
     num = torch.matmul(phi_q, kv, out=phi_k) if reuse else torch.matmul(phi_q, kv)
     return num.div_(safe_normaliser(den))
 
