@@ -262,3 +262,32 @@ def test_a_causal_trace_computes_what_eager_does(name):
         warnings.simplefilter("ignore")
         traced = torch.jit.trace(model, (x, causal), check_trace=False)
         torch.testing.assert_close(traced(x2, causal), model(x2, causal), rtol=1e-5, atol=1e-5)
+
+
+def _timm_vit():
+    timm = pytest.importorskip("timm")
+    return timm.models.vision_transformer.VisionTransformer(img_size=32, patch_size=8, depth=2, embed_dim=32,
+                                                            num_heads=2, num_classes=10)
+
+
+def _torchvision_vit():
+    from torchvision.models import VisionTransformer
+    return VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=16, mlp_dim=32,
+                             num_classes=10)
+
+
+@needs_is_exporting
+@pytest.mark.parametrize("build", [_timm_vit, _torchvision_vit], ids=["timm", "torchvision"])
+@pytest.mark.parametrize("method", [dict(mode="taylor", dwc_kernel=3), dict(mode="agent"), dict(mode="hedgehog")],
+                         ids=["taylor_dwc3", "agent", "hedgehog"])
+def test_a_patched_vit_exports_with_a_dynamic_batch(build, method):
+    """The patch grid reaches the attention through patch's forward hook, which export runs like any module code."""
+    torch.manual_seed(0)
+    vit = build()
+    linear_mha.patch(vit, **method)
+    vit.eval()
+    batch = torch.export.Dim("batch", min=1, max=64)
+    with torch.no_grad():
+        exported = torch.export.export(vit, (torch.randn(2, 3, 32, 32),), dynamic_shapes=({0: batch},)).module()
+        other = torch.randn(5, 3, 32, 32)
+        torch.testing.assert_close(exported(other), vit(other), rtol=1e-5, atol=1e-5)

@@ -224,3 +224,38 @@ def test_methods_over_the_image_grid_get_it_from_the_model(family, mode):
     patch(model, mode, **({"include": ["model.encoder.*"]} if family == "detr" else {}))
     out = _run(model, inputs(family, padded=True))
     assert torch.isfinite(out).all()
+
+
+class _Positional(torch.nn.Module):
+    """A transformers model behind positional tensor inputs, its judged output out: what torch.export records."""
+
+    def __init__(self, model, names):
+        super().__init__()
+        self.model, self.names = model, names
+
+    def forward(self, *tensors):
+        return output(self.model(**dict(zip(self.names, tensors))))
+
+
+@pytest.mark.skipif(not hasattr(torch.compiler, "is_exporting"), reason="torch.export of masks needs torch >= 2.6")
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_converted_model_exports_and_computes_what_eager_does(family, padded):
+    """torch.export of a patched model, run on other values and another padding: "no padding" in the example batch
+    must not be baked in, and padding must not stop the export (docs/deploy.md)."""
+    if padded and family in ("vit", "deit"):
+        pytest.skip("image classifiers take no mask")
+    model = build(family)
+    patch(model, "hedgehog")
+    x, other = inputs(family, padded=padded), inputs(family, padded=padded, seed=5)
+    if "attention_mask" in other:
+        other["attention_mask"] = other["attention_mask"].roll(1, 0)  # the other sample is the padded one
+    names = list(x)
+    wrapped = _Positional(model, names).eval()
+    with torch.no_grad():
+        exported = torch.export.export(wrapped, tuple(x[n] for n in names)).module()
+        got, expected = exported(*(other[n] for n in names)), wrapped(*(other[n] for n in names))
+    rows = _valid_rows(family, other)
+    if rows is not None:  # padded tokens' own outputs are padding's
+        got, expected = got[rows], expected[rows]
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)

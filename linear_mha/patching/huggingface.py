@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from ..adapters import ATTACHED, AttentionAdapter, UnknownLength, register_adapter
 from ..attend import attend_heads, prefill_heads, step_heads
+from ..functional._common import compiling
 from ..local_term import add_local_term
 from ..registry import DEFAULT_MODE, create_method
 from ..token_grid import feature_map_grid, resolve_token_grid
@@ -102,7 +103,8 @@ def linear_mha_mask(**arguments) -> HFMask:
         if kept.shape[-1] < end:  # the 2-D mask may stop at the last real token: what follows is not padding
             kept = F.pad(kept, (0, end - kept.shape[-1]), value=True)
         kept = kept[:, kv_offset:end]
-        padding = None if bool(kept.all()) else kept
+        # "no padding" is a shortcut eager takes; a graph keeps the mask, exact for every batch (and for none)
+        padding = kept if compiling() or not bool(kept.all()) else None
     return HFMask(padding, causal.get(mask_function), getattr(mask_function, "__qualname__", str(mask_function)),
                   arguments)
 
