@@ -60,8 +60,8 @@ def _check_entries(path, data):
     for n, ann in enumerate(data["annotations"]):
         bbox = ann.get("bbox")
         if not (isinstance(bbox, list) and len(bbox) == 4 and all(number(x) for x in bbox)) or \
-                not _listed(ann.get("image_id"), image_ids) or not _listed(ann.get("category_id"), category_ids):
-            refuse(f"annotation #{n} needs image_id of a listed image, category_id of a listed category and bbox "
+                not _listed(ann.get("image_id"), image_ids) or not isinstance(ann.get("category_id"), int):
+            refuse(f"annotation #{n} needs image_id of a listed image, an integer category_id and bbox "
                    f"[x, y, w, h] of four numbers; got {ann}")
         # COCOeval reads these; many COCO-format exports omit them.
         ann.setdefault("id", n + 1)
@@ -70,6 +70,10 @@ def _check_entries(path, data):
             refuse(f"annotation #{n} has an area that is not a number; got {ann}")
         if not isinstance(ann["id"], int) or ann["iscrowd"] not in (0, 1):
             refuse(f"annotation #{n} needs an integer id and iscrowd 0 or 1; got {ann}")
+    unlisted = {ann["category_id"] for ann in data["annotations"]} - category_ids
+    if unlisted:  # else the matcher fails deep inside with an index error naming neither
+        raise ValueError(f"annotation file {path}: the annotations use category ids {sorted(unlisted)[:10]} that their "
+                         f"file's 'categories' does not list; add them to 'categories'")
     # pycocotools indexes by id: a repeated id would silently hide an entry from training or evaluation.
     for key in ("images", "annotations", "categories"):
         ids = [entry["id"] for entry in data[key]]
