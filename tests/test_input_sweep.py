@@ -121,26 +121,31 @@ def check(c):
         for grad in (junk_k.grad, junk_v.grad):
             assert (grad.masked_select(gone) == 0).all(), "a masked key received gradient"
 
-    # lower precisions: finite and within rounding of float64
+    # lower precisions: finite and within rounding of float64 run on the same (rounded) weights and inputs. Against
+    # the unrounded float64 run the difference would also hold the inputs' rounding, which some maps amplify (focused:
+    # a feature near relu's kink), and measure the method's conditioning rather than its low-precision arithmetic.
     low = copy.deepcopy(m).to(c["dtype"])
     cast = {**kwargs, "key_padding_mask": None if kpm is None else kpm.to(c["dtype"]) if kpm.is_floating_point()
             else kpm}
-    got, _ = low(q.to(c["dtype"]), k.to(c["dtype"]), v.to(c["dtype"]), **cast)
+    q, k, v = (t.to(c["dtype"]) for t in (q, k, v))
+    got, _ = low(q, k, v, **cast)
     assert got.dtype == c["dtype"] and torch.isfinite(got).all(), "non-finite output in low precision"
-    scale = max(1.0, float(out.detach().abs().max()))
+    with torch.no_grad():
+        out, _ = copy.deepcopy(low).double()(q.double(), k.double(), v.double(), **kwargs)
+    scale = max(1.0, float(out.abs().max()))
     error = float((got.detach().double() - out).abs().max()) / scale
     assert error <= TOLERANCE[c["dtype"]], f"{c['dtype']} is {error:.2e} from float64 (scale {scale:.2f})"
     return "ran"
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(c=cases())
 def test_every_method_gives_a_right_answer_or_a_clear_error(c):
     event(check(c))  # --hypothesis-show-statistics: how many draws ran and how many were refused
 
 
 @pytest.mark.slow
-@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=1500, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(c=cases())
 def test_every_method_gives_a_right_answer_or_a_clear_error_large_sweep(c):
     event(check(c))
