@@ -1,6 +1,7 @@
 """A recorded graph computes what eager computes. torch.jit.trace (which the legacy ONNX exporter uses) and
 torch.export (which the dynamo ONNX exporter uses) of LinearMultiheadAttention, key padding included, give eager's
 outputs on other values and other masks; what a graph cannot record is refused with an error that says so."""
+import json
 import warnings
 
 import pytest
@@ -291,3 +292,18 @@ def test_a_patched_vit_exports_with_a_dynamic_batch(build, method):
         exported = torch.export.export(vit, (torch.randn(2, 3, 32, 32),), dynamic_shapes=({0: batch},)).module()
         other = torch.randn(5, 3, 32, 32)
         torch.testing.assert_close(exported(other), vit(other), rtol=1e-5, atol=1e-5)
+
+
+@needs_is_exporting
+def test_the_export_benchmark_checks_each_graph_and_writes_its_table(tmp_path):
+    pytest.importorskip("onnxscript")
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("matplotlib")
+    from tools import export_bench
+
+    export_bench.main(["--grid", "4x6", "--repeats", "1", "--threads", "1", "--json", str(tmp_path / "r.json"),
+                       "--png", str(tmp_path / "r.png")])
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert [r["variant"] for r in result["records"]] == list(export_bench.VARIANTS)
+    assert all(r["onnx_relative_error"] < 1e-4 and r["onnx_ms"] > 0 and r["eager_ms"] > 0 for r in result["records"])
+    assert (tmp_path / "r.png").stat().st_size > 0
