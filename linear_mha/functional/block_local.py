@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ._common import fixed_graph
 from .softmax import softmax as softmax_attention
 
 
@@ -42,6 +43,10 @@ def block_local_attention(
 ) -> Tensor:
     """q, k (B, H, N, D), v (B, H, N, Dv) -> (B, H, N, Dv): self-attention, the queries at the keys' positions."""
     b, h, n, d = q.shape
+    if isinstance(n, torch.SymInt) and fixed_graph():
+        # The blocks are reshapes by ceil(N / window), whose layout (one block or several) export cannot leave open.
+        raise ValueError("block_local attention exports with a fixed sequence length only: mark the length static "
+                         "in torch.export's dynamic_shapes (batch may stay dynamic), or export one graph per length")
     if b * h * n == 0:  # nothing to attend: the empty product, still on the autograd graph
         return q @ k.transpose(-1, -2) @ v
     w, padding = window, key_padding_mask

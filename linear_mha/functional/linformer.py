@@ -7,9 +7,10 @@ projection, so they add nothing to it, and padding a sequence with masked garbag
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from ._common import check_qkv, mask_keys
+from ._common import check_qkv, compiling, mask_keys
 from .softmax import softmax
 
 
@@ -52,10 +53,17 @@ def linformer(
     for name, proj in (("e_proj", e_proj), ("f_proj", f_proj)):
         if proj.dim() == 3 and proj.shape[0] != q.shape[1]:
             raise ValueError(f"{name} has {proj.shape[0]} per-head projections but there are {q.shape[1]} heads")
-    e, f = e_proj[..., :S].to(k.dtype), f_proj[..., :S].to(v.dtype)
+    k, v = mask_keys(k, key_padding_mask), mask_keys(v, key_padding_mask)
+    if compiling():
+        # In a graph S may be symbolic: E[:, :S] is a view whose layout changes at S == seq_len, a branch export
+        # would fix to one side. Zero keys appended up to seq_len project to the same sums with E and F whole.
+        k, v = (F.pad(t, (0, 0, 0, seq_len - S)) for t in (k, v))
+        e, f = e_proj.to(k.dtype), f_proj.to(v.dtype)
+    else:
+        e, f = e_proj[..., :S].to(k.dtype), f_proj[..., :S].to(v.dtype)
     # (k, S) @ (B, H, S, D) and (H, k, S) @ (B, H, S, D) both broadcast to (B, H, k, D).
-    k_proj = torch.matmul(e, mask_keys(k, key_padding_mask))
-    v_proj = torch.matmul(f, mask_keys(v, key_padding_mask))
+    k_proj = torch.matmul(e, k)
+    v_proj = torch.matmul(f, v)
     if (extra_k is None) != (extra_v is None):
         raise ValueError("extra_k and extra_v come together: pass both or neither")
     if extra_k is not None:
