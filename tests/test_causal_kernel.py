@@ -165,7 +165,7 @@ def test_every_call_asks_the_chooser_once_and_runs_what_it_names(monkeypatch):
         real = getattr(backend, name)
         monkeypatch.setattr(backend, name, lambda *a, real=real, **kw: asked.append(real(*a, **kw)) or asked[-1])
     paths = {"causal_kernel": backend.FUSED_CAUSAL, "kernel_inference_blocks": backend.BLOCKED,
-             "feature_attention": backend.COMPOSED}
+             "composed_attention": backend.COMPOSED}
     for name in paths:
         real = getattr(kernel_module, name)
         monkeypatch.setattr(kernel_module, name, lambda *a, real=real, name=name, **kw: ran.append(name) or real(*a, **kw))
@@ -173,7 +173,7 @@ def test_every_call_asks_the_chooser_once_and_runs_what_it_names(monkeypatch):
     half = [t.bfloat16() for t in (q, k, v)]
     cases = [((q, k, v, "elu"), dict(causal=True), "causal_kernel"), ((*half, "elu"), dict(causal=True), "causal_kernel"),
              ((q, k, v, "elu"), dict(), "kernel_inference_blocks"),
-             ((q, k, v, "taylor"), dict(causal=True), "feature_attention")]
+             ((q, k, v, "taylor"), dict(causal=True), "composed_attention")]
     for args, options, path in cases:
         asked.clear(), ran.clear()
         with torch.no_grad(), backend.override(native_kernels=False, block_positions=6):

@@ -155,11 +155,16 @@ def test_masked_keys_leak_nothing_and_empty_rows_give_zero():
     assert (native.kernel_attention(far, far, torch.ones(1, 1, 3, 8), "elu") == 0).all()
 
 
+def squared_relu(x):
+    """A user's map the compiled code does not know: PyTorch makes it, the compiled code multiplies."""
+    return torch.relu(x) ** 2 + 0.01
+
+
 @needs_native
 def test_kernel_dispatches_float32_cpu_inference_to_the_kernels(monkeypatch):
     calls = []
     real = native.kernel_attention
-    monkeypatch.setattr(native, "kernel_attention", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(native, "kernel_attention", lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, 40, 8, generator=g) for _ in range(3))
     mask = torch.rand(1, 40, generator=g) < 0.2
@@ -173,34 +178,39 @@ def test_kernel_dispatches_float32_cpu_inference_to_the_kernels(monkeypatch):
     LF.kernel(q.requires_grad_(), k, v, "elu")
     LF.kernel(q, k, v, "elu", causal=True)
     assert len(calls) == 4
-    # Not taken: float64, maps the C code does not know.
+    # Not taken: float64.
     LF.kernel(q.detach().double(), k.double(), v.double(), "elu")
-    LF.kernel(q.detach(), k, v, "taylor")
     assert len(calls) == 4
+    # taylor's map is computed there too; a map the C code does not know is made by PyTorch ops, and its features
+    # go to the compiled products.
+    LF.kernel(q.detach(), k, v, "taylor")
+    LF.kernel(q.detach(), k, v, squared_relu)
+    assert calls[4:] == ["taylor", None]
     previous = native.set_enabled(False)
     try:
         with torch.inference_mode():
             composed = LF.kernel(q.detach(), k, v, "elu", key_padding_mask=mask)
     finally:
         native.set_enabled(previous)
-    assert len(calls) == 4
+    assert len(calls) == 6
     assert torch.allclose(fast, composed, rtol=1e-5, atol=1e-6)
 
 
 @needs_native
-@pytest.mark.parametrize("feature_map", ["elu", "relu"])
+@pytest.mark.parametrize("feature_map", ["elu", "relu", "taylor", squared_relu], ids=str)
 @pytest.mark.parametrize("b,h,n_q,n_k,d,dv", [(1, 4, 200, 200, 64, 64), (2, 3, 37, 70, 13, 5), (1, 1, 1300, 1100, 16, 9)])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gradients_match_float64(feature_map, b, h, n_q, n_k, d, dv, masked, causal):
     if causal:
         n_k = n_q
+    features = d + 1 if feature_map == "taylor" else d
     g = torch.Generator().manual_seed(n_q + dv)
     # q, k, v as a module makes them: (B, N, H, D) projections seen as (B, H, N, D).
     q = torch.randn(b, n_q, h, d, generator=g).transpose(1, 2)
     k = torch.randn(b, n_k, h, d, generator=g).transpose(1, 2)
     v = torch.randn(b, n_k, h, dv, generator=g).transpose(1, 2)
-    state = torch.rand(b, h, d, dv + 1, generator=g)
+    state = torch.rand(b, h, features, dv + 1, generator=g)
     mask = torch.rand(b, n_k, generator=g) < 0.3 if masked else None
     grad_out = torch.randn(b, h, n_q, dv, generator=g)
 

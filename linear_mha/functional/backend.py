@@ -2,6 +2,8 @@
 
     native             the compiled C code of ``native.py`` (float32 CPU, or half CPU inputs once copied to float32;
                        kernel attention with elu/relu, Efficient Attention), forward and backward, and the decoding step
+    native_features    any other feature map (taylor, focused, hedgehog's learned maps, a user's map): the map made by
+                       PyTorch ops (autograd differentiates it), the products and the division by the compiled code
     fla                ``fla_causal.py``: causal elu/relu kernel attention on bfloat16 CUDA tensors through
                        flash-linear-attention's Triton kernel, when fla-core is installed and the path is enabled
     fused_causal       ``kernel/fused.py``: causal elu/relu kernel attention as one autograd Function, the feature
@@ -27,8 +29,8 @@ from . import fla_causal, native
 from ._common import compiling, compute_dtype, fixed_graph, functorch_active, needs_grad
 from .feature_maps import IN_PLACE_FEATURE_MAPS
 
-NATIVE, FLA, FUSED_CAUSAL, BLOCKED, CHUNKED, COMPOSED = ("native", "fla", "fused_causal", "blocked_inference",
-                                                         "chunked", "composed")
+NATIVE, NATIVE_FEATURES, FLA, FUSED_CAUSAL, BLOCKED, CHUNKED, COMPOSED = (
+    "native", "native_features", "fla", "fused_causal", "blocked_inference", "chunked", "composed")
 FUSED_FEATURE_MAPS = tuple(IN_PLACE_FEATURE_MAPS)  # the maps causal_kernel.py and the blocked path apply in place
 
 
@@ -113,7 +115,12 @@ def kernel_backend(q: Tensor, k: Tensor, v: Tensor, feature_map, *, causal: bool
     fused = isinstance(feature_map, str) and feature_map in FUSED_FEATURE_MAPS
     if not fused:
         name = getattr(feature_map, "__name__", feature_map)
-        return Choice(COMPOSED, f"feature_map {name!r} has no fused path (only {FUSED_FEATURE_MAPS})")
+        why_not_products = native.why_not(q, k, v, initial_state, dtype=compute_dtype(q.dtype))
+        if why_not_products is None:
+            return Choice(NATIVE_FEATURES, f"float32 CPU tensors: feature_map {name!r} is made by PyTorch ops, the "
+                                           f"products and the division run in the compiled code")
+        return Choice(COMPOSED, f"feature_map {name!r} has no fused path (only {FUSED_FEATURE_MAPS}), and its "
+                                f"features cannot go to the compiled code because {why_not_products}")
     if causal:
         if functorch_active():
             return Choice(COMPOSED, "inside a torch.func transform, which custom autograd Functions do not support")
@@ -127,6 +134,14 @@ def kernel_backend(q: Tensor, k: Tensor, v: Tensor, feature_map, *, causal: bool
     if block_positions(q.device) is None:
         return Choice(COMPOSED, f"not native because {why_not_native}; work on {q.device.type} is one block")
     return Choice(BLOCKED, f"not native because {why_not_native}; inference, a block of positions at a time")
+
+
+def features_backend(phi_q: Tensor, phi_k: Tensor, v: Tensor, initial_state: Optional[Tensor] = None) -> Choice:
+    """The backend ``functional.feature_attention`` runs for features made already (hedgehog's learned maps)."""
+    why_not_native = native.why_not(phi_q, phi_k, v, initial_state)
+    if why_not_native is None:
+        return Choice(NATIVE_FEATURES, "float32 CPU features: the products and the division in the compiled code")
+    return Choice(COMPOSED, f"not native because {why_not_native}")
 
 
 def product_backend(phi_q: Tensor, phi_k: Tensor, v: Tensor, initial_state: Optional[Tensor] = None) -> Choice:

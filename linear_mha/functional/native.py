@@ -2,8 +2,9 @@
 
 Kernel attention with an elementwise map spends most of its CPU time in elementwise passes over N-sized
 tensors, not in its two GEMMs; the C functions fuse those passes into the GEMMs (see kernel_attention.c). They
-cover float32 CPU tensors: kernel attention with elu/relu (non-causal and causal, with gradients, and the
-recurrent decoding step) and Efficient Attention (with gradients). Everything else (other maps and dtypes,
+cover float32 CPU tensors: kernel attention with elu/relu/taylor maps or with features made already
+(non-causal and causal, with gradients; elu/relu also the recurrent decoding step) and Efficient Attention (with
+gradients). Everything else (other maps and dtypes,
 accelerators) stays in PyTorch, and so does everything when the compiled code is unavailable; ``backend.py`` decides
 which calls come here.
 
@@ -24,7 +25,9 @@ from torch.autograd.function import once_differentiable
 from . import native_build
 from ._common import compiling, functorch_active
 
-MAPS = {"elu": 0, "relu": 1}  # the elementwise feature maps the C code computes
+MAPS = {"elu": 0, "relu": 1}  # the elementwise feature maps the C code computes, the decoding step included
+ROW_MAPS = {"taylor": 4}  # maps of a whole row the C attention computes: [1, x / |x|], one feature more than x
+FEATURES_GIVEN = 3  # the C code's map for features made already (any map, made by PyTorch ops)
 
 _lock = threading.Lock()
 _library = None
@@ -101,9 +104,9 @@ def build_error() -> Optional[str]:
 def why_not_kernel(feature_map, *tensors: Optional[Tensor], dtype: Optional[torch.dtype] = None) -> Optional[str]:
     """Why kernel attention with ``feature_map`` on these tensors cannot run in the compiled code, or None if it
     can (the caller has a backward for it). ``dtype``: the dtype they will be computed in, if not their own."""
-    if not isinstance(feature_map, str) or feature_map not in MAPS:
+    if not isinstance(feature_map, str) or (feature_map not in MAPS and feature_map not in ROW_MAPS):
         name = getattr(feature_map, "__name__", feature_map)
-        return f"feature_map {name!r} is not one the compiled code computes ({', '.join(MAPS)})"
+        return f"feature_map {name!r} is not one the compiled code computes ({', '.join([*MAPS, *ROW_MAPS])})"
     return why_not(*tensors, dtype=dtype)
 
 
@@ -149,12 +152,14 @@ def _check(status: int) -> None:
         raise MemoryError("linear_mha's compiled CPU code could not allocate its buffers")
 
 
-def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_map: str, key_padding_mask: Optional[Tensor] = None,
-                     initial_state: Optional[Tensor] = None, causal: bool = False) -> Tensor:
+def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_map: Optional[str],
+                     key_padding_mask: Optional[Tensor] = None, initial_state: Optional[Tensor] = None,
+                     causal: bool = False) -> Tensor:
     """Kernel attention, differentiable through the compiled backward. Shapes as ``kernel.kernel``: q (B, H, L, D),
     k (B, H, S, D), v (B, H, S, Dv), any strides with a contiguous last dimension (L == S when causal);
     key_padding_mask (B, S) bool, True = ignore; initial_state (B, H, D, Dv + 1). Returns a contiguous
-    (B, H, L, Dv) tensor. Callers check ``supports`` and the shapes."""
+    (B, H, L, Dv) tensor. ``feature_map`` None: q and k are features made already (phi(q), phi(k), D = their
+    count), and the gradients returned are those of the features. Callers check ``why_not`` and the shapes."""
     mask = None if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
     init = None if initial_state is None else initial_state.contiguous()
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, init)):
@@ -162,27 +167,38 @@ def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_map: str, key_padd
     return _forward(q, k, v, mask, init, feature_map, causal, keep=False)[0]
 
 
+def _map_code(feature_map: Optional[str]) -> int:
+    if feature_map is None:
+        return FEATURES_GIVEN
+    return MAPS[feature_map] if feature_map in MAPS else ROW_MAPS[feature_map]
+
+
+def feature_count(feature_map: Optional[str], d: int) -> int:
+    """Features per position the compiled code makes from d values: the size of a state's third dimension."""
+    return d + 1 if feature_map == "taylor" else d
+
+
 def _pointer(t: Optional[Tensor]):
     return None if t is None else t.data_ptr()
 
 
-def _sizes(q, k, v, causal):
-    """The size and stride arguments of the C entry points."""
+def _sizes(q, k, v, causal, features=None):
+    """The size and stride arguments of the C entry points; ``features``: per position, if not q's last size."""
     b, h, n_q, d = q.shape
     lengths = (n_q,) if causal else (n_q, k.shape[2])
-    return (b, h, *lengths, d, v.shape[-1], *q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
+    return (b, h, *lengths, features or d, v.shape[-1], *q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
 
 
 def _forward(q, k, v, mask, init, feature_map, causal, keep):
     """(out, state, den): the state (B, H, D, Dv + 1, non-causal only) and the normalisers den (B, H, L) are
     returned for the backward when ``keep``, else None."""
     b, h, n_q, d = q.shape
-    dv = v.shape[-1]
+    dv, features = v.shape[-1], feature_count(feature_map, d)
     out = q.new_empty(b, h, n_q, dv)
     den = q.new_empty(b, h, n_q) if keep else None
-    state = q.new_empty(b, h, d, dv + 1) if keep and not causal else None
+    state = q.new_empty(b, h, features, dv + 1) if keep and not causal else None
     pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), _pointer(mask), _pointer(init), out.data_ptr())
-    tail = (*_sizes(q, k, v, causal), MAPS[feature_map], torch.get_num_threads())
+    tail = (*_sizes(q, k, v, causal, features), _map_code(feature_map), torch.get_num_threads())
     if causal:
         status = _lib().lm_causal_kernel_attention_f32(*pointers, _pointer(den), *tail)
     else:
@@ -208,13 +224,14 @@ class _KernelAttention(torch.autograd.Function):
         q, k, v, init, mask, out, state, den = ctx.saved_tensors
         need_q, need_k, need_v, need_init = ctx.needs_input_grad[:4]
         b, h, n_q, d = q.shape
-        n_k, dv = k.shape[2], v.shape[-1]
+        n_k, dv, features = k.shape[2], v.shape[-1], feature_count(ctx.feature_map, d)
         grads = (q.new_empty(b, h, n_q, d) if need_q else None, k.new_empty(b, h, n_k, d) if need_k else None,
-                 v.new_empty(b, h, n_k, dv) if need_v else None, q.new_empty(b, h, d, dv + 1) if need_init else None)
+                 v.new_empty(b, h, n_k, dv) if need_v else None,
+                 q.new_empty(b, h, features, dv + 1) if need_init else None)
         grad_out = grad_out.contiguous()  # held in a name: a temporary's memory would be freed before the call
         pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), _pointer(mask))
-        tail = (out.data_ptr(), grad_out.data_ptr(), *map(_pointer, grads), *_sizes(q, k, v, ctx.causal),
-                MAPS[ctx.feature_map], torch.get_num_threads())
+        tail = (out.data_ptr(), grad_out.data_ptr(), *map(_pointer, grads),
+                *_sizes(q, k, v, ctx.causal, features), _map_code(ctx.feature_map), torch.get_num_threads())
         if ctx.causal:
             status = _lib().lm_causal_kernel_attention_backward_f32(*pointers, _pointer(init), den.data_ptr(), *tail)
         else:

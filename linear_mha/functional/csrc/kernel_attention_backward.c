@@ -6,7 +6,8 @@
  *   G = sum_i phi(q_i)^T r_i                             accumulated in that same pass, d x (Dv + 1)
  *   d phi(k_j) = [v_j, 1] G^T,   d v_j = phi(k_j) G[:, :Dv]    keys, a second pass
  *   d initial_state = G
- * and d q = d phi(q) * phi'(q) (likewise k), the derivative read off the recomputed features. Masked keys get
+ * and d q = d phi(q) * phi'(q) (likewise k), the derivative read off the recomputed features (taylor's, which
+ * needs the input's norm, off the input row: simd.h's input_grad). Masked keys get
  * zero gradients. Only q, k, v, the output, the (small) state and the normalisers are kept from the forward.
  */
 #include "kernel_attention.h"
@@ -31,10 +32,10 @@ static int query_source(const void *ctx, int g, long j, long z, long *next, floa
         memset(scratch, 0, sizeof(float) * rows * c->dp);
         gemm_acc(rows, c->dp / W, c->width, b, c->width, 1, c->state_t + (long)g * c->width * c->dp, c->dp, scratch,
                  c->dp);
-        for (int r = 0; r < rows; r++) {
-            feature_grad(scratch + r * c->dp, a + r * c->d, c->d, c->map);
-            memcpy(c->grad_q + ((long)g * c->n + j + r) * c->d, scratch + r * c->dp, sizeof(float) * c->d);
-        }
+        const int d_in = input_dim(c->d, c->map);
+        for (int r = 0; r < rows; r++)
+            input_grad(c->grad_q + ((long)g * c->n + j + r) * d_in, scratch + r * c->dp, a + r * c->d,
+                       c->q + bi * c->qsb + hi * c->qsh + (j + r) * c->qsn, c->d, c->map);
     }
     *next = j + rows;
     return rows;
@@ -70,11 +71,10 @@ static void key_block(const void *ctx, int g, long j0, int rows, float *scratch)
         const long j = j0 + r, o = (long)g * c->n + j;
         const int masked = c->mask && c->mask[bi * c->n + j];
         if (c->grad_k) {
-            if (masked) memset(c->grad_k + o * d, 0, sizeof(float) * d);
-            else {
-                feature_grad(g_phi + r * dp, phi + r * d, d, c->map);
-                memcpy(c->grad_k + o * d, g_phi + r * dp, sizeof(float) * d);
-            }
+            const int d_in = input_dim(d, c->map);
+            if (masked) memset(c->grad_k + o * d_in, 0, sizeof(float) * d_in);
+            else input_grad(c->grad_k + o * d_in, g_phi + r * dp, phi + r * d,
+                            c->k + bi * c->ksb + hi * c->ksh + j * c->ksn, d, c->map);
         }
         if (c->grad_v) {
             if (masked) memset(c->grad_v + o * dv, 0, sizeof(float) * dv);
@@ -157,7 +157,7 @@ static void causal_part_backward(const void *ctx, int item, float *scratch) {
     float *k_t = r_rows + ROWS * width, *v1_t = k_t + d * ldt, *scores = v1_t + width * ldt;
     float *d_scores = scores + ROWS * ldt, *g_phi = d_scores + ROWS * ldt, *g_v1 = g_phi + ROWS * dp;
     float *acc = g_v1 + ROWS * width, *acc_t = acc + d * width;
-    const int bi = g / c->in.h;
+    const int bi = g / c->in.h, hi = g % c->in.h, d_in = input_dim(d, map);
     /* Forward order: d q, with the state carried transposed (acc_t = S^T, width x dp). */
     if (c->grad_q) {
         if (c->starts) transpose_states(c->starts + (long)item * d * width, width, 1, d, dv, width, dp, acc_t);
@@ -172,10 +172,9 @@ static void causal_part_backward(const void *ctx, int item, float *scratch) {
             gemm_acc(rows, dp / W, width, r_rows, width, 1, acc_t, dp, g_phi, dp);
             lower_scores(rows, width, r_rows, width, v1_t, ldt, d_scores);
             gemm_shaped(LOWER_K, rows, dp / W, rows, d_scores, ldt, 1, phi_k, dp, g_phi, dp);
-            for (int r = 0; r < rows; r++) {
-                feature_grad(g_phi + r * dp, phi_q + r * dp, d, map);
-                memcpy(c->grad_q + (o + r) * d, g_phi + r * dp, sizeof(float) * d);
-            }
+            for (int r = 0; r < rows; r++)
+                input_grad(c->grad_q + (o + r) * d_in, g_phi + r * dp, phi_q + r * dp,
+                           c->in.q + bi * c->in.qsb + hi * c->in.qsh + (i0 + r) * c->in.qsn, d, map);
             gemm_acc(width, dp / W, rows, v1, 1, width, phi_k, dp, acc_t, dp); /* S^T += V1^T phi(K) */
         }
     }
@@ -200,9 +199,9 @@ static void causal_part_backward(const void *ctx, int item, float *scratch) {
         for (int r = 0; r < rows; r++) {
             const int masked = c->in.mask && c->in.mask[bi * n + i0 + r];
             if (c->grad_k) {
-                if (masked) memset(g_phi + r * dp, 0, sizeof(float) * d);
-                else feature_grad(g_phi + r * dp, phi_k + r * dp, d, map);
-                memcpy(c->grad_k + (o + r) * d, g_phi + r * dp, sizeof(float) * d);
+                if (masked) memset(c->grad_k + (o + r) * d_in, 0, sizeof(float) * d_in);
+                else input_grad(c->grad_k + (o + r) * d_in, g_phi + r * dp, phi_k + r * dp,
+                                c->in.k + bi * c->in.ksb + hi * c->in.ksh + (i0 + r) * c->in.ksn, d, map);
             }
             if (c->grad_v) {
                 if (masked) memset(c->grad_v + (o + r) * dv, 0, sizeof(float) * dv);

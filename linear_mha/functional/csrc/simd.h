@@ -68,9 +68,57 @@ static inline void softmax_row(float *dst, const float *src, int d) {
     for (f = 0; f < d; f++) dst[f] *= inv;
 }
 
+/* Map 3: the inputs are features made already (focused, learned maps, a user's map: made by PyTorch ops, so
+ * autograd takes their gradient), copied as they are. */
+#define FEATURES_GIVEN 3
+/* Map 4, taylor: [1, x / max(|x|, 1e-12)] (feature_maps.taylor_feature_map), d features from d - 1 inputs. The
+ * only map whose feature count differs from its input's: d counts features everywhere, rows of q, k and of
+ * their gradients have input_dim(d, map) values. */
+#define TAYLOR 4
+#define TAYLOR_EPS 1e-12f /* F.normalize's eps */
+
+static inline int input_dim(int d, int map) { return map == TAYLOR ? d - 1 : d; }
+
+static inline float sum_of_squares(const float *x, int n) {
+    vf acc = splat(0.0f);
+    int f = 0;
+    for (; f + W <= n; f += W) {
+        const vf a = load(x + f);
+        acc += a * a;
+    }
+    float s = 0.0f;
+    for (int i = 0; i < W; i++) s += acc[i];
+    for (; f < n; f++) s += x[f] * x[f];
+    return s;
+}
+
+/* x / max(|x|, eps), divided as F.normalize does: a multiplication by the reciprocal can leave a unit vector an
+ * ulp short, and 1 + q'.k' of opposite unit vectors then a rounding error instead of an exact 0. */
+static inline void taylor_unit(float *dst, const float *x, int n) {
+    const float norm = sqrtf(sum_of_squares(x, n)), divisor = norm > TAYLOR_EPS ? norm : TAYLOR_EPS;
+    int f = 0;
+    for (; f + W <= n; f += W) store(dst + f, load(x + f) / splat(divisor));
+    for (; f < n; f++) dst[f] = x[f] / divisor;
+}
+
+static inline void scaled_copy(float *dst, const float *src, int n, float scale) {
+    int f = 0;
+    for (; f + W <= n; f += W) store(dst + f, load(src + f) * splat(scale));
+    for (; f < n; f++) dst[f] = src[f] * scale;
+}
+
 static inline void features(float *dst, const float *src, int d, int map) {
     if (map == 2) {
         softmax_row(dst, src, d);
+        return;
+    }
+    if (map == FEATURES_GIVEN) {
+        memcpy(dst, src, sizeof(float) * d);
+        return;
+    }
+    if (map == TAYLOR) {
+        dst[0] = 1.0f;
+        taylor_unit(dst + 1, src, d - 1);
         return;
     }
     int f = 0;
@@ -139,6 +187,7 @@ static inline void gemm_acc(int m, int nv, int k, const float *a, long ai, long 
 /* grad * dphi/dx in place, the derivative read off phi itself: elu(x) + 1 has derivative 1 for x > 0 and
  * exp(x) = phi for x <= 0, i.e. min(phi, 1); relu has [phi > 0]. */
 static inline void feature_grad(float *grad, const float *phi, int d, int map) {
+    if (map == FEATURES_GIVEN) return; /* the gradient with respect to the features is the answer */
     int f = 0;
     for (; f + W <= d; f += W) {
         const vf p = load(phi + f);
@@ -147,6 +196,30 @@ static inline void feature_grad(float *grad, const float *phi, int d, int map) {
         store(grad + f, load(grad + f) * dphi);
     }
     for (; f < d; f++) grad[f] *= map == 0 ? (phi[f] < 1.0f ? phi[f] : 1.0f) : (phi[f] > 0.0f ? 1.0f : 0.0f);
+}
+
+/* The gradient of the input row src from g_phi, that of its d features phi, written to dst (input_dim values);
+ * g_phi is overwritten. Taylor: with u = |x| > eps, d x = (g - x' (x' . g)) / u for g the gradient of x' = x / u;
+ * below eps x' = x / eps and d x = g / eps. */
+static inline void input_grad(float *dst, float *g_phi, const float *phi, const float *src, int d, int map) {
+    if (map != TAYLOR) {
+        feature_grad(g_phi, phi, d, map);
+        memcpy(dst, g_phi, sizeof(float) * d);
+        return;
+    }
+    const int n = d - 1;
+    const float *g = g_phi + 1, *unit = phi + 1;
+    const float norm = sqrtf(sum_of_squares(src, n));
+    if (!(norm > TAYLOR_EPS)) {
+        scaled_copy(dst, g, n, 1.0f / TAYLOR_EPS);
+        return;
+    }
+    float dot = 0.0f;
+    for (int f = 0; f < n; f++) dot += g[f] * unit[f];
+    const float inv = 1.0f / norm;
+    int f = 0;
+    for (; f + W <= n; f += W) store(dst + f, (load(g + f) - load(unit + f) * splat(dot)) * splat(inv));
+    for (; f < n; f++) dst[f] = (g[f] - unit[f] * dot) * inv;
 }
 
 #endif

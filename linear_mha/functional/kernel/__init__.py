@@ -9,9 +9,10 @@ computed right-to-left in O(N F Dv) instead of O(N^2). One package, one formula,
                   ``backend.step_backend``)
     naive.py      the explicit O(L S) form every implementation is tested against
     composed.py   plain PyTorch ops on features made already (any map, dtype, device; autograd, torch.func)
+                  (``feature_attention`` here sends float32 CPU features to the compiled products instead)
     chunked.py    the causal product in chunks (O(N d) memory) with its own backward, and its recurrent step
     fused.py      elu/relu without N-sized temporaries: the causal Function, and blocked inference
-    ../native.py  the compiled CPU code (elu/relu, float32), forward, backward and step
+    ../native.py  the compiled CPU code (elu/relu, or features made by any map; float32), forward, backward, step
 
 Causal attention carries the normaliser through the product as a ones column appended to v (states of shape
 (F, Dv + 1), the layout ``kernel_state`` and ``kernel_step`` use too); non-causal attention computes it as a separate
@@ -28,7 +29,7 @@ from .._common import (append_ones, check_qkv, compute_dtype, drop_keys, mask_ke
 from ..feature_maps import FeatureMap, apply_feature_map, elementwise_feature_map
 from .chunked import (CHUNK_SIZE, causal_linear_product, causal_linear_state, causal_linear_step, check_chunk_size,
                       step_unchecked)
-from .composed import feature_attention, key_value_sums
+from .composed import composed_attention, key_value_sums
 from .fused import causal_kernel, kernel_inference_blocks
 
 __all__ = ["kernel", "kernel_state", "kernel_step", "feature_attention", "key_value_sums", "causal_linear_product",
@@ -73,31 +74,59 @@ def kernel(
     q, k, v = q.to(dtype), k.to(dtype), drop_keys(v.to(dtype), dropout_p)
     if initial_state is not None:
         initial_state = initial_state.to(dtype)
-        if chosen != backend.COMPOSED:  # elu/relu: F = D (the composed path's product checks its own F)
-            _check_state(initial_state, q, v)
+        if chosen not in (backend.COMPOSED, backend.NATIVE_FEATURES):  # elu/relu: F = D, taylor D + 1
+            _check_state(initial_state, native.feature_count(feature_map, q.shape[-1]), v)
     if chosen == backend.NATIVE:  # the compiled code skips masked keys itself: v is not copied to zero them
         return native.kernel_attention(q, k, v, feature_map, key_padding_mask, initial_state, causal).to(out_dtype)
+    # With an initial state, the keys' FAVOR+ stabiliser must be kernel_state's data-independent one: both sums
+    # enter one normaliser, and a per-call data-dependent constant would not cancel between them.
+    feature_options = dict(key_padding_mask=key_padding_mask, causal=causal or initial_state is not None,
+                           projection=projection)
+    if chosen == backend.NATIVE_FEATURES:
+        phi_q, phi_k = (_last_dim_contiguous(phi) for phi in apply_feature_map(feature_map, q, k, **feature_options))
+        _check_state(initial_state, phi_q.shape[-1], v)
+        return native.kernel_attention(phi_q, phi_k, v, None, key_padding_mask, initial_state, causal).to(out_dtype)
     v = mask_keys(v, key_padding_mask)
     if chosen == backend.FUSED_CAUSAL:
         return causal_kernel(q, k, v, feature_map, key_padding_mask=key_padding_mask, initial_state=initial_state,
                              chunk_size=chunk_size or CHUNK_SIZE).to(out_dtype)
     if chosen == backend.BLOCKED:
         return kernel_inference_blocks(q, k, v, feature_map, key_padding_mask, initial_state).to(out_dtype)
-    # With an initial state, the keys' FAVOR+ stabiliser must be kernel_state's data-independent one: both sums
-    # enter one normaliser, and a per-call data-dependent constant would not cancel between them.
-    phi_q, phi_k = apply_feature_map(
-        feature_map, q, k, key_padding_mask=key_padding_mask, causal=causal or initial_state is not None,
-        projection=projection,
-    )
+    phi_q, phi_k = apply_feature_map(feature_map, q, k, **feature_options)
     # The output may be written over phi(k) when the map made it fresh (a named map), at inference.
-    return feature_attention(phi_q, phi_k, v, causal=causal, initial_state=initial_state, chunk_size=chunk_size,
-                             reuse_keys=isinstance(feature_map, str)).to(out_dtype)
+    return composed_attention(phi_q, phi_k, v, causal=causal, initial_state=initial_state, chunk_size=chunk_size,
+                              reuse_keys=isinstance(feature_map, str)).to(out_dtype)
 
 
-def _check_state(initial_state, q, v):
+def feature_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, *, causal: bool = False,
+                      initial_state: Optional[Tensor] = None, chunk_size: Optional[int] = None,
+                      reuse_keys: bool = False) -> Tensor:
+    """Normalised linear attention on features already made: phi_q (B, H, L, F), phi_k (B, H, S, F) non-negative
+    with masked keys' rows zero, v (B, H, S, Dv) with masked rows zero -> (B, H, L, Dv), in the features' dtype.
+    initial_state (B, H, F, Dv + 1): extra keys every query sees. chunk_size: of the causal product (the compiled
+    code picks its own). reuse_keys: phi_k is a temporary the output may be written over (inference only).
+    Runs where ``backend.features_backend`` says: the compiled products on float32 CPU features, else PyTorch ops."""
+    if causal and phi_q.shape[-2] != phi_k.shape[-2]:
+        raise ValueError(f"causal attention needs as many queries as keys, got L={phi_q.shape[-2]}, "
+                         f"S={phi_k.shape[-2]}")
+    if chunk_size is not None:
+        check_chunk_size(chunk_size)
+    if backend.features_backend(phi_q, phi_k, v, initial_state).backend == backend.NATIVE_FEATURES:
+        _check_state(initial_state, phi_q.shape[-1], v)
+        return native.kernel_attention(_last_dim_contiguous(phi_q), _last_dim_contiguous(phi_k), v, None,
+                                       initial_state=initial_state, causal=causal)
+    return composed_attention(phi_q, phi_k, v, causal=causal, initial_state=initial_state, chunk_size=chunk_size,
+                              reuse_keys=reuse_keys)
+
+
+def _last_dim_contiguous(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _check_state(initial_state, features, v):
     if initial_state is None:
         return
-    expected = (q.shape[0], q.shape[1], q.shape[-1], v.shape[-1] + 1)
+    expected = (v.shape[0], v.shape[1], features, v.shape[-1] + 1)
     if tuple(initial_state.shape) != expected:
         raise ValueError(f"initial_state must have shape (B, H, F, Dv + 1) = {expected}, got "
                          f"{tuple(initial_state.shape)}; build it with kernel_state(k, v, feature_map)")

@@ -10,7 +10,7 @@ from .._common import append_ones, compiling, functorch_active, needs_grad, norm
 from .chunked import causal_linear_product
 
 
-def feature_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, *, causal: bool = False,
+def composed_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, *, causal: bool = False,
                       initial_state: Optional[Tensor] = None, chunk_size: Optional[int] = None,
                       reuse_keys: bool = False) -> Tensor:
     """Normalised linear attention on features already made: phi_q (B, H, L, F), phi_k (B, H, S, F) non-negative
