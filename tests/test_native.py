@@ -160,6 +160,11 @@ def squared_relu(x):
     return torch.relu(x) ** 2 + 0.01
 
 
+def focused_p3(x):
+    """focused's map, made by its own compiled pass (float32 CPU rows), its features to the compiled products."""
+    return LF.focused_feature_map(x, 3.0)
+
+
 @needs_native
 def test_kernel_dispatches_float32_cpu_inference_to_the_kernels(monkeypatch):
     calls = []
@@ -197,7 +202,7 @@ def test_kernel_dispatches_float32_cpu_inference_to_the_kernels(monkeypatch):
 
 
 @needs_native
-@pytest.mark.parametrize("feature_map", ["elu", "relu", "taylor", squared_relu], ids=str)
+@pytest.mark.parametrize("feature_map", ["elu", "relu", "taylor", squared_relu, focused_p3], ids=str)
 @pytest.mark.parametrize("b,h,n_q,n_k,d,dv", [(1, 4, 200, 200, 64, 64), (2, 3, 37, 70, 13, 5), (1, 1, 1300, 1100, 16, 9)])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
@@ -594,3 +599,46 @@ def test_a_library_someone_else_wrote_into_our_cache_is_replaced_not_loaded(tmp_
         os.chmod(library, 0o777)
     path, _ = _run_with_cache(ours)
     assert not marker.exists() and path.startswith(str(ours))  # rebuilt in place, then loaded
+
+
+@needs_native
+@pytest.mark.parametrize("power", [3.0, 2.0, 2.5])
+@pytest.mark.parametrize("scale_shape", [None, (3, 1, 13), (13,), (1, 3, 1, 1)], ids=str)
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_compiled_focused_map_matches_float64(power, scale_shape, threads):
+    """The focused map's compiled pass (integer powers by multiplication, others by powf; scales per head and
+    channel) against the composed map in float64: output and gradients of x and of the scale, strided rows."""
+    from linear_mha.functional import backend
+    from linear_mha.functional.focused import composed_focused_map
+    g = torch.Generator().manual_seed(int(power * 10) + threads)
+    x = (torch.randn(2, 40, 3, 13, generator=g) * 2).transpose(1, 2)  # (B, H, N, d), a module's strided layout
+    x[0, 0, :3] = -1.0  # rows whose relu is all zero: every feature from the epsilon alone
+    scale = None if scale_shape is None else torch.rand(scale_shape, generator=g) + 0.5
+    grad = torch.randn(2, 3, 40, 13, generator=g)
+
+    def run(dtype, fn):
+        leaves = [None if t is None else t.detach().to(dtype).requires_grad_() for t in (x, scale)]
+        out = fn(leaves[0], power, leaves[1])
+        out.backward(grad.to(dtype))
+        return out, [None if t is None else t.grad for t in leaves]
+
+    assert backend.focused_map_backend(x, scale).backend == backend.NATIVE
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, got = run(torch.float32, LF.focused_feature_map)
+    finally:
+        torch.set_num_threads(previous)
+    assert type(out.grad_fn).__name__ == "_FocusedMapBackward"  # the compiled backward ran
+    ref, expected = run(torch.float64, composed_focused_map)
+    assert relative_error(out, ref) < 2e-6
+    for name, a, r in zip(("x", "scale"), got, expected):
+        if r is not None:
+            assert relative_error(a, r) < 1e-5, name
+
+
+def test_a_focused_scale_per_position_takes_the_composed_map():
+    from linear_mha.functional import backend
+    x = torch.randn(1, 2, 5, 4)
+    choice = backend.focused_map_backend(x, torch.rand(1, 2, 5, 4) + 0.5)
+    assert choice.backend == backend.COMPOSED and "per head and channel" in choice.reason

@@ -2,8 +2,8 @@
 
     native             the compiled C code of ``native.py`` (float32 CPU, or half CPU inputs once copied to float32;
                        kernel attention with elu/relu, Efficient Attention), forward and backward, and the decoding step
-    native_features    any other feature map (taylor, focused, hedgehog's learned maps, a user's map): the map made by
-                       PyTorch ops (autograd differentiates it), the products and the division by the compiled code
+    native_features    any other feature map (focused, hedgehog's learned maps, a user's map): the map made by PyTorch
+                       ops or, for focused, by its own compiled pass; the products and the division by the compiled code
     fla                ``fla_causal.py``: causal elu/relu kernel attention on bfloat16 CUDA tensors through
                        flash-linear-attention's Triton kernel, when fla-core is installed and the path is enabled
     fused_causal       ``kernel/fused.py``: causal elu/relu kernel attention as one autograd Function, the feature
@@ -141,6 +141,22 @@ def features_backend(phi_q: Tensor, phi_k: Tensor, v: Tensor, initial_state: Opt
     why_not_native = native.why_not(phi_q, phi_k, v, initial_state)
     if why_not_native is None:
         return Choice(NATIVE_FEATURES, "float32 CPU features: the products and the division in the compiled code")
+    return Choice(COMPOSED, f"not native because {why_not_native}")
+
+
+def focused_map_backend(x: Tensor, scale: Optional[Tensor]) -> Choice:
+    """The backend ``focused.focused_feature_map`` runs: the compiled map (``native.focused_map``) for float32 CPU
+    rows (B, H, N, d) whose scale is one value per head and channel, or None."""
+    if x.dim() != 4:
+        return Choice(COMPOSED, f"x has {x.dim()} dimensions; the compiled map takes (B, H, N, d) rows")
+    if scale is not None:
+        sizes = (1,) * (4 - scale.dim()) + tuple(scale.shape)
+        if scale.dim() > 4 or sizes[0] != 1 or sizes[2] != 1 or sizes[1] not in (1, x.shape[1]) \
+                or sizes[3] not in (1, x.shape[3]):
+            return Choice(COMPOSED, f"scale of shape {tuple(scale.shape)} is not one value per head and channel")
+    why_not_native = native.why_not(x, scale, dtype=None)
+    if why_not_native is None:
+        return Choice(NATIVE, "float32 CPU rows: the map in one compiled pass, forward and backward")
     return Choice(COMPOSED, f"not native because {why_not_native}")
 
 

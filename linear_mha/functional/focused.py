@@ -13,13 +13,26 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import backend, native
 from .kernel import kernel
 
 RELU_EPS = 1e-6  # FLatten's relu(x) + 1e-6: no feature vector is exactly zero, so no normaliser vanishes
 
 
 def focused_feature_map(x: Tensor, focusing_factor: float = 3.0, scale: Optional[Tensor] = None) -> Tensor:
-    """phi_p(x) on the last dimension: x (..., d) -> (..., d); ``scale`` broadcastable to x, positive."""
+    """phi_p(x) on the last dimension: x (..., d) -> (..., d); ``scale`` broadcastable to x, positive. Float32 CPU
+    rows (B, H, N, d) with one scale per head and channel run as one compiled pass (``backend.focused_map_backend``)."""
+    if backend.focused_map_backend(x, scale).backend == backend.NATIVE:
+        per_head = None
+        if scale is not None:  # (..., H|1, 1, d|1) -> (H, d)
+            per_head = scale.reshape((1,) * (4 - scale.dim()) + tuple(scale.shape))[0, :, 0, :]
+            per_head = per_head.expand(x.shape[1], x.shape[3]).contiguous()
+        return native.focused_map(x, per_head, focusing_factor)
+    return composed_focused_map(x, focusing_factor, scale)
+
+
+def composed_focused_map(x: Tensor, focusing_factor: float = 3.0, scale: Optional[Tensor] = None) -> Tensor:
+    """focused_feature_map from PyTorch ops: any shape, dtype, device, autograd and torch.func."""
     y = torch.relu(x) + RELU_EPS
     if scale is not None:
         y = y / scale
