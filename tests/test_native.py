@@ -642,3 +642,37 @@ def test_a_focused_scale_per_position_takes_the_composed_map():
     x = torch.randn(1, 2, 5, 4)
     choice = backend.focused_map_backend(x, torch.rand(1, 2, 5, 4) + 0.5)
     assert choice.backend == backend.COMPOSED and "per head and channel" in choice.reason
+
+
+@needs_native
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("m", [16, 13])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_compiled_hedgehog_map_matches_float64(with_bias, m, threads):
+    """Hedgehog's double softmax as one compiled pass against the composed features in float64: output and the
+    gradients of x, the projection and the bias (whose per-task partial sums must add up), strided x."""
+    from linear_mha.functional import backend
+    g = torch.Generator().manual_seed(m + threads)
+    x = torch.randn(2, 30, 3, 8, generator=g).transpose(1, 2)  # (B, H, N, d) as a module makes it
+    weight = torch.randn(3, 8, m, generator=g) * 2  # large values: softmaxes far from uniform
+    bias = torch.randn(3, m, generator=g) if with_bias else None
+    grad = torch.randn(2, 3, 30, 2 * m, generator=g)
+
+    def run(dtype, native_kernels):
+        leaves = [None if t is None else t.detach().to(dtype).requires_grad_() for t in (x, weight, bias)]
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            with backend.override(native_kernels=native_kernels):
+                out = LF.hedgehog_features(*leaves)
+                out.backward(grad.to(dtype))
+        finally:
+            torch.set_num_threads(previous)
+        return out, [t for t in leaves if t is not None]
+
+    out, got = run(torch.float32, True)
+    assert "HedgehogMap" in type(out.grad_fn).__name__  # the compiled backward ran
+    ref, expected = run(torch.float64, False)
+    assert relative_error(out, ref) < 2e-6
+    for name, a, r in zip(("x", "weight", "bias"), got, expected):
+        assert relative_error(a.grad, r.grad) < 1e-5, name

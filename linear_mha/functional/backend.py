@@ -145,7 +145,7 @@ def features_backend(phi_q: Tensor, phi_k: Tensor, v: Tensor, initial_state: Opt
 
 
 def focused_map_backend(x: Tensor, scale: Optional[Tensor]) -> Choice:
-    """The backend ``focused.focused_feature_map`` runs: the compiled map (``native.focused_map``) for float32 CPU
+    """The backend ``focused.focused_feature_map`` runs: the compiled map (``native_maps.focused_map``) for float32 CPU
     rows (B, H, N, d) whose scale is one value per head and channel, or None."""
     if x.dim() != 4:
         return Choice(COMPOSED, f"x has {x.dim()} dimensions; the compiled map takes (B, H, N, d) rows")
@@ -157,6 +157,15 @@ def focused_map_backend(x: Tensor, scale: Optional[Tensor]) -> Choice:
     why_not_native = native.why_not(x, scale, dtype=None)
     if why_not_native is None:
         return Choice(NATIVE, "float32 CPU rows: the map in one compiled pass, forward and backward")
+    return Choice(COMPOSED, f"not native because {why_not_native}")
+
+
+def hedgehog_map_backend(z: Tensor, bias: Optional[Tensor]) -> Choice:
+    """The backend ``hedgehog.hedgehog_features`` runs after its projection: the compiled double softmax
+    (``native_maps.hedgehog_map``) for float32 CPU values, or PyTorch ops."""
+    why_not_native = native.why_not(z, bias)
+    if why_not_native is None:
+        return Choice(NATIVE, "float32 CPU values: both softmaxes in one compiled pass, forward and backward")
     return Choice(COMPOSED, f"not native because {why_not_native}")
 
 

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import backend, native
+from . import backend, native_maps
 from .kernel import kernel
 
 RELU_EPS = 1e-6  # FLatten's relu(x) + 1e-6: no feature vector is exactly zero, so no normaliser vanishes
@@ -27,7 +27,7 @@ def focused_feature_map(x: Tensor, focusing_factor: float = 3.0, scale: Optional
         if scale is not None:  # (..., H|1, 1, d|1) -> (H, d)
             per_head = scale.reshape((1,) * (4 - scale.dim()) + tuple(scale.shape))[0, :, 0, :]
             per_head = per_head.expand(x.shape[1], x.shape[3]).contiguous()
-        return native.focused_map(x, per_head, focusing_factor)
+        return native_maps.focused_map(x, per_head, focusing_factor)
     return composed_focused_map(x, focusing_factor, scale)
 
 

@@ -12,6 +12,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from . import backend, native_maps
 from ._common import check_qkv, compute_dtype, drop_keys, mask_keys, outside_autocast
 from .kernel import check_chunk_size
 from .kernel import feature_attention
@@ -27,7 +28,11 @@ def hedgehog_features(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) 
                          f"{x.shape[-1]}, m), got {tuple(weight.shape)}")
     z = torch.einsum("bhnd,hdm->bhnm", x, weight.to(x.dtype))
     if bias is not None:
-        z = z + bias.to(x.dtype)[None, :, None, :]
+        bias = bias.to(x.dtype)
+    if backend.hedgehog_map_backend(z, bias).backend == backend.NATIVE:
+        return native_maps.hedgehog_map(z.contiguous(), None if bias is None else bias.contiguous())
+    if bias is not None:
+        z = z + bias[None, :, None, :]
     return torch.cat([torch.softmax(z, dim=-1), torch.softmax(-z, dim=-1)], dim=-1)
 
 

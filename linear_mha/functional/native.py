@@ -4,7 +4,7 @@ Kernel attention with an elementwise map spends most of its CPU time in elementw
 tensors, not in its two GEMMs; the C functions fuse those passes into the GEMMs (see kernel_attention.c). They
 cover float32 CPU tensors: kernel attention with elu/relu/taylor maps or with features made already
 (non-causal and causal, with gradients; elu/relu also the recurrent decoding step), Efficient Attention (with
-gradients), and the focused feature map (with gradients). Everything else (other maps and dtypes,
+gradients), and the focused and hedgehog feature maps (with gradients, through ``native_maps.py``). Everything else (other maps and dtypes,
 accelerators) stays in PyTorch, and so does everything when the compiled code is unavailable; ``backend.py`` decides
 which calls come here.
 
@@ -64,11 +64,15 @@ def _declare(library: ctypes.CDLL) -> None:
     library.lm_focused_map_f32.argtypes = [p] * 3 + [i, i, l, i, l, l, l, f, i]
     library.lm_focused_map_backward_f32.argtypes = [p] * 5 + [i, i, l, i, l, l, l, f, i]
     library.lm_focused_map_tasks.argtypes = [i, i, l, i]
+    library.lm_hedgehog_map_f32.argtypes = [p] * 3 + [i, i, l, i, i]
+    library.lm_hedgehog_map_backward_f32.argtypes = [p] * 5 + [i, i, l, i, i]
+    library.lm_hedgehog_map_tasks.argtypes = [i, i, l, i]
     for fn in (library.lm_kernel_attention_f32, library.lm_kernel_attention_backward_f32,
                library.lm_causal_kernel_attention_f32, library.lm_causal_kernel_attention_backward_f32,
                library.lm_kernel_step_f32, library.lm_efficient_attention_f32,
                library.lm_efficient_attention_backward_f32, library.lm_focused_map_f32,
-               library.lm_focused_map_backward_f32, library.lm_focused_map_tasks):
+               library.lm_focused_map_backward_f32, library.lm_focused_map_tasks, library.lm_hedgehog_map_f32,
+               library.lm_hedgehog_map_backward_f32, library.lm_hedgehog_map_tasks):
         fn.restype = ctypes.c_int
 
 
@@ -291,53 +295,6 @@ class _EfficientAttention(torch.autograd.Function):
             inv_sum.data_ptr(), grad_out.data_ptr(), *map(_pointer, grads), *_sizes(q, k, v, False),
             torch.get_num_threads()))
         return (*grads, None)
-
-
-def focused_map(x: Tensor, scale: Optional[Tensor], power: float) -> Tensor:
-    """The focused map (``focused.focused_feature_map``) of x (B, H, N, d), any strides with a contiguous last
-    dimension; scale (H, d) contiguous, positive, or None. Differentiable in x and scale through the compiled
-    backward (focused_map.c). Returns a contiguous (B, H, N, d) tensor. Callers check ``why_not``."""
-    if torch.is_grad_enabled() and (x.requires_grad or (scale is not None and scale.requires_grad)):
-        return _FocusedMap.apply(x, scale, power)
-    return _focused_forward(x, scale, power)
-
-
-def _rows(x):
-    b, h, n, d = x.shape
-    return (b, h, n, d, *x.stride()[:3])
-
-
-def _focused_forward(x, scale, power):
-    out = torch.empty(x.shape, dtype=x.dtype)
-    _check(_lib().lm_focused_map_f32(x.data_ptr(), _pointer(scale), out.data_ptr(), *_rows(x), float(power),
-                                     torch.get_num_threads()))
-    return out
-
-
-class _FocusedMap(torch.autograd.Function):
-    """The focused map with its compiled backward, which recomputes the row's features from x."""
-
-    @staticmethod
-    def forward(ctx, x, scale, power):
-        ctx.save_for_backward(x, scale)
-        ctx.power = power
-        return _focused_forward(x, scale, power)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        x, scale = ctx.saved_tensors
-        b, h, n, _ = x.shape
-        threads = torch.get_num_threads()
-        grad_x = torch.empty(x.shape, dtype=x.dtype)
-        partial = None
-        if scale is not None and ctx.needs_input_grad[1]:
-            partial = x.new_zeros(_lib().lm_focused_map_tasks(b, h, n, threads), *scale.shape)
-        grad_out = grad_out.contiguous()  # held in a name: a temporary's memory would be freed before the call
-        _check(_lib().lm_focused_map_backward_f32(x.data_ptr(), _pointer(scale), grad_out.data_ptr(),
-                                                  grad_x.data_ptr(), _pointer(partial), *_rows(x),
-                                                  float(ctx.power), threads))
-        return grad_x, None if partial is None else partial.sum(0), None
 
 
 def step_ready(feature_map, q, k, v, state) -> bool:

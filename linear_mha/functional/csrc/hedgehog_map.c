@@ -1,0 +1,130 @@
+/* Hedgehog's feature map after its projection (hedgehog.py): for every row z of m projected values, plus the
+ * head's bias,
+ *
+ *   phi = [softmax(z + b), softmax(-(z + b))]      (2m features, each softmax over the m values)
+ *
+ * in one pass, float32, and its gradient. Composed from tensor ops this is a bias add, a negation, two softmaxes
+ * and a concatenation, each a fresh N-sized tensor whose page faults cost more than the arithmetic. z is
+ * (B, H, N, m) contiguous, b (H, m) or NULL, phi (B, H, N, 2m) contiguous. Entry points return 0, or -1 when a
+ * buffer could not be allocated.
+ */
+#include "kernel_attention.h"
+
+struct hedgehog_rows {
+    const float *z, *bias, *grad;
+    float *out, *grad_z, *grad_bias; /* grad_bias: (tasks, H, m) partial sums, one slice per task */
+    int h, m, tasks;
+    long rows, n;
+};
+
+/* e = exp(sign * (x - extreme)), all exponents <= 0; returns the sum of e. */
+static inline float shifted_exps(float *e, const float *x, int m, float extreme, float sign) {
+    vf sum_v = splat(0.0f);
+    int f = 0;
+    for (; f + W <= m; f += W) {
+        const vf ev = exp_nonpositive(splat(sign) * (load(x + f) - splat(extreme)));
+        store(e + f, ev);
+        sum_v += ev;
+    }
+    float sum = 0.0f;
+    for (int i = 0; i < W; i++) sum += sum_v[i];
+    for (; f < m; f++) {
+        const float a = sign * (x[f] - extreme);
+        sum += e[f] = a < -87.3f ? 0.0f : expf(a);
+    }
+    return sum;
+}
+
+static inline void scale_row(float *x, int m, float factor) {
+    int f = 0;
+    for (; f + W <= m; f += W) store(x + f, load(x + f) * splat(factor));
+    for (; f < m; f++) x[f] *= factor;
+}
+
+/* The row's biased values into zb and its 2m features into phi. */
+static inline void hedgehog_row(const struct hedgehog_rows *c, long row, float *zb, float *phi) {
+    const int m = c->m;
+    const float *z = c->z + row * m, *b = c->bias ? c->bias + (row / c->n % c->h) * m : NULL;
+    float top = -INFINITY, bottom = INFINITY;
+    for (int f = 0; f < m; f++) {
+        zb[f] = b ? z[f] + b[f] : z[f];
+        top = zb[f] > top ? zb[f] : top;
+        bottom = zb[f] < bottom ? zb[f] : bottom;
+    }
+    scale_row(phi, m, 1.0f / shifted_exps(phi, zb, m, top, 1.0f));
+    scale_row(phi + m, m, 1.0f / shifted_exps(phi + m, zb, m, bottom, -1.0f));
+}
+
+static inline void task_rows(const struct hedgehog_rows *c, int t, long *a, long *z) {
+    *a = c->rows * t / c->tasks;
+    *z = c->rows * (t + 1) / c->tasks;
+}
+
+static void forward_task(const void *ctx, int t, float *scratch) {
+    const struct hedgehog_rows *c = ctx;
+    long a, z;
+    task_rows(c, t, &a, &z);
+    for (long row = a; row < z; row++) hedgehog_row(c, row, scratch, c->out + row * 2 * c->m);
+}
+
+/* With s, u the two softmaxes and g1, g2 the gradients of their halves: dz = s (g1 - s.g1) - u (g2 - u.g2). */
+static void backward_task(const void *ctx, int t, float *scratch) {
+    const struct hedgehog_rows *c = ctx;
+    const int m = c->m;
+    float *zb = scratch, *phi = zb + m, *db = c->grad_bias ? c->grad_bias + (long)t * c->h * m : NULL;
+    long a, z;
+    task_rows(c, t, &a, &z);
+    for (long row = a; row < z; row++) {
+        hedgehog_row(c, row, zb, phi);
+        const float *g = c->grad + row * 2 * m, *s = phi, *u = phi + m;
+        float sg = 0.0f, ug = 0.0f;
+        for (int f = 0; f < m; f++) {
+            sg += s[f] * g[f];
+            ug += u[f] * g[m + f];
+        }
+        float *dz = c->grad_z + row * m, *dbh = db ? db + (row / c->n % c->h) * m : NULL;
+        int f = 0;
+        for (; f + W <= m; f += W) {
+            const vf sv = load(s + f), uv = load(u + f);
+            const vf dv = sv * (load(g + f) - splat(sg)) - uv * (load(g + m + f) - splat(ug));
+            store(dz + f, dv);
+            if (dbh) store(dbh + f, load(dbh + f) + dv);
+        }
+        for (; f < m; f++) {
+            dz[f] = s[f] * (g[f] - sg) - u[f] * (g[m + f] - ug);
+            if (dbh) dbh[f] += dz[f];
+        }
+    }
+}
+
+static struct hedgehog_rows describe(int b, int h, long n, int m, int threads) {
+    struct hedgehog_rows c = {NULL, NULL, NULL, NULL, NULL, NULL, h, m, 0, (long)b * h * n, n};
+    c.tasks = threads_for(threads) * 4; /* a few tasks per thread: rows cost the same, but threads may not */
+    if (c.tasks > c.rows) c.tasks = (int)(c.rows > 0 ? c.rows : 1);
+    return c;
+}
+
+/* out (B, H, N, 2m) <- the features of z (B, H, N, m) and bias (H, m) or NULL. */
+int lm_hedgehog_map_f32(const float *z, const float *bias, float *out, int b, int h, long n, int m, int threads) {
+    struct hedgehog_rows c = describe(b, h, n, m, threads);
+    c.z = z;
+    c.bias = bias;
+    c.out = out;
+    return for_each_task(c.tasks, threads_for(threads), 3L * m, forward_task, &c);
+}
+
+/* The number of partial sums lm_hedgehog_map_backward_f32 writes into grad_bias: (tasks, H, m). */
+int lm_hedgehog_map_tasks(int b, int h, long n, int threads) { return describe(b, h, n, 1, threads).tasks; }
+
+/* grad_z (B, H, N, m) and grad_bias (tasks, H, m), zeroed by the caller (NULL: not wanted), from grad
+ * (B, H, N, 2m), the gradient of the features; all contiguous. */
+int lm_hedgehog_map_backward_f32(const float *z, const float *bias, const float *grad, float *grad_z,
+                                 float *grad_bias, int b, int h, long n, int m, int threads) {
+    struct hedgehog_rows c = describe(b, h, n, m, threads);
+    c.z = z;
+    c.bias = bias;
+    c.grad = grad;
+    c.grad_z = grad_z;
+    c.grad_bias = grad_bias;
+    return for_each_task(c.tasks, threads_for(threads), 3L * m, backward_task, &c);
+}
