@@ -676,3 +676,15 @@ def test_the_compiled_hedgehog_map_matches_float64(with_bias, m, threads):
     assert relative_error(out, ref) < 2e-6
     for name, a, r in zip(("x", "weight", "bias"), got, expected):
         assert relative_error(a.grad, r.grad) < 1e-5, name
+
+
+def test_broadcast_features_take_the_composed_product():
+    """Features whose batch broadcasts (one set of keys for every query batch) are not what the compiled code
+    reads: the chooser says so, and the composed product gives the broadcast answer."""
+    g = torch.Generator().manual_seed(5)
+    phi_q, phi_k = torch.rand(2, 3, 7, 6, generator=g), torch.rand(1, 3, 9, 6, generator=g)
+    v = torch.randn(1, 3, 9, 4, generator=g)
+    assert backend.features_backend(phi_q, phi_k, v).backend == backend.COMPOSED
+    out = LF.feature_attention(phi_q, phi_k, v)
+    expected = LF.feature_attention(phi_q, phi_k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1))
+    torch.testing.assert_close(out, expected)

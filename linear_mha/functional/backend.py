@@ -138,6 +138,11 @@ def kernel_backend(q: Tensor, k: Tensor, v: Tensor, feature_map, *, causal: bool
 
 def features_backend(phi_q: Tensor, phi_k: Tensor, v: Tensor, initial_state: Optional[Tensor] = None) -> Choice:
     """The backend ``functional.feature_attention`` runs for features made already (hedgehog's learned maps)."""
+    if phi_q.dim() != 4 or phi_k.dim() != 4 or v.dim() != 4 or phi_q.shape[:2] != phi_k.shape[:2] \
+            or phi_k.shape[:3] != v.shape[:3] or phi_q.shape[-1] != phi_k.shape[-1]:
+        return Choice(COMPOSED, f"features {tuple(phi_q.shape)}, {tuple(phi_k.shape)} and values {tuple(v.shape)} "
+                                f"are not (B, H, L, F), (B, H, S, F), (B, H, S, Dv): the compiled code reads no "
+                                f"broadcast")
     why_not_native = native.why_not(phi_q, phi_k, v, initial_state)
     if why_not_native is None:
         return Choice(NATIVE_FEATURES, "float32 CPU features: the products and the division in the compiled code")

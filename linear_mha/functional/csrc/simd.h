@@ -201,7 +201,8 @@ static inline void feature_grad(float *grad, const float *phi, int d, int map) {
 /* The gradient of the input row src from g_phi, that of its d features phi, written to dst (input_dim values);
  * g_phi is overwritten. Taylor: with u = |x| > eps, d x = (g - x' (x' . g)) / u for g the gradient of x' = x / u;
  * below eps x' = x / eps and d x = g / eps. */
-static inline void input_grad(float *dst, float *g_phi, const float *phi, const float *src, int d, int map) {
+static inline __attribute__((always_inline)) void input_grad(float *dst, float *g_phi, const float *phi,
+                                                             const float *src, int d, int map) {
     if (map != TAYLOR) {
         feature_grad(g_phi, phi, d, map);
         memcpy(dst, g_phi, sizeof(float) * d);
