@@ -202,14 +202,14 @@ def test_kernel_dispatches_float32_cpu_inference_to_the_kernels(monkeypatch):
 
 
 @needs_native
-@pytest.mark.parametrize("feature_map", ["elu", "relu", "taylor", squared_relu, focused_p3], ids=str)
+@pytest.mark.parametrize("feature_map", ["elu", "relu", "taylor", "taylor2", squared_relu, focused_p3], ids=str)
 @pytest.mark.parametrize("b,h,n_q,n_k,d,dv", [(1, 4, 200, 200, 64, 64), (2, 3, 37, 70, 13, 5), (1, 1, 1300, 1100, 16, 9)])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gradients_match_float64(feature_map, b, h, n_q, n_k, d, dv, masked, causal):
     if causal:
         n_k = n_q
-    features = d + 1 if feature_map == "taylor" else d
+    features = native.feature_count(feature_map, d) if isinstance(feature_map, str) else d
     g = torch.Generator().manual_seed(n_q + dv)
     # q, k, v as a module makes them: (B, N, H, D) projections seen as (B, H, N, D).
     q = torch.randn(b, n_q, h, d, generator=g).transpose(1, 2)
@@ -228,9 +228,11 @@ def test_gradients_match_float64(feature_map, b, h, n_q, n_k, d, dv, masked, cau
     out, got = grads(torch.float32)
     assert type(out.grad_fn).__name__ == "_KernelAttentionBackward"  # the compiled backward ran
     ref_out, ref = grads(torch.float64)
-    assert relative_error(out, ref_out) < 2e-6
+    # float32 sums over F features: rounding grows as sqrt(F) (taylor2 has 2,145 at d = 64)
+    sums = max(1.0, features / 64) ** 0.5
+    assert relative_error(out, ref_out) < 2e-6 * sums
     for name, a, r in zip(("q", "k", "v", "initial_state"), got, ref):
-        assert relative_error(a, r) < 1e-5, name
+        assert relative_error(a, r) < 1e-5 * sums, name
     if masked:
         assert (got[1][mask[:, None, :, None].expand_as(got[1])] == 0).all()
 

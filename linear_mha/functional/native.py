@@ -2,7 +2,7 @@
 
 Kernel attention with an elementwise map spends most of its CPU time in elementwise passes over N-sized
 tensors, not in its two GEMMs; the C functions fuse those passes into the GEMMs (see kernel_attention.c). They
-cover float32 CPU tensors: kernel attention with elu/relu/taylor maps or with features made already
+cover float32 CPU tensors: kernel attention with elu/relu/taylor/taylor2 maps or with features made already
 (non-causal and causal, with gradients; elu/relu also the recurrent decoding step), Efficient Attention (with
 gradients), and the focused and hedgehog feature maps (with gradients, through ``native_maps.py``). Everything else (other maps and dtypes,
 accelerators) stays in PyTorch, and so does everything when the compiled code is unavailable; ``backend.py`` decides
@@ -26,7 +26,9 @@ from . import native_build
 from ._common import compiling, functorch_active
 
 MAPS = {"elu": 0, "relu": 1}  # the elementwise feature maps the C code computes, the decoding step included
-ROW_MAPS = {"taylor": 4}  # maps of a whole row the C attention computes: [1, x / |x|], one feature more than x
+# Maps of a whole row the C attention computes: taylor [1, x / |x|], one feature more than x, and taylor2
+# [1, x', x'_i x'_j], 1 + D + D (D + 1) / 2 features.
+ROW_MAPS = {"taylor": 4, "taylor2": 5}
 FEATURES_GIVEN = 3  # the C code's map for features made already (any map, made by PyTorch ops)
 
 _lock = threading.Lock()
@@ -184,6 +186,8 @@ def _map_code(feature_map: Optional[str]) -> int:
 
 def feature_count(feature_map: Optional[str], d: int) -> int:
     """Features per position the compiled code makes from d values: the size of a state's third dimension."""
+    if feature_map == "taylor2":
+        return 1 + d + d * (d + 1) // 2
     return d + 1 if feature_map == "taylor" else d
 
 

@@ -76,8 +76,21 @@ static inline void softmax_row(float *dst, const float *src, int d) {
  * their gradients have input_dim(d, map) values. */
 #define TAYLOR 4
 #define TAYLOR_EPS 1e-12f /* F.normalize's eps */
+/* Map 5, taylor2: [1, x', x'_i x'_j (i <= j, the squares times 1/sqrt(2))] with x' = x / n^(1/4)
+ * (feature_maps.taylor2_feature_map, in its order), 1 + n + n (n + 1) / 2 features from n inputs. */
+#define TAYLOR2 5
 
-static inline int input_dim(int d, int map) { return map == TAYLOR ? d - 1 : d; }
+/* n with 1 + n + n (n + 1) / 2 == d (taylor2's input size from its feature count). */
+static inline int taylor2_inputs(int d) {
+    int n = (int)((sqrt(8.0 * d - 7.0) - 3.0) / 2.0);
+    while (1 + n + n * (n + 1) / 2 < d) n++;
+    while (n > 0 && 1 + n + n * (n + 1) / 2 > d) n--;
+    return n;
+}
+
+static inline int input_dim(int d, int map) {
+    return map == TAYLOR ? d - 1 : map == TAYLOR2 ? taylor2_inputs(d) : d;
+}
 
 static inline float sum_of_squares(const float *x, int n) {
     vf acc = splat(0.0f);
@@ -119,6 +132,21 @@ static inline void features(float *dst, const float *src, int d, int map) {
     if (map == TAYLOR) {
         dst[0] = 1.0f;
         taylor_unit(dst + 1, src, d - 1);
+        return;
+    }
+    if (map == TAYLOR2) {
+        const int n = taylor2_inputs(d);
+        const float scale = 1.0f / sqrtf(sqrtf((float)n)), half = sqrtf(0.5f);
+        float *x = dst + 1, *pair = dst + 1 + n;
+        dst[0] = 1.0f;
+        for (int i = 0; i < n; i++) x[i] = src[i] * scale;
+        for (int i = 0; i < n; i++) {
+            const float xi = x[i];
+            *pair++ = xi * x[i] * half;
+            int j = i + 1;
+            for (; j + W <= n; j += W, pair += W) store(pair, load(x + j) * splat(xi));
+            for (; j < n; j++) *pair++ = xi * x[j];
+        }
         return;
     }
     int f = 0;
@@ -201,8 +229,30 @@ static inline void feature_grad(float *grad, const float *phi, int d, int map) {
 /* The gradient of the input row src from g_phi, that of its d features phi, written to dst (input_dim values);
  * g_phi is overwritten. Taylor: with u = |x| > eps, d x = (g - x' (x' . g)) / u for g the gradient of x' = x / u;
  * below eps x' = x / eps and d x = g / eps. */
+/* taylor2's input gradient: with w the pair weights (1/sqrt(2) on squares), d x'_k = g_k + sum over pairs (i, j)
+ * holding k of g_ij w_ij x'_other (2 w x'_k for a square), then d x = d x' / n^(1/4). phi holds x' at 1..n. */
+static inline void taylor2_input_grad(float *dst, const float *g_phi, const float *phi, int d) {
+    const int n = taylor2_inputs(d);
+    const float scale = 1.0f / sqrtf(sqrtf((float)n)), half = sqrtf(0.5f);
+    const float *x = phi + 1, *g = g_phi + 1 + n;
+    for (int k = 0; k < n; k++) dst[k] = g_phi[1 + k];
+    for (int i = 0; i < n; i++) {
+        float acc = 2.0f * half * x[i] * *g++;
+        for (int j = i + 1; j < n; j++, g++) {
+            acc += *g * x[j];
+            dst[j] += *g * x[i];
+        }
+        dst[i] += acc;
+    }
+    for (int k = 0; k < n; k++) dst[k] *= scale;
+}
+
 static inline __attribute__((always_inline)) void input_grad(float *dst, float *g_phi, const float *phi,
                                                              const float *src, int d, int map) {
+    if (map == TAYLOR2) {
+        taylor2_input_grad(dst, g_phi, phi, d);
+        return;
+    }
     if (map != TAYLOR) {
         feature_grad(g_phi, phi, d, map);
         memcpy(dst, g_phi, sizeof(float) * d);
