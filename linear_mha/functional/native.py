@@ -4,9 +4,9 @@ Kernel attention with an elementwise map spends most of its CPU time in elementw
 tensors, not in its two GEMMs; the C functions fuse those passes into the GEMMs (see kernel_attention.c). They
 cover float32 CPU tensors: kernel attention with elu/relu/taylor/taylor2 maps or with features made already
 (non-causal and causal, with gradients; elu/relu also the recurrent decoding step), Efficient Attention (with
-gradients), and the focused and hedgehog feature maps (with gradients, through ``native_maps.py``). Everything else (other maps and dtypes,
-accelerators) stays in PyTorch, and so does everything when the compiled code is unavailable; ``backend.py`` decides
-which calls come here.
+gradients), and the focused and hedgehog feature maps (with gradients, through ``native_maps.py``). Everything
+else (other dtypes, accelerators) stays in PyTorch, and so does everything when the compiled code is unavailable;
+``backend.py`` decides which calls come here.
 
 ``native_build.py`` compiles and caches the library on first use. ``LINEAR_MHA_NATIVE=0`` (or
 ``set_enabled(False)``) turns it off; ``available()`` says whether it is in use, ``build_error()`` why
