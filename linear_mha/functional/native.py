@@ -178,6 +178,22 @@ def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_map: Optional[str]
     return _forward(q, k, v, mask, init, feature_map, causal, keep=False)[0]
 
 
+def call(entry: str, *args) -> None:
+    """Runs the compiled entry point ``entry`` (pointers from ``pointer``); raises MemoryError if it could not
+    allocate its buffers. For the modules beside this one that hold their own entry points (native_maps.py)."""
+    _check(getattr(_lib(), entry)(*args))
+
+
+def count(entry: str, *args) -> int:
+    """The int a compiled sizing entry point returns (e.g. how many partial sums a backward writes)."""
+    return getattr(_lib(), entry)(*args)
+
+
+def pointer(t: Optional[Tensor]):
+    """The data address ctypes passes for t, or None (NULL)."""
+    return None if t is None else t.data_ptr()
+
+
 def _map_code(feature_map: Optional[str]) -> int:
     if feature_map is None:
         return FEATURES_GIVEN
@@ -189,10 +205,6 @@ def feature_count(feature_map: Optional[str], d: int) -> int:
     if feature_map == "taylor2":
         return 1 + d + d * (d + 1) // 2
     return d + 1 if feature_map == "taylor" else d
-
-
-def _pointer(t: Optional[Tensor]):
-    return None if t is None else t.data_ptr()
 
 
 def _sizes(q, k, v, causal, features=None):
@@ -210,12 +222,12 @@ def _forward(q, k, v, mask, init, feature_map, causal, keep):
     out = q.new_empty(b, h, n_q, dv)
     den = q.new_empty(b, h, n_q) if keep else None
     state = q.new_empty(b, h, features, dv + 1) if keep and not causal else None
-    pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), _pointer(mask), _pointer(init), out.data_ptr())
+    pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), pointer(mask), pointer(init), out.data_ptr())
     tail = (*_sizes(q, k, v, causal, features), _map_code(feature_map), torch.get_num_threads())
     if causal:
-        status = _lib().lm_causal_kernel_attention_f32(*pointers, _pointer(den), *tail)
+        status = _lib().lm_causal_kernel_attention_f32(*pointers, pointer(den), *tail)
     else:
-        status = _lib().lm_kernel_attention_f32(*pointers, _pointer(state), _pointer(den), *tail)
+        status = _lib().lm_kernel_attention_f32(*pointers, pointer(state), pointer(den), *tail)
     _check(status)
     return out, state, den
 
@@ -242,11 +254,11 @@ class _KernelAttention(torch.autograd.Function):
                  v.new_empty(b, h, n_k, dv) if need_v else None,
                  q.new_empty(b, h, features, dv + 1) if need_init else None)
         grad_out = grad_out.contiguous()  # held in a name: a temporary's memory would be freed before the call
-        pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), _pointer(mask))
-        tail = (out.data_ptr(), grad_out.data_ptr(), *map(_pointer, grads),
+        pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), pointer(mask))
+        tail = (out.data_ptr(), grad_out.data_ptr(), *map(pointer, grads),
                 *_sizes(q, k, v, ctx.causal, features), _map_code(ctx.feature_map), torch.get_num_threads())
         if ctx.causal:
-            status = _lib().lm_causal_kernel_attention_backward_f32(*pointers, _pointer(init), den.data_ptr(), *tail)
+            status = _lib().lm_causal_kernel_attention_backward_f32(*pointers, pointer(init), den.data_ptr(), *tail)
         else:
             status = _lib().lm_kernel_attention_backward_f32(*pointers, state.data_ptr(), den.data_ptr(), *tail)
         _check(status)
@@ -270,7 +282,7 @@ def _efficient_forward(q, k, v, mask, keep):
     out = q.new_empty(b, h, n_q, dv)
     saved = (q.new_empty(b, h, d, dv), q.new_empty(b, h, d), q.new_empty(b, h, d)) if keep else (None,) * 3
     _check(_lib().lm_efficient_attention_f32(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), _pointer(mask), out.data_ptr(), *map(_pointer, saved),
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), pointer(mask), out.data_ptr(), *map(pointer, saved),
         *_sizes(q, k, v, False), torch.get_num_threads()))
     return (out, *saved)
 
@@ -295,8 +307,8 @@ class _EfficientAttention(torch.autograd.Function):
                  torch.empty_like(v, memory_format=torch.contiguous_format) if need_v else None)
         grad_out = grad_out.contiguous()  # held in a name: a temporary's memory would be freed before the call
         _check(_lib().lm_efficient_attention_backward_f32(
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), _pointer(mask), state.data_ptr(), top.data_ptr(),
-            inv_sum.data_ptr(), grad_out.data_ptr(), *map(_pointer, grads), *_sizes(q, k, v, False),
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), pointer(mask), state.data_ptr(), top.data_ptr(),
+            inv_sum.data_ptr(), grad_out.data_ptr(), *map(pointer, grads), *_sizes(q, k, v, False),
             torch.get_num_threads()))
         return (*grads, None)
 

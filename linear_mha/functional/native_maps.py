@@ -11,6 +11,16 @@ from torch.autograd.function import once_differentiable
 from . import native
 
 
+def _partial_sums(tasks_entry: str, x: Tensor, shape, wanted: bool) -> Optional[Tensor]:
+    """Zeroed (tasks, *shape) buffer for a parameter's gradient, summed by the caller over its first dimension: each
+    of the compiled backward's tasks adds its rows into its own slice, so threads never write the same sum."""
+    if not wanted:
+        return None
+    b, h, n = x.shape[:3]
+    tasks = native.count(tasks_entry, b, h, n, torch.get_num_threads())
+    return x.new_zeros(tasks, *shape)
+
+
 def focused_map(x: Tensor, scale: Optional[Tensor], power: float) -> Tensor:
     """The focused map (``focused.focused_feature_map``) of x (B, H, N, d), any strides with a contiguous last
     dimension; scale (H, d) contiguous, positive, or None. Differentiable in x and scale through the compiled
@@ -27,8 +37,8 @@ def _rows(x):
 
 def _focused_forward(x, scale, power):
     out = torch.empty(x.shape, dtype=x.dtype)
-    native._check(native._lib().lm_focused_map_f32(x.data_ptr(), native._pointer(scale), out.data_ptr(), *_rows(x), float(power),
-                                     torch.get_num_threads()))
+    native.call("lm_focused_map_f32", x.data_ptr(), native.pointer(scale), out.data_ptr(), *_rows(x), float(power),
+         torch.get_num_threads())
     return out
 
 
@@ -45,16 +55,12 @@ class _FocusedMap(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         x, scale = ctx.saved_tensors
-        b, h, n, _ = x.shape
-        threads = torch.get_num_threads()
         grad_x = torch.empty(x.shape, dtype=x.dtype)
-        partial = None
-        if scale is not None and ctx.needs_input_grad[1]:
-            partial = x.new_zeros(native._lib().lm_focused_map_tasks(b, h, n, threads), *scale.shape)
+        partial = _partial_sums("lm_focused_map_tasks", x, () if scale is None else scale.shape,
+                                scale is not None and ctx.needs_input_grad[1])
         grad_out = grad_out.contiguous()  # held in a name: a temporary's memory would be freed before the call
-        native._check(native._lib().lm_focused_map_backward_f32(x.data_ptr(), native._pointer(scale), grad_out.data_ptr(),
-                                                  grad_x.data_ptr(), native._pointer(partial), *_rows(x),
-                                                  float(ctx.power), threads))
+        native.call("lm_focused_map_backward_f32", x.data_ptr(), native.pointer(scale), grad_out.data_ptr(),
+             grad_x.data_ptr(), native.pointer(partial), *_rows(x), float(ctx.power), torch.get_num_threads())
         return grad_x, None if partial is None else partial.sum(0), None
 
 
@@ -70,8 +76,8 @@ def hedgehog_map(z: Tensor, bias: Optional[Tensor]) -> Tensor:
 def _hedgehog_forward(z, bias):
     b, h, n, m = z.shape
     out = z.new_empty(b, h, n, 2 * m)
-    native._check(native._lib().lm_hedgehog_map_f32(z.data_ptr(), native._pointer(bias), out.data_ptr(), b, h, n, m,
-                                      torch.get_num_threads()))
+    native.call("lm_hedgehog_map_f32", z.data_ptr(), native.pointer(bias), out.data_ptr(), b, h, n, m,
+         torch.get_num_threads())
     return out
 
 
@@ -87,13 +93,10 @@ class _HedgehogMap(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         z, bias = ctx.saved_tensors
-        b, h, n, m = z.shape
-        threads = torch.get_num_threads()
         grad_z = torch.empty_like(z)
-        partial = None
-        if bias is not None and ctx.needs_input_grad[1]:
-            partial = z.new_zeros(native._lib().lm_hedgehog_map_tasks(b, h, n, threads), h, m)
+        partial = _partial_sums("lm_hedgehog_map_tasks", z, () if bias is None else bias.shape,
+                                bias is not None and ctx.needs_input_grad[1])
         grad_out = grad_out.contiguous()  # held in a name: a temporary's memory would be freed before the call
-        native._check(native._lib().lm_hedgehog_map_backward_f32(z.data_ptr(), native._pointer(bias), grad_out.data_ptr(),
-                                                   grad_z.data_ptr(), native._pointer(partial), b, h, n, m, threads))
+        native.call("lm_hedgehog_map_backward_f32", z.data_ptr(), native.pointer(bias), grad_out.data_ptr(),
+             grad_z.data_ptr(), native.pointer(partial), *z.shape, torch.get_num_threads())
         return grad_z, None if partial is None else partial.sum(0)
