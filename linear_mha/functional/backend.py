@@ -6,6 +6,8 @@
                        ops or, for focused, by its own compiled pass; the products and the division by the compiled code
     fla                ``fla_causal.py``: causal elu/relu kernel attention on bfloat16 CUDA tensors through
                        flash-linear-attention's Triton kernel, when fla-core is installed and the path is enabled
+    triton             ``triton_kernel.py``: non-causal elu/relu kernel attention in fused Triton kernels, forward and
+                       backward, on CUDA when switched on (LINEAR_MHA_TRITON=1 until timed on a GPU)
     fused_causal       ``kernel/fused.py``: causal elu/relu kernel attention as one autograd Function, the feature
                        map and the division done block by block in reused buffers
     blocked_inference  ``kernel/fused.py``: non-causal elu/relu inference without autograd, a block of positions at a
@@ -25,12 +27,12 @@ from typing import Callable, Optional, Union
 import torch
 from torch import Tensor
 
-from . import fla_causal, native
+from . import fla_causal, native, triton_kernel
 from ._common import compiling, compute_dtype, fixed_graph, functorch_active, needs_grad
 from .feature_maps import IN_PLACE_FEATURE_MAPS
 
-NATIVE, NATIVE_FEATURES, FLA, FUSED_CAUSAL, BLOCKED, CHUNKED, COMPOSED = (
-    "native", "native_features", "fla", "fused_causal", "blocked_inference", "chunked", "composed")
+NATIVE, NATIVE_FEATURES, FLA, TRITON, FUSED_CAUSAL, BLOCKED, CHUNKED, COMPOSED = (
+    "native", "native_features", "fla", "triton", "fused_causal", "blocked_inference", "chunked", "composed")
 FUSED_FEATURE_MAPS = tuple(IN_PLACE_FEATURE_MAPS)  # the maps causal_kernel.py and the blocked path apply in place
 
 
@@ -106,6 +108,9 @@ def kernel_backend(q: Tensor, k: Tensor, v: Tensor, feature_map, *, causal: bool
     """The backend ``functional.kernel`` runs for these tensors, as the caller passes them: half inputs go to fla as
     they are, everywhere else they are computed in float32 copies (so the compiled code takes bfloat16 CPU
     inputs too)."""
+    if not causal and triton_kernel.enabled() and triton_kernel.why_not(q, k, v, feature_map, initial_state) is None:
+        return Choice(TRITON, "non-causal elu/relu attention on CUDA, with the Triton kernels enabled "
+                              "(LINEAR_MHA_TRITON=1)")
     why_not_fla = fla_causal.why_not(q, k, v, feature_map, initial_state) if causal else None
     if causal and why_not_fla is None:
         return Choice(FLA, "causal elu/relu attention on bfloat16 CUDA tensors, with fla enabled (LINEAR_MHA_FLA=1)")

@@ -23,7 +23,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .. import backend, fla_causal, native
+from .. import backend, fla_causal, native, triton_kernel
 from .._common import (append_ones, check_qkv, compute_dtype, drop_keys, mask_keys, outside_autocast,
                        split_normalise)
 from ..feature_maps import FeatureMap, apply_feature_map, elementwise_feature_map
@@ -70,6 +70,8 @@ def kernel(
     chosen = backend.kernel_backend(q, k, v, feature_map, causal=causal, initial_state=initial_state).backend
     if chosen == backend.FLA:  # half inputs as they are: fla accumulates in its own way
         return fla_causal.causal_kernel_fla(q, k, drop_keys(v, dropout_p), feature_map, key_padding_mask)
+    if chosen == backend.TRITON:  # half inputs as they are: the kernels accumulate in float32
+        return triton_kernel.kernel_attention(q, k, drop_keys(v, dropout_p), feature_map, key_padding_mask)
     out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
     q, k, v = q.to(dtype), k.to(dtype), drop_keys(v.to(dtype), dropout_p)
     if initial_state is not None:

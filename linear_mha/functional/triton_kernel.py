@@ -1,0 +1,171 @@
+"""Fused Triton kernels for non-causal kernel attention with an elementwise map (elu, relu), forward and backward:
+
+    out_i = phi(q_i) S / phi(q_i) z,   S = sum_j phi(k_j) v_j^T,   z = sum_j phi(k_j)   (masked keys left out)
+
+Composed from PyTorch ops each step (the map, the key sums, the products, the normaliser) reads and writes whole
+N-sized tensors; here one pass over the keys applies the map and accumulates S and z in float32 (the sequence
+split over programs, their partial sums added), and one pass over the queries applies the map, multiplies and
+divides. The backward is two more passes of the same shape: the queries (d q, and G = sum_i phi(q_i)^T r_i for
+r_i the gradient of [num_i, den_i]), then the keys (d k, d v from G).
+
+Written for CUDA; the tests run them on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``).
+``backend.kernel_backend`` sends CUDA calls here only when ``LINEAR_MHA_TRITON=1`` (or ``set_enabled(True)``):
+until they are timed on a GPU (issue 32) the PyTorch path stays the default.
+"""
+import importlib
+import importlib.util
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from ._common import compiling, functorch_active
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None  # imported only when the kernels are first used
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+MAPS = {"elu": 0, "relu": 1}
+_enabled = os.environ.get("LINEAR_MHA_TRITON", "0") == "1"
+
+
+def set_enabled(enabled: bool) -> bool:
+    """Switch the Triton path on or off for CUDA calls (default from ``LINEAR_MHA_TRITON``); returns the previous
+    setting."""
+    global _enabled
+    previous, _enabled = _enabled, bool(enabled)
+    return previous
+
+
+def enabled() -> bool:
+    return _enabled
+
+
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter (on CPU tensors), as the tests do."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def why_not(q: Tensor, k: Tensor, v: Tensor, feature_map, initial_state: Optional[Tensor]) -> Optional[str]:
+    """Why these tensors cannot take the Triton kernels, or None."""
+    if not HAS_TRITON:
+        return "triton is not installed"
+    if not isinstance(feature_map, str) or feature_map not in MAPS:
+        return f"feature_map {getattr(feature_map, '__name__', feature_map)!r}: the Triton kernels take {tuple(MAPS)}"
+    if initial_state is not None:
+        return "an initial_state: the Triton kernels take none yet"
+    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
+        return "an empty tensor"
+    if compiling() or functorch_active():
+        return "inside torch.compile, torch.export, torch.jit.trace or a torch.func transform"
+    if not (q.is_cuda or interpreted()):
+        return "the tensors are not on a CUDA device"
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"dtype {q.dtype}: the Triton kernels take float32, float16 and bfloat16"
+    if min(q.shape[-1], v.shape[-1]) < 1 or max(q.shape[-1], v.shape[-1]) > 256:
+        return "head sizes above 256"
+    return None
+
+
+_jit = {}  # interpreted or not -> the kernels module defined that way
+
+
+def _kernels():
+    mode = interpreted()
+    if mode not in _jit:
+        from . import triton_jit
+        _jit.clear()
+        _jit[mode] = importlib.reload(triton_jit)
+    return _jit[mode]
+
+
+BLOCK = 16  # positions per tile: tl.dot needs at least 16 on each side
+
+
+def _block(n: int) -> int:
+    """The tile width for n values: a power of two (tl.arange), at least 16 (tl.dot)."""
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def _split(g: int, n: int):
+    """(programs per head, tiles per program) for the sums over a sequence of n: enough programs to fill a GPU's
+    multiprocessors at small B * H, each walking a power-of-two number of tiles (a compile-time trip count, so
+    few distinct kernels whatever n is)."""
+    wanted = max(1, min(cdiv(n, 4 * BLOCK), cdiv(256, g)))
+    tiles = 1 << (cdiv(max(n, 1), wanted * BLOCK) - 1).bit_length()
+    return cdiv(max(n, 1), tiles * BLOCK), tiles
+
+
+def _key_state(k, v, mask, map_code):
+    b, h, s, d = k.shape
+    dv = v.shape[-1]
+    bd, bdv = _block(d), _block(dv)
+    splits, tiles = _split(b * h, s)
+    state = torch.empty(b * h, splits, bd, bdv, device=k.device, dtype=torch.float32)
+    z = torch.empty(b * h, splits, bd, device=k.device, dtype=torch.float32)
+    _kernels().key_sums[(b * h, splits)](k, v, k if mask is None else mask, state, z, h, s, *k.stride()[:3],
+                                         *v.stride()[:3], D=d, DV=dv, BLOCK_N=BLOCK, BLOCK_D=bd, BLOCK_DV=bdv,
+                                         MAP=map_code, HAS_MASK=mask is not None, TILES=tiles)
+    return state.sum(1).contiguous(), z.sum(1).contiguous()
+
+
+def _forward(q, k, v, mask, map_code):
+    b, h, n_q, d = q.shape
+    dv = v.shape[-1]
+    state, z = _key_state(k, v, mask, map_code)
+    out = torch.empty(b, h, n_q, dv, device=q.device, dtype=q.dtype)
+    den = torch.empty(b, h, n_q, device=q.device, dtype=torch.float32)
+    _kernels().queries[(b * h, cdiv(n_q, BLOCK))](q, state, z, out, den, h, n_q, *q.stride()[:3], D=d,
+                                                         DV=dv, BLOCK_M=BLOCK, BLOCK_D=_block(d),
+                                                         BLOCK_DV=_block(dv), MAP=map_code)
+    return out, state, z, den
+
+
+class _TritonKernelAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, map_code):
+        out, state, z, den = _forward(q, k, v, mask, map_code)
+        ctx.save_for_backward(q, k, v, mask, out, state, z, den)
+        ctx.map_code = map_code
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, mask, out, state, z, den = ctx.saved_tensors
+        b, h, n_q, d = q.shape
+        n_k, dv = k.shape[2], v.shape[-1]
+        bd, bdv = _block(d), _block(dv)
+        grad_out = grad_out.contiguous()
+        out = out.contiguous()
+        dq = torch.empty(b, h, n_q, d, device=q.device, dtype=torch.float32)
+        splits, tiles = _split(b * h, n_q)
+        gs = torch.empty(b * h, splits, bd, bdv, device=q.device, dtype=torch.float32)
+        gz = torch.empty(b * h, splits, bd, device=q.device, dtype=torch.float32)
+        _kernels().query_grads[(b * h, splits)](q, state, z, out, den, grad_out, dq, gs, gz, h, n_q,
+                                                *q.stride()[:3], D=d, DV=dv, BLOCK_M=BLOCK, BLOCK_D=bd,
+                                                BLOCK_DV=bdv, MAP=ctx.map_code, NEED_DQ=ctx.needs_input_grad[0],
+                                                TILES=tiles)
+        gs, gz = gs.sum(1).contiguous(), gz.sum(1).contiguous()
+        dk = torch.empty(b, h, n_k, d, device=q.device, dtype=torch.float32)
+        dvv = torch.empty(b, h, n_k, dv, device=q.device, dtype=torch.float32)
+        _kernels().key_grads[(b * h, cdiv(n_k, BLOCK))](k, v, k if mask is None else mask, gs, gz, dk,
+                                                               dvv, h, n_k, *k.stride()[:3], *v.stride()[:3],
+                                                               D=d, DV=dv, BLOCK_N=BLOCK, BLOCK_D=bd, BLOCK_DV=bdv,
+                                                               MAP=ctx.map_code, HAS_MASK=mask is not None)
+        return dq.to(q.dtype), dk.to(k.dtype), dvv.to(v.dtype), None, None
+
+
+def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_map: str,
+                     key_padding_mask: Optional[Tensor] = None) -> Tensor:
+    """Non-causal kernel attention through the Triton kernels: q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv), any
+    strides with a contiguous last dimension, float32 or half (accumulated in float32); key_padding_mask (B, S)
+    bool, True = ignore. Returns (B, H, L, Dv) in q's dtype. Callers check ``why_not``."""
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    mask = None if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
+    return _TritonKernelAttention.apply(q, k, v, mask, MAPS[feature_map])
