@@ -119,3 +119,18 @@ def test_the_chooser_sends_calls_there_only_when_switched_on():
         triton_kernel.set_enabled(previous)
     torch.testing.assert_close(out, LF.kernel(q, k, v, "elu"), rtol=1e-5, atol=1e-6)
     assert "taylor" in triton_kernel.why_not(q, k, v, "taylor", None)
+
+
+def test_the_gpu_benchmark_checks_exactness_and_writes_its_table(tmp_path):
+    """tools.triton_bench at a tiny size on CPU (the interpreter): every exactness row within float32 rounding, a
+    timing row for the PyTorch path and the Triton kernels, and the JSON written."""
+    import json
+
+    from tools import triton_bench
+    triton_bench.main(["--device", "cpu", "--n", "32", "--batch", "1", "--heads", "2", "--dim", "16", "--blocks",
+                       "16", "--repeats", "1", "--dtypes", "float32", "--json", str(tmp_path / "r.json")])
+    record = json.loads((tmp_path / "r.json").read_text())
+    assert len(record["exactness"]) == 4
+    assert all(max(row[key] for key in ("out", "dq", "dk", "dv")) < 1e-5 for row in record["exactness"])
+    assert [row["variant"] for row in record["timings"]] == ["pytorch path", "triton, 16-row tiles"]
+    assert all(row["fwd_ms"] > 0 and row["fwdbwd_ms"] > 0 for row in record["timings"])

@@ -33,7 +33,8 @@ def _rows(base, stride_n, start, n, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOC
 def key_sums(k_ptr, v_ptr, mask_ptr, s_ptr, z_ptr, H, S,
               ksb, ksh, ksn, vsb, vsh, vsn,
               D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-              BLOCK_DV: tl.constexpr, MAP: tl.constexpr, HAS_MASK: tl.constexpr, TILES: tl.constexpr):
+              BLOCK_DV: tl.constexpr, MAP: tl.constexpr, HAS_MASK: tl.constexpr, TILES: tl.constexpr,
+             PRECISION: tl.constexpr):
     """Program (g, p): S_p = sum phi(k_j) v_j^T and z_p = sum phi(k_j) over the TILES * BLOCK_N keys from
     p * TILES * BLOCK_N of head g (a constexpr trip count: a loop bound given at run time is not one that every
     Triton version's interpreter reads)."""
@@ -54,7 +55,7 @@ def key_sums(k_ptr, v_ptr, mask_ptr, s_ptr, z_ptr, H, S,
             keep = keep & (padded == 0)
         phi = tl.where(keep[:, None] & (cols[None, :] < D), _phi(k, MAP), 0.0)
         v = tl.where(keep[:, None], v, 0.0)  # a padded key's value may hold anything, NaN included: 0 * NaN = NaN
-        acc += tl.dot(tl.trans(phi), v, input_precision="ieee")
+        acc += tl.dot(tl.trans(phi), v, input_precision=PRECISION)
         acc_z += tl.sum(phi, axis=0)
     out = (g * tl.num_programs(1) + p)
     f, c = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
@@ -65,7 +66,7 @@ def key_sums(k_ptr, v_ptr, mask_ptr, s_ptr, z_ptr, H, S,
 @triton.jit
 def queries(q_ptr, s_ptr, z_ptr, o_ptr, den_ptr, H, L, qsb, qsh, qsn,
              D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-             BLOCK_DV: tl.constexpr, MAP: tl.constexpr):
+             BLOCK_DV: tl.constexpr, MAP: tl.constexpr, PRECISION: tl.constexpr):
     """Program (g, i): out rows i * BLOCK_M ... of head g = phi(q) S / phi(q) z (0 where phi(q) z = 0)."""
     g, i = tl.program_id(0), tl.program_id(1)
     b, h = g // H, g % H
@@ -76,7 +77,7 @@ def queries(q_ptr, s_ptr, z_ptr, o_ptr, den_ptr, H, L, qsb, qsh, qsn,
     f, c = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     s = tl.load(s_ptr + g * BLOCK_D * BLOCK_DV + f[:, None] * BLOCK_DV + c[None, :])
     z = tl.load(z_ptr + g * BLOCK_D + f)
-    num = tl.dot(phi, s, input_precision="ieee")
+    num = tl.dot(phi, s, input_precision=PRECISION)
     den = tl.sum(phi * z[None, :], axis=1)
     den = tl.where(den == 0.0, 1.0, den)
     out = num / den[:, None]
@@ -90,7 +91,8 @@ def queries(q_ptr, s_ptr, z_ptr, o_ptr, den_ptr, H, L, qsb, qsh, qsn,
 def query_grads(q_ptr, s_ptr, z_ptr, o_ptr, den_ptr, go_ptr, dq_ptr, gs_ptr, gz_ptr, H, L,
                  qsb, qsh, qsn,
                  D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_DV: tl.constexpr, MAP: tl.constexpr, NEED_DQ: tl.constexpr, TILES: tl.constexpr):
+                 BLOCK_DV: tl.constexpr, MAP: tl.constexpr, NEED_DQ: tl.constexpr, TILES: tl.constexpr,
+                PRECISION: tl.constexpr):
     """Program (g, p) over the TILES * BLOCK_M queries from p * TILES * BLOCK_M: with r = [go / den, -(go . out) / den],
     d q = (r_v S^T + r_z z^T) phi'(q), and the partial G_p = sum phi(q)^T r_v, g_p = sum phi(q) r_z."""
     g, p = tl.program_id(0), tl.program_id(1)
@@ -110,10 +112,10 @@ def query_grads(q_ptr, s_ptr, z_ptr, o_ptr, den_ptr, go_ptr, dq_ptr, gs_ptr, gz_
         r_v = go / den[:, None]
         r_z = -tl.sum(go * out, axis=1) / den
         phi = tl.where(inside[:, None] & (f[None, :] < D), _phi(q, MAP), 0.0)
-        acc += tl.dot(tl.trans(phi), r_v, input_precision="ieee")
+        acc += tl.dot(tl.trans(phi), r_v, input_precision=PRECISION)
         acc_z += tl.sum(phi * r_z[:, None], axis=0)
         if NEED_DQ:
-            d_phi = tl.dot(r_v, tl.trans(s), input_precision="ieee") + r_z[:, None] * z[None, :]
+            d_phi = tl.dot(r_v, tl.trans(s), input_precision=PRECISION) + r_z[:, None] * z[None, :]
             dq = d_phi * _phi_grad(q, MAP)
             tl.store(dq_ptr + (g * L + rows[:, None]) * D + f[None, :], dq,
                      mask=inside[:, None] & (f[None, :] < D))
@@ -125,7 +127,8 @@ def query_grads(q_ptr, s_ptr, z_ptr, o_ptr, den_ptr, go_ptr, dq_ptr, gs_ptr, gz_
 @triton.jit
 def key_grads(k_ptr, v_ptr, mask_ptr, gs_ptr, gz_ptr, dk_ptr, dv_ptr, H, S, ksb, ksh, ksn, vsb, vsh, vsn,
                D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_DV: tl.constexpr, MAP: tl.constexpr, HAS_MASK: tl.constexpr):
+               BLOCK_DV: tl.constexpr, MAP: tl.constexpr, HAS_MASK: tl.constexpr,
+              PRECISION: tl.constexpr):
     """Program (g, j): for keys j * BLOCK_N ... of head g, d phi(k) = v G^T + g^T, d k = d phi(k) phi'(k),
     d v = phi(k) G; zero for masked keys."""
     g, j = tl.program_id(0), tl.program_id(1)
@@ -142,8 +145,8 @@ def key_grads(k_ptr, v_ptr, mask_ptr, gs_ptr, gz_ptr, dk_ptr, dv_ptr, H, S, ksb,
     gs = tl.load(gs_ptr + g * BLOCK_D * BLOCK_DV + f[:, None] * BLOCK_DV + c[None, :])
     gz = tl.load(gz_ptr + g * BLOCK_D + f)
     phi = tl.where(keep[:, None] & (f[None, :] < D), _phi(k, MAP), 0.0)
-    d_phi = tl.dot(v, tl.trans(gs), input_precision="ieee") + gz[None, :]
+    d_phi = tl.dot(v, tl.trans(gs), input_precision=PRECISION) + gz[None, :]
     dk = tl.where(keep[:, None], d_phi * _phi_grad(k, MAP), 0.0)
-    dv = tl.dot(phi, gs, input_precision="ieee")
+    dv = tl.dot(phi, gs, input_precision=PRECISION)
     tl.store(dk_ptr + (g * S + rows[:, None]) * D + f[None, :], dk, mask=inside[:, None] & (f[None, :] < D))
     tl.store(dv_ptr + (g * S + rows[:, None]) * DV + c[None, :], dv, mask=inside[:, None] & (c[None, :] < DV))

@@ -87,6 +87,12 @@ def _kernels():
 BLOCK = 16  # positions per tile: tl.dot needs at least 16 on each side
 
 
+def _precision(dtype: torch.dtype) -> str:
+    """tl.dot's input precision: exact float32 products for float32 inputs (and in the interpreter); TF32 tensor
+    cores for half inputs, whose own rounding (bfloat16: 8 bits) is coarser than TF32's 10."""
+    return "ieee" if dtype == torch.float32 or interpreted() else "tf32"
+
+
 def _block(n: int) -> int:
     """The tile width for n values: a power of two (tl.arange), at least 16 (tl.dot)."""
     return max(16, 1 << (n - 1).bit_length())
@@ -110,7 +116,8 @@ def _key_state(k, v, mask, map_code):
     z = torch.empty(b * h, splits, bd, device=k.device, dtype=torch.float32)
     _kernels().key_sums[(b * h, splits)](k, v, k if mask is None else mask, state, z, h, s, *k.stride()[:3],
                                          *v.stride()[:3], D=d, DV=dv, BLOCK_N=BLOCK, BLOCK_D=bd, BLOCK_DV=bdv,
-                                         MAP=map_code, HAS_MASK=mask is not None, TILES=tiles)
+                                         MAP=map_code, HAS_MASK=mask is not None, TILES=tiles,
+                                         PRECISION=_precision(k.dtype))
     return state.sum(1).contiguous(), z.sum(1).contiguous()
 
 
@@ -122,7 +129,8 @@ def _forward(q, k, v, mask, map_code):
     den = torch.empty(b, h, n_q, device=q.device, dtype=torch.float32)
     _kernels().queries[(b * h, cdiv(n_q, BLOCK))](q, state, z, out, den, h, n_q, *q.stride()[:3], D=d,
                                                          DV=dv, BLOCK_M=BLOCK, BLOCK_D=_block(d),
-                                                         BLOCK_DV=_block(dv), MAP=map_code)
+                                                         BLOCK_DV=_block(dv), MAP=map_code,
+                                                         PRECISION=_precision(q.dtype))
     return out, state, z, den
 
 
@@ -150,14 +158,15 @@ class _TritonKernelAttention(torch.autograd.Function):
         _kernels().query_grads[(b * h, splits)](q, state, z, out, den, grad_out, dq, gs, gz, h, n_q,
                                                 *q.stride()[:3], D=d, DV=dv, BLOCK_M=BLOCK, BLOCK_D=bd,
                                                 BLOCK_DV=bdv, MAP=ctx.map_code, NEED_DQ=ctx.needs_input_grad[0],
-                                                TILES=tiles)
+                                                TILES=tiles, PRECISION=_precision(q.dtype))
         gs, gz = gs.sum(1).contiguous(), gz.sum(1).contiguous()
         dk = torch.empty(b, h, n_k, d, device=q.device, dtype=torch.float32)
         dvv = torch.empty(b, h, n_k, dv, device=q.device, dtype=torch.float32)
         _kernels().key_grads[(b * h, cdiv(n_k, BLOCK))](k, v, k if mask is None else mask, gs, gz, dk,
                                                                dvv, h, n_k, *k.stride()[:3], *v.stride()[:3],
                                                                D=d, DV=dv, BLOCK_N=BLOCK, BLOCK_D=bd, BLOCK_DV=bdv,
-                                                               MAP=ctx.map_code, HAS_MASK=mask is not None)
+                                                               MAP=ctx.map_code, HAS_MASK=mask is not None,
+                                                               PRECISION=_precision(k.dtype))
         return dq.to(q.dtype), dk.to(k.dtype), dvv.to(v.dtype), None, None
 
 

@@ -1,0 +1,173 @@
+"""The fused Triton kernels (linear_mha/functional/triton_kernel.py) on a GPU: exactness against float64, then time
+against the PyTorch path they would replace, SDPA's own choice and SDPA's flash kernel, in one run.
+
+    python -m tools.triton_bench --json docs/results/cuda/triton_bench.json
+
+Non-causal elu kernel attention on (B, H, N, d) tensors, forward (no autograd) and forward + backward of a fixed
+random output gradient, medians of CUDA-event timings after warm-up. "bytes" is what one forward must move at
+least (q, k, v read and the output written once); "x bw" is the forward's time over that traffic at the
+device-to-device copy bandwidth measured in the same run. On CPU (tests) it runs under Triton's interpreter
+(TRITON_INTERPRET=1) at tiny sizes.
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from integrations.console import HelpFormatter
+from linear_mha import functional as LF
+from linear_mha.functional import triton_kernel
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def timer(device):
+    """ms of fn(), median over repeats after warm-up: CUDA events on a GPU, the host clock elsewhere."""
+    def run(fn, repeats, warmup=2):
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(repeats):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    return run
+
+
+def relative_error(got, ref):
+    return float((got.detach().double() - ref.detach()).abs().max() / ref.detach().abs().max())
+
+
+def exactness(device, dtype, feature_map, masked):
+    """Relative errors of the Triton path's output and q, k, v gradients against float64 on this device."""
+    g = torch.Generator().manual_seed(0)
+    b, h, l, s, d, dv = 2, 4, 300, 257, 64, 64
+    q, k, v = (torch.randn(b, n, h, w, generator=g).transpose(1, 2).to(device)
+               for n, w in ((l, d), (s, d), (s, dv)))
+    mask = (torch.rand(b, s, generator=g) < 0.3).to(device) if masked else None
+    grad = torch.randn(b, h, l, dv, generator=g).to(device)
+    results = []
+    for run_dtype, fn in ((dtype, triton_kernel.kernel_attention), (torch.float64, LF.kernel)):
+        leaves = [t.detach().to(run_dtype).requires_grad_() for t in (q.to(dtype), k.to(dtype), v.to(dtype))]
+        out = fn(*leaves, feature_map, key_padding_mask=mask)
+        out.backward(grad.to(run_dtype))
+        results.append([out] + [t.grad for t in leaves])
+    return dict(zip(("out", "dq", "dk", "dv"), (relative_error(a, r) for a, r in zip(*results))))
+
+
+def copy_bandwidth(device, timed):
+    x = torch.empty(256 * 2 ** 20, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    ms = timed(lambda: y.copy_(x), repeats=10)
+    return 2 * x.numel() / (ms * 1e-3)  # bytes read and written per second
+
+
+def timings(device, dtype, b, h, n, d, blocks, repeats, timed):
+    g = torch.Generator(device=device).manual_seed(1)
+    q, k, v = (torch.randn(b, h, n, d, generator=g, device=device, dtype=dtype) for _ in range(3))
+    grad = torch.randn(b, h, n, d, generator=g, device=device, dtype=dtype)
+
+    def forward_backward(fn):
+        def run():
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            fn(*leaves).backward(grad)
+        return run
+
+    variants = {"pytorch path": lambda *t: LF.kernel(*t, "elu")}
+    for block in blocks:
+        variants[f"triton, {block}-row tiles"] = (lambda blk: lambda *t: _with_block(blk, t))(block)
+    if device.type == "cuda":
+        variants["SDPA"] = lambda *t: F.scaled_dot_product_attention(*t)
+        if dtype != torch.float32:
+            variants["SDPA flash"] = lambda *t: _flash(*t)
+    rows = []
+    for name, fn in variants.items():
+        try:
+            with torch.no_grad():
+                fwd = timed(lambda: fn(q, k, v), repeats)
+            fwdbwd = timed(forward_backward(fn), repeats)
+            rows.append(dict(variant=name, fwd_ms=fwd, fwdbwd_ms=fwdbwd))
+        except Exception as exc:  # a variant this device cannot run is a row saying so
+            rows.append(dict(variant=name, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"))
+    return rows
+
+
+def _with_block(block, tensors):
+    previous, triton_kernel.BLOCK = triton_kernel.BLOCK, block
+    try:
+        return triton_kernel.kernel_attention(*tensors, "elu")
+    finally:
+        triton_kernel.BLOCK = previous
+
+
+def _flash(q, k, v):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = argparse.ArgumentParser(prog="python -m tools.triton_bench", description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=list(DTYPES))
+    p.add_argument("--n", type=int, nargs="+", default=[4096, 16384])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--blocks", type=int, nargs="+", default=[16, 32, 64], help="rows per tile to try")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--json", type=Path)
+    a = p.parse_args(argv)
+    device = torch.device(a.device)
+    if device.type == "cpu" and not triton_kernel.interpreted():
+        raise SystemExit("tools.triton_bench: on CPU the kernels run only under TRITON_INTERPRET=1 (tiny sizes)")
+    timed = timer(device)
+    bandwidth = copy_bandwidth(device, timed)
+    record = dict(command="python -m tools.triton_bench " + " ".join(argv), torch=torch.__version__,
+                  device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
+                  copy_bandwidth_gbps=bandwidth / 1e9, exactness=[], timings=[])
+    print(f"{record['device']}, torch {torch.__version__}, copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
+    for dtype_name in a.dtypes:
+        for feature_map in ("elu", "relu"):
+            for masked in (False, True):
+                errors = exactness(device, DTYPES[dtype_name], feature_map, masked)
+                record["exactness"].append(dict(dtype=dtype_name, feature_map=feature_map, masked=masked, **errors))
+                print(f"exact {dtype_name:8s} {feature_map:4s} masked={masked!s:5s} " +
+                      " ".join(f"{key} {value:.1e}" for key, value in errors.items()), flush=True)
+    print(f"{'dtype':8s} {'N':>6s} {'variant':24s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} {'x bw':>6s}")
+    for dtype_name in a.dtypes:
+        dtype = DTYPES[dtype_name]
+        for n in a.n:
+            moved = 4 * a.batch * a.heads * n * a.dim * torch.finfo(dtype).bits // 8
+            for row in timings(device, dtype, a.batch, a.heads, n, a.dim, a.blocks, a.repeats, timed):
+                row.update(dtype=dtype_name, N=n, B=a.batch, H=a.heads, d=a.dim, bytes=moved)
+                if "fwd_ms" in row:
+                    row["x_bandwidth_limit"] = row["fwd_ms"] / (moved / bandwidth * 1e3)
+                    print(f"{dtype_name:8s} {n:6d} {row['variant']:24s} {row['fwd_ms']:9.3f} {row['fwdbwd_ms']:11.3f} "
+                          f"{row['x_bandwidth_limit']:6.1f}", flush=True)
+                else:
+                    print(f"{dtype_name:8s} {n:6d} {row['variant']:24s} {row['error']}", flush=True)
+                record["timings"].append(row)
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(record, indent=1))
+        print(f"wrote {a.json}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
