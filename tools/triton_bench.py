@@ -87,7 +87,7 @@ def timings(device, dtype, b, h, n, d, blocks, repeats, timed):
             fn(*leaves).backward(grad)
         return run
 
-    variants = {"pytorch path": lambda *t: LF.kernel(*t, "elu")}
+    variants = {"pytorch path": lambda *t: _pytorch_path(t)}
     for block in blocks:
         variants[f"triton, {block}-row tiles"] = (lambda blk: lambda *t: _with_block(blk, t))(block)
     if device.type == "cuda":
@@ -107,11 +107,20 @@ def timings(device, dtype, b, h, n, d, blocks, repeats, timed):
 
 
 def _with_block(block, tensors):
+    """The Triton path with this many rows per tile (the forward's choice is kept for its backward)."""
     previous, triton_kernel.BLOCK = triton_kernel.BLOCK, block
     try:
         return triton_kernel.kernel_attention(*tensors, "elu")
     finally:
         triton_kernel.BLOCK = previous
+
+
+def _pytorch_path(tensors):
+    previous = triton_kernel.set_enabled(False)
+    try:
+        return LF.kernel(*tensors, "elu")
+    finally:
+        triton_kernel.set_enabled(previous)
 
 
 def _flash(q, k, v):
