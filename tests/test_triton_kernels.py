@@ -56,7 +56,7 @@ def inputs(b=2, h=3, l=37, s=45, d=8, dv=5, seed=0):
     return q, k, v, g
 
 
-@pytest.mark.parametrize("feature_map", ["elu", "relu"])
+@pytest.mark.parametrize("feature_map", ["elu", "relu", "taylor"])
 @pytest.mark.parametrize("shape", [(2, 3, 37, 45, 8, 5), (1, 2, 16, 16, 16, 16), (1, 1, 3, 70, 20, 33)], ids=str)
 @pytest.mark.parametrize("masked", [False, True])
 def test_outputs_and_gradients_match_float64(feature_map, shape, masked):
@@ -115,7 +115,8 @@ def test_the_chooser_sends_calls_there_unless_switched_off():
         chosen = backend.kernel_backend(q, k, v, "elu", causal=False)
         assert chosen.backend == backend.TRITON
         assert backend.kernel_backend(q, k, v, "elu", causal=True).backend != backend.TRITON
-        assert backend.kernel_backend(q, k, v, "taylor", causal=False).backend != backend.TRITON
+        assert backend.kernel_backend(q, k, v, "taylor", causal=False).backend == backend.TRITON  # interpreted
+        assert backend.kernel_backend(q, k, v, "taylor2", causal=False).backend != backend.TRITON
         out = LF.kernel(q, k, v, "elu")
         triton_kernel.set_enabled(False)
         assert backend.kernel_backend(q, k, v, "elu", causal=False).backend != backend.TRITON
@@ -123,7 +124,7 @@ def test_the_chooser_sends_calls_there_unless_switched_off():
     finally:
         triton_kernel.set_enabled(previous)
     torch.testing.assert_close(out, composed, rtol=1e-5, atol=1e-6)
-    assert "taylor" in triton_kernel.why_not(q, k, v, "taylor", None)
+    assert "taylor2" in triton_kernel.why_not(q, k, v, "taylor2", None)
 
 
 def test_the_gpu_benchmark_checks_exactness_and_writes_its_table(tmp_path):
@@ -135,7 +136,21 @@ def test_the_gpu_benchmark_checks_exactness_and_writes_its_table(tmp_path):
     triton_bench.main(["--device", "cpu", "--n", "32", "--batch", "1", "--heads", "2", "--dim", "16", "--blocks",
                        "16", "--repeats", "1", "--dtypes", "float32", "--json", str(tmp_path / "r.json")])
     record = json.loads((tmp_path / "r.json").read_text())
-    assert len(record["exactness"]) == 4
+    assert len(record["exactness"]) == 2 * len(triton_kernel.MAPS)
     assert all(max(row[key] for key in ("out", "dq", "dk", "dv")) < 1e-5 for row in record["exactness"])
     assert [row["variant"] for row in record["timings"]] == ["pytorch path", "triton, 16-row tiles"]
     assert all(row["fwd_ms"] > 0 and row["fwdbwd_ms"] > 0 for row in record["timings"])
+
+
+def test_a_map_not_yet_run_on_a_gpu_waits_for_all(monkeypatch):
+    """taylor's kernel has run only under the interpreter: off the interpreter the chooser takes it only with
+    LINEAR_MHA_TRITON=all (set_enabled(True, all_maps=True)), and says so."""
+    q, k, v, _ = inputs(seed=6)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    previous = triton_kernel.set_enabled(True)
+    try:
+        assert "LINEAR_MHA_TRITON=all" in triton_kernel.why_not(q, k, v, "taylor", None)
+        triton_kernel.set_enabled(True, all_maps=True)
+        assert "CUDA" in triton_kernel.why_not(q, k, v, "taylor", None)  # CPU tensors: only the device is left
+    finally:
+        triton_kernel.set_enabled(previous)

@@ -3,7 +3,7 @@ against the PyTorch path they would replace, SDPA's own choice and SDPA's flash 
 
     python -m tools.triton_bench --json docs/results/cuda/triton_bench.json
 
-Non-causal elu kernel attention on (B, H, N, d) tensors, forward (no autograd) and forward + backward of a fixed
+Non-causal kernel attention (--maps: elu, relu, taylor) on (B, H, N, d) tensors, forward (no autograd) and forward + backward of a fixed
 random output gradient, medians of CUDA-event timings after warm-up. "bytes" is what one forward must move at
 least (q, k, v read and the output written once); "x bw" is the forward's time over that traffic at the
 device-to-device copy bandwidth measured in the same run. On CPU (tests) it runs under Triton's interpreter
@@ -76,7 +76,7 @@ def copy_bandwidth(device, timed):
     return 2 * x.numel() / (ms * 1e-3)  # bytes read and written per second
 
 
-def timings(device, dtype, b, h, n, d, blocks, repeats, timed):
+def timings(device, dtype, b, h, n, d, blocks, repeats, timed, feature_map="elu", with_sdpa=True):
     g = torch.Generator(device=device).manual_seed(1)
     q, k, v = (torch.randn(b, h, n, d, generator=g, device=device, dtype=dtype) for _ in range(3))
     grad = torch.randn(b, h, n, d, generator=g, device=device, dtype=dtype)
@@ -87,10 +87,10 @@ def timings(device, dtype, b, h, n, d, blocks, repeats, timed):
             fn(*leaves).backward(grad)
         return run
 
-    variants = {"pytorch path": lambda *t: _pytorch_path(t)}
+    variants = {"pytorch path": lambda *t: _pytorch_path(t, feature_map)}
     for block in blocks:
-        variants[f"triton, {block}-row tiles"] = (lambda blk: lambda *t: _with_block(blk, t))(block)
-    if device.type == "cuda":
+        variants[f"triton, {block}-row tiles"] = (lambda blk: lambda *t: _with_block(blk, t, feature_map))(block)
+    if device.type == "cuda" and with_sdpa:
         variants["SDPA"] = lambda *t: F.scaled_dot_product_attention(*t)
         if dtype != torch.float32:
             variants["SDPA flash"] = lambda *t: _flash(*t)
@@ -106,19 +106,19 @@ def timings(device, dtype, b, h, n, d, blocks, repeats, timed):
     return rows
 
 
-def _with_block(block, tensors):
+def _with_block(block, tensors, feature_map):
     """The Triton path with this many rows per tile (the forward's choice is kept for its backward)."""
     previous, triton_kernel.BLOCK = triton_kernel.BLOCK, block
     try:
-        return triton_kernel.kernel_attention(*tensors, "elu")
+        return triton_kernel.kernel_attention(*tensors, feature_map)
     finally:
         triton_kernel.BLOCK = previous
 
 
-def _pytorch_path(tensors):
+def _pytorch_path(tensors, feature_map):
     previous = triton_kernel.set_enabled(False)
     try:
-        return LF.kernel(*tensors, "elu")
+        return LF.kernel(*tensors, feature_map)
     finally:
         triton_kernel.set_enabled(previous)
 
@@ -139,6 +139,7 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--blocks", type=int, nargs="+", default=[16, 32, 64], help="rows per tile to try")
+    p.add_argument("--maps", nargs="+", default=["elu"], choices=list(triton_kernel.MAPS), help="maps to time")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
@@ -152,26 +153,28 @@ def main(argv=None):
                   copy_bandwidth_gbps=bandwidth / 1e9, exactness=[], timings=[])
     print(f"{record['device']}, torch {torch.__version__}, copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
     for dtype_name in a.dtypes:
-        for feature_map in ("elu", "relu"):
+        for feature_map in triton_kernel.MAPS:
             for masked in (False, True):
                 errors = exactness(device, DTYPES[dtype_name], feature_map, masked)
                 record["exactness"].append(dict(dtype=dtype_name, feature_map=feature_map, masked=masked, **errors))
                 print(f"exact {dtype_name:8s} {feature_map:4s} masked={masked!s:5s} " +
                       " ".join(f"{key} {value:.1e}" for key, value in errors.items()), flush=True)
-    print(f"{'dtype':8s} {'N':>6s} {'variant':24s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} {'x bw':>6s}")
-    for dtype_name in a.dtypes:
+    print(f"{'map':6s} {'dtype':8s} {'N':>6s} {'variant':24s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} {'x bw':>6s}")
+    for feature_map, dtype_name, n in ((m, t, n) for m in a.maps for t in a.dtypes for n in a.n):
         dtype = DTYPES[dtype_name]
-        for n in a.n:
-            moved = 4 * a.batch * a.heads * n * a.dim * torch.finfo(dtype).bits // 8
-            for row in timings(device, dtype, a.batch, a.heads, n, a.dim, a.blocks, a.repeats, timed):
-                row.update(dtype=dtype_name, N=n, B=a.batch, H=a.heads, d=a.dim, bytes=moved)
-                if "fwd_ms" in row:
-                    row["x_bandwidth_limit"] = row["fwd_ms"] / (moved / bandwidth * 1e3)
-                    print(f"{dtype_name:8s} {n:6d} {row['variant']:24s} {row['fwd_ms']:9.3f} {row['fwdbwd_ms']:11.3f} "
-                          f"{row['x_bandwidth_limit']:6.1f}", flush=True)
-                else:
-                    print(f"{dtype_name:8s} {n:6d} {row['variant']:24s} {row['error']}", flush=True)
-                record["timings"].append(row)
+        moved = 4 * a.batch * a.heads * n * a.dim * torch.finfo(dtype).bits // 8
+        # SDPA and its flash kernel are the same whatever the map: timed with the first one only
+        rows = timings(device, dtype, a.batch, a.heads, n, a.dim, a.blocks, a.repeats, timed, feature_map,
+                       with_sdpa=feature_map == a.maps[0])
+        for row in rows:
+            row.update(map=feature_map, dtype=dtype_name, N=n, B=a.batch, H=a.heads, d=a.dim, bytes=moved)
+            if "fwd_ms" in row:
+                row["x_bandwidth_limit"] = row["fwd_ms"] / (moved / bandwidth * 1e3)
+                print(f"{feature_map:6s} {dtype_name:8s} {n:6d} {row['variant']:24s} {row['fwd_ms']:9.3f} "
+                      f"{row['fwdbwd_ms']:11.3f} {row['x_bandwidth_limit']:6.1f}", flush=True)
+            else:
+                print(f"{feature_map:6s} {dtype_name:8s} {n:6d} {row['variant']:24s} {row['error']}", flush=True)
+            record["timings"].append(row)
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(record, indent=1))

@@ -7,7 +7,7 @@
     fla                ``fla_causal.py``: causal elu/relu kernel attention on bfloat16 CUDA tensors through
                        flash-linear-attention's Triton kernel, when fla-core is installed and the path is enabled
     triton             ``triton_kernel.py``: non-causal elu/relu kernel attention in fused Triton kernels, forward and
-                       backward, on CUDA (LINEAR_MHA_TRITON=0 switches them off)
+                       backward, on CUDA (LINEAR_MHA_TRITON=0 switches them off; =all adds taylor)
     fused_causal       ``kernel/fused.py``: causal elu/relu kernel attention as one autograd Function, the feature
                        map and the division done block by block in reused buffers
     blocked_inference  ``kernel/fused.py``: non-causal elu/relu inference without autograd, a block of positions at a
@@ -109,7 +109,7 @@ def kernel_backend(q: Tensor, k: Tensor, v: Tensor, feature_map, *, causal: bool
     they are, everywhere else they are computed in float32 copies (so the compiled code takes bfloat16 CPU
     inputs too)."""
     if not causal and triton_kernel.enabled() and triton_kernel.why_not(q, k, v, feature_map, initial_state) is None:
-        return Choice(TRITON, "non-causal elu/relu attention on CUDA: the fused Triton kernels "
+        return Choice(TRITON, "non-causal kernel attention on CUDA: the fused Triton kernels "
                               "(LINEAR_MHA_TRITON=0 switches them off)")
     why_not_fla = fla_causal.why_not(q, k, v, feature_map, initial_state) if causal else None
     if causal and why_not_fla is None:

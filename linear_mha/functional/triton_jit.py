@@ -19,6 +19,35 @@ def _phi_grad(x, MAP: tl.constexpr):
     return tl.where(x > 0, 1.0, 0.0)
 
 
+TAYLOR_EPS = 1e-12  # F.normalize's
+
+
+@triton.jit
+def _features(x, cols, D: tl.constexpr, MAP: tl.constexpr):
+    """The features of a (rows, BLOCK_D) tile of inputs (columns >= D are zero): elu/relu elementwise, or taylor's
+    [x / |x|, 1] (the constant feature in column D: any order serves, as long as queries and keys share it)."""
+    if MAP == 2:
+        norm = tl.sqrt(tl.sum(x * x, axis=1))
+        unit = x / tl.maximum(norm, TAYLOR_EPS)[:, None]
+        return tl.where(cols[None, :] < D, unit, tl.where(cols[None, :] == D, 1.0, 0.0))
+    return tl.where(cols[None, :] < D, _phi(x, MAP), 0.0)
+
+
+@triton.jit
+def _input_grad(x, d_phi, cols, D: tl.constexpr, MAP: tl.constexpr):
+    """The gradient of the inputs x from d_phi, that of their features. taylor: with u = |x| > eps and x' = x / u,
+    d x = (g - x' (x' . g)) / u for g the gradient of x'; below eps x' = x / eps and d x = g / eps."""
+    if MAP == 2:
+        g = tl.where(cols[None, :] < D, d_phi, 0.0)
+        norm = tl.sqrt(tl.sum(x * x, axis=1))
+        scale = tl.maximum(norm, TAYLOR_EPS)
+        unit = x / scale[:, None]
+        along = tl.sum(g * unit, axis=1)
+        projected = tl.where((norm > TAYLOR_EPS)[:, None], g - unit * along[:, None], g)
+        return projected / scale[:, None]
+    return d_phi * _phi_grad(x, MAP)
+
+
 @triton.jit
 def _rows(base, stride_n, start, n, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """A (BLOCK_N, BLOCK_D) float32 tile of rows start.. of an (n, D) matrix, zeros outside; and its row mask."""
@@ -53,7 +82,7 @@ def key_sums(k_ptr, v_ptr, mask_ptr, s_ptr, z_ptr, H, S,
             rows = start + tl.arange(0, BLOCK_N)
             padded = tl.load(mask_ptr + b * S + rows, mask=inside, other=1)
             keep = keep & (padded == 0)
-        phi = tl.where(keep[:, None] & (cols[None, :] < D), _phi(k, MAP), 0.0)
+        phi = tl.where(keep[:, None], _features(k, cols, D, MAP), 0.0)
         v = tl.where(keep[:, None], v, 0.0)  # a padded key's value may hold anything, NaN included: 0 * NaN = NaN
         acc += tl.dot(tl.trans(phi), v, input_precision=PRECISION)
         acc_z += tl.sum(phi, axis=0)
@@ -73,7 +102,7 @@ def queries(q_ptr, s_ptr, z_ptr, o_ptr, den_ptr, H, L, qsb, qsh, qsn,
     start = i * BLOCK_M
     q, inside = _rows(q_ptr + b * qsb + h * qsh, qsn, start, L, D, BLOCK_M, BLOCK_D)
     cols = tl.arange(0, BLOCK_D)
-    phi = tl.where(cols[None, :] < D, _phi(q, MAP), 0.0)
+    phi = _features(q, cols, D, MAP)
     f, c = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     s = tl.load(s_ptr + g * BLOCK_D * BLOCK_DV + f[:, None] * BLOCK_DV + c[None, :])
     z = tl.load(z_ptr + g * BLOCK_D + f)
@@ -111,12 +140,12 @@ def query_grads(q_ptr, s_ptr, z_ptr, o_ptr, den_ptr, go_ptr, dq_ptr, gs_ptr, gz_
         den = tl.load(den_ptr + g * L + rows, mask=inside, other=1.0)
         r_v = go / den[:, None]
         r_z = -tl.sum(go * out, axis=1) / den
-        phi = tl.where(inside[:, None] & (f[None, :] < D), _phi(q, MAP), 0.0)
+        phi = tl.where(inside[:, None], _features(q, f, D, MAP), 0.0)
         acc += tl.dot(tl.trans(phi), r_v, input_precision=PRECISION)
         acc_z += tl.sum(phi * r_z[:, None], axis=0)
         if NEED_DQ:
             d_phi = tl.dot(r_v, tl.trans(s), input_precision=PRECISION) + r_z[:, None] * z[None, :]
-            dq = d_phi * _phi_grad(q, MAP)
+            dq = _input_grad(q, d_phi, f, D, MAP)
             tl.store(dq_ptr + (g * L + rows[:, None]) * D + f[None, :], dq,
                      mask=inside[:, None] & (f[None, :] < D))
     out_index = g * tl.num_programs(1) + p
@@ -144,9 +173,9 @@ def key_grads(k_ptr, v_ptr, mask_ptr, gs_ptr, gz_ptr, dk_ptr, dv_ptr, H, S, ksb,
     f, c = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     gs = tl.load(gs_ptr + g * BLOCK_D * BLOCK_DV + f[:, None] * BLOCK_DV + c[None, :])
     gz = tl.load(gz_ptr + g * BLOCK_D + f)
-    phi = tl.where(keep[:, None] & (f[None, :] < D), _phi(k, MAP), 0.0)
+    phi = tl.where(keep[:, None], _features(k, f, D, MAP), 0.0)
     d_phi = tl.dot(v, tl.trans(gs), input_precision=PRECISION) + gz[None, :]
-    dk = tl.where(keep[:, None], d_phi * _phi_grad(k, MAP), 0.0)
+    dk = tl.where(keep[:, None], _input_grad(k, d_phi, f, D, MAP), 0.0)
     dv = tl.dot(phi, gs, input_precision=PRECISION)
     tl.store(dk_ptr + (g * S + rows[:, None]) * D + f[None, :], dk, mask=inside[:, None] & (f[None, :] < D))
     tl.store(dv_ptr + (g * S + rows[:, None]) * DV + c[None, :], dv, mask=inside[:, None] & (c[None, :] < DV))

@@ -1,4 +1,4 @@
-"""Fused Triton kernels for non-causal kernel attention with an elementwise map (elu, relu), forward and backward:
+"""Fused Triton kernels for non-causal kernel attention with the elu, relu or taylor map, forward and backward:
 
     out_i = phi(q_i) S / phi(q_i) z,   S = sum_j phi(k_j) v_j^T,   z = sum_j phi(k_j)   (masked keys left out)
 
@@ -10,8 +10,9 @@ r_i the gradient of [num_i, den_i]), then the keys (d k, d v from G).
 
 Written for CUDA; the tests run them on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``).
 ``backend.kernel_backend`` sends non-causal elu/relu calls on CUDA here (``LINEAR_MHA_TRITON=0`` or
-``set_enabled(False)`` switches that off): on an H100 they ran 6.4x the PyTorch path's speed forward and 23x SDPA's
-at N = 16k in bfloat16 (docs/cuda.md).
+``set_enabled(False)`` switches that off): on an H100 they ran 5.8x the PyTorch path's speed forward and 19-23x
+SDPA's at N = 16k in bfloat16 (docs/cuda.md). taylor's kernel has run only under the interpreter: CUDA calls take
+it with ``LINEAR_MHA_TRITON=all``.
 """
 import importlib
 import importlib.util
@@ -31,15 +32,19 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-MAPS = {"elu": 0, "relu": 1}
-_enabled = os.environ.get("LINEAR_MHA_TRITON", "1") != "0"
+MAPS = {"elu": 0, "relu": 1, "taylor": 2}  # taylor: [x / |x|, 1], one feature more than x has values
+# Maps whose kernels have run on a GPU (docs/cuda.md); the others have run under the interpreter only, and are
+# taken on CUDA with LINEAR_MHA_TRITON=all until they have.
+GPU_CHECKED = ("elu", "relu")
+_setting = os.environ.get("LINEAR_MHA_TRITON", "1")
+_enabled, _all_maps = _setting != "0", _setting == "all"
 
 
-def set_enabled(enabled: bool) -> bool:
-    """Switch the Triton path on or off for CUDA calls (default on; ``LINEAR_MHA_TRITON=0`` turns it off); returns
-    the previous setting."""
-    global _enabled
-    previous, _enabled = _enabled, bool(enabled)
+def set_enabled(enabled, all_maps: bool = False) -> bool:
+    """Switch the Triton path on or off for CUDA calls (default on for the maps in GPU_CHECKED; ``LINEAR_MHA_TRITON=0``
+    turns it off, ``=all`` on for every map in MAPS, as ``all_maps=True`` does); returns the previous on/off."""
+    global _enabled, _all_maps
+    previous, _enabled, _all_maps = _enabled, bool(enabled), bool(all_maps)
     return previous
 
 
@@ -58,6 +63,9 @@ def why_not(q: Tensor, k: Tensor, v: Tensor, feature_map, initial_state: Optiona
         return "triton is not installed"
     if not isinstance(feature_map, str) or feature_map not in MAPS:
         return f"feature_map {getattr(feature_map, '__name__', feature_map)!r}: the Triton kernels take {tuple(MAPS)}"
+    if feature_map not in GPU_CHECKED and not (_all_maps or interpreted()):
+        return (f"feature_map {feature_map!r}: its Triton kernel has run only under Triton's interpreter so far "
+                f"(LINEAR_MHA_TRITON=all takes it)")
     if initial_state is not None:
         return "an initial_state: the Triton kernels take none yet"
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
@@ -111,6 +119,11 @@ def _block(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
+def _feature_block(map_code: int, d: int) -> int:
+    """The tile width of the features: d of them, taylor's d + 1."""
+    return _block(d + 1 if map_code == MAPS["taylor"] else d)
+
+
 def _split(g: int, n: int, rows: int):
     """(programs per head, tiles per program) for the sums over a sequence of n: enough programs to fill a GPU's
     multiprocessors at small B * H, each walking a power-of-two number of tiles (a compile-time trip count, so
@@ -123,7 +136,7 @@ def _split(g: int, n: int, rows: int):
 def _key_state(k, v, mask, map_code, rows):
     b, h, s, d = k.shape
     dv = v.shape[-1]
-    bd, bdv = _block(d), _block(dv)
+    bd, bdv = _feature_block(map_code, d), _block(dv)
     splits, tiles = _split(b * h, s, rows)
     state = torch.empty(b * h, splits, bd, bdv, device=k.device, dtype=torch.float32)
     z = torch.empty(b * h, splits, bd, device=k.device, dtype=torch.float32)
@@ -141,7 +154,7 @@ def _forward(q, k, v, mask, map_code, rows):
     out = torch.empty(b, h, n_q, dv, device=q.device, dtype=q.dtype)
     den = torch.empty(b, h, n_q, device=q.device, dtype=torch.float32)
     _kernels().queries[(b * h, cdiv(n_q, rows))](q, state, z, out, den, h, n_q, *q.stride()[:3], D=d,
-                                                         DV=dv, BLOCK_M=rows, BLOCK_D=_block(d),
+                                                         DV=dv, BLOCK_M=rows, BLOCK_D=_feature_block(map_code, d),
                                                          BLOCK_DV=_block(dv), MAP=map_code,
                                                          PRECISION=_precision(q.dtype, q.device))
     return out, state, z, den
@@ -162,7 +175,7 @@ class _TritonKernelAttention(torch.autograd.Function):
         q, k, v, mask, out, state, z, den = ctx.saved_tensors
         b, h, n_q, d = q.shape
         n_k, dv = k.shape[2], v.shape[-1]
-        bd, bdv = _block(d), _block(dv)
+        bd, bdv = _feature_block(ctx.map_code, d), _block(dv)
         grad_out = grad_out.contiguous()
         out = out.contiguous()
         dq = torch.empty(b, h, n_q, d, device=q.device, dtype=torch.float32)
