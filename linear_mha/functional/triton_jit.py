@@ -1,6 +1,6 @@
-"""The @triton.jit kernels of ``triton_kernel.py`` (see there). Triton decides when a kernel is defined whether it
-runs compiled or in its interpreter (``TRITON_INTERPRET=1``), so this module is imported on first use, and
-imported again when that setting has changed (the tests switch the interpreter on for CPU tensors)."""
+"""The @triton.jit kernels of ``triton_kernel.py`` (see there), imported on first use. Whether they run compiled or
+in Triton's interpreter (``TRITON_INTERPRET=1``, as the tests run them on CPU tensors) is fixed when triton is
+first imported in the process."""
 import triton
 import triton.language as tl
 

@@ -14,7 +14,6 @@ Written for CUDA; the tests run them on CPU tensors under Triton's interpreter (
 SDPA's at N = 16k in bfloat16 (docs/cuda.md). taylor's kernel has run only under the interpreter: CUDA calls take
 it with ``LINEAR_MHA_TRITON=all``.
 """
-import importlib
 import importlib.util
 import os
 from typing import Optional
@@ -81,16 +80,11 @@ def why_not(q: Tensor, k: Tensor, v: Tensor, feature_map, initial_state: Optiona
     return None
 
 
-_jit = {}  # interpreted or not -> the kernels module defined that way
-
-
 def _kernels():
-    mode = interpreted()
-    if mode not in _jit:
-        from . import triton_jit
-        _jit.clear()
-        _jit[mode] = importlib.reload(triton_jit)
-    return _jit[mode]
+    """triton_jit.py, imported on first use so that triton itself is imported only when the kernels run. Whether they
+    run compiled or interpreted is fixed when triton is first imported in the process (TRITON_INTERPRET then)."""
+    from . import triton_jit
+    return triton_jit
 
 
 BLOCK = None  # positions per tile; None: _rows_per_tile's choice (the benchmark sets it to compare)
