@@ -172,4 +172,4 @@ def test_a_map_not_yet_run_on_a_gpu_waits_for_all(monkeypatch):
         triton_kernel.set_enabled(True, all_maps=True)
         assert "CUDA" in triton_kernel.why_not(q, k, v, "taylor", None)  # CPU tensors: only the device is left
     finally:
-        triton_kernel.set_enabled(previous)
+        triton_kernel.set_enabled(previous, all_maps=os.environ.get("LINEAR_MHA_TRITON") == "all")

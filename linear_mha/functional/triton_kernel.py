@@ -39,11 +39,14 @@ _setting = os.environ.get("LINEAR_MHA_TRITON", "1")
 _enabled, _all_maps = _setting != "0", _setting == "all"
 
 
-def set_enabled(enabled, all_maps: bool = False) -> bool:
+def set_enabled(enabled: bool, all_maps: Optional[bool] = None) -> bool:
     """Switch the Triton path on or off for CUDA calls (default on for the maps in GPU_CHECKED; ``LINEAR_MHA_TRITON=0``
-    turns it off, ``=all`` on for every map in MAPS, as ``all_maps=True`` does); returns the previous on/off."""
+    turns it off, ``=all`` on for every map in MAPS, as ``all_maps=True`` does; None keeps that setting); returns
+    the previous on/off."""
     global _enabled, _all_maps
-    previous, _enabled, _all_maps = _enabled, bool(enabled), bool(all_maps)
+    previous, _enabled = _enabled, bool(enabled)
+    if all_maps is not None:
+        _all_maps = bool(all_maps)
     return previous
 
 
@@ -75,7 +78,7 @@ def why_not(q: Tensor, k: Tensor, v: Tensor, feature_map, initial_state: Optiona
         return "the tensors are not on a CUDA device"
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"dtype {q.dtype}: the Triton kernels take float32, float16 and bfloat16"
-    if min(q.shape[-1], v.shape[-1]) < 1 or max(q.shape[-1], v.shape[-1]) > 256:
+    if max(q.shape[-1], v.shape[-1]) > 256:
         return "head sizes above 256"
     return None
 

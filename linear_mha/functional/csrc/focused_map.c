@@ -86,12 +86,6 @@ static inline float focused_row(const struct focused_rows *c, const float *x, co
     return top;
 }
 
-/* The rows task t of c->tasks handles: an even share of all B * H * N rows, in order. */
-static inline void task_rows(const struct focused_rows *c, int t, long *a, long *z) {
-    *a = c->rows * t / c->tasks;
-    *z = c->rows * (t + 1) / c->tasks;
-}
-
 static inline const float *input_row(const struct focused_rows *c, long row, int *head) {
     const long bi = row / ((long)c->h * c->n), hi = row / c->n % c->h, j = row % c->n;
     *head = (int)hi;
@@ -103,16 +97,13 @@ static void forward_task(const void *ctx, int t, float *scratch) {
     const int d = c->d;
     float *y = scratch, *u = y + d;
     long a, z;
-    task_rows(c, t, &a, &z);
+    task_range(c->rows, c->tasks, t, &a, &z);
     for (long row = a; row < z; row++) {
         int hi;
         const float *x = input_row(c, row, &hi);
         float *phi = c->out + row * d, norm_u, norm_z;
         const float top = focused_row(c, x, c->scale ? c->scale + (long)hi * d : NULL, y, u, phi, &norm_u, &norm_z);
-        const float factor = top * norm_u / norm_z;
-        int f = 0;
-        for (; f + W <= d; f += W) store(phi + f, load(phi + f) * splat(factor));
-        for (; f < d; f++) phi[f] *= factor;
+        scaled_copy(phi, phi, d, top * norm_u / norm_z);
     }
 }
 
@@ -125,7 +116,7 @@ static void backward_task(const void *ctx, int t, float *scratch) {
     float *y = scratch, *u = y + d, *zp = u + d;
     float *ds = c->grad_scale ? c->grad_scale + (long)t * c->h * d : NULL;
     long a, z;
-    task_rows(c, t, &a, &z);
+    task_range(c->rows, c->tasks, t, &a, &z);
     for (long row = a; row < z; row++) {
         int hi;
         const float *x = input_row(c, row, &hi), *s = c->scale ? c->scale + (long)hi * d : NULL;
@@ -161,8 +152,7 @@ static struct focused_rows describe(const float *x, const float *scale, int b, i
     const float whole = floorf(power);
     struct focused_rows c = {x, scale, NULL, NULL, NULL, NULL, h, d, 0, (long)b * h * n, n, xsb, xsh, xsn,
                              power, whole == power && power >= 1.0f && power <= 8.0f ? (int)power : 0};
-    c.tasks = threads_for(threads) * 4; /* a few tasks per thread: rows cost the same, but threads may not */
-    if (c.tasks > c.rows) c.tasks = (int)(c.rows > 0 ? c.rows : 1);
+    c.tasks = row_tasks(c.rows, threads);
     return c;
 }
 

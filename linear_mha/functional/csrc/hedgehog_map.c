@@ -35,12 +35,6 @@ static inline float shifted_exps(float *e, const float *x, int m, float extreme,
     return sum;
 }
 
-static inline void scale_row(float *x, int m, float factor) {
-    int f = 0;
-    for (; f + W <= m; f += W) store(x + f, load(x + f) * splat(factor));
-    for (; f < m; f++) x[f] *= factor;
-}
-
 /* The row's biased values into zb and its 2m features into phi. */
 static inline void hedgehog_row(const struct hedgehog_rows *c, long row, float *zb, float *phi) {
     const int m = c->m;
@@ -51,19 +45,14 @@ static inline void hedgehog_row(const struct hedgehog_rows *c, long row, float *
         top = zb[f] > top ? zb[f] : top;
         bottom = zb[f] < bottom ? zb[f] : bottom;
     }
-    scale_row(phi, m, 1.0f / shifted_exps(phi, zb, m, top, 1.0f));
-    scale_row(phi + m, m, 1.0f / shifted_exps(phi + m, zb, m, bottom, -1.0f));
-}
-
-static inline void task_rows(const struct hedgehog_rows *c, int t, long *a, long *z) {
-    *a = c->rows * t / c->tasks;
-    *z = c->rows * (t + 1) / c->tasks;
+    scaled_copy(phi, phi, m, 1.0f / shifted_exps(phi, zb, m, top, 1.0f));
+    scaled_copy(phi + m, phi + m, m, 1.0f / shifted_exps(phi + m, zb, m, bottom, -1.0f));
 }
 
 static void forward_task(const void *ctx, int t, float *scratch) {
     const struct hedgehog_rows *c = ctx;
     long a, z;
-    task_rows(c, t, &a, &z);
+    task_range(c->rows, c->tasks, t, &a, &z);
     for (long row = a; row < z; row++) hedgehog_row(c, row, scratch, c->out + row * 2 * c->m);
 }
 
@@ -73,7 +62,7 @@ static void backward_task(const void *ctx, int t, float *scratch) {
     const int m = c->m;
     float *zb = scratch, *phi = zb + m, *db = c->grad_bias ? c->grad_bias + (long)t * c->h * m : NULL;
     long a, z;
-    task_rows(c, t, &a, &z);
+    task_range(c->rows, c->tasks, t, &a, &z);
     for (long row = a; row < z; row++) {
         hedgehog_row(c, row, zb, phi);
         const float *g = c->grad + row * 2 * m, *s = phi, *u = phi + m;
@@ -99,8 +88,7 @@ static void backward_task(const void *ctx, int t, float *scratch) {
 
 static struct hedgehog_rows describe(int b, int h, long n, int m, int threads) {
     struct hedgehog_rows c = {NULL, NULL, NULL, NULL, NULL, NULL, h, m, 0, (long)b * h * n, n};
-    c.tasks = threads_for(threads) * 4; /* a few tasks per thread: rows cost the same, but threads may not */
-    if (c.tasks > c.rows) c.tasks = (int)(c.rows > 0 ? c.rows : 1);
+    c.tasks = row_tasks(c.rows, threads);
     return c;
 }
 

@@ -26,6 +26,18 @@ static inline void store_normalisers(const float *num_den, int rows, int dvp, in
 
 static inline int threads_for(int requested) { return requested > 0 ? requested : 1; }
 
+/* Tasks for work split into rows of equal cost (the row maps): a few per thread, as threads may not be equal; at
+ * most one per row. Task t of tasks handles rows [*a, *z). */
+static inline int row_tasks(long rows, int threads) {
+    const long tasks = 4L * threads_for(threads);
+    return (int)(tasks < rows ? tasks : rows > 0 ? rows : 1);
+}
+
+static inline void task_range(long rows, int tasks, int t, long *a, long *z) {
+    *a = rows * t / tasks;
+    *z = rows * (t + 1) / tasks;
+}
+
 /* Transposes the (d x (dv + 1)) matrices of bh heads, src rows spaced src_ld apart, into (width x dp) ones. */
 static inline void transpose_states(const float *src, long src_ld, int bh, int d, int dv, int width, int dp, float *dst) {
     memset(dst, 0, sizeof(float) * bh * width * dp);
