@@ -6,6 +6,7 @@
                kernel/ (its entry, the naive form, composed ops, the chunked causal product, the fused paths)
     efficient_attention  softmax(Q over features) (softmax(K over sequence)^T V) (Shen et al.)
     taylor     first-order Taylor of exp on L2-normalised Q, K
+    centred_kernel  kernel similarities normalised by subtraction (InLine) or magnitude-aware (MALA)
     focused    kernel attention with FLatten's focused map (ReLU features, direction raised to a power)
     hedgehog   kernel attention with learnable per-head maps [softmax(xW), softmax(-xW)] (Zhang et al.)
     token_grid_conv  the local term: a depthwise convolution of the values over the token grid
@@ -23,6 +24,7 @@ from . import backend, native  # noqa: F401  (public submodules)
 from ._common import append_ones, drop_keys, split_normalise
 from .agent import agent_attention, pool_agents
 from .block_local import block_local_attention
+from .centred import centred_kernel
 from .efficient_attention import efficient_attention
 from .focused import focused, focused_feature_map
 from .hedgehog import hedgehog, hedgehog_features
@@ -47,7 +49,7 @@ from .taylor import taylor
 from .taylor2 import taylor2
 
 __all__ = [
-    "softmax", "linformer", "kernel", "kernel_state", "kernel_step", "efficient_attention", "taylor", "taylor2", "focused",
+    "softmax", "linformer", "kernel", "centred_kernel", "kernel_state", "kernel_step", "efficient_attention", "taylor", "taylor2", "focused",
     "focused_feature_map", "token_grid_conv", "agent_attention", "pool_agents", "block_local_attention", "hedgehog", "hedgehog_features",
     "causal_linear_product", "causal_linear_state", "causal_linear_step",
     "append_ones", "split_normalise", "drop_keys",
