@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from .local_term import LOCAL_TERM_STATE, install_local_term
+from .output_gate import OUTPUT_GATE_STATE, install_output_gate
 
 
 ATTACHED = "linear_mha"  # the submodule name of an adapter that ``attaches``
@@ -50,11 +51,19 @@ class AttentionAdapter:
     attaches = False
 
     # ------------------------------------------------------------------ the method
-    def init_method(self, method, num_heads: int, head_dim: int, factory_kwargs: dict, dwc_kernel=None) -> None:
-        """Hold ``method`` (``registry.create_method``), register its state and the local term of ``dwc_kernel``."""
+    def init_method(self, method, num_heads: int, head_dim: int, factory_kwargs: dict, dwc_kernel=None,
+                    output_gate: bool = False) -> None:
+        """Hold ``method`` (``registry.create_method``), register its state, the local term of ``dwc_kernel`` and the
+        ``output_gate``."""
         self.method = method
         method.install(self, num_heads, head_dim, factory_kwargs)
         install_local_term(self, num_heads * head_dim, dwc_kernel, factory_kwargs)
+        install_output_gate(self, num_heads, head_dim, head_dim, output_gate, factory_kwargs)
+
+    def extras_repr(self) -> str:
+        """The local term and the gate, for a module's repr."""
+        return ((f", dwc_kernel={self.dwc_weight.shape[-1]}" if self.dwc_weight is not None else "")
+                + (", output_gate=True" if self.gate_weight is not None else ""))
 
     @property
     def mode(self) -> str:
@@ -69,7 +78,8 @@ class AttentionAdapter:
 
     def added_parameters(self) -> List[nn.Parameter]:
         """The parameters linear_mha added to the replaced module: the method's state and the local term."""
-        found = (getattr(self, name, None) for name in tuple(self.method.state_names) + LOCAL_TERM_STATE)
+        found = (getattr(self, name, None) for name in tuple(self.method.state_names) + LOCAL_TERM_STATE
+                 + OUTPUT_GATE_STATE)
         return [p for p in found if isinstance(p, nn.Parameter)]
 
     def redraw_features(self, generator: Optional[torch.Generator] = None) -> None:
@@ -80,7 +90,8 @@ class AttentionAdapter:
                               error_msgs):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        drop_missing_state(self.method.state_names + LOCAL_TERM_STATE, prefix, state_dict, missing_keys)
+        drop_missing_state(self.method.state_names + LOCAL_TERM_STATE + OUTPUT_GATE_STATE, prefix, state_dict,
+                           missing_keys)
 
     # ------------------------------------------------------------------ the module it replaced
     def keep_original(self, module: Optional[nn.Module]) -> None:

@@ -20,6 +20,7 @@ from .errors import InputError
 from .adapters import AttentionAdapter, register_adapter
 from .attend import attend_heads
 from .local_term import add_local_term
+from .output_gate import apply_output_gate
 from .registry import DEFAULT_MODE, create_method
 from .token_grid import TokenGrid, resolve_token_grid
 from .functional._common import autocast_active, compiling
@@ -67,7 +68,7 @@ class LinearMultiheadAttention(AttentionAdapter, nn.Module):
 
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
                  kdim=None, vdim=None, batch_first=False, device=None, dtype=None, *, mode=DEFAULT_MODE,
-                 dwc_kernel=None, **options):
+                 dwc_kernel=None, output_gate=False, **options):
         method = create_method(mode, options)  # first: a wrong option fails before anything is allocated
         torch_models.check_arguments(embed_dim, num_heads, dropout, kdim, vdim, dtype)
         factory_kwargs = {"device": device, "dtype": dtype}
@@ -105,7 +106,7 @@ class LinearMultiheadAttention(AttentionAdapter, nn.Module):
         self.add_zero_attn = add_zero_attn
 
         self._reset_parameters()
-        self.init_method(method, num_heads, self.head_dim, factory_kwargs, dwc_kernel)
+        self.init_method(method, num_heads, self.head_dim, factory_kwargs, dwc_kernel, output_gate)
         self.register_forward_pre_hook(_disable_torch_fast_path)
 
     # ------------------------------------------------------------------ construction
@@ -193,8 +194,7 @@ class LinearMultiheadAttention(AttentionAdapter, nn.Module):
 
     def extra_repr(self) -> str:
         s = f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, {self.method.describe()}"
-        if self.dwc_weight is not None:
-            s += f", dwc_kernel={self.dwc_weight.shape[-1]}"
+        s += self.extras_repr()
         if self.batch_first:
             s += ", batch_first=True"
         return s
@@ -222,7 +222,7 @@ class LinearMultiheadAttention(AttentionAdapter, nn.Module):
                                     attn_mask=mask, is_causal=is_causal, extra_keys=extra_keys,
                                     need_weights=need_weights, dropout_p=self.dropout if self.training else 0.0,
                                     token_grid=token_grid)
-        out = add_local_term(self, out, v, kpm, mask, is_causal, token_grid)
+        out = apply_output_gate(self, add_local_term(self, out, v, kpm, mask, is_causal, token_grid), q)
         out = self.out_proj(out.transpose(1, 2).reshape(layout["batch"], layout["tgt_len"], self.embed_dim))
         if weights is not None and average_attn_weights:
             weights = weights.mean(dim=1)

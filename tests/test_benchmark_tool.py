@@ -377,7 +377,6 @@ def test_decode_samples_keep_each_sample_and_take_their_median(monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_the_cuda_run_says_it_needs_a_gpu_before_doing_anything(tmp_path):
     import subprocess
-    from pathlib import Path
     script = Path(__file__).resolve().parents[1] / "tools" / "cuda_run.sh"
     import os
     import sys

@@ -3,8 +3,6 @@ path that loads one (DETR --pretrained and --resume, backbone pretraining --resu
 official- and our own-layout checkpoints still load; processes exchange plain data through JSON, not pickle."""
 import argparse
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -1,7 +1,5 @@
 """tools/detr_compare.py end to end at a toy budget: a shared pretrained backbone, every variant, resume."""
 import json
-import sys
-from pathlib import Path
 
 import pytest
 

@@ -30,10 +30,15 @@ class PatchedSelfAttention(AttentionAdapter, SelfAttention):
 
     kind, reused = "lm", _REUSED
 
-    def __init__(self, attention: SelfAttention, mode: str = DEFAULT_MODE, dwc_kernel=None, **options):
+    def __init__(self, attention: SelfAttention, mode: str = DEFAULT_MODE, dwc_kernel=None, output_gate=False,
+                 **options):
         reason = self.unsupported_reason(attention)
         if reason:
             raise ValueError(f"cannot patch this SelfAttention: {reason}")
+        if output_gate:
+            raise ValueError("output_gate is not available for the LM stack's SelfAttention, whose local heads share "
+                             "one output with its global heads; leave it out here (nn.MultiheadAttention, timm and "
+                             "Hugging Face attention take it)")
         method = create_method(mode, options)
         if dwc_kernel is not None or method.needs_grid:
             raise ValueError(f"{'dwc_kernel' if dwc_kernel is not None else f'mode={mode!r}'} works on an image's "

@@ -30,6 +30,7 @@ from ..adapters import ATTACHED, AttentionAdapter, UnknownLength, register_adapt
 from ..attend import attend_heads, prefill_heads, step_heads
 from ..functional._common import compiling
 from ..local_term import add_local_term
+from ..output_gate import apply_output_gate
 from ..registry import DEFAULT_MODE, create_method
 from ..token_grid import feature_map_grid, resolve_token_grid
 from . import hf_generation
@@ -144,7 +145,8 @@ class LinearHFAttention(AttentionAdapter, nn.Module):
 
     kind, attaches = "hf", True
 
-    def __init__(self, attention: nn.Module, mode: str = DEFAULT_MODE, dwc_kernel=None, **options):
+    def __init__(self, attention: nn.Module, mode: str = DEFAULT_MODE, dwc_kernel=None, output_gate=False,
+                 **options):
         method = create_method(mode, options)
         super().__init__()
         reason = self.unsupported_reason(attention)
@@ -153,7 +155,7 @@ class LinearHFAttention(AttentionAdapter, nn.Module):
         self.num_heads, self.head_dim = geometry(attention)
         weight = next(attention.parameters())
         self.init_method(method, self.num_heads, self.head_dim, {"device": weight.device, "dtype": weight.dtype},
-                         dwc_kernel)
+                         dwc_kernel, output_gate)
         self.keep_original(attention)
         self.train(attention.training)
 
@@ -174,7 +176,7 @@ class LinearHFAttention(AttentionAdapter, nn.Module):
 
     def extra_repr(self) -> str:
         s = f"num_heads={self.num_heads}, head_dim={self.head_dim}, {self.method.describe()}"
-        return s + (f", dwc_kernel={self.dwc_weight.shape[-1]}" if self.dwc_weight is not None else "")
+        return s + self.extras_repr()
 
     # ------------------------------------------------------------------ attention
     def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask=None, *, dropout: float = 0.0,
@@ -213,7 +215,7 @@ class LinearHFAttention(AttentionAdapter, nn.Module):
         grid = resolve_token_grid(self, None)
         out, _ = attend_heads(self.method, self.method.state(self), q, k, v, key_padding_mask=masked, is_causal=causal,
                               dropout_p=dropout, token_grid=grid)
-        out = add_local_term(self, out, v, masked, None, causal, grid)
+        out = apply_output_gate(self, add_local_term(self, out, v, masked, None, causal, grid), q)
         return out[:, :, S - L:] if causal else out
 
     def _decode(self, layer, q, k, v, masked, causal):
@@ -228,7 +230,7 @@ class LinearHFAttention(AttentionAdapter, nn.Module):
                                           padding=None if masked is None else masked[:, t])
                                for t in range(q.shape[2])], dim=2)
         layer.consumed()
-        return out
+        return apply_output_gate(self, out, q)
 
     # ------------------------------------------------------------------ calibrate
     def original_output(self, args, kwargs):

@@ -14,6 +14,7 @@ from .. import masks
 from ..adapters import AttentionAdapter, UnknownLength, register_adapter
 from ..attend import attend_heads
 from ..local_term import add_local_term
+from ..output_gate import apply_output_gate
 from ..registry import DEFAULT_MODE, create_method
 from ..token_grid import feature_map_grid, resolve_token_grid
 
@@ -69,7 +70,7 @@ class LinearTimmAttention(AttentionAdapter, nn.Module):
     """timm ``Attention`` with linear attention. Options are LinearMultiheadAttention's keyword options: ``mode``
     and that method's options. Build it with :meth:`from_timm`; :meth:`to_timm` gives the timm module back."""
 
-    def __init__(self, attn: nn.Module, mode: str = DEFAULT_MODE, dwc_kernel=None, **options):
+    def __init__(self, attn: nn.Module, mode: str = DEFAULT_MODE, dwc_kernel=None, output_gate=False, **options):
         method = create_method(mode, options)
         super().__init__()
         self.num_heads = attn.num_heads
@@ -83,7 +84,7 @@ class LinearTimmAttention(AttentionAdapter, nn.Module):
             setattr(self, name, module)
         weight = attn.qkv.weight
         self.init_method(method, self.num_heads, self.head_dim, {"device": weight.device, "dtype": weight.dtype},
-                         dwc_kernel)
+                         dwc_kernel, output_gate)
         self.keep_original(attn)
         self.train(attn.training)
 
@@ -130,7 +131,7 @@ class LinearTimmAttention(AttentionAdapter, nn.Module):
 
     def extra_repr(self) -> str:
         s = f"attn_dim={self.attn_dim}, num_heads={self.num_heads}, {self.method.describe()}"
-        return s + (f", dwc_kernel={self.dwc_weight.shape[-1]}" if self.dwc_weight is not None else "")
+        return s + self.extras_repr()
 
     def to_timm(self) -> nn.Module:
         """The original timm module, holding this adapter's current submodules (and so its trained weights)."""
@@ -157,7 +158,7 @@ class LinearTimmAttention(AttentionAdapter, nn.Module):
         out, _ = attend_heads(self.method, self.method.state(self), q, k, v, key_padding_mask=kpm, attn_mask=mask,
                               is_causal=is_causal, dropout_p=self.attn_drop.p if self.training else 0.0,
                               token_grid=grid)
-        out = add_local_term(self, out, v, kpm, mask, is_causal, grid)
+        out = apply_output_gate(self, add_local_term(self, out, v, kpm, mask, is_causal, grid), q)
         out = self.norm(out.transpose(1, 2).reshape(B, N, self.attn_dim))
         if gate is not None:
             out = out * gate

@@ -1,0 +1,131 @@
+"""output_gate: every head's output times 2·sigmoid(q W + b) from its own queries. Checked against that formula in
+float64 for every method, identity at first (a patched pretrained model is unchanged; an original checkpoint loads),
+causal outputs blind to the future, padding garbage reaching nothing, gradients, and the adapters that take it."""
+import pytest
+import torch
+from torch import nn
+
+import modes
+from linear_mha import LinearMultiheadAttention, patch
+
+E, H = 8, 2
+
+
+def gated_module(mode, seed=0, **options):
+    torch.manual_seed(seed)
+    m = LinearMultiheadAttention(E, H, mode=mode, batch_first=True, output_gate=True,
+                                 **modes.sized(mode, 16, **options)).double()
+    with torch.no_grad():
+        m.gate_weight.normal_(0, 0.5)
+        m.gate_bias.normal_(0, 0.5)
+    return m
+
+
+@pytest.mark.parametrize("mode", modes.BUILT_IN)
+def test_the_gate_multiplies_every_methods_heads_by_two_sigmoid_of_the_queries(mode):
+    m = gated_module(mode)
+    x = torch.randn(2, 12, E, dtype=torch.float64)
+    grid = modes.grid_for(mode, 12)
+    gated, _ = m(x, x, x, need_weights=False, token_grid=grid)
+    weight, bias = m.gate_weight, m.gate_bias
+    m.gate_weight, m.gate_bias = None, None
+    plain_heads = []
+    m.out_proj.register_forward_pre_hook(lambda mod, args: plain_heads.append(args[0]))
+    m(x, x, x, need_weights=False, token_grid=grid)
+    q = nn.functional.linear(x, m.in_proj_weight[:E], m.in_proj_bias[:E]).view(2, 12, H, E // H).transpose(1, 2)
+    gate = 2 * torch.sigmoid(torch.einsum("bhld,hde->bhle", q, weight) + bias)
+    heads = plain_heads[0].view(2, 12, H, E // H).transpose(1, 2) * gate
+    want = m.out_proj(heads.transpose(1, 2).reshape(2, 12, E))
+    torch.testing.assert_close(gated, want, rtol=1e-10, atol=1e-10)
+
+
+def test_a_fresh_gate_is_the_identity_and_an_original_checkpoint_loads():
+    mha = nn.MultiheadAttention(E, H, batch_first=True)
+    gated = LinearMultiheadAttention(E, H, mode="taylor", batch_first=True, output_gate=True)
+    plain = LinearMultiheadAttention(E, H, mode="taylor", batch_first=True)
+    gated.load_state_dict(mha.state_dict(), strict=True)  # no gate keys in it: the gate keeps its zeros
+    plain.load_state_dict(mha.state_dict())
+    x = torch.randn(2, 12, E)
+    torch.testing.assert_close(gated(x, x, x)[0], plain(x, x, x)[0], rtol=0, atol=0)
+    assert "output_gate=True" in repr(gated)
+    assert set(gated.state_dict()) - set(plain.state_dict()) == {"gate_weight", "gate_bias"}
+
+
+@pytest.mark.parametrize("mode", modes.LINEAR_CAUSAL)
+def test_causal_outputs_do_not_see_the_future_through_the_gate(mode):
+    m = gated_module(mode)
+    x = torch.randn(1, 10, E, dtype=torch.float64)
+    y = x.clone()
+    y[:, 6:] = 100 * torch.randn(1, 4, E, dtype=torch.float64)
+    a, _ = m(x, x, x, is_causal=True, attn_mask=nn.Transformer.generate_square_subsequent_mask(10).double())
+    b, _ = m(y, y, y, is_causal=True, attn_mask=nn.Transformer.generate_square_subsequent_mask(10).double())
+    torch.testing.assert_close(a[:, :6], b[:, :6], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("mode", ["taylor", "kernel", "inline", "mala"])
+def test_padding_garbage_reaches_no_output_and_no_gradient(mode):
+    m = gated_module(mode)
+    valid = torch.randn(1, 9, E, dtype=torch.float64)
+    small, _ = m(valid, valid, valid)
+    padded = torch.cat([valid, torch.full((1, 3, E), float("nan"), dtype=torch.float64)], 1).requires_grad_()
+    kpm = torch.zeros(1, 12, dtype=torch.bool)
+    kpm[:, 9:] = True
+    out, _ = m(padded, padded, padded, key_padding_mask=kpm)
+    torch.testing.assert_close(out[:, :9], small, rtol=1e-10, atol=1e-10)
+    out[:, :9].sum().backward()
+    assert torch.all(padded.grad[:, 9:] == 0) and torch.isfinite(padded.grad).all()
+    assert torch.isfinite(m.gate_weight.grad).all() and m.gate_weight.grad.abs().sum() > 0
+
+
+def test_gradcheck_through_the_gate():
+    m = gated_module("taylor")
+    x = torch.randn(1, 5, E, dtype=torch.float64, requires_grad=True)
+    params = (m.gate_weight, m.gate_bias)
+    assert torch.autograd.gradcheck(lambda x, *p: m(x, x, x)[0], (x, *params))
+
+
+def test_bad_values_and_the_lm_stack_are_refused_by_name():
+    for bad in (1, "yes", None):
+        with pytest.raises(ValueError, match="output_gate must be True or False"):
+            LinearMultiheadAttention(E, H, mode="taylor", output_gate=bad)
+    from linear_mha.lm import LinearAttentionTransformerLM
+    lm = LinearAttentionTransformerLM(num_tokens=16, dim=16, depth=1, max_seq_len=8, heads=2, n_local_attn_heads=1)
+    with pytest.raises(ValueError, match="output_gate is not available for the LM stack"):
+        patch(lm, "taylor", output_gate=True)
+
+
+def test_timm_vit_patched_with_a_gate_starts_unchanged_and_the_gate_trains():
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, num_classes=3).double().eval()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+    reference = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, num_classes=3).double()
+    reference.load_state_dict(vit.state_dict())
+    patch(vit, "taylor", output_gate=True)
+    patch(reference.eval(), "taylor")
+    torch.testing.assert_close(vit(x), reference(x), rtol=0, atol=0)
+    vit(x).sum().backward()
+    attn = vit.blocks[0].attn
+    assert attn.gate_weight.grad.abs().sum() > 0 and "output_gate=True" in repr(attn)
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_hugging_face_models_take_the_gate_causal_ones_blind_to_the_future(family):
+    pytest.importorskip("transformers")
+    import hf_models
+    model, reference = hf_models.build(family), hf_models.build(family)
+    patch(model, "taylor", output_gate=True)
+    patch(reference, "taylor")
+    ids = hf_models.inputs(family)
+    torch.testing.assert_close(hf_models.output(model(**ids)), hf_models.output(reference(**ids)), rtol=0, atol=0)
+    gates = [m for m in model.modules() if getattr(m, "gate_weight", None) is not None]
+    assert gates
+    with torch.no_grad():
+        for g in gates:
+            g.gate_weight.normal_(0, 0.5)
+    changed = hf_models.output(model(**ids))
+    assert (changed - hf_models.output(reference(**ids))).abs().max() > 1e-3
+    if family == "gpt2":
+        later = dict(ids, input_ids=ids["input_ids"].clone())
+        later["input_ids"][:, 5:] = (later["input_ids"][:, 5:] + 7) % hf_models.VOCAB
+        torch.testing.assert_close(hf_models.output(model(**later))[:, :5], changed[:, :5], rtol=1e-10, atol=1e-10)
