@@ -64,8 +64,9 @@ def attend_heads(method: AttentionMethod, state: Mapping[str, Optional[Tensor]],
             key_padding_mask = masks.to_forbidden(key_padding_mask, "key_padding_mask", method.name)
         causal = masks.classify_attn_mask_for_linear(attn_mask, is_causal, method.name, causal_methods())
         if causal and not method.causal:
-            raise ValueError(f"mode={method.name!r} has no causal form (its keys are mixed across the sequence); "
-                             f"causal attention is supported by modes {causal_methods()}")
+            why = "with these options" if type(method).causal else "(its keys are mixed across the sequence)"
+            raise ValueError(f"mode={method.name!r} has no causal form {why}; causal attention is supported by "
+                             f"modes {causal_methods()}" + (f" ({method.describe()})" if type(method).causal else ""))
         if causal and L != S:
             raise ValueError(f"causal attention needs as many queries as keys, got L={L}, S={S}")
         kwargs.update(key_padding_mask=key_padding_mask, causal=causal)

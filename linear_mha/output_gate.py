@@ -10,13 +10,13 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from .registry import boolean
+
 OUTPUT_GATE_STATE = ("gate_weight", "gate_bias")
 
 
 def check_output_gate(output_gate) -> bool:
-    if not isinstance(output_gate, bool):
-        raise ValueError(f"output_gate must be True or False, got {output_gate!r}")
-    return output_gate
+    return boolean(output_gate, "output_gate")
 
 
 def install_output_gate(module: nn.Module, num_heads: int, head_dim: int, value_dim: int, output_gate: bool,

@@ -52,6 +52,12 @@ def non_negative_int(value, name):
     return value
 
 
+def boolean(value, name):
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def positive_float(value, name):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{name} must be a positive number, got {value!r}")

@@ -22,7 +22,7 @@ def linear(mode):
     (dict(mode="performer"), "mode must be one of"),
     (dict(param_sharing="global"), "param_sharing must be one of"),
     (dict(mode="kernel", param_sharing="kv"), r"mode='kernel' has no option 'param_sharing' \(an option of 'linformer'\)"),
-    (dict(mode="softmax", feature_map="elu"), r"mode='softmax' has no option 'feature_map' \(an option of 'kernel'\)"),
+    (dict(mode="softmax", feature_map="elu"), r"mode='softmax' has no option 'feature_map' \(an option of 'kernel', 'inline', 'mala'\)"),
     (dict(mode="kernel", proj_k=64), r"mode='kernel' has no option 'proj_k'.*its options are: feature_map, "),
     (dict(mode="linformer", chunk_size=64), r"mode='linformer' has no option 'chunk_size' \(an option of 'kernel', "
                                             r"'taylor'.*\); its options are: seq_len, proj_k"),

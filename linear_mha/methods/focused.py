@@ -7,14 +7,8 @@ from torch import nn
 
 from .. import functional
 from ..functional.focused import RELU_EPS
-from ..registry import Option, positive_float, register_method
-from .kernel import CHUNK_OPTION, FeatureMapMethod
-
-
-def _bool(value, name):
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-    return value
+from ..registry import Option, boolean, positive_float, register_method
+from .kernel import CHUNK_OPTION, KEY_REWEIGHT_OPTION, FeatureMapMethod
 
 
 @register_method
@@ -22,8 +16,9 @@ class Focused(FeatureMapMethod):
     name = "focused"
     options = {
         "focusing_factor": Option(3.0, positive_float, "power p of the focused map (FLatten uses 3)"),
-        "learnable_scale": Option(True, _bool, "learn the per-channel scale s (False: s = 1)"),
+        "learnable_scale": Option(True, boolean, "learn the per-channel scale s (False: s = 1)"),
         "chunk_size": CHUNK_OPTION,
+        "key_reweight": KEY_REWEIGHT_OPTION,
     }
     variants = {"p2_fixed_scale": {"focusing_factor": 2.0, "learnable_scale": False}}
     cost = "O(N·d²)"

@@ -7,11 +7,18 @@ import torch
 
 from .. import functional, naive
 from ..functional.kernel import CHUNK_SIZE, check_chunk_size
+from ..functional._common import drop_keys
 from ..functional.feature_maps import elementwise_feature_map
-from ..registry import AttentionMethod, Option, append_extra_keys, optional, positive_int, register_method
+from ..functional.key_reweight import key_weights, unweight, weighted_values
+from ..registry import (AttentionMethod, Option, append_extra_keys, boolean, optional, positive_int,
+                        register_method)
 
 CHUNK_OPTION = Option(None, optional(lambda value, name: check_chunk_size(value)),
                       "chunk length of the causal product")
+
+
+KEY_REWEIGHT_OPTION = Option(False, boolean, "RALA's key reweighting: key j's weights times N softmax_j(mean q . k_j / "
+                                           "sqrt(d)); self-attention, non-causal")
 
 
 def feature_attention_flops(batch_heads: int, tokens: int, features: int, head_dim: int, causal: bool,
@@ -34,9 +41,14 @@ class FeatureMapMethod(AttentionMethod):
     returns non-negative features), or overrides ``kernel_map(state)`` to name a map ``functional.kernel`` knows;
     attention, its causal form, extra keys, the naive reference and the FLOP count come from here."""
 
-    options = {"chunk_size": CHUNK_OPTION}
+    options = {"chunk_size": CHUNK_OPTION, "key_reweight": KEY_REWEIGHT_OPTION}
     causal = True
     extra_keys = True
+
+    def __init__(self, **options):
+        super().__init__(**options)
+        if getattr(self, "key_reweight", False):  # the mean query is the whole sequence's: no causal form
+            self.causal = self.recurrent = False
 
     def features(self, x, state):
         """phi(x): (..., d) -> (..., F), non-negative."""
@@ -51,7 +63,12 @@ class FeatureMapMethod(AttentionMethod):
 
     def attend(self, q, k, v, state, *, key_padding_mask=None, causal=False, dropout_p=0.0, extra_keys=None):
         return kernel_attend(q, k, v, self.kernel_map(state), key_padding_mask=key_padding_mask, causal=causal,
-                             dropout_p=dropout_p, extra_keys=extra_keys, chunk_size=self.chunk_size)
+                             dropout_p=dropout_p, extra_keys=extra_keys, chunk_size=self.chunk_size,
+                             key_reweight=self.key_reweight)
+
+    @property
+    def self_attention_only(self):
+        return getattr(self, "key_reweight", False)  # the mean query is over the keys' own positions
 
     # ------------------------------------------------------------------ decoding: the (B, H, F, d_v + 1) sums
     recurrent = True
@@ -100,7 +117,12 @@ class FeatureMapMethod(AttentionMethod):
 
     def reference_weights(self, q, k, state, *, key_padding_mask=None, causal=False, token_grid=None):
         seen = naive.visible(q.shape[-2], k.shape[-2], key_padding_mask, causal, q.device)
-        return naive.normalised(self.similarity(q, k, state), seen)
+        similarity = self.similarity(q, k, state)
+        if getattr(self, "key_reweight", False):  # alpha_j: softmax over the seen keys of the mean valid query's
+            valid = seen[..., :1, :].transpose(-1, -2)  # (B, 1, L, 1): self-attention, queries = keys
+            q_mean = (q * valid).sum(-2, keepdim=True) / valid.sum(-2, keepdim=True).clamp(min=1)
+            similarity = similarity * naive.softmax_weights(naive.scaled_scores(q_mean, k), seen[..., :1, :])
+        return naive.normalised(similarity, seen)
 
     def feature_count(self, head_dim: int) -> int:
         """F, the features per query or key: read off the map applied to one vector."""
@@ -133,6 +155,7 @@ class Kernel(FeatureMapMethod):
         "redraw_interval": Option(None, optional(positive_int),
                                   "FAVOR+: redraw the features every that many training forwards"),
         "chunk_size": CHUNK_OPTION,
+        "key_reweight": KEY_REWEIGHT_OPTION,
     }
     presets = {"elu": {"feature_map": "elu"}, "favor": {"feature_map": "favor"}}
     variants = {"relu": {"feature_map": "relu"}}
@@ -179,7 +202,7 @@ class Kernel(FeatureMapMethod):
     def attend(self, q, k, v, state, *, key_padding_mask=None, causal=False, dropout_p=0.0, extra_keys=None):
         return kernel_attend(q, k, v, self.kernel_map(state), key_padding_mask=key_padding_mask, causal=causal,
                              dropout_p=dropout_p, extra_keys=extra_keys, projection=state.get("favor_projection"),
-                             chunk_size=self.chunk_size)
+                             chunk_size=self.chunk_size, key_reweight=self.key_reweight)
 
     # ------------------------------------------------------------------ facts
     def similarity(self, q, k, state):
@@ -206,8 +229,20 @@ class Kernel(FeatureMapMethod):
 
 
 def kernel_attend(q, k, v, feature_map, *, key_padding_mask, causal, dropout_p, extra_keys, projection=None,
-                  chunk_size=None):
-    """functional.kernel with extra keys: appended when non-causal; the state every query starts from when causal."""
+                  chunk_size=None, key_reweight=False):
+    """functional.kernel with extra keys: appended when non-causal; the state every query starts from when causal.
+    ``key_reweight``: RALA's weights on the keys (``functional.key_reweight``), through the values."""
+    if key_reweight:
+        if causal:
+            raise ValueError("key_reweight weighs keys by the mean query of the whole sequence, which a causal query "
+                             "has not seen: it has no causal form; build the module without it")
+        queries_padding = key_padding_mask
+        if extra_keys is not None:
+            k, v, key_padding_mask = append_extra_keys(k, v, key_padding_mask, extra_keys)
+        alpha = key_weights(q, k, key_padding_mask, queries_padding)
+        out = functional.kernel(q, k, weighted_values(drop_keys(v, dropout_p), alpha), feature_map,
+                                key_padding_mask=key_padding_mask, projection=projection, chunk_size=chunk_size)
+        return unweight(out)
     initial_state = None
     if extra_keys is not None:
         if causal:

@@ -10,6 +10,7 @@ class Taylor(FeatureMapMethod):
     name = "taylor"
     cost = "O(N·d²)"
     summary = "first-order Taylor expansion of exp on L2-normalised q, k; causal in chunks"
+    variants = {"key_reweight": {"key_reweight": True}}
 
     def kernel_map(self, state):
         return "taylor"
