@@ -41,13 +41,28 @@ CAUSAL_VARIANTS = [name for name, options in VARIANTS.items() if linear_mha.meth
 # Every preset and variant of every built-in method, grid methods included: the checks against each method's own
 # float64 reference run all of them.
 ALL_VARIANTS = _variants(BUILT_IN, True)
-ALL_CAUSAL = [name for name, options in ALL_VARIANTS.items()  # an option may take the causal form away
-              if linear_mha.registry.create_method(options["mode"], {k: v for k, v in options.items() if k != "mode"}).causal]
+
+
+def method_of(options):
+    """The configured method of a variant's options (``mode`` and the method's options)."""
+    return linear_mha.registry.create_method(options["mode"], {k: v for k, v in options.items() if k != "mode"})
+
+
+def needs_grid(options):
+    """Whether a variant attends over a token grid: its method's (agent) or its options' (rope) doing."""
+    return method_of(options).needs_grid
+
+
+# An option may take the causal form away (key_reweight, rope) or ask for a grid (rope).
+ALL_CAUSAL = [name for name, options in ALL_VARIANTS.items() if method_of(options).causal]
+GRID_VARIANTS = [name for name, options in ALL_VARIANTS.items() if needs_grid(options)]
 
 
 def grid_for(mode, tokens):
-    """The most nearly square grid of ``tokens`` tokens for methods that need one, else None."""
-    if not linear_mha.method_class(mode).needs_grid:
+    """The most nearly square grid of ``tokens`` tokens for methods that need one, else None. ``mode``: a method's
+    name, or a module (whose options may ask for a grid, as ``rope`` does)."""
+    method = getattr(mode, "method", None)
+    if not (method.needs_grid if method is not None else linear_mha.method_class(mode).needs_grid):
         return None
     height = max(f for f in range(1, int(tokens ** 0.5) + 1) if tokens % f == 0)
     return TokenGrid(height, tokens // height)

@@ -24,7 +24,7 @@ class SelfAttention(nn.Module):
     def __init__(self, options, tokens):
         super().__init__()
         self.attn = linear_mha.LinearMultiheadAttention(32, 4, batch_first=True, **modes.sized_variant(options, tokens))
-        self.grid = modes.grid_for(options["mode"], tokens)
+        self.grid = modes.grid_for(self.attn, tokens)
 
     def forward(self, x, key_padding_mask=None):
         return self.attn(x, x, x, key_padding_mask=key_padding_mask, need_weights=False, token_grid=self.grid)[0]
@@ -55,7 +55,7 @@ def test_a_trace_computes_what_eager_does_on_other_inputs(name):
         warnings.simplefilter("ignore")  # torch's TracerWarnings
         plain = torch.jit.trace(model, (x,), check_trace=False)
         torch.testing.assert_close(plain(x2), model(x2), rtol=1e-5, atol=1e-5)
-        if linear_mha.method_class(EXPORT_VARIANTS[name]["mode"]).needs_grid:
+        if linear_mha.method_class(EXPORT_VARIANTS[name]["mode"]).needs_grid:  # agent pools by the mask
             with pytest.raises(ValueError, match="key_padding_mask's values"):
                 torch.jit.trace(model, (x, padded), check_trace=False)
             return
@@ -70,7 +70,7 @@ def test_torch_export_with_key_padding_computes_what_eager_does(name):
     x, kpm = _inputs(16, 0, {1: 12})
     x2, kpm2 = _inputs(16, 1, {0: 5})
     with torch.no_grad():
-        if linear_mha.method_class(EXPORT_VARIANTS[name]["mode"]).needs_grid:
+        if linear_mha.method_class(EXPORT_VARIANTS[name]["mode"]).needs_grid:  # agent pools by the mask
             with pytest.raises(ValueError, match="torch.export"):
                 torch.export.export(model, (x, kpm))
             exported = torch.export.export(model, (x,)).module()  # unpadded: exports

@@ -82,7 +82,7 @@ def check(c):
     m = build(c)
     g = torch.Generator().manual_seed(c["seed"])
     q, k, v, kpm = inputs(c, m.embed_dim, g)
-    grid = modes.grid_for(m.mode, c["S"])
+    grid = modes.grid_for(m, c["S"])
     kwargs = dict(key_padding_mask=kpm, is_causal=c["causal"], token_grid=grid, need_weights=False)
     try:
         out, _ = m(q, k, v, **kwargs)

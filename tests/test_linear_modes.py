@@ -14,7 +14,7 @@ E, HEADS, B = 8, 2, 3
 SEQ_LEN, PROJ_K = 16, 5  # Linformer's sizes in these tests
 # Every preset and variant of every method, from the registry (a new method is tested here without an edit).
 MODES = {name: modes.sized_variant(options, SEQ_LEN, proj_k=PROJ_K) for name, options in modes.ALL_VARIANTS.items()
-         if options["mode"] not in modes.GRID}
+         if name not in modes.GRID_VARIANTS}
 CAUSAL = [name for name in MODES if name in modes.ALL_CAUSAL]
 
 
@@ -51,7 +51,7 @@ def test_module_matches_its_method_s_float64_reference(name, causal):
     m = module(name, options=modes.sized_variant(modes.ALL_VARIANTS[name], SEQ_LEN, proj_k=PROJ_K))
     g = torch.Generator().manual_seed(1)
     L = S = 8
-    grid = modes.grid_for(m.mode, L)
+    grid = modes.grid_for(m, L)
     x = torch.randn(L, B, E, generator=g, dtype=torch.float64)
     self_attention = causal or m.method.self_attention_only
     mem = x if self_attention else torch.randn(S, B, E, generator=g, dtype=torch.float64)

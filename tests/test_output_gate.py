@@ -25,7 +25,7 @@ def gated_module(mode, seed=0, **options):
 def test_the_gate_multiplies_every_methods_heads_by_two_sigmoid_of_the_queries(mode):
     m = gated_module(mode)
     x = torch.randn(2, 12, E, dtype=torch.float64)
-    grid = modes.grid_for(mode, 12)
+    grid = modes.grid_for(m, 12)
     gated, _ = m(x, x, x, need_weights=False, token_grid=grid)
     weight, bias = m.gate_weight, m.gate_bias
     m.gate_weight, m.gate_bias = None, None

@@ -8,7 +8,7 @@ from torch import nn
 from .. import functional
 from ..functional.focused import RELU_EPS
 from ..registry import Option, boolean, positive_float, register_method
-from .kernel import CHUNK_OPTION, KEY_REWEIGHT_OPTION, FeatureMapMethod
+from .kernel import CHUNK_OPTION, KEY_REWEIGHT_OPTION, ROPE_OPTION, FeatureMapMethod
 
 
 @register_method
@@ -19,6 +19,7 @@ class Focused(FeatureMapMethod):
         "learnable_scale": Option(True, boolean, "learn the per-channel scale s (False: s = 1)"),
         "chunk_size": CHUNK_OPTION,
         "key_reweight": KEY_REWEIGHT_OPTION,
+        "rope": ROPE_OPTION,
     }
     variants = {"p2_fixed_scale": {"focusing_factor": 2.0, "learnable_scale": False}}
     cost = "O(N·d²)"

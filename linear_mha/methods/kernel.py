@@ -1,6 +1,7 @@
 """mode='kernel' (Katharopoulos et al., 2020; Performer's FAVOR+): phi(q) (phi(k)ᵀ v) / phi(q) sum phi(k), O(N·F·d),
 with a chunked causal form whose memory is O(N·d). ``FeatureMapMethod`` is what every method of this family shares
 (taylor, focused, hedgehog, a user's own map): a method of it only says what its feature map is."""
+import math
 from typing import Optional
 
 import torch
@@ -9,6 +10,7 @@ from .. import functional, naive
 from ..functional.kernel import CHUNK_SIZE, check_chunk_size
 from ..functional._common import drop_keys
 from ..functional.feature_maps import elementwise_feature_map
+from ..functional.grid_rope import grid_rope_kernel
 from ..functional.key_reweight import key_weights, unweight, weighted_values
 from ..registry import (AttentionMethod, Option, append_extra_keys, boolean, optional, positive_int,
                         register_method)
@@ -17,6 +19,8 @@ CHUNK_OPTION = Option(None, optional(lambda value, name: check_chunk_size(value)
                       "chunk length of the causal product")
 
 
+ROPE_OPTION = Option(False, boolean, "2-D rotary position of the token grid on the features, numerator only (MLLA); "
+                                    "needs the grid, self-attention, non-causal")
 KEY_REWEIGHT_OPTION = Option(False, boolean, "RALA's key reweighting: key j's weights times N softmax_j(mean q . k_j / "
                                            "sqrt(d)); self-attention, non-causal")
 
@@ -41,14 +45,16 @@ class FeatureMapMethod(AttentionMethod):
     returns non-negative features), or overrides ``kernel_map(state)`` to name a map ``functional.kernel`` knows;
     attention, its causal form, extra keys, the naive reference and the FLOP count come from here."""
 
-    options = {"chunk_size": CHUNK_OPTION, "key_reweight": KEY_REWEIGHT_OPTION}
+    options = {"chunk_size": CHUNK_OPTION, "key_reweight": KEY_REWEIGHT_OPTION, "rope": ROPE_OPTION}
     causal = True
     extra_keys = True
 
     def __init__(self, **options):
         super().__init__(**options)
-        if getattr(self, "key_reweight", False):  # the mean query is the whole sequence's: no causal form
+        if getattr(self, "key_reweight", False) or getattr(self, "rope", False):  # no causal form
             self.causal = self.recurrent = False
+        if getattr(self, "rope", False):
+            self.needs_grid = True
 
     def features(self, x, state):
         """phi(x): (..., d) -> (..., F), non-negative."""
@@ -61,14 +67,15 @@ class FeatureMapMethod(AttentionMethod):
         phi.__name__ = self.name
         return phi
 
-    def attend(self, q, k, v, state, *, key_padding_mask=None, causal=False, dropout_p=0.0, extra_keys=None):
+    def attend(self, q, k, v, state, *, key_padding_mask=None, causal=False, dropout_p=0.0, extra_keys=None,
+               token_grid=None):
         return kernel_attend(q, k, v, self.kernel_map(state), key_padding_mask=key_padding_mask, causal=causal,
                              dropout_p=dropout_p, extra_keys=extra_keys, chunk_size=self.chunk_size,
-                             key_reweight=self.key_reweight)
+                             key_reweight=self.key_reweight, token_grid=token_grid)
 
     @property
-    def self_attention_only(self):
-        return getattr(self, "key_reweight", False)  # the mean query is over the keys' own positions
+    def self_attention_only(self):  # the mean query and the grid positions are the keys' own
+        return getattr(self, "key_reweight", False) or self.needs_grid
 
     # ------------------------------------------------------------------ decoding: the (B, H, F, d_v + 1) sums
     recurrent = True
@@ -118,11 +125,38 @@ class FeatureMapMethod(AttentionMethod):
     def reference_weights(self, q, k, state, *, key_padding_mask=None, causal=False, token_grid=None):
         seen = naive.visible(q.shape[-2], k.shape[-2], key_padding_mask, causal, q.device)
         similarity = self.similarity(q, k, state)
+        if getattr(self, "rope", False):
+            return self._rope_reference(q, k, state, seen, token_grid)
         if getattr(self, "key_reweight", False):  # alpha_j: softmax over the seen keys of the mean valid query's
             valid = seen[..., :1, :].transpose(-1, -2)  # (B, 1, L, 1): self-attention, queries = keys
             q_mean = (q * valid).sum(-2, keepdim=True) / valid.sum(-2, keepdim=True).clamp(min=1)
             similarity = similarity * naive.softmax_weights(naive.scaled_scores(q_mean, k), seen[..., :1, :])
         return naive.normalised(similarity, seen)
+
+    def _rope_reference(self, q, k, state, seen, grid):
+        """Explicit rotation matrices per position: (R_i phi(q_i)) . (R_j phi(k_j)) alpha_j / sum_j phi.phi alpha_j."""
+        fn = self.kernel_map(state)
+        fn = fn if callable(fn) else elementwise_feature_map(fn)
+        phi_q, phi_k = fn(q), fn(k).masked_fill(~seen[..., :1, :].transpose(-1, -2), 0.0)
+        features, pairs = phi_q.shape[-1], phi_q.shape[-1] // 4
+        rotations = torch.eye(features, dtype=q.dtype).repeat(k.shape[-2], 1, 1)  # (N, F, F)
+        for n in range(grid.prefix, k.shape[-2]):
+            y, x = divmod(n - grid.prefix, grid.width)
+            for pair in range(2 * pairs):
+                angle = (y if pair < pairs else x) * 10000.0 ** (-(pair % pairs) / pairs)
+                i = features - 4 * pairs + 2 * pair
+                c, s = math.cos(angle), math.sin(angle)
+                rotations[n, i:i + 2, i:i + 2] = torch.tensor([[c, -s], [s, c]], dtype=q.dtype)
+        turned_q = (rotations @ phi_q[..., None])[..., 0]
+        turned_k = (rotations @ phi_k[..., None])[..., 0]
+        weights = torch.ones_like(seen[..., :1, :], dtype=q.dtype)
+        if getattr(self, "key_reweight", False):
+            valid = seen[..., :1, :].transpose(-1, -2)
+            q_mean = (q * valid).sum(-2, keepdim=True) / valid.sum(-2, keepdim=True).clamp(min=1)
+            weights = naive.softmax_weights(naive.scaled_scores(q_mean, k), seen[..., :1, :])
+        numerator = (turned_q @ turned_k.transpose(-1, -2)) * weights * seen
+        normaliser = ((phi_q @ phi_k.transpose(-1, -2)) * weights * seen).sum(-1, keepdim=True)
+        return numerator / torch.where(normaliser == 0, torch.ones_like(normaliser), normaliser)
 
     def feature_count(self, head_dim: int) -> int:
         """F, the features per query or key: read off the map applied to one vector."""
@@ -156,6 +190,7 @@ class Kernel(FeatureMapMethod):
                                   "FAVOR+: redraw the features every that many training forwards"),
         "chunk_size": CHUNK_OPTION,
         "key_reweight": KEY_REWEIGHT_OPTION,
+        "rope": ROPE_OPTION,
     }
     presets = {"elu": {"feature_map": "elu"}, "favor": {"feature_map": "favor"}}
     variants = {"relu": {"feature_map": "relu"}}
@@ -199,10 +234,11 @@ class Kernel(FeatureMapMethod):
             self.num_features, projection.shape[-1], generator=generator, device=projection.device))
         self._forwards_since_redraw = 0
 
-    def attend(self, q, k, v, state, *, key_padding_mask=None, causal=False, dropout_p=0.0, extra_keys=None):
+    def attend(self, q, k, v, state, *, key_padding_mask=None, causal=False, dropout_p=0.0, extra_keys=None,
+               token_grid=None):
         return kernel_attend(q, k, v, self.kernel_map(state), key_padding_mask=key_padding_mask, causal=causal,
                              dropout_p=dropout_p, extra_keys=extra_keys, projection=state.get("favor_projection"),
-                             chunk_size=self.chunk_size, key_reweight=self.key_reweight)
+                             chunk_size=self.chunk_size, key_reweight=self.key_reweight, token_grid=token_grid)
 
     # ------------------------------------------------------------------ facts
     def similarity(self, q, k, state):
@@ -229,9 +265,18 @@ class Kernel(FeatureMapMethod):
 
 
 def kernel_attend(q, k, v, feature_map, *, key_padding_mask, causal, dropout_p, extra_keys, projection=None,
-                  chunk_size=None, key_reweight=False):
+                  chunk_size=None, key_reweight=False, token_grid=None):
     """functional.kernel with extra keys: appended when non-causal; the state every query starts from when causal.
-    ``key_reweight``: RALA's weights on the keys (``functional.key_reweight``), through the values."""
+    ``key_reweight``: RALA's weights on the keys (``functional.key_reweight``), through the values. ``token_grid``
+    (methods with ``rope``): the 2-D rotary position of ``functional.grid_rope``."""
+    if token_grid is not None:
+        if extra_keys is not None:
+            raise ValueError("rope places every key on the token grid; the extra keys of add_bias_kv / add_zero_attn "
+                             "have no place there: build the module without them or without rope")
+        alpha = key_weights(q, k, key_padding_mask, key_padding_mask) if key_reweight else None
+        return grid_rope_kernel(q, k, v, feature_map, (token_grid.height, token_grid.width, token_grid.prefix),
+                                key_padding_mask=key_padding_mask, key_weights=alpha, dropout_p=dropout_p,
+                                projection=projection)
     if key_reweight:
         if causal:
             raise ValueError("key_reweight weighs keys by the mean query of the whole sequence, which a causal query "

@@ -1,0 +1,74 @@
+"""2-D rotary position on the token grid inside kernel attention (MLLA, RALA, MALA): the features of queries and keys
+are rotated by their grid position in the numerator only,
+
+    out_i = sum_j (R_i phi(q_i)) . (R_j phi(k_j)) alpha_j v_j  /  sum_j phi(q_i) . phi(k_j) alpha_j,
+
+so the weights depend on relative position (R_i^T R_j = R_{j - i}) while the normaliser stays the positive kernel's.
+The last 4·floor(F/4) features are rotated in pairs, the first half of the pairs by the row y and the second by the
+column x, at frequencies base^(-m / P) for P pairs per axis (taylor's constant feature comes first and stays as it
+is); prefix tokens (a class token) sit at no position and are not rotated. alpha: optional key weights
+(``key_reweight``), 1 without. Non-causal: an image's grid has no order. O(N F d).
+"""
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ._common import check_qkv, compute_dtype, drop_keys, mask_keys, outside_autocast, safe_normaliser
+from .feature_maps import FeatureMap, apply_feature_map
+
+ROPE_BASE = 10000.0
+
+
+def grid_angles(height: int, width: int, prefix: int, pairs_per_axis: int, base: float = ROPE_BASE,
+                device=None, dtype=torch.float32) -> Tensor:
+    """(prefix + height * width, 2 * pairs_per_axis) rotation angles: y * f_m then x * f_m; zero for prefix tokens."""
+    freq = base ** (-torch.arange(pairs_per_axis, device=device, dtype=dtype) / max(pairs_per_axis, 1))
+    y = torch.arange(height, device=device, dtype=dtype).repeat_interleave(width)
+    x = torch.arange(width, device=device, dtype=dtype).repeat(height)
+    angles = torch.cat([y[:, None] * freq, x[:, None] * freq], dim=1)
+    return torch.cat([angles.new_zeros(prefix, angles.shape[1]), angles])
+
+
+def rotate(features: Tensor, angles: Tensor) -> Tensor:
+    """features (B, H, N, F) with their last 2 * angles.shape[-1] features rotated in adjacent pairs by angles (N, P)."""
+    rotated = 2 * angles.shape[-1]
+    if rotated == 0:
+        return features
+    kept, pairs = features[..., :-rotated], features[..., -rotated:].unflatten(-1, (-1, 2))
+    cos, sin = angles.cos().to(features.dtype), angles.sin().to(features.dtype)
+    a, b = pairs[..., 0], pairs[..., 1]
+    turned = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
+    return torch.cat([kept, turned], dim=-1)
+
+
+@outside_autocast
+def grid_rope_kernel(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    feature_map: FeatureMap,
+    grid: Tuple[int, int, int],
+    *,
+    key_padding_mask: Optional[Tensor] = None,
+    key_weights: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    projection: Optional[Tensor] = None,
+) -> Tensor:
+    """q, k (B, H, N, D), v (B, H, N, Dv) -> (B, H, N, Dv), N = prefix + height * width for grid (height, width,
+    prefix). key_padding_mask bool (B, N), True = ignore; key_weights (B, H, N) or None. Self-attention only."""
+    check_qkv(q, k, v, key_padding_mask)
+    height, width, prefix = grid
+    if q.shape[2] != k.shape[2] or k.shape[2] != prefix + height * width:
+        raise ValueError(f"grid rope needs self-attention over the grid's {prefix + height * width} tokens "
+                         f"({height} x {width} + {prefix} prefix); got {q.shape[2]} queries and {k.shape[2]} keys")
+    out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
+    q, k, v = q.to(dtype), k.to(dtype), drop_keys(v.to(dtype), dropout_p)
+    phi_q, phi_k = apply_feature_map(feature_map, q, k, key_padding_mask=key_padding_mask, projection=projection)
+    if key_weights is not None:
+        phi_k = phi_k * key_weights[..., None].to(dtype)
+    angles = grid_angles(height, width, prefix, phi_q.shape[-1] // 4, device=q.device, dtype=dtype)
+    v = mask_keys(v, key_padding_mask)
+    numerator = rotate(phi_q, angles) @ (rotate(phi_k, angles).transpose(-1, -2) @ v)   # (B, H, N, Dv)
+    normaliser = phi_q @ phi_k.sum(2, keepdim=True).transpose(-1, -2)                  # (B, H, N, 1)
+    return (numerator / safe_normaliser(normaliser)).to(out_dtype)
