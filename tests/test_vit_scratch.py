@@ -1,0 +1,35 @@
+"""tools/vit_scratch.py at a toy budget: variants parse as detr_compare's do, every run leaves a record that a later
+call reuses, and the table compares with softmax on the same seeds."""
+import json
+
+import pytest
+
+pytest.importorskip("timm")
+pytest.importorskip("sklearn")
+
+from tools import vit_scratch  # noqa: E402
+
+
+def test_variant_names_parse_and_a_wrong_one_is_refused_by_name(capsys):
+    assert vit_scratch.parse_variant("softmax") == (None, {})
+    assert vit_scratch.parse_variant("taylor-dwc3:output_gate=True,rope=True") == (
+        "taylor", {"output_gate": True, "rope": True, "dwc_kernel": 3})
+    with pytest.raises(SystemExit):
+        vit_scratch.parse(["--variants", "taylr"])
+    assert "--variants 'taylr'" in capsys.readouterr().err
+
+
+def test_runs_write_records_that_a_later_call_reuses(tmp_path):
+    argv = ["--variants", "softmax", "inline-dwc3:output_gate=True", "--seeds", "0", "--steps", "2",
+            "--out", str(tmp_path / "runs"), "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "p.png")]
+    summary = vit_scratch.main(argv)
+    assert [s["variant"] for s in summary] == ["softmax", "inline-dwc3:output_gate=True"]
+    assert summary[0]["vs_softmax"] == 1.0 and 0 <= summary[1]["top1"] <= 1
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert [r["variant"] for r in written["records"]] == ["softmax", "inline-dwc3:output_gate=True"]
+    assert written["command"].startswith("python -m tools.vit_scratch --variants softmax")
+    assert (tmp_path / "p.png").stat().st_size > 0
+    record = tmp_path / "runs" / "softmax" / "seed0.json"
+    changed = dict(json.loads(record.read_text()), top1=0.123)
+    record.write_text(json.dumps(changed))  # a finished run is read back, not trained again
+    assert vit_scratch.main(argv)[0]["top1"] == 0.123
