@@ -102,7 +102,8 @@ class AttentionMethod:
     exact: ClassVar[bool] = False            # computes exact softmax attention: the reference, not a linear method
     needs_grid: ClassVar[bool] = False       # attends over the image's token grid: receives ``token_grid=``
     sequence_length_option: ClassVar[Optional[str]] = None  # option bounding the key length (Linformer's seq_len)
-    presets: ClassVar[Mapping[str, dict]] = {}  # named option sets worth comparing (benchmarks and tests run each)
+    presets: ClassVar[Mapping[Optional[str], dict]] = {}  # named option sets worth comparing (benchmarks and tests
+    # run each); the key None names the defaults' row "<method>" itself (a method without presets has only that row)
     variants: ClassVar[Mapping[str, dict]] = {}  # option sets that take other code paths (the tests run each too)
     cost: ClassVar[str] = ""                 # for the modes table, e.g. "O(N·d²)"
     summary: ClassVar[str] = ""              # one line: what it computes

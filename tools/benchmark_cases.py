@@ -19,7 +19,7 @@ from torch import nn
 import linear_mha.functional as LF
 from linear_mha import LinearMultiheadAttention, TokenGrid, method_class
 from linear_mha.attend import attend_heads
-from linear_mha.registry import method_presets
+from linear_mha.registry import create_method, method_presets
 
 from . import measure as M
 from .benchmark_flops import case_options, method_flops, plus_projections
@@ -52,19 +52,17 @@ def _method_core(mode, **options):
         method = cls(**options, **case_options(mode, c))
         state = {key: None if t is None else t.detach().to(device=device, dtype=dtype)
                  for key, t in method.init_state(c["H"], c["d"], {"device": None, "dtype": None}).items()}
-        grid = {"token_grid": square_grid(c["N"])} if cls.needs_grid else {}
+        grid = {"token_grid": square_grid(c["N"])} if method.needs_grid else {}  # its class's or its options' need
         return lambda q, k, v: attend_heads(method, state, q, k, v, is_causal=c["causal"], **grid)[0]
     return _core(build)
 
 
 def _module(mode, **options):
-    cls = method_class(mode)
-
     def build(c, dtype, device):
         m = LinearMultiheadAttention(c["H"] * c["d"], c["H"], batch_first=True, mode=mode, **options,
                                      **case_options(mode, c))
         m = m.to(device=device, dtype=dtype)
-        grid = {"token_grid": square_grid(c["N"])} if cls.needs_grid else {}  # methods over an image's tokens
+        grid = {"token_grid": square_grid(c["N"])} if m.method.needs_grid else {}  # methods over an image's tokens
         return (lambda x: m(x, x, x, is_causal=c["causal"], **grid)[0]), [m]
     return build
 
@@ -143,7 +141,7 @@ def registry_methods() -> dict:
     methods = {}
     for name, options in method_presets().items():
         mode = options.pop("mode")
-        flops, causal = method_flops(mode, options), method_class(mode).causal
+        flops, causal = method_flops(mode, options), create_method(mode, options).causal  # options may take it away
         methods[("core", name)] = Method(_method_core(mode, **options), flops, causal=causal)
         methods[("module", name)] = Method(_module(mode, **options), plus_projections(flops), causal=causal)
     return methods

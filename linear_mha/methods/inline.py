@@ -52,8 +52,10 @@ class CentredKernelMethod(AttentionMethod):
         return elementwise_feature_map(resolve_map(self.feature_map))(torch.zeros(1, head_dim)).shape[-1]
 
     def flops(self, batch_heads, tokens, head_dim, causal):
-        return feature_attention_flops(batch_heads, tokens, self.feature_count(head_dim), head_dim, causal,
-                                       self.chunk_size)
+        features = self.feature_count(head_dim)
+        if not causal:  # phi(K)^T [V, 1] and phi(Q) times it: the normaliser rides in the ones column
+            return 4.0 * batch_heads * tokens * features * (head_dim + 1)
+        return feature_attention_flops(batch_heads, tokens, features, head_dim, causal, self.chunk_size)
 
 
 @register_method

@@ -169,9 +169,12 @@ class FeatureMapMethod(AttentionMethod):
         return 0.0
 
     def flops(self, batch_heads, tokens, head_dim, causal):
-        return (feature_attention_flops(batch_heads, tokens, self.feature_count(head_dim), head_dim, causal,
+        reweight = getattr(self, "key_reweight", False)
+        value_dim = head_dim + 1 if reweight and not getattr(self, "rope", False) else head_dim  # [alpha v, alpha]
+        return (feature_attention_flops(batch_heads, tokens, self.feature_count(head_dim), value_dim, causal,
                                         getattr(self, "chunk_size", None))
-                + self.map_flops(batch_heads, tokens, head_dim))
+                + self.map_flops(batch_heads, tokens, head_dim)
+                + (2.0 * batch_heads * tokens * head_dim if reweight else 0.0))  # the mean query times the keys
 
 
 def _feature_map(value, name):

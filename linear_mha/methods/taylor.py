@@ -10,8 +10,8 @@ class Taylor(FeatureMapMethod):
     name = "taylor"
     cost = "O(N·d²)"
     summary = "first-order Taylor expansion of exp on L2-normalised q, k; causal in chunks"
-    variants = {"key_reweight": {"key_reweight": True}, "rope": {"rope": True},
-                "rope_key_reweight": {"rope": True, "key_reweight": True}}
+    presets = {None: {}, "key_reweight": {"key_reweight": True}, "rope": {"rope": True}}  # the accuracy options' costs
+    variants = {"rope_key_reweight": {"rope": True, "key_reweight": True}}
 
     def kernel_map(self, state):
         return "taylor"
