@@ -37,8 +37,8 @@ class PatchedSelfAttention(AttentionAdapter, SelfAttention):
             raise ValueError(f"cannot patch this SelfAttention: {reason}")
         if output_gate:
             raise ValueError("output_gate is not available for the LM stack's SelfAttention, whose local heads share "
-                             "one output with its global heads; leave it out here (nn.MultiheadAttention, timm and "
-                             "Hugging Face attention take it)")
+                             "one output with its global heads; the stack has its own gate over all heads (build "
+                             "it with attn_gate=True), or leave output_gate out")
         method = create_method(mode, options)
         if dwc_kernel is not None or method.needs_grid:
             raise ValueError(f"{'dwc_kernel' if dwc_kernel is not None else f'mode={mode!r}'} works on an image's "
