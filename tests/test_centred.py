@@ -22,7 +22,10 @@ def loop_reference(q, k, v, phi, form, key_padding_mask=None, causal=False, extr
                 if len(ks) == 0:
                     continue
                 s = phi(q[b, h, i]) @ phi(ks).T  # (n,)
-                n, total = len(ks), s.sum()
+                n = len(ks)
+                if form == "magnitude":  # MALA divides its similarities by N sqrt(d)
+                    s = s / (n * math.sqrt(q.shape[-1]))
+                total = s.sum()
                 w = 1 / n + (s - total / n) / n if form == "inline" else (1 + 1 / total) * s - total / n
                 out[b, h, i] = w @ vs
     return out

@@ -44,7 +44,8 @@ class CentredKernelMethod(AttentionMethod):
         safe_count = count.clamp(min=1)
         if self.form == "inline":
             weights = 1 / safe_count + (sim - row / safe_count) / safe_count
-        else:
+        else:  # MALA's similarities are divided by N sqrt(d)
+            sim, row = sim / (safe_count * q.shape[-1] ** 0.5), row / (safe_count * q.shape[-1] ** 0.5)
             weights = (1 + 1 / torch.where(row == 0, torch.ones_like(row), row)) * sim - row / safe_count
         return weights.masked_fill(~seen, 0.0)
 

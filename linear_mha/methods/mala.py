@@ -1,5 +1,5 @@
-"""mode='mala': magnitude-aware linear attention (MALA, Fan et al., ICCV 2025). With s_ij = phi(q_i).phi(k_j) and
-S_i = sum_j s_ij, w_ij = (1 + 1/S_i) s_ij - S_i/N: each row sums to 1 like a divided kernel's, but its deviation from
+"""mode='mala': magnitude-aware linear attention (MALA, Fan et al., ICCV 2025). With s_ij = phi(q_i).phi(k_j) /
+(N sqrt(d)) and S_i = sum_j s_ij, w_ij = (1 + 1/S_i) s_ij - S_i/N: each row sums to 1 like a divided kernel's, but its deviation from
 the divided kernel grows with S_i, i.e. with the query's magnitude, which division discards. phi = elu + 1 as in
 MALA. O(N·d²); causal in chunks."""
 from ..functional.feature_maps import resolve_feature_map
