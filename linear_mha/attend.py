@@ -9,10 +9,11 @@ from torch import Tensor, nn
 
 from . import masks
 from .local_term import check_dwc_kernel
+from .output_gate import check_output_gate
 from .registry import AttentionMethod, causal_methods, method_class
 from .token_grid import NO_GRID, TokenGrid
 
-MODULE_OPTIONS = ("dwc_kernel",)  # options of the attention modules themselves, for every method
+MODULE_OPTIONS = ("dwc_kernel", "output_gate")  # options of the attention modules themselves, for every method
 
 
 def needs_token_grid(module: nn.Module) -> bool:
@@ -24,6 +25,7 @@ def validate_options(mode: str, options: Mapping[str, Any]) -> Dict[str, Any]:
     """The options of a module running ``mode``, completed and checked without building anything (patch and patched
     check early): the method's own, and the modules' (``MODULE_OPTIONS``), returned as given."""
     check_dwc_kernel(options.get("dwc_kernel"))
+    check_output_gate(options.get("output_gate", False))
     module_options = {key: options[key] for key in MODULE_OPTIONS if key in options}
     return {**method_class(mode).validate({k: v for k, v in options.items() if k not in MODULE_OPTIONS}),
             **module_options}
@@ -49,7 +51,8 @@ def attend_heads(method: AttentionMethod, state: Mapping[str, Optional[Tensor]],
     kwargs = {}
     if method.needs_grid:
         if token_grid is None:
-            raise ValueError(f"mode={method.name!r} {NO_GRID}")
+            who = f"mode={method.name!r}" if type(method).needs_grid else method.describe()  # or an option's need
+            raise ValueError(f"{who} {NO_GRID}")
         kwargs["token_grid"] = token_grid
     if extra_keys is not None:
         if not method.extra_keys:
@@ -64,9 +67,11 @@ def attend_heads(method: AttentionMethod, state: Mapping[str, Optional[Tensor]],
             key_padding_mask = masks.to_forbidden(key_padding_mask, "key_padding_mask", method.name)
         causal = masks.classify_attn_mask_for_linear(attn_mask, is_causal, method.name, causal_methods())
         if causal and not method.causal:
-            why = "with these options" if type(method).causal else "(its keys are mixed across the sequence)"
-            raise ValueError(f"mode={method.name!r} has no causal form {why}; causal attention is supported by "
-                             f"modes {causal_methods()}" + (f" ({method.describe()})" if type(method).causal else ""))
+            if type(method).causal:  # an option took the method's causal form away (key_reweight, rope)
+                raise ValueError(f"mode={method.name!r} has no causal form with these options ({method.describe()}): "
+                                 f"build the module without the option that needs the whole sequence")
+            raise ValueError(f"mode={method.name!r} has no causal form (its keys are mixed across the sequence); "
+                             f"causal attention is supported by modes {causal_methods()}")
         if causal and L != S:
             raise ValueError(f"causal attention needs as many queries as keys, got L={L}, S={S}")
         kwargs.update(key_padding_mask=key_padding_mask, causal=causal)

@@ -36,16 +36,19 @@ def _variants(methods, variants):
     return {name: options for name, options in presets.items() if options["mode"] in methods}
 
 
-VARIANTS = _variants(SEQUENCE, False)  # "kernel_favor" -> {"mode": "kernel", "feature_map": "favor"}
-CAUSAL_VARIANTS = [name for name, options in VARIANTS.items() if linear_mha.method_class(options["mode"]).causal]
-# Every preset and variant of every built-in method, grid methods included: the checks against each method's own
-# float64 reference run all of them.
-ALL_VARIANTS = _variants(BUILT_IN, True)
-
-
 def method_of(options):
     """The configured method of a variant's options (``mode`` and the method's options)."""
     return linear_mha.registry.create_method(options["mode"], {k: v for k, v in options.items() if k != "mode"})
+
+
+# The presets of the sequence methods that attend any sequence, cross-attention included: an option that asks for a
+# grid or for self-attention (rope, key_reweight) leaves its preset to ALL_VARIANTS' checks, which give both.
+VARIANTS = {name: options for name, options in _variants(SEQUENCE, False).items()  # "kernel_favor" -> {"mode": ...}
+            if method_of(options).self_attention_only == method_of({"mode": options["mode"]}).self_attention_only}
+CAUSAL_VARIANTS = [name for name, options in VARIANTS.items() if method_of(options).causal]
+# Every preset and variant of every built-in method, grid methods included: the checks against each method's own
+# float64 reference run all of them.
+ALL_VARIANTS = _variants(BUILT_IN, True)
 
 
 def needs_grid(options):

@@ -95,3 +95,13 @@ def test_mala_refuses_a_signed_map_by_name():
     import linear_mha
     with pytest.raises(ValueError, match="feature_map must be a non-negative"):
         linear_mha.LinearMultiheadAttention(8, 2, mode="mala", feature_map="identity")
+
+
+@pytest.mark.parametrize("form, feature_map, phi", [("inline", "identity", identity), ("magnitude", "elu", elu)])
+def test_causal_chunks_carry_the_sums_across_chunk_boundaries(form, feature_map, phi):
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(1, 1, 37, 4, dtype=torch.float64) for _ in range(3))
+    mask = torch.zeros(1, 37, dtype=torch.bool)
+    mask[:, [3, 17, 30]] = True
+    got = LF.centred_kernel(q, k, v, feature_map, form=form, causal=True, key_padding_mask=mask, chunk_size=8)
+    torch.testing.assert_close(got, loop_reference(q, k, v, phi, form, mask, True), rtol=1e-10, atol=1e-10)

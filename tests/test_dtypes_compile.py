@@ -3,16 +3,19 @@ precision when a GPU is present, and torch.compile matching eager."""
 import pytest
 import torch
 
-from linear_mha import LinearMultiheadAttention, method_class
+from linear_mha import LinearMultiheadAttention
 import modes
 
 E, H = 16, 2
 LONG_MODES = [dict(mode="kernel"), dict(mode="kernel", feature_map="favor"), dict(mode="taylor"),
-              dict(mode="efficient"), dict(mode="linformer", seq_len=65536, proj_k=16, param_sharing="kv")]
+              dict(mode="efficient"), dict(mode="linformer", seq_len=65536, proj_k=16, param_sharing="kv"),
+              dict(mode="inline"), dict(mode="mala"), dict(mode="taylor", key_reweight=True),
+              dict(mode="taylor", output_gate=True)]
 
 
 def _ids(options):
-    return "-".join(str(v) for k, v in options.items() if k in ("mode", "feature_map"))
+    return "-".join(str(v) if k in ("mode", "feature_map") else k for k, v in options.items()
+                    if k in ("mode", "feature_map") or v is True)
 
 
 @pytest.mark.parametrize("options", LONG_MODES, ids=_ids)
@@ -20,7 +23,7 @@ def test_bfloat16_long_sequence_is_finite_and_close_to_float32(options):
     torch.manual_seed(0)
     m = LinearMultiheadAttention(E, H, batch_first=True, **options)
     x = torch.randn(1, 65536, E)
-    causal = method_class(options["mode"]).causal
+    causal = m.method.causal
     with torch.inference_mode():
         ref, _ = m(x, x, x, is_causal=causal)
         out, _ = m.to(torch.bfloat16)(x.bfloat16(), x.bfloat16(), x.bfloat16(), is_causal=causal)
@@ -47,7 +50,7 @@ def test_cuda_half_precision_long_sequence(dtype, options):
     torch.manual_seed(0)
     m = LinearMultiheadAttention(64, 4, batch_first=True, **options).cuda()
     x = torch.randn(2, 65536, 64, device="cuda")
-    causal = method_class(options["mode"]).causal
+    causal = m.method.causal
     with torch.inference_mode():
         ref, _ = m(x, x, x, is_causal=causal)
         out, _ = m.to(dtype)(x.to(dtype), x.to(dtype), x.to(dtype), is_causal=causal)

@@ -65,3 +65,11 @@ def test_what_rope_cannot_do_is_refused_by_name():
         rope_module(add_bias_kv=True)(x, x, x, token_grid=TokenGrid(2, 3))
     with pytest.raises(ValueError, match="grid rope needs self-attention over the grid's 9 tokens"):
         LF.grid_rope.grid_rope_kernel(*torch.randn(3, 1, 1, 6, 4), "elu", (3, 3, 0))
+
+
+def test_a_query_whose_normaliser_vanishes_gets_zero_not_the_rotated_numerator():
+    # relu features: the query's only feature is 0 on every key's, but the rotation mixes it into a non-zero one
+    q = torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64).expand(1, 1, 4, 4)
+    k = torch.tensor([0.0, 1.0, 0.0, 0.0], dtype=torch.float64).expand(1, 1, 4, 4)
+    out = LF.grid_rope.grid_rope_kernel(q, k, torch.ones(1, 1, 4, 4, dtype=torch.float64), "relu", (2, 2, 0))
+    assert out.abs().max() == 0

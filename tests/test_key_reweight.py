@@ -81,3 +81,30 @@ def test_what_it_cannot_do_is_refused_by_name():
         m(x[:, :3], x, x)
     with pytest.raises(ValueError, match="key_reweight must be True or False"):
         LinearMultiheadAttention(8, 2, mode="taylor", key_reweight=1)
+
+
+def test_nan_padding_reaches_no_valid_output_nor_gradient_without_the_modules_zeroing():
+    """Through the method itself (timm and Hugging Face adapters do not zero padded inputs as
+    LinearMultiheadAttention does): NaN in padded keys and values, large garbage in padded queries (NaN there makes
+    their own rows NaN, as in nn.MultiheadAttention), change nothing valid."""
+    from linear_mha.registry import create_method
+    method = create_method("taylor", {"key_reweight": True})
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 6, 4, dtype=torch.float64) for _ in range(3))
+    clean = method.attend(q, k, v, {})
+    mask = torch.zeros(1, 9, dtype=torch.bool)
+    mask[:, 6:] = True
+    padded = [torch.cat([t, torch.full((1, 2, 3, 4), fill, dtype=torch.float64)], 2).requires_grad_()
+              for t, fill in ((q, 1e3), (k, float("nan")), (v, float("nan")))]
+    out = method.attend(*padded, {}, key_padding_mask=mask)
+    torch.testing.assert_close(out[:, :, :6], clean, rtol=1e-10, atol=1e-10)
+    out[:, :, :6].sum().backward()
+    assert all(torch.isfinite(t.grad).all() and t.grad[:, :, 6:].abs().max() == 0 for t in padded)
+
+
+def test_half_precision_sums_of_queries_do_not_overflow():
+    q = torch.full((1, 1, 5000, 4), 20.0, dtype=torch.float16)
+    mask = torch.zeros(1, 5000, dtype=torch.bool)
+    mask[:, -1] = True
+    alpha = LF.key_reweight.key_weights(q, q, mask, mask)
+    assert torch.isfinite(alpha).all() and alpha[0, 0, :-1].min() > 0.5

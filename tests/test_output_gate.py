@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 
+import linear_mha
 import modes
 from linear_mha import LinearMultiheadAttention, patch
 
@@ -129,3 +130,11 @@ def test_hugging_face_models_take_the_gate_causal_ones_blind_to_the_future(famil
         later = dict(ids, input_ids=ids["input_ids"].clone())
         later["input_ids"][:, 5:] = (later["input_ids"][:, 5:] + 7) % hf_models.VOCAB
         torch.testing.assert_close(hf_models.output(model(**later))[:, :5], changed[:, :5], rtol=1e-10, atol=1e-10)
+
+
+def test_patched_and_patch_take_the_gate_as_a_module_option():
+    with linear_mha.patched("taylor", output_gate=True):
+        m = nn.MultiheadAttention(E, H, batch_first=True)
+    assert m.gate_weight is not None
+    with pytest.raises(ValueError, match="output_gate must be True or False"):
+        patch(nn.Sequential(nn.MultiheadAttention(E, H)), "taylor", output_gate="yes")

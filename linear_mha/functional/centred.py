@@ -26,7 +26,7 @@ from torch import Tensor
 from ._common import (append_ones, check_qkv, compute_dtype, drop_keys, mask_keys, outside_autocast,
                       safe_normaliser)
 from .feature_maps import FeatureMap, apply_feature_map
-from .kernel import causal_linear_product
+from .kernel import CHUNK_SIZE, causal_linear_product
 
 FORMS = ("inline", "magnitude")
 
@@ -52,6 +52,7 @@ def centred_kernel(
     key_padding_mask: Optional[Tensor] = None,
     dropout_p: float = 0.0,
     extra_keys: Optional[Tuple[Tensor, Tensor]] = None,
+    chunk_size: Optional[int] = None,
 ) -> Tensor:
     """q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv) -> (B, H, L, Dv), in q's dtype.
 
@@ -60,7 +61,7 @@ def centred_kernel(
     keys count in neither the sums nor N. causal: query i sees keys j <= i (L == S). A query that sees no key gets 0.
     dropout_p: key dropout on the values (``_common.drop_keys``).
     extra_keys: (k (B, H, n, D), v (B, H, n, Dv)) of keys every query sees, never masked (add_bias_kv /
-    add_zero_attn); with ``causal`` they come before the first position.
+    add_zero_attn); with ``causal`` they come before the first position. chunk_size: of the causal product.
     """
     check_qkv(q, k, v, key_padding_mask)
     if form not in FORMS:
@@ -84,7 +85,7 @@ def centred_kernel(
             phi_k, v1 = torch.cat([phi_k, phi_extra], 2), torch.cat([v1, extra_v1], 2)
     if causal and q.shape[-2] > 0:
         start = None if extra_keys is None else phi_extra.transpose(-1, -2) @ extra_v1  # (B, H, F, Dv + 1)
-        num_den = causal_linear_product(phi_q, phi_k, v1, start)  # (B, H, N, Dv + 1): [A_i, S_i]
+        num_den = causal_linear_product(phi_q, phi_k, v1, start, chunk_size or CHUNK_SIZE)  # [A_i, S_i]
         sums = v1.cumsum(2)                                  # (B, H, N, Dv + 1): [sum_{j<=i} v_j, N_i]
         if extra_keys is not None:
             sums = sums + extra_v1.sum(2, keepdim=True)

@@ -71,4 +71,7 @@ def grid_rope_kernel(
     v = mask_keys(v, key_padding_mask)
     numerator = rotate(phi_q, angles) @ (rotate(phi_k, angles).transpose(-1, -2) @ v)   # (B, H, N, Dv)
     normaliser = phi_q @ phi_k.sum(2, keepdim=True).transpose(-1, -2)                  # (B, H, N, 1)
-    return (numerator / safe_normaliser(normaliser)).to(out_dtype)
+    # A query whose normaliser is 0 sees no key with a non-zero feature: the rotated numerator, which the positive
+    # normaliser does not bound, could still be non-zero there; such a query gets 0 as in every kernel method.
+    out = (numerator / safe_normaliser(normaliser)).masked_fill(normaliser == 0, 0.0)
+    return out.to(out_dtype)

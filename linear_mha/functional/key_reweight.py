@@ -12,19 +12,23 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._common import append_ones, split_normalise
+from ._common import append_ones, compute_dtype, mask_keys, split_normalise
 
 
 def key_weights(q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None,
                 query_padding_mask: Optional[Tensor] = None) -> Tensor:
     """alpha (B, H, S) = (valid keys) * softmax over the valid keys of q̄ . k_j / sqrt(d), q̄ the mean of the valid
     queries. q (B, H, L, d), k (B, H, S, d); masks bool (B, L) / (B, S), True = padding. Masked keys get 0, and so
-    does every key of a batch element with no valid key or query."""
+    does every key of a batch element with no valid key or query. Computed in float32 for half inputs (a sum of
+    queries overflows float16), returned in that dtype; padded rows (even NaN) reach neither alpha nor a gradient."""
+    dtype = compute_dtype(q.dtype)
+    q, k = q.to(dtype), mask_keys(k.to(dtype), key_padding_mask)
     if query_padding_mask is None:
         q_mean = q.mean(2, keepdim=True)                                  # (B, H, 1, d)
     else:
-        keep = (~query_padding_mask)[:, None, :, None].to(q.dtype)        # (B, 1, L, 1)
-        q_mean = (q * keep).sum(2, keepdim=True) / keep.sum(2, keepdim=True).clamp(min=1)
+        q = q.masked_fill(query_padding_mask[:, None, :, None], 0.0)
+        count = (~query_padding_mask).sum(1).to(dtype)[:, None, None, None]
+        q_mean = q.sum(2, keepdim=True) / count.clamp(min=1)
     logits = (q_mean @ k.transpose(-1, -2))[:, :, 0] / math.sqrt(q.shape[-1])  # (B, H, S)
     if key_padding_mask is None:
         return torch.softmax(logits, -1) * k.shape[2]
@@ -35,8 +39,9 @@ def key_weights(q: Tensor, k: Tensor, key_padding_mask: Optional[Tensor] = None,
 
 
 def weighted_values(v: Tensor, alpha: Tensor) -> Tensor:
-    """[alpha v, alpha]: (B, H, S, Dv), (B, H, S) -> (B, H, S, Dv + 1)."""
-    return append_ones(v) * alpha[..., None].to(v.dtype)
+    """[alpha v, alpha]: (B, H, S, Dv), (B, H, S) -> (B, H, S, Dv + 1), in alpha's dtype (float32 for half v: the
+    division of ``unweight`` then divides float32 columns)."""
+    return append_ones(v.to(alpha.dtype)) * alpha[..., None]
 
 
 def unweight(out: Tensor) -> Tensor:

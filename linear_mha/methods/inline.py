@@ -29,7 +29,8 @@ class CentredKernelMethod(AttentionMethod):
 
     def attend(self, q, k, v, state, *, key_padding_mask=None, causal=False, dropout_p=0.0, extra_keys=None):
         return centred_kernel(q, k, v, self.feature_map, form=self.form, causal=causal,
-                              key_padding_mask=key_padding_mask, dropout_p=dropout_p, extra_keys=extra_keys)
+                              key_padding_mask=key_padding_mask, dropout_p=dropout_p, extra_keys=extra_keys,
+                              chunk_size=self.chunk_size)
 
     def describe(self):
         return f"mode={self.name!r}, feature_map={getattr(self.feature_map, '__name__', self.feature_map)!r}"

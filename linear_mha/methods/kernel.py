@@ -71,7 +71,8 @@ class FeatureMapMethod(AttentionMethod):
                token_grid=None):
         return kernel_attend(q, k, v, self.kernel_map(state), key_padding_mask=key_padding_mask, causal=causal,
                              dropout_p=dropout_p, extra_keys=extra_keys, chunk_size=self.chunk_size,
-                             key_reweight=self.key_reweight, token_grid=token_grid)
+                             key_reweight=getattr(self, "key_reweight", False),
+                             token_grid=token_grid if getattr(self, "rope", False) else None)
 
     @property
     def self_attention_only(self):  # the mean query and the grid positions are the keys' own
@@ -208,7 +209,8 @@ class Kernel(FeatureMapMethod):
                 raise ValueError(f"{key} only applies to feature_map='favor'")
 
     def describe(self):
-        return f"mode='kernel', feature_map={getattr(self.feature_map, '__name__', self.feature_map)!r}"
+        extras = "".join(f", {key}=True" for key in ("key_reweight", "rope") if getattr(self, key, False))
+        return f"mode='kernel', feature_map={getattr(self.feature_map, '__name__', self.feature_map)!r}{extras}"
 
     def kernel_map(self, state):  # the option is the map itself
         return self.feature_map
@@ -241,7 +243,8 @@ class Kernel(FeatureMapMethod):
                token_grid=None):
         return kernel_attend(q, k, v, self.kernel_map(state), key_padding_mask=key_padding_mask, causal=causal,
                              dropout_p=dropout_p, extra_keys=extra_keys, projection=state.get("favor_projection"),
-                             chunk_size=self.chunk_size, key_reweight=self.key_reweight, token_grid=token_grid)
+                             chunk_size=self.chunk_size, key_reweight=self.key_reweight,
+                             token_grid=token_grid if self.rope else None)
 
     # ------------------------------------------------------------------ facts
     def similarity(self, q, k, state):
@@ -271,7 +274,7 @@ def kernel_attend(q, k, v, feature_map, *, key_padding_mask, causal, dropout_p, 
                   chunk_size=None, key_reweight=False, token_grid=None):
     """functional.kernel with extra keys: appended when non-causal; the state every query starts from when causal.
     ``key_reweight``: RALA's weights on the keys (``functional.key_reweight``), through the values. ``token_grid``
-    (methods with ``rope``): the 2-D rotary position of ``functional.grid_rope``."""
+    (given only by methods with ``rope``): the 2-D rotary position of ``functional.grid_rope``."""
     if token_grid is not None:
         if extra_keys is not None:
             raise ValueError("rope places every key on the token grid; the extra keys of add_bias_kv / add_zero_attn "
