@@ -40,6 +40,22 @@ def test_the_synthetic_default_is_taylor_with_its_local_term_and_an_explicit_met
     assert (coco.attention, coco.dwc_kernel) == ("softmax", 0)  # the official DETR-R50 recipe
 
 
+def test_the_output_gate_flag_pairs_with_the_method_and_reaches_every_patched_module():
+    from integrations.detr.config import RECOMMENDED_OUTPUT_GATE
+    assert parse_args([]).output_gate is RECOMMENDED_OUTPUT_GATE  # the preset's gate belongs to its method
+    assert parse_args(["--attention", "efficient"]).output_gate is False
+    assert parse_args(["--coco-path", "/data/coco"]).output_gate is False
+    args = parse_args(ARGS + ["--attention", "taylor", "--output-gate", "--attention-on", "encoder,cross"])
+    model = build_model(args)[0]
+    report = apply_attention(model, args, max_tokens=20)
+    assert all(r["options"]["output_gate"] is True for r in report)
+    gated = [m for m in model.modules() if getattr(m, "gate_weight", None) is not None]
+    assert len(gated) == args.enc_layers + args.dec_layers  # encoder self-attention and decoder cross-attention
+    softmax = build_model(parse_args(ARGS))[0]  # softmax with a gate: its modules are patched to hold one
+    apply_attention(softmax, {"attention": "softmax", "output_gate": True})
+    assert any(getattr(m, "gate_weight", None) is not None for m in softmax.modules())
+
+
 def test_linformer_on_encoder_uses_the_data_bound_and_one_shared_projection():
     model, _, _ = build_model(parse_args(ARGS))
     report = apply_attention(model, parse_args(ARGS + ["--attention", "linformer", "--proj-k", "4"]), max_tokens=20)

@@ -6,7 +6,8 @@ methods replace the selected modules via `linear_mha.patch(model, mode=..., incl
 A method whose keys are bounded by an option (Linformer's `seq_len`) gets the largest number of keys the module can
 ever see: memory tokens of the largest padded feature map for encoder self-attention and cross-attention, the number
 of object queries for decoder self-attention. `--proj-k`, `--param-sharing` and `--feature-map` reach the methods
-that have those options; `--attention-option NAME=VALUE` sets any option of the chosen method. `--dwc-kernel K`
+that have those options; `--attention-option NAME=VALUE` sets any option of the chosen method. `--output-gate` adds
+linear_mha's output gate (identity at first) to every patched module. `--dwc-kernel K`
 adds the local term (a K x K depthwise convolution of the values over the feature map) to encoder self-attention;
 the patcher reads the feature map's grid from the transformer's input.
 """
@@ -65,6 +66,8 @@ def _options(mode, target, cfg, max_tokens, num_queries):
             raise ValueError(f"--dwc-kernel adds a convolution over the feature map to encoder self-attention; the "
                              f"{target} attention has no such grid: use --attention-on encoder")
         options["dwc_kernel"] = cfg.dwc_kernel
+    if cfg.output_gate:
+        options["output_gate"] = True
     return options
 
 
@@ -80,13 +83,13 @@ def apply_attention(model, args_or_kwargs=None, max_tokens=None, **kwargs):
     values.update(kwargs)
     cfg = SimpleNamespace(**{"attention": "softmax", "attention_on": "encoder", "proj_k": 256,
                              "param_sharing": "layerwise", "feature_map": "elu", "attention_option": None,
-                             "dwc_kernel": 0, **values})
+                             "dwc_kernel": 0, "output_gate": False, **values})
     try:
         method_class(cfg.attention)
     except ValueError as err:
         raise ValueError(f"--attention {cfg.attention!r}: {err}") from None
     targets = parse_targets(cfg.attention_on)
-    if cfg.attention == "softmax" and not cfg.dwc_kernel:  # with a local term, softmax modules are patched too
+    if cfg.attention == "softmax" and not (cfg.dwc_kernel or cfg.output_gate):  # else softmax modules are patched
         return [{"target": t, "include": [TARGETS[t]], "mode": "softmax", "options": {}, "patch_report": None}
                 for t in targets]
     inner = getattr(model, "module", model)  # DDP-wrapped or not

@@ -16,18 +16,20 @@ from ..console import HelpFormatter
 # A pair: an explicit --attention without --dwc-kernel gets no local term, so `--attention efficient` stays plain.
 RECOMMENDED = "taylor"
 RECOMMENDED_DWC_KERNEL = 3
+RECOMMENDED_OUTPUT_GATE = False
 
 PRESETS = {
     "coco": dict(backbone="resnet50", hidden_dim=256, enc_layers=6, dec_layers=6, dim_feedforward=2048, nheads=8,
                  num_queries=100, epochs=300, lr_drop=200, lr=1e-4, lr_backbone=1e-5, batch_size=2,
                  scales=list(range(480, 801, 32)), max_size=1333, crop_sizes=[400, 500, 600], crop_min=384,
                  crop_max=600, val_size=800, dropout=0.1, crop=True, attention="softmax", dwc_kernel=0,
-                 pretrain_backbone=0, num_workers=2),
+                 output_gate=False, pretrain_backbone=0, num_workers=2),
     "synthetic": dict(backbone="small", hidden_dim=64, enc_layers=2, dec_layers=2, dim_feedforward=128, nheads=4,
                       num_queries=12, epochs=12, lr_drop=9, lr=5e-4, lr_backbone=5e-5, batch_size=8,
                       scales=[96, 112, 128, 144, 160], max_size=192, crop_sizes=[96, 112, 128], crop_min=64,
                       crop_max=128, val_size=128, dropout=0.0, crop=False, attention=RECOMMENDED,
-                      dwc_kernel=RECOMMENDED_DWC_KERNEL, pretrain_backbone=1000, num_workers=0),
+                      dwc_kernel=RECOMMENDED_DWC_KERNEL, output_gate=RECOMMENDED_OUTPUT_GATE, pretrain_backbone=1000,
+                      num_workers=0),
 }
 
 
@@ -98,6 +100,9 @@ def get_args_parser():
     a("--dwc-kernel", type=int, metavar="K",
       help=_Preset("add a K x K depthwise convolution of the values over the feature map to encoder self-attention "
                    "(FLatten's DWC / MLLA's LePE; odd K; 0 = none); with --attention given, 0 unless given too"))
+    a("--output-gate", action=argparse.BooleanOptionalAction,
+      help=_Preset("multiply each patched head's output by 2 sigmoid(q W + b), W and b zero at first (linear_mha's "
+                   "output_gate); with --attention given, off unless given too"))
     a("--calibrate-steps", type=int, default=0, metavar="N",
       help="with --pretrained (a softmax DETR) and a learnable --attention such as hedgehog: first fit the linear "
            "attention to the softmax attention it replaces, N steps on training images (linear_mha.calibrate)")
@@ -154,6 +159,8 @@ def resolve_preset(args):
     args.preset = "coco" if has_data else "synthetic"
     if args.attention is not None and args.dwc_kernel is None:
         args.dwc_kernel = 0  # the preset's kernel belongs to the preset's method
+    if args.attention is not None and args.output_gate is None:
+        args.output_gate = False  # and so does its gate
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)

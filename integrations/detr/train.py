@@ -50,7 +50,7 @@ from .transforms import feature_tokens, max_padded_hw
 # Options that change the model a checkpoint holds: --resume refuses a run that changes any of them.
 MODEL_ARGS = ("backbone", "dilation", "position_embedding", "enc_layers", "dec_layers", "dim_feedforward",
               "hidden_dim", "nheads", "num_queries", "pre_norm", "aux_loss", "num_classes", "attention", "attention_on",
-              "proj_k", "param_sharing", "feature_map", "attention_option", "dwc_kernel")
+              "proj_k", "param_sharing", "feature_map", "attention_option", "dwc_kernel", "output_gate")
 
 
 def check_categories(datasets, num_classes):
