@@ -16,8 +16,8 @@ runs can go in parallel processes (after the backbone is pretrained) and a last 
 tables. The backbone is pretrained once, on the first seed's training images, and shared by every run.
 
 Outputs: <out>/results.json (every run, and the summary), <out>/ap_curves.png (mean val AP per epoch, one band of
-+-1 std over seeds per variant), and with --records a list of {"variant", "seed", "AP", "AP50", "AP75",
-"sec_per_iter", "peak_mib"} records with the machine, torch version and command. sec_per_iter comes from
++-1 std over seeds per variant), and with --records a list of {"variant", "seed", "AP", "AP50", "AP75", "APs",
+"APm", "APl", "sec_per_iter", "peak_mib"} records (APl is -1 where the set has no large objects) with the machine, torch version and command. sec_per_iter comes from
 --timing-iters iterations of each variant run alone after training (the training runs may share the machine).
 Peak memory is CUDA's max_memory_allocated, or on CPU the peak extra RSS of a 2-iteration run of the variant in a
 fresh process (tools/measure.py).
@@ -183,7 +183,8 @@ def train_run(a, name, seed, device, weights):
         peak_file.write_text(json.dumps({"peak_MiB": peak}))
     last = log[-1]
     return {"variant": name, "seed": seed, "AP": last["test_AP"], "AP50": last["test_AP50"],
-            "AP75": last["test_AP75"], "train_s_per_epoch": sum(e["epoch_train_seconds"] for e in log) / len(log),
+            "AP75": last["test_AP75"], **{k: last.get(f"test_{k}") for k in ("APs", "APm", "APl")},
+            "train_s_per_epoch": sum(e["epoch_train_seconds"] for e in log) / len(log),
             "peak_mib": peak, "log": [e["test_AP"] for e in log]}
 
 
@@ -216,8 +217,8 @@ def summarize(rows):
     for name in dict.fromkeys(r["variant"] for r in rows):
         of = [r for r in rows if r["variant"] == name]
         entry = {"variant": name, "seeds": [r["seed"] for r in of]}
-        for key in ("AP", "AP50", "AP75", "sec_per_iter", "peak_mib"):
-            values = [r[key] for r in of if key in r]
+        for key in ("AP", "AP50", "AP75", "APs", "APm", "APl", "sec_per_iter", "peak_mib"):
+            values = [r[key] for r in of if r.get(key) is not None]
             if values:
                 entry[key] = statistics.mean(values)
                 entry[f"{key}_std"] = statistics.stdev(values) if len(values) > 1 else 0.0
@@ -275,7 +276,8 @@ def plot_curves(rows, path):
 
 
 def write_records(a, rows, path, argv):
-    records = [{key: r.get(key) for key in ("variant", "seed", "AP", "AP50", "AP75", "sec_per_iter", "peak_mib")}
+    records = [{key: r.get(key) for key in ("variant", "seed", "AP", "AP50", "AP75", "APs", "APm", "APl",
+                                            "sec_per_iter", "peak_mib")}
                for r in rows]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -333,7 +335,7 @@ def main(argv=None):
         rows = training_table(a, device)
         result["training"], result["summary"] = rows, summarize(rows)
         _print(result["summary"], ["variant", "seeds", "AP", "AP_std", "AP50", "AP50_std", "AP75", "AP75_std",
-                                   "AP_vs_softmax", "sec_per_iter", "peak_mib"])
+                                   "APs", "APm", "AP_vs_softmax", "sec_per_iter", "peak_mib"])
         plot_curves(rows, out / "ap_curves.png")
         if a.records:
             write_records(a, rows, a.records, argv)
