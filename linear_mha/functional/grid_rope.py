@@ -4,8 +4,8 @@ are rotated by their grid position in the numerator only,
     out_i = sum_j (R_i phi(q_i)) . (R_j phi(k_j)) alpha_j v_j  /  sum_j phi(q_i) . phi(k_j) alpha_j,
 
 so the weights depend on relative position (R_i^T R_j = R_{j - i}) while the normaliser stays the positive kernel's.
-The last 4·floor(F/4) features are rotated in pairs, the first half of the pairs by the row y and the second by the
-column x, at frequencies base^(-m / P) for P pairs per axis (taylor's constant feature comes first and stays as it
+The last R = 4·floor(F/4) features are rotated in R/2 pairs (feature F - R + m with F - R/2 + m), the first half of
+the pairs by the row y and the second by the column x, at frequencies base^(-m / P) for P pairs per axis (taylor's constant feature comes first and stays as it
 is); prefix tokens (a class token) sit at no position and are not rotated. alpha: optional key weights
 (``key_reweight``), 1 without. Non-causal: an image's grid has no order. O(N F d).
 """
@@ -30,16 +30,24 @@ def grid_angles(height: int, width: int, prefix: int, pairs_per_axis: int, base:
     return torch.cat([angles.new_zeros(prefix, angles.shape[1]), angles])
 
 
-def rotate(features: Tensor, angles: Tensor) -> Tensor:
-    """features (B, H, N, F) with their last 2 * angles.shape[-1] features rotated in adjacent pairs by angles (N, P)."""
-    rotated = 2 * angles.shape[-1]
+def rotation_tables(angles: Tensor) -> Tuple[Tensor, Tensor]:
+    """(cos, sin), each (N, 2 P) for angles (N, P): the factors of ``rotate``'s two halves."""
+    return torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+
+
+def rotate(features: Tensor, angles: Tensor, tables: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
+    """features (B, H, N, F) with their last R = 2 * angles.shape[-1] features rotated by angles (N, R / 2): feature
+    F - R + m pairs with feature F - R / 2 + m at angle m ("rotate half", one negation and one concatenation instead
+    of a gather per pair: the rotation's own cost is what an image-sized call pays). ``tables``: from
+    ``rotation_tables(angles)``, made once for several calls."""
+    cos, sin = tables if tables is not None else rotation_tables(angles)
+    rotated = cos.shape[-1]
     if rotated == 0:
         return features
-    kept, pairs = features[..., :-rotated], features[..., -rotated:].unflatten(-1, (-1, 2))
-    cos, sin = angles.cos().to(features.dtype), angles.sin().to(features.dtype)
-    a, b = pairs[..., 0], pairs[..., 1]
-    turned = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
-    return torch.cat([kept, turned], dim=-1)
+    kept, turned = features[..., :-rotated], features[..., -rotated:]
+    first, second = turned[..., :rotated // 2], turned[..., rotated // 2:]
+    turned = turned * cos.to(features.dtype) + torch.cat([-second, first], -1) * sin.to(features.dtype)
+    return torch.cat([kept, turned], -1) if kept.shape[-1] else turned
 
 
 @outside_autocast
@@ -68,8 +76,9 @@ def grid_rope_kernel(
     if key_weights is not None:
         phi_k = phi_k * key_weights[..., None].to(dtype)
     angles = grid_angles(height, width, prefix, phi_q.shape[-1] // 4, device=q.device, dtype=dtype)
+    tables = rotation_tables(angles)
     v = mask_keys(v, key_padding_mask)
-    numerator = rotate(phi_q, angles) @ (rotate(phi_k, angles).transpose(-1, -2) @ v)   # (B, H, N, Dv)
+    numerator = rotate(phi_q, angles, tables) @ (rotate(phi_k, angles, tables).transpose(-1, -2) @ v)  # (B, H, N, Dv)
     normaliser = phi_q @ phi_k.sum(2, keepdim=True).transpose(-1, -2)                  # (B, H, N, 1)
     # A query whose normaliser is 0 sees no key with a non-zero feature: the rotated numerator, which the positive
     # normaliser does not bound, could still be non-zero there; such a query gets 0 as in every kernel method.

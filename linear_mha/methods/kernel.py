@@ -143,11 +143,11 @@ class FeatureMapMethod(AttentionMethod):
         rotations = torch.eye(features, dtype=q.dtype).repeat(k.shape[-2], 1, 1)  # (N, F, F)
         for n in range(grid.prefix, k.shape[-2]):
             y, x = divmod(n - grid.prefix, grid.width)
-            for pair in range(2 * pairs):
+            for pair in range(2 * pairs):  # feature i pairs with feature i + 2 * pairs
                 angle = (y if pair < pairs else x) * 10000.0 ** (-(pair % pairs) / pairs)
-                i = features - 4 * pairs + 2 * pair
+                i, j = features - 4 * pairs + pair, features - 2 * pairs + pair
                 c, s = math.cos(angle), math.sin(angle)
-                rotations[n, i:i + 2, i:i + 2] = torch.tensor([[c, -s], [s, c]], dtype=q.dtype)
+                rotations[n, i, i], rotations[n, i, j], rotations[n, j, i], rotations[n, j, j] = c, -s, s, c
         turned_q = (rotations @ phi_q[..., None])[..., 0]
         turned_k = (rotations @ phi_k[..., None])[..., 0]
         weights = torch.ones_like(seen[..., :1, :], dtype=q.dtype)
