@@ -12,14 +12,16 @@ from linear_mha.functional.grid_rope import grid_angles, rotate
 E, H = 16, 2
 
 
-def rope_module(**options):
+def rope_module(mode="taylor", **options):
     torch.manual_seed(0)
-    return LinearMultiheadAttention(E, H, mode="taylor", rope=True, batch_first=True, **options).double()
+    return LinearMultiheadAttention(E, H, mode=mode, rope=True, batch_first=True, **options).double()
 
 
-@pytest.mark.parametrize("options", [{}, {"key_reweight": True}, {"dwc_kernel": 3, "output_gate": True}])
-def test_a_padded_image_attends_as_the_unpadded_one_and_padding_gets_no_gradient(options):
-    m = rope_module(**options)
+@pytest.mark.parametrize("mode, options", [("taylor", {}), ("taylor", {"key_reweight": True}),
+                                           ("taylor", {"dwc_kernel": 3, "output_gate": True}), ("mala", {}),
+                                           ("inline", {"dwc_kernel": 3})])
+def test_a_padded_image_attends_as_the_unpadded_one_and_padding_gets_no_gradient(mode, options):
+    m = rope_module(mode, **options)
     g = torch.Generator().manual_seed(3)
     valid = torch.randn(1, 3, 3, E, generator=g, dtype=torch.float64)
     small, _ = m(valid.view(1, 9, E), valid.view(1, 9, E), valid.view(1, 9, E), token_grid=TokenGrid(3, 3))

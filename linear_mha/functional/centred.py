@@ -26,6 +26,7 @@ from torch import Tensor
 from ._common import (append_ones, check_qkv, compute_dtype, drop_keys, mask_keys, outside_autocast,
                       safe_normaliser)
 from .feature_maps import FeatureMap, apply_feature_map
+from .grid_rope import grid_angles, rotate, rotation_tables
 from .kernel import CHUNK_SIZE, causal_linear_product
 
 FORMS = ("inline", "magnitude")
@@ -53,6 +54,7 @@ def centred_kernel(
     dropout_p: float = 0.0,
     extra_keys: Optional[Tuple[Tensor, Tensor]] = None,
     chunk_size: Optional[int] = None,
+    grid: Optional[Tuple[int, int, int]] = None,
 ) -> Tensor:
     """q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv) -> (B, H, L, Dv), in q's dtype.
 
@@ -62,6 +64,8 @@ def centred_kernel(
     dropout_p: key dropout on the values (``_common.drop_keys``).
     extra_keys: (k (B, H, n, D), v (B, H, n, Dv)) of keys every query sees, never masked (add_bias_kv /
     add_zero_attn); with ``causal`` they come before the first position. chunk_size: of the causal product.
+    grid: (height, width, prefix) of a self-attention call over an image's tokens: A_i's similarities get the 2-D
+    rotary position of ``grid_rope`` (numerator only, as MALA's layer does); S_i, N_i and v̄_i stay as they are.
     """
     check_qkv(q, k, v, key_padding_mask)
     if form not in FORMS:
@@ -73,6 +77,11 @@ def centred_kernel(
                          "it a non-negative feature_map such as 'elu' (MALA's), not 'identity'")
     if causal and q.shape[-2] != k.shape[-2]:
         raise ValueError(f"causal attention needs as many queries as keys, got L={q.shape[-2]}, S={k.shape[-2]}")
+    if grid is not None and (causal or extra_keys is not None or q.shape[-2] != k.shape[-2]
+                             or k.shape[-2] != grid[2] + grid[0] * grid[1]):
+        raise ValueError(f"grid (rotary position) needs non-causal self-attention over the grid's "
+                         f"{grid[2] + grid[0] * grid[1]} tokens and no extra keys; got L={q.shape[-2]}, "
+                         f"S={k.shape[-2]}, causal={causal}, extra keys: {extra_keys is not None}")
     out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
     q, k, v = q.to(dtype), k.to(dtype), drop_keys(v.to(dtype), dropout_p)
     phi_q, phi_k = apply_feature_map(resolve_map(feature_map), q, k, key_padding_mask=key_padding_mask,
@@ -89,6 +98,12 @@ def centred_kernel(
         sums = v1.cumsum(2)                                  # (B, H, N, Dv + 1): [sum_{j<=i} v_j, N_i]
         if extra_keys is not None:
             sums = sums + extra_v1.sum(2, keepdim=True)
+    elif grid is not None:  # A_i from rotated features, S_i from the plain ones
+        angles = grid_angles(*grid, phi_q.shape[-1] // 4, device=q.device, dtype=dtype)
+        tables = rotation_tables(angles)
+        a = rotate(phi_q, angles, tables) @ (rotate(phi_k, angles, tables).transpose(-1, -2) @ v1[..., :-1])
+        num_den = torch.cat([a, phi_q @ phi_k.sum(2, keepdim=True).transpose(-1, -2)], -1)
+        sums = v1.sum(2, keepdim=True)
     else:
         num_den = phi_q @ (phi_k.transpose(-1, -2) @ v1)     # (B, H, L, Dv + 1)
         sums = v1.sum(2, keepdim=True)                       # (B, H, 1, Dv + 1)

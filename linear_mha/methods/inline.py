@@ -8,7 +8,7 @@ from .. import naive
 from ..functional.centred import centred_kernel, resolve_map
 from ..functional.feature_maps import elementwise_feature_map, resolve_feature_map
 from ..registry import AttentionMethod, Option, register_method
-from .kernel import CHUNK_OPTION, feature_attention_flops
+from .kernel import CHUNK_OPTION, ROPE_OPTION, feature_attention_flops
 
 
 def _centred_map(value, name):
@@ -27,13 +27,24 @@ class CentredKernelMethod(AttentionMethod):
     causal = True
     extra_keys = True
 
-    def attend(self, q, k, v, state, *, key_padding_mask=None, causal=False, dropout_p=0.0, extra_keys=None):
+    def __init__(self, **options):
+        super().__init__(**options)
+        if self.rope:  # the grid's rotary position: an image's tokens, no order
+            self.causal, self.needs_grid = False, True
+
+    def attend(self, q, k, v, state, *, key_padding_mask=None, causal=False, dropout_p=0.0, extra_keys=None,
+               token_grid=None):
+        grid = (token_grid.height, token_grid.width, token_grid.prefix) if self.rope else None
+        if grid is not None and extra_keys is not None:
+            raise ValueError("rope places every key on the token grid; the extra keys of add_bias_kv / add_zero_attn "
+                             "have no place there: build the module without them or without rope")
         return centred_kernel(q, k, v, self.feature_map, form=self.form, causal=causal,
                               key_padding_mask=key_padding_mask, dropout_p=dropout_p, extra_keys=extra_keys,
-                              chunk_size=self.chunk_size)
+                              chunk_size=self.chunk_size, grid=grid)
 
     def describe(self):
-        return f"mode={self.name!r}, feature_map={getattr(self.feature_map, '__name__', self.feature_map)!r}"
+        return (f"mode={self.name!r}, feature_map={getattr(self.feature_map, '__name__', self.feature_map)!r}"
+                + (", rope=True" if self.rope else ""))
 
     # ------------------------------------------------------------------ facts
     def reference_weights(self, q, k, state, *, key_padding_mask=None, causal=False, token_grid=None):
@@ -41,7 +52,9 @@ class CentredKernelMethod(AttentionMethod):
         seen = naive.visible(q.shape[-2], k.shape[-2], key_padding_mask, causal, q.device)
         sim = (phi(q) @ phi(k).transpose(-1, -2)).masked_fill(~seen, 0.0)
         count = seen.sum(-1, keepdim=True).to(q.dtype)
-        row = sim.sum(-1, keepdim=True)  # S_i
+        row = sim.sum(-1, keepdim=True)  # S_i, of the plain similarities
+        if self.rope:  # the weights' similarities are the rotated ones
+            sim = naive.rotated_similarity(phi(q), phi(k), token_grid).masked_fill(~seen, 0.0)
         safe_count = count.clamp(min=1)
         if self.form == "inline":
             weights = 1 / safe_count + (sim - row / safe_count) / safe_count
@@ -68,7 +81,8 @@ class InLine(CentredKernelMethod):
         "feature_map": Option("identity", _centred_map, "'identity' (q.k/sqrt(d), signed), 'elu', 'relu', 'taylor', "
                                                         "'taylor2' or a callable psi(x) -> features"),
         "chunk_size": CHUNK_OPTION,
+        "rope": ROPE_OPTION,
     }
-    variants = {"taylor": {"feature_map": "taylor"}}
+    variants = {"taylor": {"feature_map": "taylor"}, "rope": {"rope": True}}
     cost = "O(N·d²)"
     summary = "InLine: similarities normalised by subtraction (1/N + (s - mean s)/N), injective; causal in chunks"

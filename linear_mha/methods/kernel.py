@@ -1,7 +1,6 @@
 """mode='kernel' (Katharopoulos et al., 2020; Performer's FAVOR+): phi(q) (phi(k)ᵀ v) / phi(q) sum phi(k), O(N·F·d),
 with a chunked causal form whose memory is O(N·d). ``FeatureMapMethod`` is what every method of this family shares
 (taylor, focused, hedgehog, a user's own map): a method of it only says what its feature map is."""
-import math
 from typing import Optional
 
 import torch
@@ -139,23 +138,12 @@ class FeatureMapMethod(AttentionMethod):
         fn = self.kernel_map(state)
         fn = fn if callable(fn) else elementwise_feature_map(fn)
         phi_q, phi_k = fn(q), fn(k).masked_fill(~seen[..., :1, :].transpose(-1, -2), 0.0)
-        features, pairs = phi_q.shape[-1], phi_q.shape[-1] // 4
-        rotations = torch.eye(features, dtype=q.dtype).repeat(k.shape[-2], 1, 1)  # (N, F, F)
-        for n in range(grid.prefix, k.shape[-2]):
-            y, x = divmod(n - grid.prefix, grid.width)
-            for pair in range(2 * pairs):  # feature i pairs with feature i + 2 * pairs
-                angle = (y if pair < pairs else x) * 10000.0 ** (-(pair % pairs) / pairs)
-                i, j = features - 4 * pairs + pair, features - 2 * pairs + pair
-                c, s = math.cos(angle), math.sin(angle)
-                rotations[n, i, i], rotations[n, i, j], rotations[n, j, i], rotations[n, j, j] = c, -s, s, c
-        turned_q = (rotations @ phi_q[..., None])[..., 0]
-        turned_k = (rotations @ phi_k[..., None])[..., 0]
         weights = torch.ones_like(seen[..., :1, :], dtype=q.dtype)
         if getattr(self, "key_reweight", False):
             valid = seen[..., :1, :].transpose(-1, -2)
             q_mean = (q * valid).sum(-2, keepdim=True) / valid.sum(-2, keepdim=True).clamp(min=1)
             weights = naive.softmax_weights(naive.scaled_scores(q_mean, k), seen[..., :1, :])
-        numerator = (turned_q @ turned_k.transpose(-1, -2)) * weights * seen
+        numerator = naive.rotated_similarity(phi_q, phi_k, grid) * weights * seen
         normaliser = ((phi_q @ phi_k.transpose(-1, -2)) * weights * seen).sum(-1, keepdim=True)
         return numerator / torch.where(normaliser == 0, torch.ones_like(normaliser), normaliser)
 

@@ -5,7 +5,7 @@ MALA. O(N·d²); causal in chunks."""
 from ..functional.feature_maps import resolve_feature_map
 from ..registry import Option, register_method
 from .inline import CentredKernelMethod
-from .kernel import CHUNK_OPTION
+from .kernel import CHUNK_OPTION, ROPE_OPTION
 
 
 def _positive_map(value, name):
@@ -23,6 +23,8 @@ class MALA(CentredKernelMethod):
         "feature_map": Option("elu", _positive_map, "'elu' (elu+1, MALA's), 'relu', 'taylor', 'taylor2' or a "
                                                     "callable psi(x) -> non-negative features"),
         "chunk_size": CHUNK_OPTION,
+        "rope": ROPE_OPTION,
     }
+    variants = {"rope": {"rope": True}}
     cost = "O(N·d²)"
     summary = "magnitude-aware: (1 + 1/S) s - S/N, sharper as |phi(q)| grows (MALA); causal in chunks"
