@@ -26,7 +26,7 @@ from torch import Tensor
 from ._common import (append_ones, check_qkv, compute_dtype, drop_keys, mask_keys, outside_autocast,
                       safe_normaliser)
 from .feature_maps import FeatureMap, apply_feature_map
-from .grid_rope import grid_angles, rotate, rotation_tables
+from .grid_rope import rotated_product
 from .kernel import CHUNK_SIZE, causal_linear_product
 
 FORMS = ("inline", "magnitude")
@@ -99,9 +99,7 @@ def centred_kernel(
         if extra_keys is not None:
             sums = sums + extra_v1.sum(2, keepdim=True)
     elif grid is not None:  # A_i from rotated features, S_i from the plain ones
-        angles = grid_angles(*grid, phi_q.shape[-1] // 4, device=q.device, dtype=dtype)
-        tables = rotation_tables(angles)
-        a = rotate(phi_q, angles, tables) @ (rotate(phi_k, angles, tables).transpose(-1, -2) @ v1[..., :-1])
+        a = rotated_product(phi_q, phi_k, v1[..., :-1], grid)
         num_den = torch.cat([a, phi_q @ phi_k.sum(2, keepdim=True).transpose(-1, -2)], -1)
         sums = v1.sum(2, keepdim=True)
     else:

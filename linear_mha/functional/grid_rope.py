@@ -50,6 +50,14 @@ def rotate(features: Tensor, angles: Tensor, tables: Optional[Tuple[Tensor, Tens
     return torch.cat([kept, turned], -1) if kept.shape[-1] else turned
 
 
+def rotated_product(phi_q: Tensor, phi_k: Tensor, v: Tensor, grid: Tuple[int, int, int]) -> Tensor:
+    """(R_i phi_q_i) . sum_j (R_j phi_k_j) v_j for every query: phi_q, phi_k (B, H, N, F), v (B, H, N, Dv) ->
+    (B, H, N, Dv), the rotations by the positions of grid (height, width, prefix), in O(N F Dv)."""
+    angles = grid_angles(*grid, phi_q.shape[-1] // 4, device=phi_q.device, dtype=phi_q.dtype)
+    tables = rotation_tables(angles)
+    return rotate(phi_q, angles, tables) @ (rotate(phi_k, angles, tables).transpose(-1, -2) @ v)
+
+
 @outside_autocast
 def grid_rope_kernel(
     q: Tensor,
@@ -75,10 +83,7 @@ def grid_rope_kernel(
     phi_q, phi_k = apply_feature_map(feature_map, q, k, key_padding_mask=key_padding_mask, projection=projection)
     if key_weights is not None:
         phi_k = phi_k * key_weights[..., None].to(dtype)
-    angles = grid_angles(height, width, prefix, phi_q.shape[-1] // 4, device=q.device, dtype=dtype)
-    tables = rotation_tables(angles)
-    v = mask_keys(v, key_padding_mask)
-    numerator = rotate(phi_q, angles, tables) @ (rotate(phi_k, angles, tables).transpose(-1, -2) @ v)  # (B, H, N, Dv)
+    numerator = rotated_product(phi_q, phi_k, mask_keys(v, key_padding_mask), grid)  # (B, H, N, Dv)
     normaliser = phi_q @ phi_k.sum(2, keepdim=True).transpose(-1, -2)                  # (B, H, N, 1)
     # A query whose normaliser is 0 sees no key with a non-zero feature: the rotated numerator, which the positive
     # normaliser does not bound, could still be non-zero there; such a query gets 0 as in every kernel method.

@@ -124,25 +124,25 @@ class FeatureMapMethod(AttentionMethod):
 
     def reference_weights(self, q, k, state, *, key_padding_mask=None, causal=False, token_grid=None):
         seen = naive.visible(q.shape[-2], k.shape[-2], key_padding_mask, causal, q.device)
-        similarity = self.similarity(q, k, state)
         if getattr(self, "rope", False):
             return self._rope_reference(q, k, state, seen, token_grid)
-        if getattr(self, "key_reweight", False):  # alpha_j: softmax over the seen keys of the mean valid query's
-            valid = seen[..., :1, :].transpose(-1, -2)  # (B, 1, L, 1): self-attention, queries = keys
-            q_mean = (q * valid).sum(-2, keepdim=True) / valid.sum(-2, keepdim=True).clamp(min=1)
-            similarity = similarity * naive.softmax_weights(naive.scaled_scores(q_mean, k), seen[..., :1, :])
-        return naive.normalised(similarity, seen)
+        return naive.normalised(self.similarity(q, k, state) * self._reference_key_weights(q, k, seen), seen)
+
+    def _reference_key_weights(self, q, k, seen):
+        """alpha_j, (B, H, 1, L): with key_reweight the softmax over the seen keys of the mean valid query's scores
+        (self-attention, so the valid queries are the valid keys), else ones."""
+        if not getattr(self, "key_reweight", False):
+            return torch.ones_like(seen[..., :1, :], dtype=q.dtype)
+        valid = seen[..., :1, :].transpose(-1, -2)  # (B, 1, L, 1)
+        q_mean = (q * valid).sum(-2, keepdim=True) / valid.sum(-2, keepdim=True).clamp(min=1)
+        return naive.softmax_weights(naive.scaled_scores(q_mean, k), seen[..., :1, :])
 
     def _rope_reference(self, q, k, state, seen, grid):
         """Explicit rotation matrices per position: (R_i phi(q_i)) . (R_j phi(k_j)) alpha_j / sum_j phi.phi alpha_j."""
         fn = self.kernel_map(state)
         fn = fn if callable(fn) else elementwise_feature_map(fn)
         phi_q, phi_k = fn(q), fn(k).masked_fill(~seen[..., :1, :].transpose(-1, -2), 0.0)
-        weights = torch.ones_like(seen[..., :1, :], dtype=q.dtype)
-        if getattr(self, "key_reweight", False):
-            valid = seen[..., :1, :].transpose(-1, -2)
-            q_mean = (q * valid).sum(-2, keepdim=True) / valid.sum(-2, keepdim=True).clamp(min=1)
-            weights = naive.softmax_weights(naive.scaled_scores(q_mean, k), seen[..., :1, :])
+        weights = self._reference_key_weights(q, k, seen)
         numerator = naive.rotated_similarity(phi_q, phi_k, grid) * weights * seen
         normaliser = ((phi_q @ phi_k.transpose(-1, -2)) * weights * seen).sum(-1, keepdim=True)
         return numerator / torch.where(normaliser == 0, torch.ones_like(normaliser), normaliser)
