@@ -26,18 +26,26 @@ def test_softmax_leaves_multihead_attention_untouched_and_targets_parse():
         parse_targets("encoder,memory")
 
 
-def test_the_synthetic_default_is_taylor_with_its_local_term_and_an_explicit_method_comes_plain():
-    """The default run is the most accurate Linear-DETR of docs/detr.md; the kernel belongs to the default method,
-    so `--attention efficient` means plain Efficient Attention, as the measured variants did."""
+def test_the_synthetic_default_is_taylor_with_its_local_term_and_rope_and_an_explicit_method_comes_plain():
+    """The default run is the most accurate Linear-DETR of docs/detr.md; the kernel and the options belong to the
+    default method, so `--attention efficient` means plain Efficient Attention, as the measured variants did."""
     default = parse_args([])
-    assert (default.attention, default.dwc_kernel) == ("taylor", 3)
+    assert (default.attention, default.dwc_kernel, default.attention_option) == ("taylor", 3, ["rope=True"])
     report = apply_attention(build_model(parse_args(ARGS))[0], default, max_tokens=20)
     assert report[0]["mode"] == "taylor" and report[0]["options"]["dwc_kernel"] == 3
-    assert parse_args(["--attention", "efficient"]).dwc_kernel == 0
+    assert report[0]["options"]["rope"] is True
+    explicit = parse_args(["--attention", "efficient"])
+    assert (explicit.dwc_kernel, explicit.attention_option) == (0, [])
     assert parse_args(["--attention", "efficient", "--dwc-kernel", "5"]).dwc_kernel == 5
+    assert parse_args(["--attention", "taylor", "--attention-option", "rope=True"]).attention_option == ["rope=True"]
     assert parse_args(["--dwc-kernel", "5"]).attention == "taylor"
+    # options given without --attention refine the preset's method, and a later value wins
+    refined = parse_args(["--attention-option", "rope=False"])
+    assert refined.attention == "taylor" and refined.attention_option == ["rope=True", "rope=False"]
+    report = apply_attention(build_model(parse_args(ARGS))[0], refined, max_tokens=20)
+    assert report[0]["options"]["rope"] is False
     coco = parse_args(["--coco-path", "/data/coco"])
-    assert (coco.attention, coco.dwc_kernel) == ("softmax", 0)  # the official DETR-R50 recipe
+    assert (coco.attention, coco.dwc_kernel, coco.attention_option) == ("softmax", 0, [])  # the official recipe
 
 
 def test_the_output_gate_flag_pairs_with_the_method_and_reaches_every_patched_module():

@@ -37,7 +37,7 @@ from integrations.console import HelpFormatter
 from integrations.detr.attention import apply_attention
 from integrations.detr.backbone import backbone_stride
 from integrations.detr.detr import build_model
-from integrations.detr.config import RECOMMENDED, RECOMMENDED_DWC_KERNEL, parse_args
+from integrations.detr.config import RECOMMENDED, RECOMMENDED_DWC_KERNEL, RECOMMENDED_OPTIONS, parse_args
 from integrations.detr.plots import read_log
 from integrations.detr.pretrain import main as pretrain_main
 from integrations.detr.train import main as train_main
@@ -47,7 +47,8 @@ from linear_mha import TokenGrid, method_class
 from . import measure
 
 VARIANTS = {"linformer-shared": ["--attention", "linformer", "--param-sharing", "layerwise", "--proj-k", "64"]}
-DEFAULT_VARIANTS = ["softmax", f"{RECOMMENDED}-dwc{RECOMMENDED_DWC_KERNEL}"]  # DETR and the default Linear-DETR
+# DETR and the trainer's default Linear-DETR, spelled as variant names
+DEFAULT_VARIANTS = ["softmax", f"{RECOMMENDED}-dwc{RECOMMENDED_DWC_KERNEL}:{','.join(RECOMMENDED_OPTIONS)}"]
 
 
 def variant_args(name: str) -> list:

@@ -11,11 +11,13 @@ from linear_mha import available_methods
 
 from ..console import HelpFormatter
 
-# The synthetic preset's linear attention and its local term: the most accurate Linear-DETR of docs/detr.md's
-# comparison (97% of softmax's AP over 3 seeds at 16 and at 20 epochs; efficient, plain taylor and focused kept 93%).
-# A pair: an explicit --attention without --dwc-kernel gets no local term, so `--attention efficient` stays plain.
+# The synthetic preset's linear attention, its local term and its options: the most accurate Linear-DETR of
+# docs/detr.md (taylor + DWC 3x3 + 2-D RoPE: 127% of softmax's AP over 3 seeds at 16 epochs, where taylor + DWC alone
+# kept 97%). They go together: an explicit --attention without --dwc-kernel gets no local term and none of these
+# options, so `--attention efficient` stays plain; --attention-option without --attention adds to them.
 RECOMMENDED = "taylor"
 RECOMMENDED_DWC_KERNEL = 3
+RECOMMENDED_OPTIONS = ("rope=True",)
 RECOMMENDED_OUTPUT_GATE = False
 
 PRESETS = {
@@ -23,13 +25,13 @@ PRESETS = {
                  num_queries=100, epochs=300, lr_drop=200, lr=1e-4, lr_backbone=1e-5, batch_size=2,
                  scales=list(range(480, 801, 32)), max_size=1333, crop_sizes=[400, 500, 600], crop_min=384,
                  crop_max=600, val_size=800, dropout=0.1, crop=True, attention="softmax", dwc_kernel=0,
-                 output_gate=False, pretrain_backbone=0, num_workers=2),
+                 output_gate=False, attention_option=[], pretrain_backbone=0, num_workers=2),
     "synthetic": dict(backbone="small", hidden_dim=64, enc_layers=2, dec_layers=2, dim_feedforward=128, nheads=4,
                       num_queries=12, epochs=12, lr_drop=9, lr=5e-4, lr_backbone=5e-5, batch_size=8,
                       scales=[96, 112, 128, 144, 160], max_size=192, crop_sizes=[96, 112, 128], crop_min=64,
                       crop_max=128, val_size=128, dropout=0.0, crop=False, attention=RECOMMENDED,
-                      dwc_kernel=RECOMMENDED_DWC_KERNEL, output_gate=RECOMMENDED_OUTPUT_GATE, pretrain_backbone=1000,
-                      num_workers=0),
+                      dwc_kernel=RECOMMENDED_DWC_KERNEL, output_gate=RECOMMENDED_OUTPUT_GATE,
+                      attention_option=list(RECOMMENDED_OPTIONS), pretrain_backbone=1000, num_workers=0),
 }
 
 
@@ -42,7 +44,7 @@ def _int_list(text):
 
 def _preset_help(dest, extra=""):
     """The help of an option a preset fills: both presets' values, so --help shows what a run will use."""
-    show = lambda v: ",".join(map(str, v)) if isinstance(v, list) else v  # noqa: E731
+    show = lambda v: (",".join(map(str, v)) or "none") if isinstance(v, list) else v  # noqa: E731
     values = f"default {show(PRESETS['synthetic'][dest])} (synthetic data) / {show(PRESETS['coco'][dest])} (COCO)"
     return f"{extra}; {values}" if extra else values
 
@@ -111,7 +113,8 @@ def get_args_parser():
       help="train against the --pretrained softmax DETR's predictions instead of the labels (query by query: class "
            "KL, box L1 and GIoU, weighted as DETR's loss): the fine-tune of a conversion, after --calibrate-steps")
     a("--attention-option", action="append", metavar="NAME=VALUE",
-      help="any option of the --attention method (repeatable; values are Python literals or strings)")
+      help=_Preset("any option of the --attention method (repeatable; values are Python literals or strings); "
+                   "without --attention, added to the preset's"))
     # matcher and loss
     a("--set-cost-class", type=float, default=1.0)
     a("--set-cost-bbox", type=float, default=5.0)
@@ -161,6 +164,11 @@ def resolve_preset(args):
         args.dwc_kernel = 0  # the preset's kernel belongs to the preset's method
     if args.attention is not None and args.output_gate is None:
         args.output_gate = False  # and so does its gate
+    if args.attention is not None and args.attention_option is None:
+        args.attention_option = []  # and so do its options
+    elif args.attention is None and args.attention_option is not None:
+        # given options refine the preset's method; a later NAME=VALUE wins, so `rope=False` turns the preset's off
+        args.attention_option = PRESETS[args.preset]["attention_option"] + args.attention_option
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
