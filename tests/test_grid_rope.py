@@ -7,7 +7,8 @@ import torch
 import linear_mha.functional as LF
 import linear_mha.functional.grid_rope  # noqa: F401
 from linear_mha import LinearMultiheadAttention, TokenGrid
-from linear_mha.functional.grid_rope import grid_angles, rotate
+from linear_mha.functional import backend, feature_maps
+from linear_mha.functional.grid_rope import grid_angles, rotate, rotated_product
 
 E, H = 16, 2
 
@@ -69,9 +70,76 @@ def test_what_rope_cannot_do_is_refused_by_name():
         LF.grid_rope.grid_rope_kernel(*torch.randn(3, 1, 1, 6, 4), "elu", (3, 3, 0))
 
 
-def test_a_query_whose_normaliser_vanishes_gets_zero_not_the_rotated_numerator():
-    # relu features: the query's only feature is 0 on every key's, but the rotation mixes it into a non-zero one
-    q = torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64).expand(1, 1, 4, 4)
-    k = torch.tensor([0.0, 1.0, 0.0, 0.0], dtype=torch.float64).expand(1, 1, 4, 4)
-    out = LF.grid_rope.grid_rope_kernel(q, k, torch.ones(1, 1, 4, 4, dtype=torch.float64), "relu", (2, 2, 0))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["pytorch", "compiled"])
+def test_a_query_whose_normaliser_vanishes_gets_zero_not_the_rotated_numerator(dtype):
+    # relu features: the query's only feature (0) is 0 on every key, whose only feature (2) is its rotation partner,
+    # so the rotated numerator sin(theta_i - theta_j) is not 0 while the normaliser is
+    q = torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=dtype).expand(1, 1, 4, 4).clone().requires_grad_()
+    k = torch.tensor([0.0, 0.0, 1.0, 0.0], dtype=dtype).expand(1, 1, 4, 4).clone().requires_grad_()
+    v = torch.ones(1, 1, 4, 4, dtype=dtype, requires_grad=True)
+    assert rotated_product(q, k, v, (2, 2, 0)).abs().max() > 0.1
+    expected = "composed" if dtype == torch.float64 else "native"
+    assert backend.rope_backend(q, k, v, "relu").backend == expected
+    out = LF.grid_rope.grid_rope_kernel(q, k, v, "relu", (2, 2, 0))
     assert out.abs().max() == 0
+    (out * torch.randn_like(out)).sum().backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+    assert q.grad.abs().max() == 0  # no query sees a key, so no gradient reaches the queries
+
+
+ROPE_MAPS = ["taylor", "elu", "taylor2", "relu", feature_maps.elu_feature_map]
+
+
+@pytest.mark.parametrize("feature_map", ROPE_MAPS, ids=lambda m: getattr(m, "__name__", m))
+@pytest.mark.parametrize("shape", [(2, 3, 3, 5, 1, 8, 5), (1, 2, 4, 4, 0, 16, 16), (1, 1, 24, 26, 2, 13, 7)],
+                         ids=["prefix", "square", "long_odd"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_compiled_path_matches_float64_outputs_and_gradients(feature_map, shape, masked):
+    """float32 CPU calls go to the compiled code (rotation inside the row loaders, the split state), checked
+    against the float64 PyTorch path; relu adds key weights, which the compiled code takes as features."""
+    b, h, height, width, prefix, d, dv = shape
+    n = prefix + height * width
+    g = torch.Generator().manual_seed(n + d)
+    q, k, v = (torch.randn(b, h, n, size, generator=g, dtype=torch.float64) for size in (d, d, dv))
+    weights = torch.rand(b, h, n, generator=g, dtype=torch.float64) if feature_map == "relu" else None
+    mask = torch.rand(b, n, generator=g) < 0.3 if masked else None
+    if masked:
+        k[mask[:, None, :, None].expand_as(k)] = float("nan")  # a masked key's values must reach nothing
+        v[mask[:, None, :, None].expand_as(v)] = float("nan")
+    grad_out = torch.randn(b, h, n, dv, generator=g, dtype=torch.float64)
+    results = []
+    for dtype in (torch.float64, torch.float32):
+        inputs = [t.to(dtype).clone().requires_grad_() for t in (q, k, v)]
+        w = None if weights is None else weights.to(dtype).clone().requires_grad_()
+        expected = "composed" if dtype == torch.float64 else ("native_features" if w is not None or callable(
+            feature_map) else "native")
+        assert backend.rope_backend(*inputs, feature_map, w).backend == expected
+        out = LF.grid_rope.grid_rope_kernel(*inputs, feature_map, (height, width, prefix), key_padding_mask=mask,
+                                            key_weights=w)
+        (out * grad_out.to(dtype)).sum().backward()
+        results.append([out] + [t.grad for t in inputs] + ([] if w is None else [w.grad]))
+    for name, ref, got in zip(["out", "q", "k", "v", "weights"], *results):
+        if mask is not None and name in ("k", "v", "weights"):
+            assert torch.all(got.transpose(1, 2)[mask] == 0), name  # masked keys get no gradient
+            ref = ref.transpose(1, 2).masked_fill(mask[..., None, None] if ref.dim() == 4 else mask[..., None], 0)
+            got = got.transpose(1, 2)
+        torch.testing.assert_close(got.double(), ref, rtol=2e-4, atol=2e-5, msg=name)
+
+
+def test_the_compiled_path_splits_work_among_threads_as_one_thread_does():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 600, 16, generator=g) for _ in range(3))  # one head: its rows split into parts
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            x = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = LF.grid_rope.grid_rope_kernel(*x, "taylor", (20, 30, 0))
+            out.square().sum().backward()
+            outs.append([out] + [t.grad for t in x])
+    finally:
+        torch.set_num_threads(threads)
+    for one, three in zip(*outs):
+        torch.testing.assert_close(one, three, rtol=1e-5, atol=1e-6)

@@ -141,6 +141,22 @@ def kernel_backend(q: Tensor, k: Tensor, v: Tensor, feature_map, *, causal: bool
     return Choice(BLOCKED, f"not native because {why_not_native}; inference, a block of positions at a time")
 
 
+def rope_backend(q: Tensor, k: Tensor, v: Tensor, feature_map, key_weights: Optional[Tensor] = None) -> Choice:
+    """The backend ``grid_rope.grid_rope_kernel`` runs: the compiled code rotates the features and runs the products
+    and the division (native: it makes the map too; native_features: PyTorch ops make the features), else PyTorch
+    ops."""
+    why_not_native = native.why_not(q, k, v, key_weights, dtype=compute_dtype(q.dtype))
+    if why_not_native is not None:
+        return Choice(COMPOSED, f"not native because {why_not_native}")
+    name = getattr(feature_map, "__name__", feature_map)
+    if key_weights is None and native.why_not_kernel(feature_map, q, dtype=compute_dtype(q.dtype)) is None:
+        return Choice(NATIVE, f"float32 CPU tensors and the {name!r} map: the map, the rotation, the products and "
+                              f"the division in the compiled code")
+    made_by = "key weights" if key_weights is not None else f"feature_map {name!r}"
+    return Choice(NATIVE_FEATURES, f"float32 CPU tensors: the features made by PyTorch ops ({made_by}), the "
+                                   f"rotation, the products and the division in the compiled code")
+
+
 def features_backend(phi_q: Tensor, phi_k: Tensor, v: Tensor, initial_state: Optional[Tensor] = None) -> Choice:
     """The backend ``functional.feature_attention`` runs for features made already (hedgehog's learned maps)."""
     if phi_q.dim() != 4 or phi_k.dim() != 4 or v.dim() != 4 or phi_q.shape[:2] != phi_k.shape[:2] \

@@ -14,6 +14,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from . import backend, native
 from ._common import check_qkv, compute_dtype, drop_keys, mask_keys, outside_autocast, safe_normaliser
 from .feature_maps import FeatureMap, apply_feature_map
 
@@ -78,14 +79,27 @@ def grid_rope_kernel(
     if q.shape[2] != k.shape[2] or k.shape[2] != prefix + height * width:
         raise ValueError(f"grid rope needs self-attention over the grid's {prefix + height * width} tokens "
                          f"({height} x {width} + {prefix} prefix); got {q.shape[2]} queries and {k.shape[2]} keys")
+    chosen = backend.rope_backend(q, k, v, feature_map, key_weights).backend
     out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
     q, k, v = q.to(dtype), k.to(dtype), drop_keys(v.to(dtype), dropout_p)
+    if chosen == backend.NATIVE:  # the compiled code makes the features from q and k
+        tables = _tables(grid, native.feature_count(feature_map, q.shape[-1]), q)
+        return native.kernel_attention(q, k, v, feature_map, key_padding_mask, rope_tables=tables).to(out_dtype)
     phi_q, phi_k = apply_feature_map(feature_map, q, k, key_padding_mask=key_padding_mask, projection=projection)
     if key_weights is not None:
         phi_k = phi_k * key_weights[..., None].to(dtype)
+    if chosen == backend.NATIVE_FEATURES:
+        tables = _tables(grid, phi_q.shape[-1], q)
+        return native.kernel_attention(phi_q, phi_k, v, None, key_padding_mask, rope_tables=tables).to(out_dtype)
     numerator = rotated_product(phi_q, phi_k, mask_keys(v, key_padding_mask), grid)  # (B, H, N, Dv)
     normaliser = phi_q @ phi_k.sum(2, keepdim=True).transpose(-1, -2)                  # (B, H, N, 1)
     # A query whose normaliser is 0 sees no key with a non-zero feature: the rotated numerator, which the positive
     # normaliser does not bound, could still be non-zero there; such a query gets 0 as in every kernel method.
     out = (numerator / safe_normaliser(normaliser)).masked_fill(normaliser == 0, 0.0)
     return out.to(out_dtype)
+
+
+def _tables(grid: Tuple[int, int, int], features: int, like: Tensor) -> Tuple[Tensor, Tensor]:
+    """The (cos, sin) tables of grid's positions for rows of ``features`` features, as the compiled code reads them."""
+    angles = grid_angles(*grid, features // 4, device=like.device, dtype=like.dtype)
+    return tuple(t.contiguous() for t in rotation_tables(angles))

@@ -16,7 +16,7 @@ import ctypes
 import os
 import threading
 import warnings
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -59,6 +59,8 @@ def _declare(library: ctypes.CDLL) -> None:
     library.lm_kernel_attention_backward_f32.argtypes = [p] * 12 + [i, i, l, l, i, i] + [l] * 9 + [i, i]
     library.lm_causal_kernel_attention_f32.argtypes = [p] * 7 + [i, i, l, i, i] + [l] * 9 + [i, i]
     library.lm_causal_kernel_attention_backward_f32.argtypes = [p] * 12 + [i, i, l, i, i] + [l] * 9 + [i, i]
+    library.lm_rope_kernel_attention_f32.argtypes = [p] * 7 + [i, i, l, i, i] + [l] * 9 + [i, i, p, p, i]
+    library.lm_rope_kernel_attention_backward_f32.argtypes = [p] * 11 + [i, i, l, i, i] + [l] * 9 + [i, i, p, p, i]
     library.lm_kernel_step_f32.argtypes = [p] * 6 + [i, i, i, i]
     library.lm_efficient_attention_f32.argtypes = [p] * 8 + [i, i, l, l, i, i] + [l] * 9 + [i]
     library.lm_efficient_attention_backward_f32.argtypes = [p] * 11 + [i, i, l, l, i, i] + [l] * 9 + [i]
@@ -71,6 +73,7 @@ def _declare(library: ctypes.CDLL) -> None:
     library.lm_hedgehog_map_tasks.argtypes = [i, i, l, i]
     for fn in (library.lm_kernel_attention_f32, library.lm_kernel_attention_backward_f32,
                library.lm_causal_kernel_attention_f32, library.lm_causal_kernel_attention_backward_f32,
+               library.lm_rope_kernel_attention_f32, library.lm_rope_kernel_attention_backward_f32,
                library.lm_kernel_step_f32, library.lm_efficient_attention_f32,
                library.lm_efficient_attention_backward_f32, library.lm_focused_map_f32,
                library.lm_focused_map_backward_f32, library.lm_focused_map_tasks, library.lm_hedgehog_map_f32,
@@ -165,17 +168,19 @@ def _check(status: int) -> None:
 
 def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_map: Optional[str],
                      key_padding_mask: Optional[Tensor] = None, initial_state: Optional[Tensor] = None,
-                     causal: bool = False) -> Tensor:
+                     causal: bool = False, rope_tables: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
     """Kernel attention, differentiable through the compiled backward. Shapes as ``kernel.kernel``: q (B, H, L, D),
     k (B, H, S, D), v (B, H, S, Dv), any strides with a contiguous last dimension (L == S when causal);
     key_padding_mask (B, S) bool, True = ignore; initial_state (B, H, D, Dv + 1). Returns a contiguous
     (B, H, L, Dv) tensor. ``feature_map`` None: q and k are features made already (phi(q), phi(k), D = their
-    count), and the gradients returned are those of the features. Callers check ``why_not`` and the shapes."""
+    count), and the gradients returned are those of the features. ``rope_tables``: (cos, sin), each (L, R)
+    contiguous float32 from ``grid_rope.rotation_tables``, for ``grid_rope_kernel``'s rotary position (non-causal
+    self-attention, L == S, no initial_state). Callers check ``why_not`` and the shapes."""
     mask = None if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
     init = None if initial_state is None else initial_state.contiguous()
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, init)):
-        return _KernelAttention.apply(q, k, v, init, mask, feature_map, causal)
-    return _forward(q, k, v, mask, init, feature_map, causal, keep=False)[0]
+        return _KernelAttention.apply(q, k, v, init, mask, feature_map, causal, rope_tables)
+    return _forward(q, k, v, mask, init, feature_map, causal, False, rope_tables)[0]
 
 
 def call(entry: str, *args) -> None:
@@ -207,26 +212,42 @@ def feature_count(feature_map: Optional[str], d: int) -> int:
     return d + 1 if feature_map == "taylor" else d
 
 
-def _sizes(q, k, v, causal, features=None):
-    """The size and stride arguments of the C entry points; ``features``: per position, if not q's last size."""
+def _sizes(q, k, v, one_length, features=None):
+    """The size and stride arguments of the C entry points; ``one_length``: L == S is passed once (causal, rope);
+    ``features``: per position, if not q's last size."""
     b, h, n_q, d = q.shape
-    lengths = (n_q,) if causal else (n_q, k.shape[2])
+    lengths = (n_q,) if one_length else (n_q, k.shape[2])
     return (b, h, *lengths, features or d, v.shape[-1], *q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
 
 
-def _forward(q, k, v, mask, init, feature_map, causal, keep):
+def _feature_rows(feature_map, d, rope):
+    """Features per position in the compiled code's rows: the map's, twice with rope ([R phi, phi])."""
+    return feature_count(feature_map, d) * (2 if rope is not None else 1)
+
+
+def _rope_arguments(rope):
+    cos, sin = rope
+    return cos.data_ptr(), sin.data_ptr(), cos.shape[-1]
+
+
+def _forward(q, k, v, mask, init, feature_map, causal, keep, rope=None):
     """(out, state, den): the state (B, H, D, Dv + 1, non-causal only) and the normalisers den (B, H, L) are
     returned for the backward when ``keep``, else None."""
     b, h, n_q, d = q.shape
-    dv, features = v.shape[-1], feature_count(feature_map, d)
+    dv, features = v.shape[-1], _feature_rows(feature_map, d, rope)
     out = q.new_empty(b, h, n_q, dv)
     den = q.new_empty(b, h, n_q) if keep else None
     state = q.new_empty(b, h, features, dv + 1) if keep and not causal else None
-    pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), pointer(mask), pointer(init), out.data_ptr())
-    tail = (*_sizes(q, k, v, causal, features), _map_code(feature_map), torch.get_num_threads())
-    if causal:
+    tail = (*_sizes(q, k, v, causal or rope is not None, features), _map_code(feature_map), torch.get_num_threads())
+    if rope is not None:
+        status = _lib().lm_rope_kernel_attention_f32(q.data_ptr(), k.data_ptr(), v.data_ptr(), pointer(mask),
+                                                     out.data_ptr(), pointer(state), pointer(den), *tail,
+                                                     *_rope_arguments(rope))
+    elif causal:
+        pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), pointer(mask), pointer(init), out.data_ptr())
         status = _lib().lm_causal_kernel_attention_f32(*pointers, pointer(den), *tail)
     else:
+        pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), pointer(mask), pointer(init), out.data_ptr())
         status = _lib().lm_kernel_attention_f32(*pointers, pointer(state), pointer(den), *tail)
     _check(status)
     return out, state, den
@@ -237,16 +258,16 @@ class _KernelAttention(torch.autograd.Function):
     and keeps only the output, the normalisers and, non-causal, the (B, H, D, Dv + 1) state."""
 
     @staticmethod
-    def forward(ctx, q, k, v, init, mask, feature_map, causal):
-        out, state, den = _forward(q, k, v, mask, init, feature_map, causal, keep=True)
-        ctx.save_for_backward(q, k, v, init, mask, out, state, den)
-        ctx.feature_map, ctx.causal = feature_map, causal
+    def forward(ctx, q, k, v, init, mask, feature_map, causal, rope):
+        out, state, den = _forward(q, k, v, mask, init, feature_map, causal, True, rope)
+        ctx.save_for_backward(q, k, v, init, mask, out, state, den, *(rope or ()))
+        ctx.feature_map, ctx.causal, ctx.rope = feature_map, causal, rope is not None
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, init, mask, out, state, den = ctx.saved_tensors
+        q, k, v, init, mask, out, state, den, *rope = ctx.saved_tensors
         need_q, need_k, need_v, need_init = ctx.needs_input_grad[:4]
         b, h, n_q, d = q.shape
         n_k, dv, features = k.shape[2], v.shape[-1], feature_count(ctx.feature_map, d)
@@ -255,6 +276,14 @@ class _KernelAttention(torch.autograd.Function):
                  q.new_empty(b, h, features, dv + 1) if need_init else None)
         grad_out = grad_out.contiguous()  # held in a name: a temporary's memory would be freed before the call
         pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), pointer(mask))
+        if ctx.rope:
+            sizes = _sizes(q, k, v, True, 2 * features)
+            status = _lib().lm_rope_kernel_attention_backward_f32(
+                *pointers, state.data_ptr(), den.data_ptr(), out.data_ptr(), grad_out.data_ptr(),
+                *map(pointer, grads[:3]), *sizes, _map_code(ctx.feature_map), torch.get_num_threads(),
+                *_rope_arguments(rope))
+            _check(status)
+            return (*grads, None, None, None, None)
         tail = (out.data_ptr(), grad_out.data_ptr(), *map(pointer, grads),
                 *_sizes(q, k, v, ctx.causal, features), _map_code(ctx.feature_map), torch.get_num_threads())
         if ctx.causal:
@@ -262,7 +291,7 @@ class _KernelAttention(torch.autograd.Function):
         else:
             status = _lib().lm_kernel_attention_backward_f32(*pointers, state.data_ptr(), den.data_ptr(), *tail)
         _check(status)
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, None)
 
 
 def efficient_attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tensor:

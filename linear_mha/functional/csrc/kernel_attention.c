@@ -17,6 +17,34 @@
  */
 #include "kernel_attention.h"
 
+static int noncausal_attention(const float *q, const float *k, const float *v, const uint8_t *mask, const float *init,
+                               float *out, float *state_out, float *den_out, int b, int h, long nq, long nk, int d,
+                               int dv, long qsb, long qsh, long qsn, long ksb, long ksh, long ksn, long vsb, long vsh,
+                               long vsn, int map, int threads, const struct rope_tables *rope) {
+    const int bh = b * h, nvec = (dv + 1 + W - 1) / W, dvp = nvec * W;
+    threads = threads_for(threads);
+    const long state_size = (long)d * dvp;
+    float *states = malloc(sizeof(float) * bh * state_size);
+    if (!states) return -1;
+    const struct key_rows keys = {k, v, mask, h, d, dv, dvp, map, nk, ksb, ksh, ksn, vsb, vsh, vsn, NULL, rope};
+    if (accumulate_states(bh, nk, d, dvp, threads, key_source, &keys, states) != 0) {
+        free(states);
+        return -1;
+    }
+    if (rope) split_state(states, bh, d, dvp, dv);
+    for (int g = 0; g < bh; g++)
+        for (int f = 0; f < d; f++) {
+            float *row = states + g * state_size + f * dvp;
+            if (init)
+                for (int c = 0; c <= dv; c++) row[c] += init[((long)g * d + f) * (dv + 1) + c];
+            if (state_out) memcpy(state_out + ((long)g * d + f) * (dv + 1), row, sizeof(float) * (dv + 1));
+        }
+    const struct query_outputs queries = {q, states, out, den_out, h, d, dv, dvp, nq, qsb, qsh, qsn, map, rope};
+    const int status = for_each_block(bh, nq, threads, (long)ROWS * (d + dvp), query_block, &queries);
+    free(states);
+    return status;
+}
+
 /* Non-causal attention. q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv); mask (B, S) bytes, nonzero = ignore,
  * or NULL; init (B, H, D, Dv + 1) contiguous state of extra keys, or NULL; out (B, H, L, Dv) contiguous.
  * For autograd, state_out (B, H, D, Dv + 1) receives the state and den_out (B, H, L) the normalisers (zeros
@@ -25,27 +53,20 @@ int lm_kernel_attention_f32(const float *q, const float *k, const float *v, cons
                             float *out, float *state_out, float *den_out, int b, int h, long nq, long nk, int d,
                             int dv, long qsb, long qsh, long qsn, long ksb, long ksh, long ksn, long vsb, long vsh,
                             long vsn, int map, int threads) {
-    const int bh = b * h, nvec = (dv + 1 + W - 1) / W, dvp = nvec * W;
-    threads = threads_for(threads);
-    const long state_size = (long)d * dvp;
-    float *states = malloc(sizeof(float) * bh * state_size);
-    if (!states) return -1;
-    const struct key_rows keys = {k, v, mask, h, d, dv, dvp, map, nk, ksb, ksh, ksn, vsb, vsh, vsn, NULL};
-    if (accumulate_states(bh, nk, d, dvp, threads, key_source, &keys, states) != 0) {
-        free(states);
-        return -1;
-    }
-    for (int g = 0; g < bh; g++)
-        for (int f = 0; f < d; f++) {
-            float *row = states + g * state_size + f * dvp;
-            if (init)
-                for (int c = 0; c <= dv; c++) row[c] += init[((long)g * d + f) * (dv + 1) + c];
-            if (state_out) memcpy(state_out + ((long)g * d + f) * (dv + 1), row, sizeof(float) * (dv + 1));
-        }
-    const struct query_outputs queries = {q, states, out, den_out, h, d, dv, dvp, nq, qsb, qsh, qsn, map};
-    const int status = for_each_block(bh, nq, threads, (long)ROWS * (d + dvp), query_block, &queries);
-    free(states);
-    return status;
+    return noncausal_attention(q, k, v, mask, init, out, state_out, den_out, b, h, nq, nk, d, dv, qsb, qsh, qsn, ksb,
+                               ksh, ksn, vsb, vsh, vsn, map, threads, NULL);
+}
+
+/* The same with 2-D rotary position (struct rope_tables in kernel_attention.h): self-attention over n = nq = nk
+ * positions, d = twice the map's feature count, cos and sin (n x rotated) contiguous; no extra keys. den_out
+ * keeps a normaliser of 0 (its query's output is 0). */
+int lm_rope_kernel_attention_f32(const float *q, const float *k, const float *v, const uint8_t *mask, float *out,
+                                 float *state_out, float *den_out, int b, int h, long n, int d, int dv, long qsb,
+                                 long qsh, long qsn, long ksb, long ksh, long ksn, long vsb, long vsh, long vsn,
+                                 int map, int threads, const float *cos, const float *sin, int rotated) {
+    const struct rope_tables rope = {cos, sin, rotated};
+    return noncausal_attention(q, k, v, mask, NULL, out, state_out, den_out, b, h, n, n, d, dv, qsb, qsh, qsn, ksb,
+                               ksh, ksn, vsb, vsh, vsn, map, threads, &rope);
 }
 
 /* One recurrent decoding step for B*H = bh heads: q, k (bh, D), v (bh, Dv), state and new_state (bh, D,

@@ -26,6 +26,76 @@ static inline void store_normalisers(const float *num_den, int rows, int dvp, in
 
 static inline int threads_for(int requested) { return requested > 0 ? requested : 1; }
 
+/* 2-D rotary position on the token grid inside non-causal kernel attention (functional/grid_rope.py): each row's
+ * f features phi become 2 f, [R_i phi, phi], R_i turning the last `rotated` features in pairs (feature
+ * f - rotated + m with f - rotated / 2 + m) by the angles of the row's position i, read from cos and sin
+ * (n x rotated, each angle twice, as grid_rope.rotation_tables makes them). The state's first f rows then feed
+ * only the numerator and its last f rows only the normaliser (split_state), so one GEMM per side gives
+ * num_i = (R_i phi_i) sum_j (R_j phi_j) v_j^T and den_i = phi_i . sum_j phi_j. A query whose normaliser is 0
+ * gets 0, as in grid_rope_kernel: the rotated numerator, which that normaliser does not bound, may not be 0. */
+struct rope_tables {
+    const float *cos, *sin;
+    int rotated;
+};
+
+static inline void rotate_row(float *dst, const float *src, int f, const struct rope_tables *rope, long pos) {
+    const int half = rope->rotated / 2, kept = f - rope->rotated;
+    const float *c = rope->cos + pos * rope->rotated, *s = rope->sin + pos * rope->rotated;
+    memcpy(dst, src, sizeof(float) * kept);
+    for (int m = 0; m < half; m++) {
+        const float a = src[kept + m], b = src[kept + half + m];
+        dst[kept + m] = a * c[m] - b * s[m];
+        dst[kept + half + m] = b * c[half + m] + a * s[half + m];
+    }
+}
+
+/* The features of a row, d of them: phi, or with rope [R_pos phi, phi] (d = 2 f). */
+static inline void row_features(float *dst, const float *src, int d, int map, const struct rope_tables *rope,
+                                long pos) {
+    if (!rope) {
+        features(dst, src, d, map);
+        return;
+    }
+    const int f = d / 2;
+    features(dst + f, src, f, map);
+    rotate_row(dst, dst + f, f, rope, pos);
+}
+
+/* The gradient of the input row src from g_phi, that of its d row_features phi (g_phi is overwritten): with rope
+ * that of the plain features is g[f:] + R_pos^T g[:f], then the map's own derivative. */
+static inline void row_input_grad(float *dst, float *g_phi, const float *phi, const float *src, int d, int map,
+                                  const struct rope_tables *rope, long pos) {
+    if (!rope) {
+        input_grad(dst, g_phi, phi, src, d, map);
+        return;
+    }
+    const int f = d / 2, half = rope->rotated / 2, kept = f - rope->rotated;
+    const float *c = rope->cos + pos * rope->rotated, *s = rope->sin + pos * rope->rotated;
+    float *g = g_phi + f;
+    for (int e = 0; e < kept; e++) g[e] += g_phi[e];
+    for (int m = 0; m < half; m++) {
+        const float ga = g_phi[kept + m], gb = g_phi[kept + half + m];
+        g[kept + m] += ga * c[m] + gb * s[half + m];
+        g[kept + half + m] += gb * c[half + m] - ga * s[m];
+    }
+    input_grad(dst, g, phi + f, src, f, map);
+}
+
+/* Values per input row: the map's inputs for its features (d, or half of them with rope). */
+static inline int row_inputs(int d, int map, const struct rope_tables *rope) {
+    return input_dim(rope ? d / 2 : d, map);
+}
+
+/* Zeroes what rope keeps apart in bh (d x width) states: the normaliser column of the first d / 2 rows (rotated
+ * features), the value columns of the last d / 2 (plain ones). */
+static inline void split_state(float *states, int bh, int d, int width, int dv) {
+    for (long row = 0; row < (long)bh * d; row++) {
+        float *r = states + row * width;
+        if (row % d < d / 2) r[dv] = 0.0f;
+        else memset(r, 0, sizeof(float) * dv);
+    }
+}
+
 /* Tasks for work split into rows of equal cost (the row maps): a few per thread, as threads may not be equal; at
  * most one per row. Task t of tasks handles rows [*a, *z). */
 static inline int row_tasks(long rows, int threads) {
@@ -119,6 +189,7 @@ struct key_rows {
     int h, d, dv, width, map;
     long n, ksb, ksh, ksn, vsb, vsh, vsn;
     const float *shift; /* (B*H, D) or NULL: features exp(k - shift) instead of the map (Efficient Attention) */
+    const struct rope_tables *rope; /* or NULL */
 };
 
 /* dst = exp(src - shift), every exponent <= 0 (shift holds the maxima of src); 0 below -87.3 as elsewhere. */
@@ -138,7 +209,7 @@ static inline int key_source(const void *ctx, int g, long j, long z, long *next,
         if (c->mask && c->mask[bi * c->n + j]) continue;
         const float *kr = c->k + bi * c->ksb + hi * c->ksh + j * c->ksn;
         if (c->shift) shifted_exp(a + rows * c->d, kr, c->shift + (long)g * c->d, c->d);
-        else features(a + rows * c->d, kr, c->d, c->map);
+        else row_features(a + rows * c->d, kr, c->d, c->map, c->rope, j);
         float *row = b + rows * c->width;
         memcpy(row, c->v + bi * c->vsb + hi * c->vsh + j * c->vsn, sizeof(float) * c->dv);
         row[c->dv] = 1.0f;
@@ -233,6 +304,7 @@ struct query_outputs {
     int h, d, dv, width;
     long n, qsb, qsh, qsn;
     int map;
+    const struct rope_tables *rope; /* or NULL */
 };
 
 static inline void query_block(const void *ctx, int g, long i0, int rows, float *scratch) {
@@ -240,12 +312,20 @@ static inline void query_block(const void *ctx, int g, long i0, int rows, float 
     const int bi = g / c->h, hi = g % c->h;
     float *phi = scratch, *num_den = scratch + ROWS * c->d;
     for (int r = 0; r < rows; r++)
-        features(phi + r * c->d, c->q + bi * c->qsb + hi * c->qsh + (i0 + r) * c->qsn, c->d, c->map);
+        row_features(phi + r * c->d, c->q + bi * c->qsb + hi * c->qsh + (i0 + r) * c->qsn, c->d, c->map, c->rope,
+                     i0 + r);
     memset(num_den, 0, sizeof(float) * rows * c->width);
     gemm_acc(rows, c->width / W, c->d, phi, c->d, 1, c->states + (long)g * c->d * c->width, c->width, num_den,
              c->width);
-    normalise_rows(num_den, rows, c->width, c->dv, c->out + ((long)g * c->n + i0) * c->dv);
-    if (c->den_out) store_normalisers(num_den, rows, c->width, c->dv, c->den_out + (long)g * c->n + i0);
+    float *out = c->out + ((long)g * c->n + i0) * c->dv, *den = c->den_out ? c->den_out + (long)g * c->n + i0 : NULL;
+    normalise_rows(num_den, rows, c->width, c->dv, out);
+    if (den) store_normalisers(num_den, rows, c->width, c->dv, den);
+    if (c->rope) /* a zero normaliser: output 0, and a stored 0 tells the backward to send no gradient */
+        for (int r = 0; r < rows; r++)
+            if (num_den[r * c->width + c->dv] == 0.0f) {
+                memset(out + (long)r * c->dv, 0, sizeof(float) * c->dv);
+                if (den) den[r] = 0.0f;
+            }
 }
 
 /* The inputs of causal attention as its forward and backward read them: element strides over (B, H, position)
@@ -289,12 +369,17 @@ static inline void lower_scores(int rows, int k, const float *a, int lda, const 
 }
 
 /* The gradient of the rows [num, den] from that of out = num / den: [g / den, -(g . out) / den], padded with
- * zeros to width. grad, out are (rows x dv), den holds the rows' normalisers (zeros already replaced by 1). */
+ * zeros to width. grad, out are (rows x dv), den holds the rows' normalisers (zeros already replaced by 1, except
+ * where rope's forward gave a query 0: that row is 0). */
 static inline void gradient_rows(const float *grad, const float *out, const float *den, int rows, int dv, int width,
                                  float *r_rows) {
     for (int r = 0; r < rows; r++, grad += dv, out += dv) {
-        const float inv = 1.0f / den[r];
         float dot = 0.0f, *row = r_rows + r * width;
+        if (den[r] == 0.0f) { /* stored only by rope's forward: a query given 0, whatever its gradient */
+            memset(row, 0, sizeof(float) * width);
+            continue;
+        }
+        const float inv = 1.0f / den[r];
         for (int e = 0; e < dv; e++) {
             row[e] = grad[e] * inv;
             dot += grad[e] * out[e];

@@ -17,6 +17,7 @@ struct query_rows {
     float *grad_q;
     int h, d, dp, dv, width, map;
     long n, qsb, qsh, qsn;
+    const struct rope_tables *rope; /* or NULL */
 };
 
 /* Rows phi(q_i), r_i for the accumulation of G; as a side effect writes d q_i = (r_i [S, z]^T) * phi'(q_i). */
@@ -27,15 +28,15 @@ static int query_source(const void *ctx, int g, long j, long z, long *next, floa
     const long i = (long)g * c->n + j;
     gradient_rows(c->grad + i * c->dv, c->out + i * c->dv, c->den + i, rows, c->dv, c->width, b);
     for (int r = 0; r < rows; r++)
-        features(a + r * c->d, c->q + bi * c->qsb + hi * c->qsh + (j + r) * c->qsn, c->d, c->map);
+        row_features(a + r * c->d, c->q + bi * c->qsb + hi * c->qsh + (j + r) * c->qsn, c->d, c->map, c->rope, j + r);
     if (c->grad_q) {
         memset(scratch, 0, sizeof(float) * rows * c->dp);
         gemm_acc(rows, c->dp / W, c->width, b, c->width, 1, c->state_t + (long)g * c->width * c->dp, c->dp, scratch,
                  c->dp);
-        const int d_in = input_dim(c->d, c->map);
+        const int d_in = row_inputs(c->d, c->map, c->rope);
         for (int r = 0; r < rows; r++)
-            input_grad(c->grad_q + ((long)g * c->n + j + r) * d_in, scratch + r * c->dp, a + r * c->d,
-                       c->q + bi * c->qsb + hi * c->qsh + (j + r) * c->qsn, c->d, c->map);
+            row_input_grad(c->grad_q + ((long)g * c->n + j + r) * d_in, scratch + r * c->dp, a + r * c->d,
+                           c->q + bi * c->qsb + hi * c->qsh + (j + r) * c->qsn, c->d, c->map, c->rope, j + r);
     }
     *next = j + rows;
     return rows;
@@ -49,6 +50,7 @@ struct key_grads {
     float *grad_k, *grad_v;
     int h, d, dp, dv, width, map;
     long n, ksb, ksh, ksn, vsb, vsh, vsn;
+    const struct rope_tables *rope; /* or NULL */
 };
 
 static void key_block(const void *ctx, int g, long j0, int rows, float *scratch) {
@@ -58,7 +60,7 @@ static void key_block(const void *ctx, int g, long j0, int rows, float *scratch)
     for (int r = 0; r < rows; r++) {
         const long j = j0 + r;
         float *row = v1 + r * width;
-        features(phi + r * d, c->k + bi * c->ksb + hi * c->ksh + j * c->ksn, d, c->map);
+        row_features(phi + r * d, c->k + bi * c->ksb + hi * c->ksh + j * c->ksn, d, c->map, c->rope, j);
         memcpy(row, c->v + bi * c->vsb + hi * c->vsh + j * c->vsn, sizeof(float) * dv);
         row[dv] = 1.0f;
         memset(row + dv + 1, 0, sizeof(float) * (width - dv - 1));
@@ -71,16 +73,47 @@ static void key_block(const void *ctx, int g, long j0, int rows, float *scratch)
         const long j = j0 + r, o = (long)g * c->n + j;
         const int masked = c->mask && c->mask[bi * c->n + j];
         if (c->grad_k) {
-            const int d_in = input_dim(d, c->map);
+            const int d_in = row_inputs(d, c->map, c->rope);
             if (masked) memset(c->grad_k + o * d_in, 0, sizeof(float) * d_in);
-            else input_grad(c->grad_k + o * d_in, g_phi + r * dp, phi + r * d,
-                            c->k + bi * c->ksb + hi * c->ksh + j * c->ksn, d, c->map);
+            else row_input_grad(c->grad_k + o * d_in, g_phi + r * dp, phi + r * d,
+                                c->k + bi * c->ksb + hi * c->ksh + j * c->ksn, d, c->map, c->rope, j);
         }
         if (c->grad_v) {
             if (masked) memset(c->grad_v + o * dv, 0, sizeof(float) * dv);
             else memcpy(c->grad_v + o * dv, g_v1 + r * width, sizeof(float) * dv);
         }
     }
+}
+
+static int noncausal_backward(const float *q, const float *k, const float *v, const uint8_t *mask, const float *state,
+                              const float *den, const float *out, const float *grad, float *grad_q, float *grad_k,
+                              float *grad_v, float *grad_state, int b, int h, long nq, long nk, int d, int dv, long qsb,
+                              long qsh, long qsn, long ksb, long ksh, long ksn, long vsb, long vsh, long vsn, int map,
+                              int threads, const struct rope_tables *rope) {
+    const int bh = b * h, width = (dv + 1 + W - 1) / W * W, dp = (d + W - 1) / W * W;
+    threads = threads_for(threads);
+    float *state_t = malloc(sizeof(float) * bh * width * dp), *acc = malloc(sizeof(float) * bh * d * width);
+    float *acc_t = malloc(sizeof(float) * bh * width * dp);
+    int failed = !state_t || !acc || !acc_t;
+    if (!failed) {
+        transpose_states(state, dv + 1, bh, d, dv, width, dp, state_t);
+        const struct query_rows queries = {q, grad, out, den, state_t, grad_q, h, d, dp, dv, width, map, nq,
+                                           qsb, qsh, qsn, rope};
+        failed = accumulate_states(bh, nq, d, width, threads, query_source, &queries, acc) != 0;
+    }
+    if (!failed && rope) split_state(acc, bh, d, width, dv); /* the state's entries rope holds at zero get none */
+    if (!failed && grad_state)
+        for (long g = 0; g < (long)bh * d; g++) memcpy(grad_state + g * (dv + 1), acc + g * width, sizeof(float) * (dv + 1));
+    if (!failed && (grad_k || grad_v)) {
+        transpose_states(acc, width, bh, d, dv, width, dp, acc_t);
+        const struct key_grads keys = {k, v, mask, acc, acc_t, grad_k, grad_v, h, d, dp, dv, width, map, nk,
+                                       ksb, ksh, ksn, vsb, vsh, vsn, rope};
+        failed = for_each_block(bh, nk, threads, (long)ROWS * (d + 2 * width + dp), key_block, &keys) != 0;
+    }
+    free(state_t);
+    free(acc);
+    free(acc_t);
+    return failed ? -1 : 0;
 }
 
 /* q, k, v, mask, strides, sizes and map as the forward; state (B, H, D, Dv + 1) and den (B, H, L) from it, out
@@ -92,29 +125,21 @@ int lm_kernel_attention_backward_f32(const float *q, const float *k, const float
                                      float *grad_q, float *grad_k, float *grad_v, float *grad_state, int b, int h,
                                      long nq, long nk, int d, int dv, long qsb, long qsh, long qsn, long ksb,
                                      long ksh, long ksn, long vsb, long vsh, long vsn, int map, int threads) {
-    const int bh = b * h, width = (dv + 1 + W - 1) / W * W, dp = (d + W - 1) / W * W;
-    threads = threads_for(threads);
-    float *state_t = malloc(sizeof(float) * bh * width * dp), *acc = malloc(sizeof(float) * bh * d * width);
-    float *acc_t = malloc(sizeof(float) * bh * width * dp);
-    int failed = !state_t || !acc || !acc_t;
-    if (!failed) {
-        transpose_states(state, dv + 1, bh, d, dv, width, dp, state_t);
-        const struct query_rows queries = {q, grad, out, den, state_t, grad_q, h, d, dp, dv, width, map, nq,
-                                           qsb, qsh, qsn};
-        failed = accumulate_states(bh, nq, d, width, threads, query_source, &queries, acc) != 0;
-    }
-    if (!failed && grad_state)
-        for (long g = 0; g < (long)bh * d; g++) memcpy(grad_state + g * (dv + 1), acc + g * width, sizeof(float) * (dv + 1));
-    if (!failed && (grad_k || grad_v)) {
-        transpose_states(acc, width, bh, d, dv, width, dp, acc_t);
-        const struct key_grads keys = {k, v, mask, acc, acc_t, grad_k, grad_v, h, d, dp, dv, width, map, nk,
-                                       ksb, ksh, ksn, vsb, vsh, vsn};
-        failed = for_each_block(bh, nk, threads, (long)ROWS * (d + 2 * width + dp), key_block, &keys) != 0;
-    }
-    free(state_t);
-    free(acc);
-    free(acc_t);
-    return failed ? -1 : 0;
+    return noncausal_backward(q, k, v, mask, state, den, out, grad, grad_q, grad_k, grad_v, grad_state, b, h, nq, nk,
+                              d, dv, qsb, qsh, qsn, ksb, ksh, ksn, vsb, vsh, vsn, map, threads, NULL);
+}
+
+/* The gradients of lm_rope_kernel_attention_f32 (n positions, d = twice the map's features, its tables), the
+ * arguments as above without the extra keys' state. */
+int lm_rope_kernel_attention_backward_f32(const float *q, const float *k, const float *v, const uint8_t *mask,
+                                          const float *state, const float *den, const float *out, const float *grad,
+                                          float *grad_q, float *grad_k, float *grad_v, int b, int h, long n, int d,
+                                          int dv, long qsb, long qsh, long qsn, long ksb, long ksh, long ksn,
+                                          long vsb, long vsh, long vsn, int map, int threads, const float *cos,
+                                          const float *sin, int rotated) {
+    const struct rope_tables rope = {cos, sin, rotated};
+    return noncausal_backward(q, k, v, mask, state, den, out, grad, grad_q, grad_k, grad_v, NULL, b, h, n, n, d, dv,
+                              qsb, qsh, qsn, ksb, ksh, ksn, vsb, vsh, vsn, map, threads, &rope);
 }
 
 /* A chunk as both causal passes need it: load_chunk's features (row stride dp), values and phi(k)^T, the
