@@ -72,12 +72,12 @@ def top1(model, x, y):
     return float((model(x).argmax(-1) == y).float().mean())
 
 
-def train_vit(model, x, y, steps, lr, seed):
+def train_vit(model, x, y, steps, lr, seed, label="softmax"):
     def epochs():  # a fresh shuffle per epoch, the last batch of each first
         for epoch in itertools.count():
             yield from reversed(batches(x, y, 64, seed * 1000 + epoch))
     return train_one_cycle(model, epochs(), lambda m, b: F.cross_entropy(m(b[0]), b[1]), steps, lr, 0.05,
-                           desc=f"softmax ViT, seed {seed}")
+                           desc=f"{label} ViT, seed {seed}")
 
 
 def vit_records(a, seed):

@@ -57,7 +57,7 @@ def run(variant: str, seed: int, steps: int, lr: float, out: Path) -> dict:
     if mode is not None:
         patch(model, mode, **options)
     start = time.perf_counter()
-    train_vit(model, x_train, y_train, steps, lr, seed)
+    train_vit(model, x_train, y_train, steps, lr, seed, label=variant)
     seconds = time.perf_counter() - start
     record = {"variant": variant, "seed": seed, "top1": top1(model, x_test, y_test), "steps": steps,
               "sec_per_step": seconds / steps}
