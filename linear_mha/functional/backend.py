@@ -15,7 +15,7 @@
     chunked            ``kernel/chunked.py``: the causal product on features made already, with its own backward
     composed           plain PyTorch ops (any map, dtype and device, torch.func, autograd through every op)
 
-``kernel_backend`` / ``product_backend`` / ``efficient_backend`` / ``step_backend`` return a :class:`Choice` naming
+``kernel_backend`` / ``rope_backend`` / ``product_backend`` / ``efficient_backend`` / ``step_backend`` return a :class:`Choice` naming
 the backend and the reason, so a user can ask why a call was not fast (``str(choice)``), as torch's
 ``why_not_fast_path`` does; each function is asked once per call, and the caller runs what it names.
 :func:`override` switches choices for a block of code (tests, comparisons): ``native=False`` runs PyTorch ops
