@@ -7,7 +7,7 @@ import torch
 import linear_mha.functional as LF
 import linear_mha.functional.grid_rope  # noqa: F401
 from linear_mha import LinearMultiheadAttention, TokenGrid
-from linear_mha.functional import backend, feature_maps
+from linear_mha.functional import backend, feature_maps, native
 from linear_mha.functional.grid_rope import grid_angles, rotate, rotated_product
 
 E, H = 16, 2
@@ -88,9 +88,19 @@ def test_a_query_whose_normaliser_vanishes_gets_zero_not_the_rotated_numerator(d
     assert q.grad.abs().max() == 0  # no query sees a key, so no gradient reaches the queries
 
 
-ROPE_MAPS = ["taylor", "elu", "taylor2", "relu", feature_maps.elu_feature_map]
+def strided_elu(x):  # a user's map whose features are a transposed view: the compiled code must get them contiguous
+    return (torch.nn.functional.elu(x.transpose(-1, -2).contiguous()) + 1).transpose(-1, -2)
 
 
+def float64_elu(x):  # a user's map that returns float64 features from float32 rows
+    return feature_maps.elu_feature_map(x.double())
+
+
+needs_native = pytest.mark.skipif(not native.available(), reason=f"kernels not built: {native.build_error()}")
+ROPE_MAPS = ["taylor", "elu", "taylor2", "relu", feature_maps.elu_feature_map, strided_elu, float64_elu]
+
+
+@needs_native
 @pytest.mark.parametrize("feature_map", ROPE_MAPS, ids=lambda m: getattr(m, "__name__", m))
 @pytest.mark.parametrize("shape", [(2, 3, 3, 5, 1, 8, 5), (1, 2, 4, 4, 0, 16, 16), (1, 1, 24, 26, 2, 13, 7)],
                          ids=["prefix", "square", "long_odd"])
@@ -127,6 +137,19 @@ def test_the_compiled_path_matches_float64_outputs_and_gradients(feature_map, sh
         torch.testing.assert_close(got.double(), ref, rtol=2e-4, atol=2e-5, msg=name)
 
 
+@needs_native
+def test_the_compiled_entry_refuses_tables_it_cannot_use():
+    q = torch.randn(1, 1, 6, 8)
+    tables = LF.grid_rope._tables((2, 3, 0), 8, q)
+    with pytest.raises(ValueError, match="rope_tables need non-causal self-attention"):
+        native.kernel_attention(q, q, q, "elu", causal=True, rope_tables=tables)
+    with pytest.raises(ValueError, match="rope_tables need"):
+        native.kernel_attention(q, q, q, "elu", rope_tables=tuple(t[:5] for t in tables))  # 5 rows for 6 positions
+    with pytest.raises(ValueError, match="rope_tables need"):
+        native.kernel_attention(q, q, q, "elu", initial_state=torch.zeros(1, 1, 8, 9), rope_tables=tables)
+
+
+@needs_native
 def test_the_compiled_path_splits_work_among_threads_as_one_thread_does_on_strided_inputs():
     g = torch.Generator().manual_seed(0)
     # two heads, their rows split into parts; q, k, v strided views of a (N, B, H, D) layout, as a module passes them
@@ -138,6 +161,7 @@ def test_the_compiled_path_splits_work_among_threads_as_one_thread_does_on_strid
         for count in (1, 3):
             torch.set_num_threads(count)
             x = [t.clone().requires_grad_() for t in (q, k, v)]
+            assert backend.rope_backend(*x, "taylor").backend == "native"
             out = LF.grid_rope.grid_rope_kernel(*x, "taylor", (20, 30, 0))
             out.square().sum().backward()
             outs.append([out] + [t.grad for t in x])
@@ -145,3 +169,8 @@ def test_the_compiled_path_splits_work_among_threads_as_one_thread_does_on_strid
         torch.set_num_threads(threads)
     for one, three in zip(*outs):
         torch.testing.assert_close(one, three, rtol=1e-5, atol=1e-6)
+    reference = [t.double().requires_grad_() for t in (q, k, v)]  # and both equal the float64 PyTorch path
+    out = LF.grid_rope.grid_rope_kernel(*reference, "taylor", (20, 30, 0))
+    out.square().sum().backward()
+    for one, ref in zip(outs[0], [out] + [t.grad for t in reference]):
+        torch.testing.assert_close(one.double(), ref, rtol=2e-4, atol=2e-5)

@@ -202,6 +202,30 @@ def test_kernel_dispatches_float32_cpu_inference_to_the_kernels(monkeypatch):
 
 
 @needs_native
+@pytest.mark.parametrize("odd_map", ["transposed_view", "float64"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_user_map_s_odd_features_reach_the_compiled_products_as_float32_rows(odd_map, causal):
+    """A user's map may return a transposed view or float64 features: the compiled code reads contiguous float32
+    rows, so they are converted, never read as they lie."""
+    def user_map(x):
+        if odd_map == "float64":
+            return torch.nn.functional.elu(x.double()) + 1
+        return (torch.nn.functional.elu(x.transpose(-1, -2).contiguous()) + 1).transpose(-1, -2)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 3, 40, 8, generator=g) for _ in range(3))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    assert backend.kernel_backend(*leaves, user_map, causal=causal).backend == backend.NATIVE_FEATURES
+    out = LF.kernel(*leaves, user_map, causal=causal)
+    out.square().sum().backward()
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = LF.kernel(*ref_leaves, user_map, causal=causal)
+    ref.square().sum().backward()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+    for got, want in zip(leaves, ref_leaves):
+        torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-4, atol=1e-5)
+
+
+@needs_native
 @pytest.mark.parametrize("feature_map", ["elu", "relu", "taylor", "taylor2", squared_relu, focused_p3], ids=str)
 @pytest.mark.parametrize("b,h,n_q,n_k,d,dv", [(1, 4, 200, 200, 64, 64), (2, 3, 37, 70, 13, 5), (1, 1, 1300, 1100, 16, 9)])
 @pytest.mark.parametrize("masked", [False, True])

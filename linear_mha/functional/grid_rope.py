@@ -17,6 +17,7 @@ from torch import Tensor
 from . import backend, native
 from ._common import check_qkv, compute_dtype, drop_keys, mask_keys, outside_autocast, safe_normaliser
 from .feature_maps import FeatureMap, apply_feature_map
+from .kernel import compiled_features
 
 ROPE_BASE = 10000.0
 
@@ -89,6 +90,7 @@ def grid_rope_kernel(
     if key_weights is not None:
         phi_k = phi_k * key_weights[..., None].to(dtype)
     if chosen == backend.NATIVE_FEATURES:
+        phi_q, phi_k = compiled_features(phi_q, phi_k, feature_map)
         tables = _tables(grid, phi_q.shape[-1], q)
         return native.kernel_attention(phi_q, phi_k, v, None, key_padding_mask, rope_tables=tables).to(out_dtype)
     numerator = rotated_product(phi_q, phi_k, mask_keys(v, key_padding_mask), grid)  # (B, H, N, Dv)

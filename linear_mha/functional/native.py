@@ -176,6 +176,14 @@ def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_map: Optional[str]
     count), and the gradients returned are those of the features. ``rope_tables``: (cos, sin), each (L, R)
     contiguous float32 from ``grid_rope.rotation_tables``, for ``grid_rope_kernel``'s rotary position (non-causal
     self-attention, L == S, no initial_state). Callers check ``why_not`` and the shapes."""
+    if rope_tables is not None:
+        features = feature_count(feature_map, q.shape[-1])
+        rotated = rope_tables[0].shape[-1]
+        if causal or initial_state is not None or q.shape[2] != k.shape[2] or rope_tables[0].shape[0] != q.shape[2] \
+                or rotated % 4 or rotated > features:
+            raise ValueError(f"rope_tables need non-causal self-attention without an initial state and (L, R) tables "
+                             f"for L positions, R a multiple of 4 up to the {features} features; got L={q.shape[2]}, "
+                             f"S={k.shape[2]}, tables {tuple(rope_tables[0].shape)}, causal={causal}")
     mask = None if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
     init = None if initial_state is None else initial_state.contiguous()
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, init)):

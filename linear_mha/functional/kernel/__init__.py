@@ -85,7 +85,7 @@ def kernel(
     feature_options = dict(key_padding_mask=key_padding_mask, causal=causal or initial_state is not None,
                            projection=projection)
     if chosen == backend.NATIVE_FEATURES:
-        phi_q, phi_k = (_last_dim_contiguous(phi) for phi in apply_feature_map(feature_map, q, k, **feature_options))
+        phi_q, phi_k = compiled_features(*apply_feature_map(feature_map, q, k, **feature_options), feature_map)
         _check_state(initial_state, phi_q.shape[-1], v)
         return native.kernel_attention(phi_q, phi_k, v, None, key_padding_mask, initial_state, causal).to(out_dtype)
     v = mask_keys(v, key_padding_mask)
@@ -123,6 +123,18 @@ def feature_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, *, causal: bool =
 
 def _last_dim_contiguous(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def compiled_features(phi_q: Tensor, phi_k: Tensor, feature_map) -> Tuple[Tensor, Tensor]:
+    """Features a map made (a user's callable among them) as the compiled code reads them: float32, the last
+    dimension contiguous, (B, H, N, F) for queries and keys alike. A map that changes the batch or head sizes, or
+    gives queries and keys different feature counts, is refused by name rather than read out of bounds."""
+    if phi_q.dim() != 4 or phi_k.dim() != 4 or phi_q.shape[:2] != phi_k.shape[:2] \
+            or phi_q.shape[-1] != phi_k.shape[-1]:
+        name = getattr(feature_map, "__name__", feature_map)
+        raise ValueError(f"feature_map {name!r} must map (..., D) rows to (..., F) features alike for queries and keys;"
+                         f" it gave {tuple(phi_q.shape)} and {tuple(phi_k.shape)}")
+    return tuple(_last_dim_contiguous(phi.to(torch.float32)) for phi in (phi_q, phi_k))
 
 
 def _check_state(initial_state, features, v):
