@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import linear_mha.functional as LF
+from linear_mha.functional import centred, native
 
 
 def loop_reference(q, k, v, phi, form, key_padding_mask=None, causal=False, extra_keys=None):
@@ -105,3 +106,34 @@ def test_causal_chunks_carry_the_sums_across_chunk_boundaries(form, feature_map,
     mask[:, [3, 17, 30]] = True
     got = LF.centred_kernel(q, k, v, feature_map, form=form, causal=True, key_padding_mask=mask, chunk_size=8)
     torch.testing.assert_close(got, loop_reference(q, k, v, phi, form, mask, True), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.skipif(not native.available(), reason=f"kernels not built: {native.build_error()}")
+@pytest.mark.parametrize("form", ["magnitude", "inline"])
+@pytest.mark.parametrize("feature_map", ["elu", "taylor2"])
+def test_the_grid_branch_on_the_compiled_rope_kernel_matches_float64(form, feature_map, monkeypatch):
+    """With a map whose similarities are all positive, float32 CPU calls take A_i = S_i (A_i / S_i) from the
+    compiled rope kernel: outputs and gradients equal the float64 rotated product, padded keys (NaN) reach nothing."""
+    calls = []
+    compiled = centred.grid_rope_kernel
+    monkeypatch.setattr(centred, "grid_rope_kernel", lambda *a, **kw: calls.append(a[0].dtype) or compiled(*a, **kw))
+    g = torch.Generator().manual_seed(5)
+    height, width, prefix = 4, 5, 1
+    n = prefix + height * width
+    q, k, v = (torch.randn(2, 3, n, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = torch.rand(2, n, generator=g) < 0.3
+    k[mask[:, None, :, None].expand_as(k)] = float("nan")
+    v[mask[:, None, :, None].expand_as(v)] = float("nan")
+    grad_out = torch.randn(2, 3, n, 8, generator=g, dtype=torch.float64)
+    results = []
+    for dtype in (torch.float64, torch.float32):
+        leaves = [t.to(dtype).clone().requires_grad_() for t in (q, k, v)]
+        out = LF.centred_kernel(*leaves, feature_map, form=form, key_padding_mask=mask, grid=(height, width, prefix))
+        (out * grad_out.to(dtype)).sum().backward()
+        results.append([out] + [t.grad for t in leaves])
+    assert calls == [torch.float32]  # the float64 call ran the PyTorch rotation, the float32 one the compiled kernel
+    for name, ref, got in zip(["out", "q", "k", "v"], *results):
+        if name in ("k", "v"):
+            assert torch.all(got.transpose(1, 2)[mask] == 0), name
+            ref, got = (t.transpose(1, 2).masked_fill(mask[..., None, None], 0) for t in (ref, got))
+        torch.testing.assert_close(got.double(), ref, rtol=5e-4, atol=5e-5, msg=name)

@@ -26,10 +26,12 @@ from torch import Tensor
 from ._common import (append_ones, check_qkv, compute_dtype, drop_keys, mask_keys, outside_autocast,
                       safe_normaliser)
 from .feature_maps import FeatureMap, apply_feature_map
-from .grid_rope import rotated_product
+from . import backend
+from .grid_rope import grid_rope_kernel, rotated_product
 from .kernel import CHUNK_SIZE, causal_linear_product
 
 FORMS = ("inline", "magnitude")
+POSITIVE_MAPS = ("elu", "taylor2")  # every phi(q).phi(k) > 0: A_i = S_i (A_i / S_i) is exact wherever a key is seen
 
 
 def identity_feature_map(x: Tensor) -> Tensor:
@@ -99,8 +101,13 @@ def centred_kernel(
         if extra_keys is not None:
             sums = sums + extra_v1.sum(2, keepdim=True)
     elif grid is not None:  # A_i from rotated features, S_i from the plain ones
-        a = rotated_product(phi_q, phi_k, v1[..., :-1], grid)
-        num_den = torch.cat([a, phi_q @ phi_k.sum(2, keepdim=True).transpose(-1, -2)], -1)
+        s = phi_q @ phi_k.sum(2, keepdim=True).transpose(-1, -2)               # (B, H, L, 1)
+        if feature_map in POSITIVE_MAPS and backend.rope_backend(q, k, v, feature_map).backend == backend.NATIVE:
+            # The compiled rope kernel gives A_i / S_i; every s_ij > 0, so S_i > 0 wherever a key is seen
+            a = grid_rope_kernel(q, k, v, feature_map, grid, key_padding_mask=key_padding_mask) * s
+        else:
+            a = rotated_product(phi_q, phi_k, v1[..., :-1], grid)
+        num_den = torch.cat([a, s], -1)
         sums = v1.sum(2, keepdim=True)
     else:
         num_den = phi_q @ (phi_k.transpose(-1, -2) @ v1)     # (B, H, L, Dv + 1)
