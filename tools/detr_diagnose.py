@@ -113,8 +113,10 @@ def diagnose_layer(q, k, v, kpm, grid, variants):
         ent, peak = row_stats(w.clamp_min(0), valid)
         mask = valid[:, None, :].expand_as(tv)
         out32 = method_output(mode, options, q.float(), k.float(), v.float(), kpm, grid)
+        negative = (-w).clamp_min(0).sum(-1)  # weight below zero (inline, mala): TV may then exceed 1 by as much
         layer["methods"][name] = {
-            "tv_distance": float(tv[mask].mean()), "entropy": ent, "max_weight": peak,
+            "tv_distance": float(tv[mask].mean()), "negative_mass": float(negative[mask].mean()), "entropy": ent,
+            "max_weight": peak,
             "output_rel_err": float((out - ref_out)[mask].norm() / ref_out[mask].norm()),
             "float32_rel_err": float((out32.double() - out)[mask].norm() / out[mask].norm())}
     return layer

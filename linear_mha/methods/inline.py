@@ -68,6 +68,8 @@ class CentredKernelMethod(AttentionMethod):
 
     def flops(self, batch_heads, tokens, head_dim, causal):
         features = self.feature_count(head_dim)
+        if not causal and getattr(self, "rope", False):  # rotated phi(K)^T V and phi(Q) times it; S_i = phi(Q) sum phi(K)
+            return 4.0 * batch_heads * tokens * features * head_dim + 2.0 * batch_heads * tokens * features
         if not causal:  # phi(K)^T [V, 1] and phi(Q) times it: the normaliser rides in the ones column
             return 4.0 * batch_heads * tokens * features * (head_dim + 1)
         return feature_attention_flops(batch_heads, tokens, features, head_dim, causal, self.chunk_size)
