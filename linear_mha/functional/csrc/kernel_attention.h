@@ -314,9 +314,19 @@ static inline void query_block(const void *ctx, int g, long i0, int rows, float 
     for (int r = 0; r < rows; r++)
         row_features(phi + r * c->d, c->q + bi * c->qsb + hi * c->qsh + (i0 + r) * c->qsn, c->d, c->map, c->rope,
                      i0 + r);
+    const float *state = c->states + (long)g * c->d * c->width;
     memset(num_den, 0, sizeof(float) * rows * c->width);
-    gemm_acc(rows, c->width / W, c->d, phi, c->d, 1, c->states + (long)g * c->d * c->width, c->width, num_den,
-             c->width);
+    if (c->rope) { /* half the product: rotated features on the numerator's rows, the normaliser from the plain half */
+        const int f = c->d / 2;
+        gemm_acc(rows, c->width / W, f, phi, c->d, 1, state, c->width, num_den, c->width);
+        for (int r = 0; r < rows; r++) {
+            float sum = 0.0f;
+            for (int e = 0; e < f; e++) sum += phi[r * c->d + f + e] * state[(long)(f + e) * c->width + c->dv];
+            num_den[r * c->width + c->dv] = sum;
+        }
+    } else {
+        gemm_acc(rows, c->width / W, c->d, phi, c->d, 1, state, c->width, num_den, c->width);
+    }
     float *out = c->out + ((long)g * c->n + i0) * c->dv, *den = c->den_out ? c->den_out + (long)g * c->n + i0 : NULL;
     normalise_rows(num_den, rows, c->width, c->dv, out);
     if (den) store_normalisers(num_den, rows, c->width, c->dv, den);
