@@ -140,7 +140,7 @@ def test_the_compiled_path_matches_float64_outputs_and_gradients(feature_map, sh
 @needs_native
 def test_the_compiled_entry_refuses_tables_it_cannot_use():
     q = torch.randn(1, 1, 6, 8)
-    tables = LF.grid_rope._tables((2, 3, 0), 8, q)
+    tables = LF.grid_rope.grid_tables((2, 3, 0), 8, q)
     with pytest.raises(ValueError, match="rope_tables need non-causal self-attention"):
         native.kernel_attention(q, q, q, "elu", causal=True, rope_tables=tables)
     with pytest.raises(ValueError, match="rope_tables need"):

@@ -37,11 +37,18 @@ def rotation_tables(angles: Tensor) -> Tuple[Tensor, Tensor]:
     return torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
 
 
-def rotate(features: Tensor, angles: Tensor, tables: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
+def grid_tables(grid: Tuple[int, int, int], features: int, like: Tensor) -> Tuple[Tensor, Tensor]:
+    """The contiguous (cos, sin) tables of grid (height, width, prefix)'s positions for rows of ``features``
+    features, in like's device and dtype: what ``rotate`` and the compiled code read."""
+    angles = grid_angles(*grid, features // 4, device=like.device, dtype=like.dtype)
+    return tuple(t.contiguous() for t in rotation_tables(angles))
+
+
+def rotate(features: Tensor, angles: Optional[Tensor], tables: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
     """features (B, H, N, F) with their last R = 2 * angles.shape[-1] features rotated by angles (N, R / 2): feature
     F - R + m pairs with feature F - R / 2 + m at angle m ("rotate half", one negation and one concatenation instead
     of a gather per pair: the rotation's own cost is what an image-sized call pays). ``tables``: from
-    ``rotation_tables(angles)``, made once for several calls."""
+    ``rotation_tables(angles)`` (or ``grid_tables``), made once for several calls; angles may then be None."""
     cos, sin = tables if tables is not None else rotation_tables(angles)
     rotated = cos.shape[-1]
     if rotated == 0:
@@ -55,9 +62,8 @@ def rotate(features: Tensor, angles: Tensor, tables: Optional[Tuple[Tensor, Tens
 def rotated_product(phi_q: Tensor, phi_k: Tensor, v: Tensor, grid: Tuple[int, int, int]) -> Tensor:
     """(R_i phi_q_i) . sum_j (R_j phi_k_j) v_j for every query: phi_q, phi_k (B, H, N, F), v (B, H, N, Dv) ->
     (B, H, N, Dv), the rotations by the positions of grid (height, width, prefix), in O(N F Dv)."""
-    angles = grid_angles(*grid, phi_q.shape[-1] // 4, device=phi_q.device, dtype=phi_q.dtype)
-    tables = rotation_tables(angles)
-    return rotate(phi_q, angles, tables) @ (rotate(phi_k, angles, tables).transpose(-1, -2) @ v)
+    tables = grid_tables(grid, phi_q.shape[-1], phi_q)
+    return rotate(phi_q, None, tables) @ (rotate(phi_k, None, tables).transpose(-1, -2) @ v)
 
 
 @outside_autocast
@@ -84,14 +90,14 @@ def grid_rope_kernel(
     out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
     q, k, v = q.to(dtype), k.to(dtype), drop_keys(v.to(dtype), dropout_p)
     if chosen == backend.NATIVE:  # the compiled code makes the features from q and k
-        tables = _tables(grid, native.feature_count(feature_map, q.shape[-1]), q)
+        tables = grid_tables(grid, native.feature_count(feature_map, q.shape[-1]), q)
         return native.kernel_attention(q, k, v, feature_map, key_padding_mask, rope_tables=tables).to(out_dtype)
     phi_q, phi_k = apply_feature_map(feature_map, q, k, key_padding_mask=key_padding_mask, projection=projection)
     if key_weights is not None:
         phi_k = phi_k * key_weights[..., None].to(dtype)
     if chosen == backend.NATIVE_FEATURES:
         phi_q, phi_k = compiled_features(phi_q, phi_k, feature_map)
-        tables = _tables(grid, phi_q.shape[-1], q)
+        tables = grid_tables(grid, phi_q.shape[-1], q)
         return native.kernel_attention(phi_q, phi_k, v, None, key_padding_mask, rope_tables=tables).to(out_dtype)
     numerator = rotated_product(phi_q, phi_k, mask_keys(v, key_padding_mask), grid)  # (B, H, N, Dv)
     normaliser = phi_q @ phi_k.sum(2, keepdim=True).transpose(-1, -2)                  # (B, H, N, 1)
@@ -99,9 +105,3 @@ def grid_rope_kernel(
     # normaliser does not bound, could still be non-zero there; such a query gets 0 as in every kernel method.
     out = (numerator / safe_normaliser(normaliser)).masked_fill(normaliser == 0, 0.0)
     return out.to(out_dtype)
-
-
-def _tables(grid: Tuple[int, int, int], features: int, like: Tensor) -> Tuple[Tensor, Tensor]:
-    """The (cos, sin) tables of grid's positions for rows of ``features`` features, as the compiled code reads them."""
-    angles = grid_angles(*grid, features // 4, device=like.device, dtype=like.dtype)
-    return tuple(t.contiguous() for t in rotation_tables(angles))

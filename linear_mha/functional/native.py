@@ -247,16 +247,15 @@ def _forward(q, k, v, mask, init, feature_map, causal, keep, rope=None):
     den = q.new_empty(b, h, n_q) if keep else None
     state = q.new_empty(b, h, features, dv + 1) if keep and not causal else None
     tail = (*_sizes(q, k, v, causal or rope is not None, features), _map_code(feature_map), torch.get_num_threads())
+    inputs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), pointer(mask))
     if rope is not None:
-        status = _lib().lm_rope_kernel_attention_f32(q.data_ptr(), k.data_ptr(), v.data_ptr(), pointer(mask),
-                                                     out.data_ptr(), pointer(state), pointer(den), *tail,
+        status = _lib().lm_rope_kernel_attention_f32(*inputs, out.data_ptr(), pointer(state), pointer(den), *tail,
                                                      *_rope_arguments(rope))
     elif causal:
-        pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), pointer(mask), pointer(init), out.data_ptr())
-        status = _lib().lm_causal_kernel_attention_f32(*pointers, pointer(den), *tail)
+        status = _lib().lm_causal_kernel_attention_f32(*inputs, pointer(init), out.data_ptr(), pointer(den), *tail)
     else:
-        pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), pointer(mask), pointer(init), out.data_ptr())
-        status = _lib().lm_kernel_attention_f32(*pointers, pointer(state), pointer(den), *tail)
+        status = _lib().lm_kernel_attention_f32(*inputs, pointer(init), out.data_ptr(), pointer(state), pointer(den),
+                                                *tail)
     _check(status)
     return out, state, den
 
@@ -285,7 +284,7 @@ class _KernelAttention(torch.autograd.Function):
         grad_out = grad_out.contiguous()  # held in a name: a temporary's memory would be freed before the call
         pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), pointer(mask))
         if ctx.rope:
-            sizes = _sizes(q, k, v, True, 2 * features)
+            sizes = _sizes(q, k, v, True, _feature_rows(ctx.feature_map, d, rope))
             status = _lib().lm_rope_kernel_attention_backward_f32(
                 *pointers, state.data_ptr(), den.data_ptr(), out.data_ptr(), grad_out.data_ptr(),
                 *map(pointer, grads[:3]), *sizes, _map_code(ctx.feature_map), torch.get_num_threads(),
