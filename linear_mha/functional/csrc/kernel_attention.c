@@ -27,7 +27,7 @@ static int noncausal_attention(const float *q, const float *k, const float *v, c
     float *states = malloc(sizeof(float) * bh * state_size);
     if (!states) return -1;
     const struct key_rows keys = {k, v, mask, h, d, dv, dvp, map, nk, ksb, ksh, ksn, vsb, vsh, vsn, NULL, rope};
-    if (accumulate_states(bh, nk, d, dvp, threads, key_source, &keys, states) != 0) {
+    if (accumulate_states(bh, nk, d, dvp, dv + 1, threads, key_source, &keys, states) != 0) {
         free(states);
         return -1;
     }
@@ -145,7 +145,7 @@ struct causal_forward {
 
 static void causal_part(const void *ctx, int item, float *scratch) {
     const struct causal_forward *c = ctx;
-    const int d = c->in.d, dv = c->in.dv, dvp = c->dvp, ldt = c->ldt, nvec = dvp / W, g = (int)(item / c->parts);
+    const int d = c->in.d, dv = c->in.dv, dvp = c->dvp, ldt = c->ldt, g = (int)(item / c->parts);
     const long n = c->in.n, part = item % c->parts, z = n * (part + 1) / c->parts;
     float *phi_q = scratch, *phi_k = phi_q + ROWS * d, *k_t = phi_k + ROWS * d, *scores = k_t + d * ldt;
     float *v1 = scores + ROWS * ldt, *num_den = v1 + ROWS * dvp, *state = num_den + ROWS * dvp;
@@ -161,10 +161,10 @@ static void causal_part(const void *ctx, int item, float *scratch) {
         const int rows = (int)(z - i0 < ROWS ? z - i0 : ROWS);
         load_chunk(&c->in, g, i0, rows, phi_q, phi_k, d, v1, dvp, k_t, ldt);
         memset(num_den, 0, sizeof(float) * rows * dvp);
-        gemm_acc(rows, nvec, d, phi_q, d, 1, state, dvp, num_den, dvp);
+        gemm_cols(FULL, rows, dv + 1, d, phi_q, d, 1, state, dvp, num_den, dvp);
         lower_scores(rows, d, phi_q, d, k_t, ldt, scores);
-        gemm_shaped(LOWER_K, rows, nvec, rows, scores, ldt, 1, v1, dvp, num_den, dvp);
-        gemm_acc(d, nvec, rows, phi_k, 1, d, v1, dvp, state, dvp);
+        gemm_cols(LOWER_K, rows, dv + 1, rows, scores, ldt, 1, v1, dvp, num_den, dvp);
+        gemm_cols(FULL, d, dv + 1, rows, phi_k, 1, d, v1, dvp, state, dvp);
         normalise_rows(num_den, rows, dvp, dv, c->out + ((long)g * n + i0) * dv);
         if (c->den_out) store_normalisers(num_den, rows, dvp, dv, c->den_out + (long)g * n + i0);
     }
@@ -181,7 +181,7 @@ int lm_causal_kernel_attention_f32(const float *q, const float *k, const float *
     if (parts > 1) {
         starts = malloc(sizeof(float) * bh * parts * d * dvp);
         const struct key_rows keys = {k, v, mask, h, d, dv, dvp, map, n, ksb, ksh, ksn, vsb, vsh, vsn, NULL};
-        if (!starts || partial_states(bh, n, parts, d, dvp, threads, key_source, &keys, starts) != 0 ||
+        if (!starts || partial_states(bh, n, parts, d, dvp, dv + 1, threads, key_source, &keys, starts) != 0 ||
             scan_parts(starts, init, bh, parts, d, dv, dvp, 0) != 0) {
             free(starts);
             return -1;

@@ -130,9 +130,10 @@ static inline long parts_for(int bh, long n, int tasks, long min_rows) {
 }
 
 /* partial[g * parts + p] (d x width) = sum of a_row^T b_row over part p of head g's n rows (rows n p / parts up
- * to n (p + 1) / parts), for bh heads; width is a whole number of vectors. */
-static inline int partial_states(int bh, long n, long parts, int d, int width, int threads, row_source source,
-                                 const void *ctx, float *partial) {
+ * to n (p + 1) / parts), for bh heads; width is a whole number of vectors, of which the first cols carry values
+ * (the rest of b's rows are zero, and of the sums' rows are left zero). */
+static inline int partial_states(int bh, long n, long parts, int d, int width, int cols, int threads,
+                                 row_source source, const void *ctx, float *partial) {
     const long size = (long)d * width;
     memset(partial, 0, sizeof(float) * bh * parts * size);
     int failed = 0;
@@ -153,7 +154,7 @@ static inline int partial_states(int bh, long n, long parts, int d, int width, i
                 float *state = partial + item * size;
                 for (long j = n * part / parts; j < z;) {
                     const int rows = source(ctx, g, j, z, &j, a, b, scratch);
-                    gemm_acc(d, width / W, rows, a, 1, d, b, width, state, width); /* A = a^T */
+                    gemm_cols(FULL, d, cols, rows, a, 1, d, b, width, state, width); /* A = a^T */
                 }
             }
         }
@@ -166,12 +167,12 @@ static inline int partial_states(int bh, long n, long parts, int d, int width, i
 
 /* states[g] (d x width) = sum over the rows of head g of a_row^T b_row, for bh heads of n rows each. With fewer
  * heads than threads a head's rows are split into parts summed afterwards. */
-static inline int accumulate_states(int bh, long n, int d, int width, int threads, row_source source, const void *ctx,
-                                    float *states) {
+static inline int accumulate_states(int bh, long n, int d, int width, int cols, int threads, row_source source,
+                                    const void *ctx, float *states) {
     const long parts = parts_for(bh, n, 2 * threads, 256), size = (long)d * width;
-    if (parts == 1) return partial_states(bh, n, 1, d, width, threads, source, ctx, states);
+    if (parts == 1) return partial_states(bh, n, 1, d, width, cols, threads, source, ctx, states);
     float *partial = malloc(sizeof(float) * bh * parts * size);
-    int failed = !partial || partial_states(bh, n, parts, d, width, threads, source, ctx, partial) != 0;
+    int failed = !partial || partial_states(bh, n, parts, d, width, cols, threads, source, ctx, partial) != 0;
     if (!failed)
         for (int g = 0; g < bh; g++) {
             float *state = states + (long)g * size;
@@ -318,14 +319,14 @@ static inline void query_block(const void *ctx, int g, long i0, int rows, float 
     memset(num_den, 0, sizeof(float) * rows * c->width);
     if (c->rope) { /* half the product: rotated features on the numerator's rows, the normaliser from the plain half */
         const int f = c->d / 2;
-        gemm_acc(rows, c->width / W, f, phi, c->d, 1, state, c->width, num_den, c->width);
+        gemm_cols(FULL, rows, c->dv + 1, f, phi, c->d, 1, state, c->width, num_den, c->width);
         for (int r = 0; r < rows; r++) {
             float sum = 0.0f;
             for (int e = 0; e < f; e++) sum += phi[r * c->d + f + e] * state[(long)(f + e) * c->width + c->dv];
             num_den[r * c->width + c->dv] = sum;
         }
     } else {
-        gemm_acc(rows, c->width / W, c->d, phi, c->d, 1, state, c->width, num_den, c->width);
+        gemm_cols(FULL, rows, c->dv + 1, c->d, phi, c->d, 1, state, c->width, num_den, c->width);
     }
     float *out = c->out + ((long)g * c->n + i0) * c->dv, *den = c->den_out ? c->den_out + (long)g * c->n + i0 : NULL;
     normalise_rows(num_den, rows, c->width, c->dv, out);

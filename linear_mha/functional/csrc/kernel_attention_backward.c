@@ -31,7 +31,7 @@ static int query_source(const void *ctx, int g, long j, long z, long *next, floa
         row_features(a + r * c->d, c->q + bi * c->qsb + hi * c->qsh + (j + r) * c->qsn, c->d, c->map, c->rope, j + r);
     if (c->grad_q) {
         memset(scratch, 0, sizeof(float) * rows * c->dp);
-        gemm_acc(rows, c->dp / W, c->width, b, c->width, 1, c->state_t + (long)g * c->width * c->dp, c->dp, scratch,
+        gemm_acc(rows, c->dp / W, c->dv + 1, b, c->width, 1, c->state_t + (long)g * c->width * c->dp, c->dp, scratch,
                  c->dp);
         const int d_in = row_inputs(c->d, c->map, c->rope);
         for (int r = 0; r < rows; r++)
@@ -67,8 +67,8 @@ static void key_block(const void *ctx, int g, long j0, int rows, float *scratch)
     }
     memset(g_phi, 0, sizeof(float) * rows * dp);
     memset(g_v1, 0, sizeof(float) * rows * width);
-    gemm_acc(rows, dp / W, width, v1, width, 1, c->acc_t + (long)g * width * dp, dp, g_phi, dp);
-    gemm_acc(rows, width / W, d, phi, d, 1, c->acc + (long)g * d * width, width, g_v1, width);
+    gemm_acc(rows, dp / W, dv + 1, v1, width, 1, c->acc_t + (long)g * width * dp, dp, g_phi, dp);
+    gemm_cols(FULL, rows, dv, d, phi, d, 1, c->acc + (long)g * d * width, width, g_v1, width);
     for (int r = 0; r < rows; r++) {
         const long j = j0 + r, o = (long)g * c->n + j;
         const int masked = c->mask && c->mask[bi * c->n + j];
@@ -99,7 +99,7 @@ static int noncausal_backward(const float *q, const float *k, const float *v, co
         transpose_states(state, dv + 1, bh, d, dv, width, dp, state_t);
         const struct query_rows queries = {q, grad, out, den, state_t, grad_q, h, d, dp, dv, width, map, nq,
                                            qsb, qsh, qsn, rope};
-        failed = accumulate_states(bh, nq, d, width, threads, query_source, &queries, acc) != 0;
+        failed = accumulate_states(bh, nq, d, width, dv + 1, threads, query_source, &queries, acc) != 0;
     }
     if (!failed && rope) split_state(acc, bh, d, width, dv); /* the state's entries rope holds at zero get none */
     if (!failed && grad_state)
@@ -194,13 +194,13 @@ static void causal_part_backward(const void *ctx, int item, float *scratch) {
             load_gradient_chunk(&c->in, g, i0, rows, c->grad, c->out, c->den, width, dp, ldt, phi_q, phi_k, v1, k_t,
                                 v1_t, r_rows);
             memset(g_phi, 0, sizeof(float) * rows * dp);
-            gemm_acc(rows, dp / W, width, r_rows, width, 1, acc_t, dp, g_phi, dp);
-            lower_scores(rows, width, r_rows, width, v1_t, ldt, d_scores);
+            gemm_acc(rows, dp / W, dv + 1, r_rows, width, 1, acc_t, dp, g_phi, dp);
+            lower_scores(rows, dv + 1, r_rows, width, v1_t, ldt, d_scores);
             gemm_shaped(LOWER_K, rows, dp / W, rows, d_scores, ldt, 1, phi_k, dp, g_phi, dp);
             for (int r = 0; r < rows; r++)
                 input_grad(c->grad_q + (o + r) * d_in, g_phi + r * dp, phi_q + r * dp,
                            c->in.q + bi * c->in.qsb + hi * c->in.qsh + (i0 + r) * c->in.qsn, d, map);
-            gemm_acc(width, dp / W, rows, v1, 1, width, phi_k, dp, acc_t, dp); /* S^T += V1^T phi(K) */
+            gemm_acc(dv + 1, dp / W, rows, v1, 1, width, phi_k, dp, acc_t, dp); /* S^T += V1^T phi(K) */
         }
     }
     if (!c->grad_k && !c->grad_v && !c->grad_state) return;
@@ -213,14 +213,14 @@ static void causal_part_backward(const void *ctx, int item, float *scratch) {
         load_gradient_chunk(&c->in, g, i0, rows, c->grad, c->out, c->den, width, dp, ldt, phi_q, phi_k, v1, k_t, v1_t,
                             r_rows);
         lower_scores(rows, d, phi_q, dp, k_t, ldt, scores);
-        lower_scores(rows, width, r_rows, width, v1_t, ldt, d_scores);
+        lower_scores(rows, dv + 1, r_rows, width, v1_t, ldt, d_scores);
         transpose_states(acc, width, 1, d, width - 1, width, dp, acc_t);
         memset(g_v1, 0, sizeof(float) * rows * width);
-        gemm_acc(rows, width / W, rows, scores, 1, ldt, r_rows, width, g_v1, width);   /* M^T R */
-        gemm_acc(rows, width / W, d, phi_k, dp, 1, acc, width, g_v1, width);          /* phi(K) G */
+        gemm_cols(FULL, rows, dv, rows, scores, 1, ldt, r_rows, width, g_v1, width);    /* M^T R */
+        gemm_cols(FULL, rows, dv, d, phi_k, dp, 1, acc, width, g_v1, width);           /* phi(K) G */
         memset(g_phi, 0, sizeof(float) * rows * dp);
         gemm_acc(rows, dp / W, rows, d_scores, 1, ldt, phi_q, dp, g_phi, dp);        /* dM^T phi(Q) */
-        gemm_acc(rows, dp / W, width, v1, width, 1, acc_t, dp, g_phi, dp);           /* V1 G^T */
+        gemm_acc(rows, dp / W, dv + 1, v1, width, 1, acc_t, dp, g_phi, dp);            /* V1 G^T */
         for (int r = 0; r < rows; r++) {
             const int masked = c->in.mask && c->in.mask[bi * n + i0 + r];
             if (c->grad_k) {
@@ -233,7 +233,7 @@ static void causal_part_backward(const void *ctx, int item, float *scratch) {
                 else memcpy(c->grad_v + (o + r) * dv, g_v1 + r * width, sizeof(float) * dv);
             }
         }
-        gemm_acc(d, width / W, rows, phi_q, 1, dp, r_rows, width, acc, width);        /* G += phi(Q)^T R */
+        gemm_cols(FULL, d, dv + 1, rows, phi_q, 1, dp, r_rows, width, acc, width);     /* G += phi(Q)^T R */
     }
     if (c->grad_state && part == 0) /* G after the first part is G_0 */
         for (int f = 0; f < d; f++)
@@ -258,9 +258,9 @@ int lm_causal_kernel_attention_backward_f32(const float *q, const float *k, cons
         ends = malloc(sizeof(float) * size);
         const struct key_rows keys = {k, v, mask, h, d, dv, width, map, n, ksb, ksh, ksn, vsb, vsh, vsn, NULL};
         const struct query_rows queries = {q, grad, out, den, NULL, NULL, h, d, dp, dv, width, map, n, qsb, qsh, qsn};
-        if (!starts || !ends || partial_states(bh, n, parts, d, width, threads, key_source, &keys, starts) != 0 ||
+        if (!starts || !ends || partial_states(bh, n, parts, d, width, dv + 1, threads, key_source, &keys, starts) != 0 ||
             scan_parts(starts, init, bh, parts, d, dv, width, 0) != 0 ||
-            partial_states(bh, n, parts, d, width, threads, query_source, &queries, ends) != 0 ||
+            partial_states(bh, n, parts, d, width, dv + 1, threads, query_source, &queries, ends) != 0 ||
             scan_parts(ends, NULL, bh, parts, d, dv, width, 1) != 0) {
             free(starts);
             free(ends);

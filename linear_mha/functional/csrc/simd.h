@@ -8,15 +8,23 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* Vector width in floats: 16 (one AVX-512 register) where the compiler targets AVX-512, else 8 (AVX2). Every
+ * loop below is written for any W; the GEMM's tile (TILE_V vectors wide) fills the register file of either. */
+#ifdef __AVX512F__
+#define W 16
+#define TILE_V 4 /* 6 x 4 accumulators + 4 loads + a broadcast of the 32 registers */
+#else
 #define W 8
+#define TILE_V 2 /* 6 x 2 accumulators + 2 loads + a broadcast of the 16 registers */
+#endif
 #define ROWS 48 /* rows per cache-resident block, a multiple of the 6-row tile */
-typedef float vf __attribute__((vector_size(32)));
-typedef int32_t vi __attribute__((vector_size(32)));
-typedef float vf_u __attribute__((vector_size(32), aligned(4)));
+typedef float vf __attribute__((vector_size(4 * W)));
+typedef int32_t vi __attribute__((vector_size(4 * W)));
+typedef float vf_u __attribute__((vector_size(4 * W), aligned(4)));
 
 static inline vf load(const float *p) { return *(const vf_u *)p; }
 static inline void store(float *p, vf x) { *(vf_u *)p = x; }
-static inline vf splat(float s) { return (vf){s, s, s, s, s, s, s, s}; }
+static inline vf splat(float s) { return (vf){0.0f} + s; }
 static inline vf vselect(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 
 /* exp for x <= 0 (Cephes' expf scheme: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial in r, 2^n
@@ -161,25 +169,25 @@ static inline void features(float *dst, const float *src, int d, int map) {
  * shape that fills the 16 AVX2 registers; it measured 1.6-2x faster here than 4 x 3. */
 static inline __attribute__((always_inline)) void tile(const int R, const int V, int k, const float *a, long ai,
                                                        long ap, const float *b, long ldb, float *c, long ldc) {
-    vf acc[6][2], bv[2];
+    vf acc[6][TILE_V], bv[TILE_V];
 #pragma GCC unroll 6
     for (int r = 0; r < R; r++)
-#pragma GCC unroll 2
+#pragma GCC unroll 4
         for (int v = 0; v < V; v++) acc[r][v] = load(c + r * ldc + v * W);
     for (int p = 0; p < k; p++, b += ldb) {
         const float *ar = a + p * ap;
-#pragma GCC unroll 2
+#pragma GCC unroll 4
         for (int v = 0; v < V; v++) bv[v] = load(b + v * W);
 #pragma GCC unroll 6
         for (int r = 0; r < R; r++) {
             const vf x = splat(ar[r * ai]);
-#pragma GCC unroll 2
+#pragma GCC unroll 4
             for (int v = 0; v < V; v++) acc[r][v] += x * bv[v];
         }
     }
 #pragma GCC unroll 6
     for (int r = 0; r < R; r++)
-#pragma GCC unroll 2
+#pragma GCC unroll 4
         for (int v = 0; v < V; v++) store(c + r * ldc + v * W, acc[r][v]);
 }
 
@@ -195,7 +203,11 @@ enum { FULL = 0, LOWER_K = 1, LOWER_N = 2 };
         const float *ar = a + i * ai;                                                                      \
         float *cr = c + i * ldc;                                                                           \
         int v = 0;                                                                                         \
-        for (; v + 2 <= nn; v += 2) tile(R, 2, kk, ar, ai, ap, b + v * W, ldb, cr + v * W, ldc);          \
+        for (; v + TILE_V <= nn; v += TILE_V) tile(R, TILE_V, kk, ar, ai, ap, b + v * W, ldb, cr + v * W, ldc); \
+        if (TILE_V > 2 && v + 2 <= nn) {                                                                   \
+            tile(R, 2, kk, ar, ai, ap, b + v * W, ldb, cr + v * W, ldc);                                   \
+            v += 2;                                                                                        \
+        }                                                                                                  \
         if (v < nn) tile(R, 1, kk, ar, ai, ap, b + v * W, ldb, cr + v * W, ldc);                          \
     } while (0)
 
@@ -210,6 +222,59 @@ static inline void gemm_shaped(int shape, int m, int nv, int k, const float *a, 
 static inline void gemm_acc(int m, int nv, int k, const float *a, long ai, long ap, const float *b, long ldb, float *c,
                      long ldc) {
     gemm_shaped(FULL, m, nv, k, a, ai, ap, b, ldb, c, ldc);
+}
+
+/* c[i * ldc] += sum_p A(i, p) b[p * ldb] for i < m (p <= i with LOWER_K): one column of a GEMM, A as gemm_shaped
+ * reads it. Vectorised over i when A is stored transposed (ai == 1), as a dot product per row when its rows are
+ * contiguous (ap == 1). */
+static inline void column_product(int shape, int m, int k, const float *a, long ai, long ap, const float *b, long ldb,
+                                  float *c, long ldc) {
+    if (ai == 1 && shape == FULL) {
+        int i = 0;
+        for (; i + W <= m; i += W) {
+            vf acc = splat(0.0f);
+            for (int p = 0; p < k; p++) acc += load(a + i + p * ap) * splat(b[p * ldb]);
+            for (int e = 0; e < W; e++) c[(i + e) * ldc] += acc[e];
+        }
+        for (; i < m; i++) {
+            float acc = 0.0f;
+            for (int p = 0; p < k; p++) acc += a[i + p * ap] * b[p * ldb];
+            c[i * ldc] += acc;
+        }
+        return;
+    }
+    float column[k > 0 ? k : 1];
+    for (int p = 0; p < k; p++) column[p] = b[p * ldb];
+    for (int i = 0; i < m; i++) {
+        const int kk = shape == LOWER_K && i + 1 < k ? i + 1 : k;
+        const float *ar = a + i * ai;
+        float acc = 0.0f;
+        if (ap == 1) {
+            vf accv = splat(0.0f);
+            int p = 0;
+            for (; p + W <= kk; p += W) accv += load(ar + p) * load(column + p);
+            for (int e = 0; e < W; e++) acc += accv[e];
+            for (; p < kk; p++) acc += ar[p] * column[p];
+        } else {
+            for (int p = 0; p < kk; p++) acc += ar[p * ap] * column[p];
+        }
+        c[i * ldc] += acc;
+    }
+}
+
+/* gemm_shaped (FULL or LOWER_K) over the first `cols` columns of B and C, whose rows are padded to whole vectors
+ * (the columns beyond are left as they are). Kernel attention's value rows are [v, 1]: with Dv a whole number of
+ * vectors, the normaliser's one column would take a vector of its own, a sixth to a ninth more work; that column
+ * is taken as a column_product instead. */
+static inline void gemm_cols(int shape, int m, int cols, int k, const float *a, long ai, long ap, const float *b,
+                             long ldb, float *c, long ldc) {
+    const int whole = (cols - 1) / W;
+    if (whole == 0 || (cols - 1) % W != 0) {
+        gemm_shaped(shape, m, (cols + W - 1) / W, k, a, ai, ap, b, ldb, c, ldc);
+        return;
+    }
+    gemm_shaped(shape, m, whole, k, a, ai, ap, b, ldb, c, ldc);
+    column_product(shape, m, k, a, ai, ap, b + cols - 1, ldb, c + cols - 1, ldc);
 }
 
 /* grad * dphi/dx in place, the derivative read off phi itself: elu(x) + 1 has derivative 1 for x > 0 and
