@@ -308,6 +308,26 @@ def test_the_fla_peer_refuses_an_fla_without_its_current_layout(monkeypatch):
         benchmark_cases.build_method(FLA_CASE, torch.float64, "cpu")
 
 
+def test_what_cannot_run_is_reported_not_dropped(tmp_path, capsys):
+    # Asked for efficient (no causal form), sdpa at the module level (a core function) and a CUDA-only SDPA
+    # backend on CPU: each is named with its reason in the JSON and the printed table, and the rest still runs.
+    result = benchmark.main(QUICK + ["--rows", "core:1x8", "module:1x8", "--n", "16", "--passes", "fwd", "--no-memory",
+                                     "--decode-contexts", "16", "--methods", "efficient", "sdpa", "sdpa_flash",
+                                     "--json", str(tmp_path / "r.json")])
+    why = {(r["level"], r["method"], r["mask"]): r["why"] for r in result["not_run"]}
+    assert why == {("core", "efficient", "causal"): "has no causal form",
+                   ("module", "efficient", "causal"): "has no causal form",
+                   ("core", "sdpa_flash", "full"): "runs on cuda only",
+                   ("core", "sdpa_flash", "causal"): "runs on cuda only",
+                   ("module", "sdpa", "any"): "has no module-level form (it is a core-level method)",
+                   ("module", "sdpa_flash", "any"): "has no module-level form (it is a core-level method)"}
+    assert json.loads((tmp_path / "r.json").read_text())["not_run"] == result["not_run"]
+    printed = capsys.readouterr().out
+    assert "| module | sdpa | any | has no module-level form" in printed
+    ran = {(r["level"], r["method"], r["causal"]) for r in result["records"]}
+    assert {("core", "efficient", False), ("module", "efficient", False), ("core", "sdpa", True)} <= ran
+
+
 def test_the_fla_peer_runs_only_causal_and_only_on_cuda(monkeypatch):
     _fake_fla(monkeypatch, "current")
     assert benchmark_cases.available_peers("cpu")["fla"] == "not for cpu"  # not even imported

@@ -15,6 +15,8 @@ output gradient, modules in train() (dropout 0), input and parameter gradients.
 
 FLOP formulas: tools/benchmark_flops.py; inputs and references: tools/benchmark_cases.py. GB/s counts the bytes
 of q, k, v and out (x2 for fwdbwd: their gradients too).
+What was asked for but cannot run (a mask or level the method lacks, another device, a peer not installed) is
+listed with its reason under the tables and in the JSON's "not_run", never dropped silently.
 Quadratic methods are timed up to --sdpa-max-n (weight-materialising ones up to --weights-max-n) and extrapolated
 x4 per doubling beyond: '*' in the table, "extrapolated": true in the JSON (ratios against them: "~").
 Relative error (fwd output, N <= --err-max-n): exact attention in float64 for the core softmax methods, the same
@@ -75,25 +77,46 @@ def cap_for(method: Method, a) -> float:
 
 
 def plan(a, peers: dict):
-    """Groups of cases timed together (one row, N, mask, pass); beyond-cap quadratic cases are listed apart."""
-    groups, beyond = [], []
+    """Groups of cases timed together (one row, N, mask, pass); beyond-cap quadratic cases are listed apart; and
+    what was asked for but cannot run, {"level", "method", "mask", "why"} once each, so that nothing is dropped
+    silently (a method without a causal form, one of the other level only, a peer not installed, another device)."""
+    groups, beyond, not_run = [], [], {}
+    known = methods()
     for row in a.rows:
         level, b, d, max_n = parse_row(row)
+        for name in a.methods or []:  # asked for by name at a level it does not have
+            if (level, name) not in known:
+                other = "module" if level == "core" else "core"
+                not_run[(level, name, "any")] = f"has no {level}-level form (it is a {other}-level method)"
         for n in (n for n in a.n if n <= max_n):
             for causal in a.causal:
                 for pss in a.passes:
                     group = []
-                    for (lv, name), method in methods().items():
-                        if (lv != level or (causal and not method.causal) or (not causal and not method.full)
-                                or a.device not in method.devices or (a.methods and name not in a.methods)):
+                    for (lv, name), method in known.items():
+                        if lv != level or (a.methods and name not in a.methods):
                             continue
-                        if method.peer and peers.get(method.peer) != "available":
+                        why = why_not_run(method, causal, a.device, peers)
+                        if why:
+                            not_run[(level, name, "causal" if causal else "full")] = why
                             continue
                         case = dict(level=level, method=name, B=b, H=a.heads, d=d, N=n, causal=causal, proj_k=a.proj_k,
                                     seed=a.seed, **{"pass": pss})
                         (beyond if n > cap_for(method, a) else group).append(case)
                     groups.append(group)
-    return groups, beyond
+    return groups, beyond, [dict(level=lv, method=name, mask=mask, why=why) for (lv, name, mask), why in not_run.items()]
+
+
+def why_not_run(method, causal: bool, device: str, peers: dict) -> Optional[str]:
+    """Why a method cannot be timed with this mask on this device, or None."""
+    if causal and not method.causal:
+        return "has no causal form"
+    if not causal and not method.full:
+        return "is causal only"
+    if device not in method.devices:
+        return f"runs on {', '.join(method.devices)} only"
+    if method.peer and peers.get(method.peer) != "available":
+        return f"peer {method.peer}: {peers.get(method.peer, 'not checked')}"
+    return None
 
 
 def largest_output_bytes(a, dtype) -> int:
@@ -305,7 +328,10 @@ def main(argv=None):
               "page-faulted in on each call; README, 'CPU: the memory allocator', measures what tcmalloc or a "
               "glibc setting (--keep-freed-memory) gains", flush=True)
     by_key = {r["key"]: r for r in result["records"]}
-    groups, beyond = plan(a, peers)
+    groups, beyond, not_run = plan(a, peers)
+    result["not_run"] = not_run
+    for skipped in not_run:
+        print(f"  not run: {skipped['level']} {skipped['method']} ({skipped['mask']}): {skipped['why']}", flush=True)
     planned = {case_key(c) for c in beyond}  # extrapolations of rows run by an earlier invocation stay in the file
     beyond += [{f: r[f] for f in CASE_FIELDS} for r in old.get("records", [])
                if r.get("extrapolated") and r["key"] not in planned]

@@ -112,6 +112,11 @@ def print_table(result):
         print(f"| B={r['B']} H={r['H']} d={r['d']} | {r['context']} | {r['us_median']:.1f} | {r['us_min']:.1f} | "
               f"{_num(r.get('us_median_inplace'), '.1f')} | {_num(r.get('us_min_inplace'), '.1f')} | {spread} |")
     print(f"decode time slope in context length: {_num(meta.get('decode_slope'), '.3f')} (0 = flat)")
+    if result.get("not_run"):
+        print("\n| not run: level | method | mask | why |")
+        print("|---|---|---|---|")
+        for r in result["not_run"]:
+            print(f"| {r['level']} | {r['method']} | {r['mask']} | {r['why']} |")
 
 
 def print_pivot(result):
