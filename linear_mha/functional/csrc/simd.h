@@ -27,6 +27,39 @@ static inline void store(float *p, vf x) { *(vf_u *)p = x; }
 static inline vf splat(float s) { return (vf){0.0f} + s; }
 static inline vf vselect(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 
+/* The sum and the maximum of a vector's lanes, halving through 4-lane vectors (a few shuffles rather than W scalar
+ * steps: row maps reduce every row of d values, 4 vectors at d = 64). */
+typedef float v4f __attribute__((vector_size(16)));
+typedef int32_t v4i __attribute__((vector_size(16)));
+
+static inline float hsum(vf x) {
+    float lanes[W];
+    store(lanes, x);
+    v4f acc;
+    memcpy(&acc, lanes, sizeof acc);
+    for (int i = 4; i < W; i += 4) {
+        v4f part;
+        memcpy(&part, lanes + i, sizeof part);
+        acc += part;
+    }
+    return (acc[0] + acc[2]) + (acc[1] + acc[3]);
+}
+
+static inline float hmax(vf x) {
+    float lanes[W];
+    store(lanes, x);
+    v4f acc;
+    memcpy(&acc, lanes, sizeof acc);
+    for (int i = 4; i < W; i += 4) {
+        v4f part;
+        memcpy(&part, lanes + i, sizeof part);
+        const v4i more = part > acc;
+        acc = (v4f)(((v4i)part & more) | ((v4i)acc & ~more));
+    }
+    const float a = acc[0] > acc[1] ? acc[0] : acc[1], b = acc[2] > acc[3] ? acc[2] : acc[3];
+    return a > b ? a : b;
+}
+
 /* exp for x <= 0 (Cephes' expf scheme: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial in r, 2^n
  * through the exponent bits), about 1 ulp. n is rounded by adding 1.5 * 2^23, whose low mantissa bits then
  * hold n, which is cheaper than a float -> int -> float floor. Below -87.3 the result is 0, where float32

@@ -1,0 +1,128 @@
+/* The focused feature map (focused.py, FLatten) of one row, and its gradient, float32: the arithmetic both the
+ * map's own pass (focused_map.c) and the attention kernels' row loaders (map 6, kernel_attention.h) run.
+ *
+ *   y = (relu(x) + 1e-6) / s,   phi = y^p |y| / |y^p|    (elementwise power p, L2 norms over the row)
+ *
+ * computed on u = y / max(y), in (0, 1], so neither the power nor the norms overflow: phi = m |u| u^p / |u^p|.
+ */
+#ifndef LINEAR_MHA_FOCUSED_H
+#define LINEAR_MHA_FOCUSED_H
+#include "simd.h"
+
+#define FOCUSED_EPS 1e-6f /* focused.RELU_EPS */
+
+/* The map's settings: the focusing power, and the scales s of every head (H x d) or NULL. */
+struct focused_map {
+    float power;
+    int integer_power; /* p when p is a whole number in 1..8 (the power by multiplication), else 0 */
+    const float *scale;
+};
+
+static inline struct focused_map focused_settings(float power, const float *scale) {
+    const float whole = floorf(power);
+    const struct focused_map m = {power, whole == power && power >= 1.0f && power <= 8.0f ? (int)power : 0, scale};
+    return m;
+}
+
+static inline float power_of(float u, const struct focused_map *c) {
+    if (c->integer_power) {
+        float z = u;
+        for (int i = 1; i < c->integer_power; i++) z *= u;
+        return z;
+    }
+    return powf(u, c->power);
+}
+
+static inline vf power_vec(vf u, const struct focused_map *c) {
+    if (c->integer_power) {
+        vf z = u;
+        for (int i = 1; i < c->integer_power; i++) z *= u;
+        return z;
+    }
+    vf z;
+    for (int i = 0; i < W; i++) z[i] = powf(u[i], c->power);
+    return z;
+}
+
+static inline float relu_eps(float x) { return (x > 0.0f ? x : 0.0f) + FOCUSED_EPS; }
+
+/* y (the scaled features), u = y / max(y) and z = u^p of a row of d values, s its head's scales or NULL; returns
+ * max(y) and sets |u|, |u^p|. */
+static inline float focused_row(const struct focused_map *c, const float *x, const float *s, int d, float *y,
+                                float *u, float *z, float *norm_u, float *norm_z) {
+    int f = 0;
+    vf top_v = splat(0.0f);
+    for (; f + W <= d; f += W) {
+        const vf xv = load(x + f), r = vselect(xv > splat(0.0f), xv, splat(0.0f)) + splat(FOCUSED_EPS);
+        const vf yv = s ? r / load(s + f) : r;
+        store(y + f, yv);
+        top_v = vselect(yv > top_v, yv, top_v);
+    }
+    float top = hmax(top_v);
+    for (; f < d; f++) {
+        y[f] = s ? relu_eps(x[f]) / s[f] : relu_eps(x[f]);
+        top = y[f] > top ? y[f] : top;
+    }
+    const float inv_top = 1.0f / top;
+    vf su_v = splat(0.0f), sz_v = splat(0.0f);
+    for (f = 0; f + W <= d; f += W) {
+        const vf uv = load(y + f) * splat(inv_top), zv = power_vec(uv, c);
+        store(u + f, uv);
+        store(z + f, zv);
+        su_v += uv * uv;
+        sz_v += zv * zv;
+    }
+    float su = hsum(su_v), sz = hsum(sz_v);
+    for (; f < d; f++) {
+        u[f] = y[f] * inv_top;
+        z[f] = power_of(u[f], c);
+        su += u[f] * u[f];
+        sz += z[f] * z[f];
+    }
+    *norm_u = sqrtf(su);
+    *norm_z = sqrtf(sz);
+    return top;
+}
+
+/* phi (d) of the row x of head `head`. */
+static inline void focused_features(float *phi, const float *x, int d, const struct focused_map *c, int head) {
+    float y[d], u[d], norm_u, norm_z;
+    const float top = focused_row(c, x, c->scale ? c->scale + (long)head * d : NULL, d, y, u, phi, &norm_u, &norm_z);
+    scaled_copy(phi, phi, d, top * norm_u / norm_z);
+}
+
+/* The gradient dx (d) of the row x from g (d), that of its features; adds the row's share of the scales' gradient
+ * to ds (d, this head's) unless NULL. With S = g . u^p, A = |u|, Z = |u^p| (the row's maximum cancels, phi being
+ * homogeneous of degree 1 in y): dy = u S / (A Z) + (A p u^(p-1) / Z) (g - S u^p / Z^2), then dx = dy / s where
+ * x > 0 (else 0) and ds = -dy y / s. */
+static inline void focused_input_grad(float *dx, const float *g, const float *x, int d, const struct focused_map *c,
+                                      int head, float *ds) {
+    float y[d], u[d], zp[d], norm_u, norm_z;
+    const float *s = c->scale ? c->scale + (long)head * d : NULL;
+    focused_row(c, x, s, d, y, u, zp, &norm_u, &norm_z);
+    vf dot_v = splat(0.0f);
+    int f = 0;
+    for (; f + W <= d; f += W) dot_v += load(g + f) * load(zp + f);
+    float dot = hsum(dot_v);
+    for (; f < d; f++) dot += g[f] * zp[f];
+    const float radial = dot / (norm_u * norm_z), tangential = norm_u * c->power / norm_z;
+    const float along = dot / (norm_z * norm_z);
+    f = 0;
+    if (c->integer_power)
+        for (; f + W <= d; f += W) {
+            const vf uv = load(u + f), zv = load(zp + f), xv = load(x + f);
+            const vf dy = uv * splat(radial) + splat(tangential) * (zv / uv) * (load(g + f) - splat(along) * zv);
+            const vf scale = s ? load(s + f) : splat(1.0f);
+            store(dx + f, vselect(xv > splat(0.0f), dy / scale, splat(0.0f)));
+            if (ds) store(ds + f, load(ds + f) - dy * load(y + f) / scale);
+        }
+    for (; f < d; f++) {
+        const float u_p1 = c->integer_power ? zp[f] / u[f] : powf(u[f], c->power - 1.0f);
+        const float dy = u[f] * radial + tangential * u_p1 * (g[f] - along * zp[f]);
+        const float scale = s ? s[f] : 1.0f;
+        dx[f] = x[f] > 0.0f ? dy / scale : 0.0f;
+        if (ds) ds[f] -= dy * y[f] / scale;
+    }
+}
+
+#endif
