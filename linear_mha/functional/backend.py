@@ -1,9 +1,11 @@
 """Which implementation runs an attention call, and why: the one place that decides.
 
     native             the compiled C code of ``native.py`` (float32 CPU, or half CPU inputs once copied to float32;
-                       kernel attention with elu/relu, Efficient Attention), forward and backward, and the decoding step
-    native_features    any other feature map (focused, hedgehog's learned maps, a user's map): the map made by PyTorch
-                       ops or, for focused, by its own compiled pass; the products and the division by the compiled code
+                       kernel attention with elu/relu/taylor/taylor2 maps and focused attention, each map computed
+                       inside the kernels' row loaders, Efficient Attention), forward and backward, and the decoding
+                       step
+    native_features    any other feature map (hedgehog's learned maps, a user's map): the map made by PyTorch ops or
+                       by its own compiled pass; the products and the division by the compiled code
     fla                ``fla_causal.py``: causal elu/relu kernel attention on bfloat16 CUDA tensors through
                        flash-linear-attention's Triton kernel, when fla-core is installed and the path is enabled
     triton             ``triton_kernel.py``: non-causal elu/relu kernel attention in fused Triton kernels, forward and
@@ -15,7 +17,7 @@
     chunked            ``kernel/chunked.py``: the causal product on features made already, with its own backward
     composed           plain PyTorch ops (any map, dtype and device, torch.func, autograd through every op)
 
-``kernel_backend`` / ``rope_backend`` / ``product_backend`` / ``efficient_backend`` / ``step_backend`` return a :class:`Choice` naming
+``kernel_backend`` / ``focused_backend`` / ``rope_backend`` / ``product_backend`` / ``efficient_backend`` / ``step_backend`` return a :class:`Choice` naming
 the backend and the reason, so a user can ask why a call was not fast (``str(choice)``), as torch's
 ``why_not_fast_path`` does; each function is asked once per call, and the caller runs what it names.
 :func:`override` switches choices for a block of code (tests, comparisons): ``native=False`` runs PyTorch ops
@@ -170,20 +172,43 @@ def features_backend(phi_q: Tensor, phi_k: Tensor, v: Tensor, initial_state: Opt
     return Choice(COMPOSED, f"not native because {why_not_native}")
 
 
-def focused_map_backend(x: Tensor, scale: Optional[Tensor]) -> Choice:
-    """The backend ``focused.focused_feature_map`` runs: the compiled map (``native_maps.focused_map``) for float32 CPU
-    rows (B, H, N, d) whose scale is one value per head and channel, or None."""
+def _why_not_focused_rows(x: Tensor, scale: Optional[Tensor]) -> Optional[str]:
+    """Why the compiled focused map cannot read x and scale as they are shaped, or None: it takes (B, H, N, d) rows
+    and one scale per head and channel (or none)."""
     if x.dim() != 4:
-        return Choice(COMPOSED, f"x has {x.dim()} dimensions; the compiled map takes (B, H, N, d) rows")
+        return f"x has {x.dim()} dimensions; the compiled map takes (B, H, N, d) rows"
     if scale is not None:
         sizes = (1,) * (4 - scale.dim()) + tuple(scale.shape)
         if scale.dim() > 4 or sizes[0] != 1 or sizes[2] != 1 or sizes[1] not in (1, x.shape[1]) \
                 or sizes[3] not in (1, x.shape[3]):
-            return Choice(COMPOSED, f"scale of shape {tuple(scale.shape)} is not one value per head and channel")
+            return f"scale of shape {tuple(scale.shape)} is not one value per head and channel"
+    return None
+
+
+def focused_map_backend(x: Tensor, scale: Optional[Tensor]) -> Choice:
+    """The backend ``focused.focused_feature_map`` runs: the compiled map (``native_maps.focused_map``) for float32 CPU
+    rows (B, H, N, d) whose scale is one value per head and channel, or None."""
+    why_not_rows = _why_not_focused_rows(x, scale)
+    if why_not_rows is not None:
+        return Choice(COMPOSED, why_not_rows)
     why_not_native = native.why_not(x, scale, dtype=None)
     if why_not_native is None:
         return Choice(NATIVE, "float32 CPU rows: the map in one compiled pass, forward and backward")
     return Choice(COMPOSED, f"not native because {why_not_native}")
+
+
+def focused_backend(q: Tensor, k: Tensor, v: Tensor, scale: Optional[Tensor], *, causal: bool,
+                    initial_state: Optional[Tensor] = None) -> Choice:
+    """The backend ``focused.focused`` runs: the compiled kernels with the map inside their row loaders (float32
+    CPU (B, H, N, d) tensors, half ones in float32 copies, scales one per head and channel or none), forward and
+    backward; else kernel attention on the map's features, where ``kernel_backend`` says."""
+    why_not_native = _why_not_focused_rows(q, scale) or native.why_not(q, k, v, initial_state, scale,
+                                                                        dtype=compute_dtype(q.dtype))
+    if why_not_native is None:
+        return Choice(NATIVE, "float32 CPU tensors: the focused map inside the compiled kernels, forward and backward")
+    features = kernel_backend(q, k, v, "focused", causal=causal, initial_state=initial_state)
+    return Choice(features.backend, f"the map is not in the compiled kernels because {why_not_native}; its features: "
+                                    f"{features.reason}")
 
 
 def hedgehog_map_backend(z: Tensor, bias: Optional[Tensor]) -> Choice:

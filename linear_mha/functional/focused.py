@@ -13,8 +13,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import backend, native_maps
-from .kernel import kernel
+from . import backend, native, native_maps
+from ._common import compute_dtype, drop_keys
+from .kernel import check_initial_state, check_kernel_inputs, kernel
 
 RELU_EPS = 1e-6  # FLatten's relu(x) + 1e-6: no feature vector is exactly zero, so no normaliser vanishes
 
@@ -23,12 +24,17 @@ def focused_feature_map(x: Tensor, focusing_factor: float = 3.0, scale: Optional
     """phi_p(x) on the last dimension: x (..., d) -> (..., d); ``scale`` broadcastable to x, positive. Float32 CPU
     rows (B, H, N, d) with one scale per head and channel run as one compiled pass (``backend.focused_map_backend``)."""
     if backend.focused_map_backend(x, scale).backend == backend.NATIVE:
-        per_head = None
-        if scale is not None:  # (..., H|1, 1, d|1) -> (H, d)
-            per_head = scale.reshape((1,) * (4 - scale.dim()) + tuple(scale.shape))[0, :, 0, :]
-            per_head = per_head.expand(x.shape[1], x.shape[3]).contiguous()
-        return native_maps.focused_map(x, per_head, focusing_factor)
+        return native_maps.focused_map(x, _per_head(scale, x), focusing_factor)
     return composed_focused_map(x, focusing_factor, scale)
+
+
+def _per_head(scale: Optional[Tensor], x: Tensor) -> Optional[Tensor]:
+    """A scale of one value per head and channel, (..., H|1, 1, d|1), as the compiled code reads it: (H, d)
+    contiguous (autograd carries its gradient back to the caller's shape)."""
+    if scale is None:
+        return None
+    per_head = scale.reshape((1,) * (4 - scale.dim()) + tuple(scale.shape))[0, :, 0, :]
+    return per_head.expand(x.shape[1], x.shape[3]).contiguous()
 
 
 def composed_focused_map(x: Tensor, focusing_factor: float = 3.0, scale: Optional[Tensor] = None) -> Tensor:
@@ -61,9 +67,22 @@ def focused(
     """Focused linear attention: q (B, H, L, d), k (B, H, S, d), v (B, H, S, d_v) -> (B, H, L, d_v).
 
     scale: positive, broadcastable to (B, H, N, d), e.g. (H, 1, d) per head and channel (None: 1). Masks, causality,
-    dropout and initial_state as in ``kernel`` (the state has feature size d)."""
+    dropout and initial_state as in ``kernel`` (the state has feature size d). On float32 CPU tensors with one scale
+    per head and channel the map runs inside the compiled kernels, forward and backward, and no feature tensor is
+    made; elsewhere the map's features go to ``kernel`` (``backend.focused_backend`` says which, and why)."""
     if isinstance(focusing_factor, bool) or not isinstance(focusing_factor, (int, float)) or focusing_factor <= 0:
         raise ValueError(f"focusing_factor must be a positive number, got {focusing_factor!r}")
+    chosen = backend.focused_backend(q, k, v, scale, causal=causal, initial_state=initial_state).backend
+    if chosen == backend.NATIVE:  # the map inside the compiled kernels' row loaders: no feature tensors are made
+        causal = check_kernel_inputs(q, k, v, key_padding_mask, causal, chunk_size)
+        out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
+        q, k, v = q.to(dtype), k.to(dtype), drop_keys(v.to(dtype), dropout_p)
+        if initial_state is not None:
+            initial_state = initial_state.to(dtype)
+            check_initial_state(initial_state, q.shape[-1], v)
+        settings = (float(focusing_factor), None if scale is None else _per_head(scale.to(dtype), q))
+        return native.kernel_attention(q, k, v, "focused", key_padding_mask, initial_state, causal,
+                                       focused=settings).to(out_dtype)
 
     def feature(x):
         return focused_feature_map(x, focusing_factor, scale)

@@ -2,8 +2,9 @@
 
 Kernel attention with an elementwise map spends most of its CPU time in elementwise passes over N-sized
 tensors, not in its two GEMMs; the C functions fuse those passes into the GEMMs (see kernel_attention.c). They
-cover float32 CPU tensors: kernel attention with elu/relu/taylor/taylor2 maps or with features made already
-(non-causal and causal, with gradients; elu/relu also the recurrent decoding step), Efficient Attention (with
+cover float32 CPU tensors: kernel attention with elu/relu/taylor/taylor2 maps, focused attention (its map and the
+map's scales' gradient inside the kernels) or features made already (non-causal and causal, with gradients;
+elu/relu also the recurrent decoding step), Efficient Attention (with
 gradients), and the focused and hedgehog feature maps (with gradients, through ``native_maps.py``). Everything
 else (other dtypes, accelerators) stays in PyTorch, and so does everything when the compiled code is unavailable;
 ``backend.py`` decides which calls come here.
@@ -30,6 +31,9 @@ MAPS = {"elu": 0, "relu": 1}  # the elementwise feature maps the C code computes
 # [1, x', x'_i x'_j], 1 + D + D (D + 1) / 2 features.
 ROW_MAPS = {"taylor": 4, "taylor2": 5}
 FEATURES_GIVEN = 3  # the C code's map for features made already (any map, made by PyTorch ops)
+# focused (FLatten): a row map with settings, its power and per-head scales, passed beside the map code; reached
+# through focused.focused, not kernel's feature_map names.
+FOCUSED = 6
 
 _lock = threading.Lock()
 _library = None
@@ -55,16 +59,16 @@ def enabled() -> bool:
 
 def _declare(library: ctypes.CDLL) -> None:
     p, i, l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
-    library.lm_kernel_attention_f32.argtypes = [p] * 8 + [i, i, l, l, i, i] + [l] * 9 + [i, i]
-    library.lm_kernel_attention_backward_f32.argtypes = [p] * 12 + [i, i, l, l, i, i] + [l] * 9 + [i, i]
-    library.lm_causal_kernel_attention_f32.argtypes = [p] * 7 + [i, i, l, i, i] + [l] * 9 + [i, i]
-    library.lm_causal_kernel_attention_backward_f32.argtypes = [p] * 12 + [i, i, l, i, i] + [l] * 9 + [i, i]
+    f = ctypes.c_float
+    library.lm_kernel_attention_f32.argtypes = [p] * 8 + [i, i, l, l, i, i] + [l] * 9 + [i, i, f, p]
+    library.lm_kernel_attention_backward_f32.argtypes = [p] * 12 + [i, i, l, l, i, i] + [l] * 9 + [i, i, f, p, p]
+    library.lm_causal_kernel_attention_f32.argtypes = [p] * 7 + [i, i, l, i, i] + [l] * 9 + [i, i, f, p]
+    library.lm_causal_kernel_attention_backward_f32.argtypes = [p] * 12 + [i, i, l, i, i] + [l] * 9 + [i, i, f, p, p]
     library.lm_rope_kernel_attention_f32.argtypes = [p] * 7 + [i, i, l, i, i] + [l] * 9 + [i, i, p, p, i]
     library.lm_rope_kernel_attention_backward_f32.argtypes = [p] * 11 + [i, i, l, i, i] + [l] * 9 + [i, i, p, p, i]
     library.lm_kernel_step_f32.argtypes = [p] * 6 + [i, i, i, i]
     library.lm_efficient_attention_f32.argtypes = [p] * 8 + [i, i, l, l, i, i] + [l] * 9 + [i]
     library.lm_efficient_attention_backward_f32.argtypes = [p] * 11 + [i, i, l, l, i, i] + [l] * 9 + [i]
-    f = ctypes.c_float
     library.lm_focused_map_f32.argtypes = [p] * 3 + [i, i, l, i, l, l, l, f, i]
     library.lm_focused_map_backward_f32.argtypes = [p] * 5 + [i, i, l, i, l, l, l, f, i]
     library.lm_focused_map_tasks.argtypes = [i, i, l, i]
@@ -168,14 +172,17 @@ def _check(status: int) -> None:
 
 def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_map: Optional[str],
                      key_padding_mask: Optional[Tensor] = None, initial_state: Optional[Tensor] = None,
-                     causal: bool = False, rope_tables: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
+                     causal: bool = False, rope_tables: Optional[Tuple[Tensor, Tensor]] = None,
+                     focused: Optional[Tuple[float, Optional[Tensor]]] = None) -> Tensor:
     """Kernel attention, differentiable through the compiled backward. Shapes as ``kernel.kernel``: q (B, H, L, D),
     k (B, H, S, D), v (B, H, S, Dv), any strides with a contiguous last dimension (L == S when causal);
     key_padding_mask (B, S) bool, True = ignore; initial_state (B, H, D, Dv + 1). Returns a contiguous
     (B, H, L, Dv) tensor. ``feature_map`` None: q and k are features made already (phi(q), phi(k), D = their
     count), and the gradients returned are those of the features. ``rope_tables``: (cos, sin), each (L, R)
     contiguous float32 from ``grid_rope.rotation_tables``, for ``grid_rope_kernel``'s rotary position (non-causal
-    self-attention, L == S, no initial_state). Callers check ``why_not`` and the shapes."""
+    self-attention, L == S, no initial_state). ``focused``: (power, scale) with feature_map "focused", the
+    focusing power and the scales (H, D) contiguous float32, or None; differentiable in scale too. Callers check
+    ``why_not`` and the shapes."""
     if rope_tables is not None:
         features = feature_count(feature_map, q.shape[-1])
         rotated = rope_tables[0].shape[-1]
@@ -186,9 +193,10 @@ def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_map: Optional[str]
                              f"S={k.shape[2]}, tables {tuple(rope_tables[0].shape)}, causal={causal}")
     mask = None if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
     init = None if initial_state is None else initial_state.contiguous()
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, init)):
-        return _KernelAttention.apply(q, k, v, init, mask, feature_map, causal, rope_tables)
-    return _forward(q, k, v, mask, init, feature_map, causal, False, rope_tables)[0]
+    power, scale = focused if focused is not None else (0.0, None)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, init, scale)):
+        return _KernelAttention.apply(q, k, v, init, mask, feature_map, causal, rope_tables, scale, power)
+    return _forward(q, k, v, mask, init, feature_map, causal, False, rope_tables, scale, power)[0]
 
 
 def call(entry: str, *args) -> None:
@@ -210,6 +218,8 @@ def pointer(t: Optional[Tensor]):
 def _map_code(feature_map: Optional[str]) -> int:
     if feature_map is None:
         return FEATURES_GIVEN
+    if feature_map == "focused":
+        return FOCUSED
     return MAPS[feature_map] if feature_map in MAPS else ROW_MAPS[feature_map]
 
 
@@ -238,7 +248,7 @@ def _rope_arguments(rope):
     return cos.data_ptr(), sin.data_ptr(), cos.shape[-1]
 
 
-def _forward(q, k, v, mask, init, feature_map, causal, keep, rope=None):
+def _forward(q, k, v, mask, init, feature_map, causal, keep, rope=None, scale=None, power=0.0):
     """(out, state, den): the state (B, H, D, Dv + 1, non-causal only) and the normalisers den (B, H, L) are
     returned for the backward when ``keep``, else None."""
     b, h, n_q, d = q.shape
@@ -252,10 +262,11 @@ def _forward(q, k, v, mask, init, feature_map, causal, keep, rope=None):
         status = _lib().lm_rope_kernel_attention_f32(*inputs, out.data_ptr(), pointer(state), pointer(den), *tail,
                                                      *_rope_arguments(rope))
     elif causal:
-        status = _lib().lm_causal_kernel_attention_f32(*inputs, pointer(init), out.data_ptr(), pointer(den), *tail)
+        status = _lib().lm_causal_kernel_attention_f32(*inputs, pointer(init), out.data_ptr(), pointer(den), *tail,
+                                                       power, pointer(scale))
     else:
         status = _lib().lm_kernel_attention_f32(*inputs, pointer(init), out.data_ptr(), pointer(state), pointer(den),
-                                                *tail)
+                                                *tail, power, pointer(scale))
     _check(status)
     return out, state, den
 
@@ -265,19 +276,24 @@ class _KernelAttention(torch.autograd.Function):
     and keeps only the output, the normalisers and, non-causal, the (B, H, D, Dv + 1) state."""
 
     @staticmethod
-    def forward(ctx, q, k, v, init, mask, feature_map, causal, rope):
-        out, state, den = _forward(q, k, v, mask, init, feature_map, causal, True, rope)
-        ctx.save_for_backward(q, k, v, init, mask, out, state, den, *(rope or ()))
-        ctx.feature_map, ctx.causal, ctx.rope = feature_map, causal, rope is not None
+    def forward(ctx, q, k, v, init, mask, feature_map, causal, rope, scale, power):
+        out, state, den = _forward(q, k, v, mask, init, feature_map, causal, True, rope, scale, power)
+        ctx.save_for_backward(q, k, v, init, mask, out, state, den, scale, *(rope or ()))
+        ctx.feature_map, ctx.causal, ctx.rope, ctx.power = feature_map, causal, rope is not None, power
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, init, mask, out, state, den, *rope = ctx.saved_tensors
+        q, k, v, init, mask, out, state, den, scale, *rope = ctx.saved_tensors
         need_q, need_k, need_v, need_init = ctx.needs_input_grad[:4]
+        need_scale = scale is not None and ctx.needs_input_grad[8]
         b, h, n_q, d = q.shape
         n_k, dv, features = k.shape[2], v.shape[-1], feature_count(ctx.feature_map, d)
+        threads = torch.get_num_threads()
+        # The scales' gradient is summed from the rows whose input gradients the kernels write: those of q and k.
+        partial = q.new_zeros(threads, *scale.shape) if need_scale else None
+        need_q, need_k = need_q or need_scale, need_k or need_scale
         grads = (q.new_empty(b, h, n_q, d) if need_q else None, k.new_empty(b, h, n_k, d) if need_k else None,
                  v.new_empty(b, h, n_k, dv) if need_v else None,
                  q.new_empty(b, h, features, dv + 1) if need_init else None)
@@ -290,15 +306,18 @@ class _KernelAttention(torch.autograd.Function):
                 *map(pointer, grads[:3]), *sizes, _map_code(ctx.feature_map), torch.get_num_threads(),
                 *_rope_arguments(rope))
             _check(status)
-            return (*grads, None, None, None, None)
+            return (*grads, None, None, None, None, None, None)
         tail = (out.data_ptr(), grad_out.data_ptr(), *map(pointer, grads),
-                *_sizes(q, k, v, ctx.causal, features), _map_code(ctx.feature_map), torch.get_num_threads())
+                *_sizes(q, k, v, ctx.causal, features), _map_code(ctx.feature_map), threads, ctx.power,
+                pointer(scale), pointer(partial))
         if ctx.causal:
             status = _lib().lm_causal_kernel_attention_backward_f32(*pointers, pointer(init), den.data_ptr(), *tail)
         else:
             status = _lib().lm_kernel_attention_backward_f32(*pointers, state.data_ptr(), den.data_ptr(), *tail)
         _check(status)
-        return (*grads, None, None, None, None)
+        needed = ctx.needs_input_grad
+        return (grads[0] if needed[0] else None, grads[1] if needed[1] else None, *grads[2:], None, None, None, None,
+                None if partial is None else partial.sum(0), None)
 
 
 def efficient_attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tensor:

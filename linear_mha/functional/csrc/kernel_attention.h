@@ -6,7 +6,43 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#include "focused.h"
 #include "simd.h"
+
+/* Map 6, focused (focused.h): a row map with settings, which ride beside the map code; its backward adds each row's
+ * share of the scales' gradient into grad_scale, (threads x H x d) partial sums, one slice per thread (NULL: not
+ * wanted; the caller sums the slices). */
+#define FOCUSED 6
+struct map_settings {
+    struct focused_map focused;
+    float *grad_scale;
+    int h;
+};
+
+static inline int thread_slot(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+/* features() for every map, settings and the row's head included (ms may be NULL for maps without settings). */
+static inline void map_features(float *dst, const float *src, int d, int map, const struct map_settings *ms, int head) {
+    if (map == FOCUSED) focused_features(dst, src, d, &ms->focused, head);
+    else features(dst, src, d, map);
+}
+
+/* input_grad() for every map; a focused row also adds its share of the scales' gradient. */
+static inline void map_input_grad(float *dst, float *g_phi, const float *phi, const float *src, int d, int map,
+                                  const struct map_settings *ms, int head) {
+    if (map != FOCUSED) {
+        input_grad(dst, g_phi, phi, src, d, map);
+        return;
+    }
+    float *ds = ms->grad_scale ? ms->grad_scale + ((long)thread_slot() * ms->h + head) * d : NULL;
+    focused_input_grad(dst, g_phi, src, d, &ms->focused, head, ds);
+}
 
 /* out[r][c] = num_den[r][c] / num_den[r][dv] for rows of width dvp. A zero normaliser means every visible key
  * is masked (or phi(q) = 0): the numerator is 0 too and the output is defined as 0. */
@@ -50,23 +86,23 @@ static inline void rotate_row(float *dst, const float *src, int f, const struct 
 }
 
 /* The features of a row, d of them: phi, or with rope [R_pos phi, phi] (d = 2 f). */
-static inline void row_features(float *dst, const float *src, int d, int map, const struct rope_tables *rope,
-                                long pos) {
+static inline void row_features(float *dst, const float *src, int d, int map, const struct map_settings *ms, int head,
+                                const struct rope_tables *rope, long pos) {
     if (!rope) {
-        features(dst, src, d, map);
+        map_features(dst, src, d, map, ms, head);
         return;
     }
     const int f = d / 2;
-    features(dst + f, src, f, map);
+    map_features(dst + f, src, f, map, ms, head);
     rotate_row(dst, dst + f, f, rope, pos);
 }
 
 /* The gradient of the input row src from g_phi, that of its d row_features phi (g_phi is overwritten): with rope
  * that of the plain features is g[f:] + R_pos^T g[:f], then the map's own derivative. */
 static inline void row_input_grad(float *dst, float *g_phi, const float *phi, const float *src, int d, int map,
-                                  const struct rope_tables *rope, long pos) {
+                                  const struct map_settings *ms, int head, const struct rope_tables *rope, long pos) {
     if (!rope) {
-        input_grad(dst, g_phi, phi, src, d, map);
+        map_input_grad(dst, g_phi, phi, src, d, map, ms, head);
         return;
     }
     const int f = d / 2, half = rope->rotated / 2, kept = f - rope->rotated;
@@ -78,7 +114,7 @@ static inline void row_input_grad(float *dst, float *g_phi, const float *phi, co
         g[kept + m] += ga * c[m] + gb * s[half + m];
         g[kept + half + m] += gb * c[half + m] - ga * s[m];
     }
-    input_grad(dst, g, phi + f, src, f, map);
+    map_input_grad(dst, g, phi + f, src, f, map, ms, head);
 }
 
 /* Values per input row: the map's inputs for its features (d, or half of them with rope). */
@@ -191,6 +227,7 @@ struct key_rows {
     long n, ksb, ksh, ksn, vsb, vsh, vsn;
     const float *shift; /* (B*H, D) or NULL: features exp(k - shift) instead of the map (Efficient Attention) */
     const struct rope_tables *rope; /* or NULL */
+    const struct map_settings *ms;  /* or NULL */
 };
 
 /* dst = exp(src - shift), every exponent <= 0 (shift holds the maxima of src); 0 below -87.3 as elsewhere. */
@@ -210,7 +247,7 @@ static inline int key_source(const void *ctx, int g, long j, long z, long *next,
         if (c->mask && c->mask[bi * c->n + j]) continue;
         const float *kr = c->k + bi * c->ksb + hi * c->ksh + j * c->ksn;
         if (c->shift) shifted_exp(a + rows * c->d, kr, c->shift + (long)g * c->d, c->d);
-        else row_features(a + rows * c->d, kr, c->d, c->map, c->rope, j);
+        else row_features(a + rows * c->d, kr, c->d, c->map, c->ms, hi, c->rope, j);
         float *row = b + rows * c->width;
         memcpy(row, c->v + bi * c->vsb + hi * c->vsh + j * c->vsn, sizeof(float) * c->dv);
         row[c->dv] = 1.0f;
@@ -306,6 +343,7 @@ struct query_outputs {
     long n, qsb, qsh, qsn;
     int map;
     const struct rope_tables *rope; /* or NULL */
+    const struct map_settings *ms;  /* or NULL */
 };
 
 static inline void query_block(const void *ctx, int g, long i0, int rows, float *scratch) {
@@ -313,8 +351,8 @@ static inline void query_block(const void *ctx, int g, long i0, int rows, float 
     const int bi = g / c->h, hi = g % c->h;
     float *phi = scratch, *num_den = scratch + ROWS * c->d;
     for (int r = 0; r < rows; r++)
-        row_features(phi + r * c->d, c->q + bi * c->qsb + hi * c->qsh + (i0 + r) * c->qsn, c->d, c->map, c->rope,
-                     i0 + r);
+        row_features(phi + r * c->d, c->q + bi * c->qsb + hi * c->qsh + (i0 + r) * c->qsn, c->d, c->map, c->ms, hi,
+                     c->rope, i0 + r);
     const float *state = c->states + (long)g * c->d * c->width;
     memset(num_den, 0, sizeof(float) * rows * c->width);
     if (c->rope) { /* half the product: rotated features on the numerator's rows, the normaliser from the plain half */
@@ -346,6 +384,7 @@ struct causal_inputs {
     const uint8_t *mask;
     int h, d, dv, map;
     long n, qsb, qsh, qsn, ksb, ksh, ksn, vsb, vsh, vsn;
+    const struct map_settings *ms; /* or NULL */
 };
 
 /* Positions i0 .. i0 + rows of head g: phi(q) and phi(k) with row stride ld, [v, 1] with row stride width (its
@@ -357,12 +396,12 @@ static inline void load_chunk(const struct causal_inputs *in, int g, long i0, in
     for (int r = 0; r < rows; r++) {
         const long j = i0 + r;
         float *pk = phi_k + r * ld, *vr = v1 + r * width;
-        features(phi_q + r * ld, in->q + bi * in->qsb + hi * in->qsh + j * in->qsn, d, in->map);
+        map_features(phi_q + r * ld, in->q + bi * in->qsb + hi * in->qsh + j * in->qsn, d, in->map, in->ms, hi);
         if (in->mask && in->mask[bi * in->n + j]) {
             memset(pk, 0, sizeof(float) * d);
             memset(vr, 0, sizeof(float) * (dv + 1));
         } else {
-            features(pk, in->k + bi * in->ksb + hi * in->ksh + j * in->ksn, d, in->map);
+            map_features(pk, in->k + bi * in->ksb + hi * in->ksh + j * in->ksn, d, in->map, in->ms, hi);
             memcpy(vr, in->v + bi * in->vsb + hi * in->vsh + j * in->vsn, sizeof(float) * dv);
             vr[dv] = 1.0f;
         }

@@ -18,6 +18,7 @@ struct query_rows {
     int h, d, dp, dv, width, map;
     long n, qsb, qsh, qsn;
     const struct rope_tables *rope; /* or NULL */
+    const struct map_settings *ms;  /* or NULL */
 };
 
 /* Rows phi(q_i), r_i for the accumulation of G; as a side effect writes d q_i = (r_i [S, z]^T) * phi'(q_i). */
@@ -28,7 +29,8 @@ static int query_source(const void *ctx, int g, long j, long z, long *next, floa
     const long i = (long)g * c->n + j;
     gradient_rows(c->grad + i * c->dv, c->out + i * c->dv, c->den + i, rows, c->dv, c->width, b);
     for (int r = 0; r < rows; r++)
-        row_features(a + r * c->d, c->q + bi * c->qsb + hi * c->qsh + (j + r) * c->qsn, c->d, c->map, c->rope, j + r);
+        row_features(a + r * c->d, c->q + bi * c->qsb + hi * c->qsh + (j + r) * c->qsn, c->d, c->map, c->ms, hi, c->rope,
+                     j + r);
     if (c->grad_q) {
         memset(scratch, 0, sizeof(float) * rows * c->dp);
         gemm_acc(rows, c->dp / W, c->dv + 1, b, c->width, 1, c->state_t + (long)g * c->width * c->dp, c->dp, scratch,
@@ -36,7 +38,8 @@ static int query_source(const void *ctx, int g, long j, long z, long *next, floa
         const int d_in = row_inputs(c->d, c->map, c->rope);
         for (int r = 0; r < rows; r++)
             row_input_grad(c->grad_q + ((long)g * c->n + j + r) * d_in, scratch + r * c->dp, a + r * c->d,
-                           c->q + bi * c->qsb + hi * c->qsh + (j + r) * c->qsn, c->d, c->map, c->rope, j + r);
+                           c->q + bi * c->qsb + hi * c->qsh + (j + r) * c->qsn, c->d, c->map, c->ms, hi, c->rope,
+                           j + r);
     }
     *next = j + rows;
     return rows;
@@ -51,6 +54,7 @@ struct key_grads {
     int h, d, dp, dv, width, map;
     long n, ksb, ksh, ksn, vsb, vsh, vsn;
     const struct rope_tables *rope; /* or NULL */
+    const struct map_settings *ms;  /* or NULL */
 };
 
 static void key_block(const void *ctx, int g, long j0, int rows, float *scratch) {
@@ -60,7 +64,7 @@ static void key_block(const void *ctx, int g, long j0, int rows, float *scratch)
     for (int r = 0; r < rows; r++) {
         const long j = j0 + r;
         float *row = v1 + r * width;
-        row_features(phi + r * d, c->k + bi * c->ksb + hi * c->ksh + j * c->ksn, d, c->map, c->rope, j);
+        row_features(phi + r * d, c->k + bi * c->ksb + hi * c->ksh + j * c->ksn, d, c->map, c->ms, hi, c->rope, j);
         memcpy(row, c->v + bi * c->vsb + hi * c->vsh + j * c->vsn, sizeof(float) * dv);
         row[dv] = 1.0f;
         memset(row + dv + 1, 0, sizeof(float) * (width - dv - 1));
@@ -76,7 +80,7 @@ static void key_block(const void *ctx, int g, long j0, int rows, float *scratch)
             const int d_in = row_inputs(d, c->map, c->rope);
             if (masked) memset(c->grad_k + o * d_in, 0, sizeof(float) * d_in);
             else row_input_grad(c->grad_k + o * d_in, g_phi + r * dp, phi + r * d,
-                                c->k + bi * c->ksb + hi * c->ksh + j * c->ksn, d, c->map, c->rope, j);
+                                c->k + bi * c->ksb + hi * c->ksh + j * c->ksn, d, c->map, c->ms, hi, c->rope, j);
         }
         if (c->grad_v) {
             if (masked) memset(c->grad_v + o * dv, 0, sizeof(float) * dv);
@@ -89,7 +93,7 @@ static int noncausal_backward(const float *q, const float *k, const float *v, co
                               const float *den, const float *out, const float *grad, float *grad_q, float *grad_k,
                               float *grad_v, float *grad_state, int b, int h, long nq, long nk, int d, int dv, long qsb,
                               long qsh, long qsn, long ksb, long ksh, long ksn, long vsb, long vsh, long vsn, int map,
-                              int threads, const struct rope_tables *rope) {
+                              int threads, const struct rope_tables *rope, const struct map_settings *ms) {
     const int bh = b * h, width = (dv + 1 + W - 1) / W * W, dp = (d + W - 1) / W * W;
     threads = threads_for(threads);
     float *state_t = malloc(sizeof(float) * bh * width * dp), *acc = malloc(sizeof(float) * bh * d * width);
@@ -98,7 +102,7 @@ static int noncausal_backward(const float *q, const float *k, const float *v, co
     if (!failed) {
         transpose_states(state, dv + 1, bh, d, dv, width, dp, state_t);
         const struct query_rows queries = {q, grad, out, den, state_t, grad_q, h, d, dp, dv, width, map, nq,
-                                           qsb, qsh, qsn, rope};
+                                           qsb, qsh, qsn, rope, ms};
         failed = accumulate_states(bh, nq, d, width, dv + 1, threads, query_source, &queries, acc) != 0;
     }
     if (!failed && rope) split_state(acc, bh, d, width, dv); /* the state's entries rope holds at zero get none */
@@ -107,7 +111,7 @@ static int noncausal_backward(const float *q, const float *k, const float *v, co
     if (!failed && (grad_k || grad_v)) {
         transpose_states(acc, width, bh, d, dv, width, dp, acc_t);
         const struct key_grads keys = {k, v, mask, acc, acc_t, grad_k, grad_v, h, d, dp, dv, width, map, nk,
-                                       ksb, ksh, ksn, vsb, vsh, vsn, rope};
+                                       ksb, ksh, ksn, vsb, vsh, vsn, rope, ms};
         failed = for_each_block(bh, nk, threads, (long)ROWS * (d + 2 * width + dp), key_block, &keys) != 0;
     }
     free(state_t);
@@ -119,14 +123,18 @@ static int noncausal_backward(const float *q, const float *k, const float *v, co
 /* q, k, v, mask, strides, sizes and map as the forward; state (B, H, D, Dv + 1) and den (B, H, L) from it, out
  * (B, H, L, Dv) its output and grad (B, H, L, Dv) the incoming gradient, all contiguous. Writes grad_q
  * (B, H, L, D), grad_k (B, H, S, D), grad_v (B, H, S, Dv) and grad_state (B, H, D, Dv + 1), each contiguous
- * and each skipped when NULL. */
+ * and each skipped when NULL. power, scale: the focused map's, as the forward; grad_scale (threads, H, D), zeroed
+ * by the caller, receives the scales' gradient in one slice per thread (NULL: not wanted; it is summed only from
+ * the rows whose grad_q or grad_k is written, so a caller wanting it asks for both). */
 int lm_kernel_attention_backward_f32(const float *q, const float *k, const float *v, const uint8_t *mask,
                                      const float *state, const float *den, const float *out, const float *grad,
                                      float *grad_q, float *grad_k, float *grad_v, float *grad_state, int b, int h,
                                      long nq, long nk, int d, int dv, long qsb, long qsh, long qsn, long ksb,
-                                     long ksh, long ksn, long vsb, long vsh, long vsn, int map, int threads) {
+                                     long ksh, long ksn, long vsb, long vsh, long vsn, int map, int threads,
+                                     float power, const float *scale, float *grad_scale) {
+    const struct map_settings ms = {focused_settings(power, scale), grad_scale, h};
     return noncausal_backward(q, k, v, mask, state, den, out, grad, grad_q, grad_k, grad_v, grad_state, b, h, nq, nk,
-                              d, dv, qsb, qsh, qsn, ksb, ksh, ksn, vsb, vsh, vsn, map, threads, NULL);
+                              d, dv, qsb, qsh, qsn, ksb, ksh, ksn, vsb, vsh, vsn, map, threads, NULL, &ms);
 }
 
 /* The gradients of lm_rope_kernel_attention_f32 (n positions, d = twice the map's features, its tables), the
@@ -139,7 +147,7 @@ int lm_rope_kernel_attention_backward_f32(const float *q, const float *k, const 
                                           const float *sin, int rotated) {
     const struct rope_tables rope = {cos, sin, rotated};
     return noncausal_backward(q, k, v, mask, state, den, out, grad, grad_q, grad_k, grad_v, NULL, b, h, n, n, d, dv,
-                              qsb, qsh, qsn, ksb, ksh, ksn, vsb, vsh, vsn, map, threads, &rope);
+                              qsb, qsh, qsn, ksb, ksh, ksn, vsb, vsh, vsn, map, threads, &rope, NULL);
 }
 
 /* A chunk as both causal passes need it: load_chunk's features (row stride dp), values and phi(k)^T, the
@@ -198,8 +206,8 @@ static void causal_part_backward(const void *ctx, int item, float *scratch) {
             lower_scores(rows, dv + 1, r_rows, width, v1_t, ldt, d_scores);
             gemm_shaped(LOWER_K, rows, dp / W, rows, d_scores, ldt, 1, phi_k, dp, g_phi, dp);
             for (int r = 0; r < rows; r++)
-                input_grad(c->grad_q + (o + r) * d_in, g_phi + r * dp, phi_q + r * dp,
-                           c->in.q + bi * c->in.qsb + hi * c->in.qsh + (i0 + r) * c->in.qsn, d, map);
+                map_input_grad(c->grad_q + (o + r) * d_in, g_phi + r * dp, phi_q + r * dp,
+                               c->in.q + bi * c->in.qsb + hi * c->in.qsh + (i0 + r) * c->in.qsn, d, map, c->in.ms, hi);
             gemm_acc(dv + 1, dp / W, rows, v1, 1, width, phi_k, dp, acc_t, dp); /* S^T += V1^T phi(K) */
         }
     }
@@ -225,8 +233,9 @@ static void causal_part_backward(const void *ctx, int item, float *scratch) {
             const int masked = c->in.mask && c->in.mask[bi * n + i0 + r];
             if (c->grad_k) {
                 if (masked) memset(c->grad_k + (o + r) * d_in, 0, sizeof(float) * d_in);
-                else input_grad(c->grad_k + (o + r) * d_in, g_phi + r * dp, phi_k + r * dp,
-                                c->in.k + bi * c->in.ksb + hi * c->in.ksh + (i0 + r) * c->in.ksn, d, map);
+                else map_input_grad(c->grad_k + (o + r) * d_in, g_phi + r * dp, phi_k + r * dp,
+                                    c->in.k + bi * c->in.ksb + hi * c->in.ksh + (i0 + r) * c->in.ksn, d, map, c->in.ms,
+                                    hi);
             }
             if (c->grad_v) {
                 if (masked) memset(c->grad_v + (o + r) * dv, 0, sizeof(float) * dv);
@@ -245,8 +254,10 @@ int lm_causal_kernel_attention_backward_f32(const float *q, const float *k, cons
                                             const float *grad, float *grad_q, float *grad_k, float *grad_v,
                                             float *grad_state, int b, int h, long n, int d, int dv, long qsb,
                                             long qsh, long qsn, long ksb, long ksh, long ksn, long vsb, long vsh,
-                                            long vsn, int map, int threads) {
+                                            long vsn, int map, int threads, float power, const float *scale,
+                                            float *grad_scale) {
     const int bh = b * h, width = (dv + 1 + W - 1) / W * W, dp = (d + W - 1) / W * W;
+    const struct map_settings ms = {focused_settings(power, scale), grad_scale, h};
     const int ldt = (ROWS + W - 1) / W * W;
     threads = threads_for(threads);
     /* With fewer heads than threads each sequence is cut into parts, as in the forward: the parts' key sums give
@@ -256,8 +267,9 @@ int lm_causal_kernel_attention_backward_f32(const float *q, const float *k, cons
     if (parts > 1) {
         starts = malloc(sizeof(float) * size);
         ends = malloc(sizeof(float) * size);
-        const struct key_rows keys = {k, v, mask, h, d, dv, width, map, n, ksb, ksh, ksn, vsb, vsh, vsn, NULL};
-        const struct query_rows queries = {q, grad, out, den, NULL, NULL, h, d, dp, dv, width, map, n, qsb, qsh, qsn};
+        const struct key_rows keys = {k, v, mask, h, d, dv, width, map, n, ksb, ksh, ksn, vsb, vsh, vsn, NULL, NULL, &ms};
+        const struct query_rows queries = {q, grad, out, den, NULL, NULL, h, d, dp, dv, width, map, n, qsb, qsh, qsn,
+                                           NULL, &ms};
         if (!starts || !ends || partial_states(bh, n, parts, d, width, dv + 1, threads, key_source, &keys, starts) != 0 ||
             scan_parts(starts, init, bh, parts, d, dv, width, 0) != 0 ||
             partial_states(bh, n, parts, d, width, dv + 1, threads, query_source, &queries, ends) != 0 ||
@@ -268,7 +280,7 @@ int lm_causal_kernel_attention_backward_f32(const float *q, const float *k, cons
         }
     }
     const struct causal_backward backward = {{q, k, v, mask, h, d, dv, map, n, qsb, qsh, qsn, ksb, ksh, ksn, vsb,
-                                              vsh, vsn}, init, den, out, grad, grad_q, grad_k, grad_v, grad_state,
+                                              vsh, vsn, &ms}, init, den, out, grad, grad_q, grad_k, grad_v, grad_state,
                                              width, dp, ldt, parts, starts, ends};
     const long scratch = (long)ROWS * (3 * dp + 3 * width + 2 * ldt) + (long)d * (ldt + width) +
                          (long)width * (ldt + dp);
