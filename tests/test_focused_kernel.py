@@ -6,6 +6,7 @@ import torch
 
 import linear_mha.functional as LF
 from linear_mha.functional import backend, native
+from linear_mha.functional.focused import FocusedMap
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"kernels not built: {native.build_error()}")
 
@@ -47,7 +48,7 @@ def run(q, k, v, mask, scale, grad, dtype, *, native_kernels, wanted=(True, True
 def test_focused_in_the_kernels_matches_float64(causal, power, with_scale, threads):
     q, k, v, mask, scale, grad = inputs(int(power * 10) + threads + 2 * causal)
     scale = scale if with_scale else None
-    assert backend.focused_backend(q, k, v, scale, causal=causal).backend == backend.NATIVE
+    assert backend.kernel_backend(q, k, v, FocusedMap(power, scale), causal=causal).backend == backend.NATIVE
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -113,10 +114,10 @@ def test_focused_in_the_kernels_takes_an_initial_state():
 
 def test_focused_says_why_it_leaves_the_kernels():
     q = k = v = torch.randn(1, 2, 6, 4, dtype=torch.float64)
-    choice = backend.focused_backend(q, k, v, None, causal=False)
+    choice = backend.kernel_backend(q, k, v, FocusedMap(), causal=False)
     assert choice.backend != backend.NATIVE and "float64" in choice.reason
     per_position = torch.rand(1, 2, 6, 4) + 0.5
-    choice = backend.focused_backend(q.float(), k.float(), v.float(), per_position, causal=False)
+    choice = backend.kernel_backend(q.float(), k.float(), v.float(), FocusedMap(3.0, per_position), causal=False)
     assert choice.backend != backend.NATIVE and "per head and channel" in choice.reason
 
 
@@ -125,7 +126,7 @@ def test_half_inputs_run_in_float32_and_come_back_in_their_dtype():
     q, k, v, mask, scale, _ = inputs(5)
     k, v = (t.masked_fill(mask[:, None, :, None], 0.0) for t in (k, v))
     half = [t.bfloat16() for t in (q, k, v)]
-    assert backend.focused_backend(*half, scale, causal=True).backend == backend.NATIVE
+    assert backend.kernel_backend(*half, FocusedMap(3.0, scale), causal=True).backend == backend.NATIVE
     out = LF.focused(*half, scale=scale, key_padding_mask=mask, causal=True)
     with backend.override(native_kernels=False):
         ref = LF.focused(*(t.double() for t in half), scale=scale.double(), key_padding_mask=mask, causal=True)

@@ -17,7 +17,7 @@
     chunked            ``kernel/chunked.py``: the causal product on features made already, with its own backward
     composed           plain PyTorch ops (any map, dtype and device, torch.func, autograd through every op)
 
-``kernel_backend`` / ``focused_backend`` / ``rope_backend`` / ``product_backend`` / ``efficient_backend`` / ``step_backend`` return a :class:`Choice` naming
+``kernel_backend`` / ``rope_backend`` / ``product_backend`` / ``efficient_backend`` / ``step_backend`` return a :class:`Choice` naming
 the backend and the reason, so a user can ask why a call was not fast (``str(choice)``), as torch's
 ``why_not_fast_path`` does; each function is asked once per call, and the caller runs what it names.
 :func:`override` switches choices for a block of code (tests, comparisons): ``native=False`` runs PyTorch ops
@@ -124,8 +124,9 @@ def kernel_backend(q: Tensor, k: Tensor, v: Tensor, feature_map, *, causal: bool
         name = getattr(feature_map, "__name__", feature_map)
         why_not_products = native.why_not(q, k, v, initial_state, dtype=compute_dtype(q.dtype))
         if why_not_products is None:
-            return Choice(NATIVE_FEATURES, f"float32 CPU tensors: feature_map {name!r} is made by PyTorch ops, the "
-                                           f"products and the division run in the compiled code")
+            return Choice(NATIVE_FEATURES, f"float32 CPU tensors: feature_map {name!r} is made by PyTorch ops (not in "
+                                           f"the kernels because {why_not_native}), the products and the division "
+                                           f"run in the compiled code")
         return Choice(COMPOSED, f"feature_map {name!r} has no fused path (only {FUSED_FEATURE_MAPS}), and its "
                                 f"features cannot go to the compiled code because {why_not_products}")
     if causal:
@@ -151,7 +152,8 @@ def rope_backend(q: Tensor, k: Tensor, v: Tensor, feature_map, key_weights: Opti
     if why_not_native is not None:
         return Choice(COMPOSED, f"not native because {why_not_native}")
     name = getattr(feature_map, "__name__", feature_map)
-    if key_weights is None and native.why_not_kernel(feature_map, q, dtype=compute_dtype(q.dtype)) is None:
+    if key_weights is None and getattr(feature_map, "compiled_map", None) is None \
+            and native.why_not_kernel(feature_map, q, dtype=compute_dtype(q.dtype)) is None:  # no settings with rope
         return Choice(NATIVE, f"float32 CPU tensors and the {name!r} map: the map, the rotation, the products and "
                               f"the division in the compiled code")
     made_by = "key weights" if key_weights is not None else f"feature_map {name!r}"
@@ -172,7 +174,7 @@ def features_backend(phi_q: Tensor, phi_k: Tensor, v: Tensor, initial_state: Opt
     return Choice(COMPOSED, f"not native because {why_not_native}")
 
 
-def _why_not_focused_rows(x: Tensor, scale: Optional[Tensor]) -> Optional[str]:
+def why_not_focused_rows(x: Tensor, scale: Optional[Tensor]) -> Optional[str]:
     """Why the compiled focused map cannot read x and scale as they are shaped, or None: it takes (B, H, N, d) rows
     and one scale per head and channel (or none)."""
     if x.dim() != 4:
@@ -188,27 +190,13 @@ def _why_not_focused_rows(x: Tensor, scale: Optional[Tensor]) -> Optional[str]:
 def focused_map_backend(x: Tensor, scale: Optional[Tensor]) -> Choice:
     """The backend ``focused.focused_feature_map`` runs: the compiled map (``native_maps.focused_map``) for float32 CPU
     rows (B, H, N, d) whose scale is one value per head and channel, or None."""
-    why_not_rows = _why_not_focused_rows(x, scale)
+    why_not_rows = why_not_focused_rows(x, scale)
     if why_not_rows is not None:
         return Choice(COMPOSED, why_not_rows)
     why_not_native = native.why_not(x, scale, dtype=None)
     if why_not_native is None:
         return Choice(NATIVE, "float32 CPU rows: the map in one compiled pass, forward and backward")
     return Choice(COMPOSED, f"not native because {why_not_native}")
-
-
-def focused_backend(q: Tensor, k: Tensor, v: Tensor, scale: Optional[Tensor], *, causal: bool,
-                    initial_state: Optional[Tensor] = None) -> Choice:
-    """The backend ``focused.focused`` runs: the compiled kernels with the map inside their row loaders (float32
-    CPU (B, H, N, d) tensors, half ones in float32 copies, scales one per head and channel or none), forward and
-    backward; else kernel attention on the map's features, where ``kernel_backend`` says."""
-    why_not_native = _why_not_focused_rows(q, scale) or native.why_not(q, k, v, initial_state, scale,
-                                                                        dtype=compute_dtype(q.dtype))
-    if why_not_native is None:
-        return Choice(NATIVE, "float32 CPU tensors: the focused map inside the compiled kernels, forward and backward")
-    features = kernel_backend(q, k, v, "focused", causal=causal, initial_state=initial_state)
-    return Choice(features.backend, f"the map is not in the compiled kernels because {why_not_native}; its features: "
-                                    f"{features.reason}")
 
 
 def hedgehog_map_backend(z: Tensor, bias: Optional[Tensor]) -> Choice:

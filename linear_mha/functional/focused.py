@@ -8,14 +8,13 @@ phi(q).phi(k) whose spread over keys cannot grow with the query's confidence; y*
 toward its largest components, making similar vectors more similar and the rest less (FLatten, section 4.1).
 FLatten normalises over a whole token's channels; here, as for every method, each head is one vector.
 """
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from . import backend, native, native_maps
-from ._common import compute_dtype, drop_keys
-from .kernel import check_initial_state, check_kernel_inputs, kernel
+from . import backend, native_maps
+from .kernel import kernel
 
 RELU_EPS = 1e-6  # FLatten's relu(x) + 1e-6: no feature vector is exactly zero, so no normaliser vanishes
 
@@ -51,6 +50,35 @@ def composed_focused_map(x: Tensor, focusing_factor: float = 3.0, scale: Optiona
     return powered / torch.linalg.vector_norm(powered, dim=-1, keepdim=True) * norm
 
 
+class FocusedMap:
+    """focused's map as a value ``kernel`` takes: called, it makes the features (``focused_feature_map``); on float32
+    CPU tensors with one scale per head and channel the compiled kernels compute it inside their row loaders
+    instead, forward and backward, and no feature tensor is made (``compiled_map`` names it to them,
+    ``compiled_settings`` gives its power and scales, ``why_not_compiled`` says when it cannot go there)."""
+
+    compiled_map = "focused"
+    __name__ = "focused"
+
+    def __init__(self, focusing_factor: float = 3.0, scale: Optional[Tensor] = None):
+        self.focusing_factor, self.scale = focusing_factor, scale
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return focused_feature_map(x, self.focusing_factor, self.scale)
+
+    def __repr__(self):
+        return f"focused(focusing_factor={self.focusing_factor})"
+
+    def why_not_compiled(self, q: Tensor) -> Optional[str]:
+        if self.scale is not None and not self.scale.is_cpu:
+            return f"the scale is on {self.scale.device}"
+        return backend.why_not_focused_rows(q, self.scale)
+
+    def compiled_settings(self, q: Tensor) -> Tuple[float, Optional[Tensor]]:
+        """(power, scales (H, d) float32 contiguous or None) for q (B, H, N, d)."""
+        scale = None if self.scale is None else _per_head(self.scale.to(torch.float32), q)
+        return float(self.focusing_factor), scale
+
+
 def focused(
     q: Tensor,
     k: Tensor,
@@ -69,23 +97,8 @@ def focused(
     scale: positive, broadcastable to (B, H, N, d), e.g. (H, 1, d) per head and channel (None: 1). Masks, causality,
     dropout and initial_state as in ``kernel`` (the state has feature size d). On float32 CPU tensors with one scale
     per head and channel the map runs inside the compiled kernels, forward and backward, and no feature tensor is
-    made; elsewhere the map's features go to ``kernel`` (``backend.focused_backend`` says which, and why)."""
+    made (``FocusedMap``); ``backend.kernel_backend`` says which path a call takes, and why."""
     if isinstance(focusing_factor, bool) or not isinstance(focusing_factor, (int, float)) or focusing_factor <= 0:
         raise ValueError(f"focusing_factor must be a positive number, got {focusing_factor!r}")
-    chosen = backend.focused_backend(q, k, v, scale, causal=causal, initial_state=initial_state).backend
-    if chosen == backend.NATIVE:  # the map inside the compiled kernels' row loaders: no feature tensors are made
-        causal = check_kernel_inputs(q, k, v, key_padding_mask, causal, chunk_size)
-        out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
-        q, k, v = q.to(dtype), k.to(dtype), drop_keys(v.to(dtype), dropout_p)
-        if initial_state is not None:
-            initial_state = initial_state.to(dtype)
-            check_initial_state(initial_state, q.shape[-1], v)
-        settings = (float(focusing_factor), None if scale is None else _per_head(scale.to(dtype), q))
-        return native.kernel_attention(q, k, v, "focused", key_padding_mask, initial_state, causal,
-                                       focused=settings).to(out_dtype)
-
-    def feature(x):
-        return focused_feature_map(x, focusing_factor, scale)
-
-    return kernel(q, k, v, feature, causal=causal, key_padding_mask=key_padding_mask, dropout_p=dropout_p,
+    return kernel(q, k, v, FocusedMap(focusing_factor, scale), causal=causal, key_padding_mask=key_padding_mask, dropout_p=dropout_p,
                   initial_state=initial_state, chunk_size=chunk_size)

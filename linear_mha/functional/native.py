@@ -122,6 +122,8 @@ def build_error() -> Optional[str]:
 def why_not_kernel(feature_map, *tensors: Optional[Tensor], dtype: Optional[torch.dtype] = None) -> Optional[str]:
     """Why kernel attention with ``feature_map`` on these tensors cannot run in the compiled code, or None if it
     can (the caller has a backward for it). ``dtype``: the dtype they will be computed in, if not their own."""
+    if getattr(feature_map, "compiled_map", None) == "focused":  # a map with settings (focused.FocusedMap)
+        return feature_map.why_not_compiled(tensors[0]) or why_not(*tensors, dtype=dtype)
     if not isinstance(feature_map, str) or (feature_map not in MAPS and feature_map not in ROW_MAPS):
         name = getattr(feature_map, "__name__", feature_map)
         return f"feature_map {name!r} is not one the compiled code computes ({', '.join([*MAPS, *ROW_MAPS])})"
@@ -181,8 +183,10 @@ def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_map: Optional[str]
     count), and the gradients returned are those of the features. ``rope_tables``: (cos, sin), each (L, R)
     contiguous float32 from ``grid_rope.rotation_tables``, for ``grid_rope_kernel``'s rotary position (non-causal
     self-attention, L == S, no initial_state). ``focused``: (power, scale) with feature_map "focused", the
-    focusing power and the scales (H, D) contiguous float32, or None; differentiable in scale too. Callers check
-    ``why_not`` and the shapes."""
+    focusing power and the scales (H, D) contiguous float32, or None; differentiable in scale too (a
+    ``focused.FocusedMap`` as feature_map gives both). Callers check ``why_not_kernel`` and the shapes."""
+    if getattr(feature_map, "compiled_map", None) == "focused":  # focused.FocusedMap: the name and its settings
+        feature_map, focused = "focused", feature_map.compiled_settings(q)
     if rope_tables is not None:
         features = feature_count(feature_map, q.shape[-1])
         rotated = rope_tables[0].shape[-1]

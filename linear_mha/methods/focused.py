@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import functional
-from ..functional.focused import RELU_EPS
+from ..functional.focused import RELU_EPS, FocusedMap
 from ..registry import Option, boolean, positive_float, register_method
 from .kernel import CHUNK_OPTION, KEY_REWEIGHT_OPTION, ROPE_OPTION, FeatureMapMethod
 
@@ -36,6 +36,10 @@ class Focused(FeatureMapMethod):
 
     def features(self, x, state):
         return functional.focused_feature_map(x, self.focusing_factor, self._scale(state))
+
+    def kernel_map(self, state):
+        # A value the compiled kernels recognise: on float32 CPU tensors they compute the map in their row loaders.
+        return FocusedMap(self.focusing_factor, self._scale(state))
 
     def similarity(self, q, k, state):
         # The map as FLatten writes it: (|y| / |y**p|) y**p with y = (relu(x) + 1e-6) / s.
