@@ -26,8 +26,7 @@ static inline float shifted_exps(float *e, const float *x, int m, float extreme,
         store(e + f, ev);
         sum_v += ev;
     }
-    float sum = 0.0f;
-    for (int i = 0; i < W; i++) sum += sum_v[i];
+    float sum = hsum(sum_v);
     for (; f < m; f++) {
         const float a = sign * (x[f] - extreme);
         sum += e[f] = a < -87.3f ? 0.0f : expf(a);

@@ -94,19 +94,37 @@ static inline float feature_scalar(float x, int map) {
     return x <= 0.0f ? 0.0f : x;
 }
 
+/* The largest of d values (a NaN among them may or may not be it: a row holding one gives NaN features anyway). */
+static inline float row_max(const float *x, int d) {
+    int f = 0;
+    float top = x[0];
+    if (d >= W) {
+        vf top_v = load(x);
+        for (f = W; f + W <= d; f += W) {
+            const vf xv = load(x + f);
+            top_v = vselect(xv > top_v, xv, top_v);
+        }
+        top = hmax(top_v);
+    }
+    for (; f < d; f++) top = x[f] > top ? x[f] : top;
+    return top;
+}
+
 /* softmax over a row of d values (map 2, Efficient Attention's query features). */
 static inline void softmax_row(float *dst, const float *src, int d) {
-    float top = src[0], sum = 0.0f;
-    for (int f = 1; f < d; f++) top = src[f] > top ? src[f] : top;
+    const float top = row_max(src, d);
+    vf sum_v = splat(0.0f);
     int f = 0;
     for (; f + W <= d; f += W) {
         const vf e = exp_nonpositive(load(src + f) - splat(top));
         store(dst + f, e);
-        for (int i = 0; i < W; i++) sum += e[i];
+        sum_v += e;
     }
+    float sum = hsum(sum_v);
     for (; f < d; f++) sum += dst[f] = src[f] - top < -87.3f ? 0.0f : expf(src[f] - top);
     const float inv = 1.0f / sum; /* the largest entry gives exp(0) = 1, so sum >= 1 */
-    for (f = 0; f < d; f++) dst[f] *= inv;
+    for (f = 0; f + W <= d; f += W) store(dst + f, load(dst + f) * splat(inv));
+    for (; f < d; f++) dst[f] *= inv;
 }
 
 /* Map 3: the inputs are features made already (focused, learned maps, a user's map: made by PyTorch ops, so
@@ -140,8 +158,7 @@ static inline float sum_of_squares(const float *x, int n) {
         const vf a = load(x + f);
         acc += a * a;
     }
-    float s = 0.0f;
-    for (int i = 0; i < W; i++) s += acc[i];
+    float s = hsum(acc);
     for (; f < n; f++) s += x[f] * x[f];
     return s;
 }
@@ -363,10 +380,13 @@ static inline __attribute__((always_inline)) void input_grad(float *dst, float *
         scaled_copy(dst, g, n, 1.0f / TAYLOR_EPS);
         return;
     }
-    float dot = 0.0f;
-    for (int f = 0; f < n; f++) dot += g[f] * unit[f];
-    const float inv = 1.0f / norm;
+    vf dot_v = splat(0.0f);
     int f = 0;
+    for (; f + W <= n; f += W) dot_v += load(g + f) * load(unit + f);
+    float dot = hsum(dot_v);
+    for (; f < n; f++) dot += g[f] * unit[f];
+    const float inv = 1.0f / norm;
+    f = 0;
     for (; f + W <= n; f += W) store(dst + f, (load(g + f) - load(unit + f) * splat(dot)) * splat(inv));
     for (; f < n; f++) dst[f] = (g[f] - unit[f] * dot) * inv;
 }
