@@ -63,21 +63,25 @@ static inline float focused_row(const struct focused_map *c, const float *x, con
         y[f] = s ? relu_eps(x[f]) / s[f] : relu_eps(x[f]);
         top = y[f] > top ? y[f] : top;
     }
-    const float inv_top = 1.0f / top;
+    /* |u^p|^2 >= 1 (the largest u is 1), so squares below 1e-36 cannot change it; they are left out because the
+     * hardware makes subnormal products (u ~ 1e-7 at an epsilon-only feature, p = 3: u^6 ~ 1e-40) very slowly,
+     * which measured a third of the focused forward's time. */
+    const float inv_top = 1.0f / top, tiny = 1e-18f;
     vf su_v = splat(0.0f), sz_v = splat(0.0f);
     for (f = 0; f + W <= d; f += W) {
         const vf uv = load(y + f) * splat(inv_top), zv = power_vec(uv, c);
+        const vf zs = vselect(zv > splat(tiny), zv, splat(0.0f));
         store(u + f, uv);
         store(z + f, zv);
         su_v += uv * uv;
-        sz_v += zv * zv;
+        sz_v += zs * zs;
     }
     float su = hsum(su_v), sz = hsum(sz_v);
     for (; f < d; f++) {
         u[f] = y[f] * inv_top;
         z[f] = power_of(u[f], c);
         su += u[f] * u[f];
-        sz += z[f] * z[f];
+        sz += z[f] > tiny ? z[f] * z[f] : 0.0f;
     }
     *norm_u = sqrtf(su);
     *norm_z = sqrtf(sz);
