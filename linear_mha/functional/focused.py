@@ -100,5 +100,5 @@ def focused(
     made (``FocusedMap``); ``backend.kernel_backend`` says which path a call takes, and why."""
     if isinstance(focusing_factor, bool) or not isinstance(focusing_factor, (int, float)) or focusing_factor <= 0:
         raise ValueError(f"focusing_factor must be a positive number, got {focusing_factor!r}")
-    return kernel(q, k, v, FocusedMap(focusing_factor, scale), causal=causal, key_padding_mask=key_padding_mask, dropout_p=dropout_p,
-                  initial_state=initial_state, chunk_size=chunk_size)
+    return kernel(q, k, v, FocusedMap(focusing_factor, scale), causal=causal, key_padding_mask=key_padding_mask,
+                  dropout_p=dropout_p, initial_state=initial_state, chunk_size=chunk_size)

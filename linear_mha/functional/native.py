@@ -2,10 +2,10 @@
 
 Kernel attention with an elementwise map spends most of its CPU time in elementwise passes over N-sized
 tensors, not in its two GEMMs; the C functions fuse those passes into the GEMMs (see kernel_attention.c). They
-cover float32 CPU tensors: kernel attention with elu/relu/taylor/taylor2 maps, focused attention (its map and the
-map's scales' gradient inside the kernels) or features made already (non-causal and causal, with gradients;
-elu/relu also the recurrent decoding step), Efficient Attention (with
-gradients), and the focused and hedgehog feature maps (with gradients, through ``native_maps.py``). Everything
+cover float32 CPU tensors: kernel attention with elu/relu/taylor/taylor2 maps, the focused map (its scales'
+gradient too) or features made already (non-causal and causal, with gradients; elu/relu also the recurrent
+decoding step), Efficient Attention (with gradients), and the focused and hedgehog feature maps on their own
+(with gradients, through ``native_maps.py``). Everything
 else (other dtypes, accelerators) stays in PyTorch, and so does everything when the compiled code is unavailable;
 ``backend.py`` decides which calls come here.
 
@@ -31,8 +31,8 @@ MAPS = {"elu": 0, "relu": 1}  # the elementwise feature maps the C code computes
 # [1, x', x'_i x'_j], 1 + D + D (D + 1) / 2 features.
 ROW_MAPS = {"taylor": 4, "taylor2": 5}
 FEATURES_GIVEN = 3  # the C code's map for features made already (any map, made by PyTorch ops)
-# focused (FLatten): a row map with settings, its power and per-head scales, passed beside the map code; reached
-# through focused.focused, not kernel's feature_map names.
+# focused (FLatten): a row map with settings, its power and per-head scales, passed beside the map code; given as a
+# focused.FocusedMap, which carries them, not by a name.
 FOCUSED = 6
 
 _lock = threading.Lock()
@@ -174,19 +174,18 @@ def _check(status: int) -> None:
 
 def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_map: Optional[str],
                      key_padding_mask: Optional[Tensor] = None, initial_state: Optional[Tensor] = None,
-                     causal: bool = False, rope_tables: Optional[Tuple[Tensor, Tensor]] = None,
-                     focused: Optional[Tuple[float, Optional[Tensor]]] = None) -> Tensor:
+                     causal: bool = False, rope_tables: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
     """Kernel attention, differentiable through the compiled backward. Shapes as ``kernel.kernel``: q (B, H, L, D),
     k (B, H, S, D), v (B, H, S, Dv), any strides with a contiguous last dimension (L == S when causal);
     key_padding_mask (B, S) bool, True = ignore; initial_state (B, H, D, Dv + 1). Returns a contiguous
     (B, H, L, Dv) tensor. ``feature_map`` None: q and k are features made already (phi(q), phi(k), D = their
     count), and the gradients returned are those of the features. ``rope_tables``: (cos, sin), each (L, R)
     contiguous float32 from ``grid_rope.rotation_tables``, for ``grid_rope_kernel``'s rotary position (non-causal
-    self-attention, L == S, no initial_state). ``focused``: (power, scale) with feature_map "focused", the
-    focusing power and the scales (H, D) contiguous float32, or None; differentiable in scale too (a
-    ``focused.FocusedMap`` as feature_map gives both). Callers check ``why_not_kernel`` and the shapes."""
-    if getattr(feature_map, "compiled_map", None) == "focused":  # focused.FocusedMap: the name and its settings
-        feature_map, focused = "focused", feature_map.compiled_settings(q)
+    self-attention, L == S, no initial_state). ``feature_map`` a ``focused.FocusedMap``: the focused map with its
+    power and scales, differentiable in the scales too. Callers check ``why_not_kernel`` and the shapes."""
+    power, scale = 0.0, None  # the focused map's settings; the other maps have none
+    if getattr(feature_map, "compiled_map", None) == "focused":
+        (power, scale), feature_map = feature_map.compiled_settings(q), "focused"
     if rope_tables is not None:
         features = feature_count(feature_map, q.shape[-1])
         rotated = rope_tables[0].shape[-1]
@@ -197,7 +196,6 @@ def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_map: Optional[str]
                              f"S={k.shape[2]}, tables {tuple(rope_tables[0].shape)}, causal={causal}")
     mask = None if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
     init = None if initial_state is None else initial_state.contiguous()
-    power, scale = focused if focused is not None else (0.0, None)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, init, scale)):
         return _KernelAttention.apply(q, k, v, init, mask, feature_map, causal, rope_tables, scale, power)
     return _forward(q, k, v, mask, init, feature_map, causal, False, rope_tables, scale, power)[0]

@@ -61,8 +61,8 @@ int lm_kernel_attention_f32(const float *q, const float *k, const float *v, cons
 }
 
 /* The same with 2-D rotary position (struct rope_tables in kernel_attention.h): self-attention over n = nq = nk
- * positions, d = twice the map's feature count, cos and sin (n x rotated) contiguous; no extra keys. den_out
- * keeps a normaliser of 0 (its query's output is 0). */
+ * positions, d = twice the map's feature count, cos and sin (n x rotated) contiguous; no extra keys, and no map
+ * with settings (not focused: its features come made). den_out keeps a normaliser of 0 (its query's output is 0). */
 int lm_rope_kernel_attention_f32(const float *q, const float *k, const float *v, const uint8_t *mask, float *out,
                                  float *state_out, float *den_out, int b, int h, long n, int d, int dv, long qsb,
                                  long qsh, long qsn, long ksb, long ksh, long ksn, long vsb, long vsh, long vsn,
