@@ -67,7 +67,7 @@ int lm_efficient_attention_f32(const float *q, const float *k, const float *v, c
     if (status == 0) {
         const struct key_rows keys = {k, v, mask, h, d, dv, width, 0, nk, ksb, ksh, ksn, vsb, vsh, vsn, top};
         key_maxima(&keys, bh, threads, top);
-        status = accumulate_states(bh, nk, d, width, dv + 1, threads, key_source, &keys, state);
+        status = accumulate_states(bh, nk, d, width, dv + 1, 0, threads, key_source, &keys, state);
     }
     if (status == 0) {
         normalise_state(state, bh, d, dv, width, inv_sum_out);
@@ -174,7 +174,7 @@ int lm_efficient_attention_backward_f32(const float *q, const float *k, const fl
     if (!failed) {
         transpose_states(state, dv, bh, d, dv - 1, width, dp, state_t);
         const struct efficient_queries queries = {q, grad, state_t, grad_q, h, d, dp, dv, width, nq, qsb, qsh, qsn};
-        failed = accumulate_states(bh, nq, d, width, dv, threads, efficient_query_source, &queries, acc) != 0;
+        failed = accumulate_states(bh, nq, d, width, dv, 0, threads, efficient_query_source, &queries, acc) != 0;
     }
     if (!failed && (grad_k || grad_v)) {
         for (long row = 0; row < (long)bh * d; row++) {

@@ -167,8 +167,10 @@ static inline long parts_for(int bh, long n, int tasks, long min_rows) {
 
 /* partial[g * parts + p] (d x width) = sum of a_row^T b_row over part p of head g's n rows (rows n p / parts up
  * to n (p + 1) / parts), for bh heads; width is a whole number of vectors, of which the first cols carry values
- * (the rest of b's rows are zero, and of the sums' rows are left zero). */
-static inline int partial_states(int bh, long n, long parts, int d, int width, int cols, int threads,
+ * (the rest of b's rows are zero, and of the sums' rows are left zero). split > 0 (rope's [R phi, phi] rows):
+ * only the sums rope keeps are made, rows < split over the cols - 1 value columns and the rest over the last
+ * column alone, half the products; entries beside them may hold anything (split_state zeroes them). */
+static inline int partial_states(int bh, long n, long parts, int d, int width, int cols, int split, int threads,
                                  row_source source, const void *ctx, float *partial) {
     const long size = (long)d * width;
     memset(partial, 0, sizeof(float) * bh * parts * size);
@@ -190,7 +192,13 @@ static inline int partial_states(int bh, long n, long parts, int d, int width, i
                 float *state = partial + item * size;
                 for (long j = n * part / parts; j < z;) {
                     const int rows = source(ctx, g, j, z, &j, a, b, scratch);
-                    gemm_cols(FULL, d, cols, rows, a, 1, d, b, width, state, width); /* A = a^T */
+                    if (split) {
+                        gemm_cols(FULL, split, cols - 1, rows, a, 1, d, b, width, state, width);
+                        column_product(FULL, d - split, rows, a + split, 1, d, b + cols - 1, width,
+                                       state + (long)split * width + cols - 1, width);
+                    } else {
+                        gemm_cols(FULL, d, cols, rows, a, 1, d, b, width, state, width); /* A = a^T */
+                    }
                 }
             }
         }
@@ -203,12 +211,12 @@ static inline int partial_states(int bh, long n, long parts, int d, int width, i
 
 /* states[g] (d x width) = sum over the rows of head g of a_row^T b_row, for bh heads of n rows each. With fewer
  * heads than threads a head's rows are split into parts summed afterwards. */
-static inline int accumulate_states(int bh, long n, int d, int width, int cols, int threads, row_source source,
-                                    const void *ctx, float *states) {
+static inline int accumulate_states(int bh, long n, int d, int width, int cols, int split, int threads,
+                                    row_source source, const void *ctx, float *states) {
     const long parts = parts_for(bh, n, 2 * threads, 256), size = (long)d * width;
-    if (parts == 1) return partial_states(bh, n, 1, d, width, cols, threads, source, ctx, states);
+    if (parts == 1) return partial_states(bh, n, 1, d, width, cols, split, threads, source, ctx, states);
     float *partial = malloc(sizeof(float) * bh * parts * size);
-    int failed = !partial || partial_states(bh, n, parts, d, width, cols, threads, source, ctx, partial) != 0;
+    int failed = !partial || partial_states(bh, n, parts, d, width, cols, split, threads, source, ctx, partial) != 0;
     if (!failed)
         for (int g = 0; g < bh; g++) {
             float *state = states + (long)g * size;

@@ -12,6 +12,17 @@
  */
 #include "kernel_attention.h"
 
+/* g_phi (rows x d, row stride dp) += rows_b S^T for rope's split state (split_state), t = S^T (width x dp): the
+ * rotated features' part is a GEMM over the value columns alone, and the plain features' part each row's
+ * normaliser entry times the plain rows' normaliser column, half the product the full rows would take. */
+static inline void split_state_product(int rows, int d, int dv, const float *rows_b, int width, const float *t, int dp,
+                                       float *g_phi) {
+    const int f = d / 2;
+    gemm_acc(rows, (f + W - 1) / W, dv, rows_b, width, 1, t, dp, g_phi, dp);
+    for (int r = 0; r < rows; r++)
+        for (int e = f; e < d; e++) g_phi[r * dp + e] = rows_b[r * width + dv] * t[(long)dv * dp + e];
+}
+
 struct query_rows {
     const float *q, *grad, *out, *den, *state_t;
     float *grad_q;
@@ -29,12 +40,13 @@ static int query_source(const void *ctx, int g, long j, long z, long *next, floa
     const long i = (long)g * c->n + j;
     gradient_rows(c->grad + i * c->dv, c->out + i * c->dv, c->den + i, rows, c->dv, c->width, b);
     for (int r = 0; r < rows; r++)
-        row_features(a + r * c->d, c->q + bi * c->qsb + hi * c->qsh + (j + r) * c->qsn, c->d, c->map, c->ms, hi, c->rope,
-                     j + r);
+        row_features(a + r * c->d, c->q + bi * c->qsb + hi * c->qsh + (j + r) * c->qsn, c->d, c->map, c->ms, hi,
+                     c->rope, j + r);
     if (c->grad_q) {
+        const float *state_t = c->state_t + (long)g * c->width * c->dp;
         memset(scratch, 0, sizeof(float) * rows * c->dp);
-        gemm_acc(rows, c->dp / W, c->dv + 1, b, c->width, 1, c->state_t + (long)g * c->width * c->dp, c->dp, scratch,
-                 c->dp);
+        if (c->rope) split_state_product(rows, c->d, c->dv, b, c->width, state_t, c->dp, scratch);
+        else gemm_acc(rows, c->dp / W, c->dv + 1, b, c->width, 1, state_t, c->dp, scratch, c->dp);
         const int d_in = row_inputs(c->d, c->map, c->rope);
         for (int r = 0; r < rows; r++)
             row_input_grad(c->grad_q + ((long)g * c->n + j + r) * d_in, scratch + r * c->dp, a + r * c->d,
@@ -71,8 +83,14 @@ static void key_block(const void *ctx, int g, long j0, int rows, float *scratch)
     }
     memset(g_phi, 0, sizeof(float) * rows * dp);
     memset(g_v1, 0, sizeof(float) * rows * width);
-    gemm_acc(rows, dp / W, dv + 1, v1, width, 1, c->acc_t + (long)g * width * dp, dp, g_phi, dp);
-    gemm_cols(FULL, rows, dv, d, phi, d, 1, c->acc + (long)g * d * width, width, g_v1, width);
+    const float *acc = c->acc + (long)g * d * width, *acc_t = c->acc_t + (long)g * width * dp;
+    if (c->rope) { /* G holds values on the rotated rows only, so d v takes those rows alone */
+        split_state_product(rows, d, dv, v1, width, acc_t, dp, g_phi);
+        gemm_cols(FULL, rows, dv, d / 2, phi, d, 1, acc, width, g_v1, width);
+    } else {
+        gemm_acc(rows, dp / W, dv + 1, v1, width, 1, acc_t, dp, g_phi, dp);
+        gemm_cols(FULL, rows, dv, d, phi, d, 1, acc, width, g_v1, width);
+    }
     for (int r = 0; r < rows; r++) {
         const long j = j0 + r, o = (long)g * c->n + j;
         const int masked = c->mask && c->mask[bi * c->n + j];
@@ -103,7 +121,8 @@ static int noncausal_backward(const float *q, const float *k, const float *v, co
         transpose_states(state, dv + 1, bh, d, dv, width, dp, state_t);
         const struct query_rows queries = {q, grad, out, den, state_t, grad_q, h, d, dp, dv, width, map, nq,
                                            qsb, qsh, qsn, rope, ms};
-        failed = accumulate_states(bh, nq, d, width, dv + 1, threads, query_source, &queries, acc) != 0;
+        failed = accumulate_states(bh, nq, d, width, dv + 1, rope ? d / 2 : 0, threads, query_source, &queries,
+                                   acc) != 0;
     }
     if (!failed && rope) split_state(acc, bh, d, width, dv); /* the state's entries rope holds at zero get none */
     if (!failed && grad_state)
@@ -267,12 +286,14 @@ int lm_causal_kernel_attention_backward_f32(const float *q, const float *k, cons
     if (parts > 1) {
         starts = malloc(sizeof(float) * size);
         ends = malloc(sizeof(float) * size);
-        const struct key_rows keys = {k, v, mask, h, d, dv, width, map, n, ksb, ksh, ksn, vsb, vsh, vsn, NULL, NULL, &ms};
+        const struct key_rows keys = {k, v, mask, h, d, dv, width, map, n, ksb, ksh, ksn, vsb, vsh, vsn, NULL, NULL,
+                                      &ms};
         const struct query_rows queries = {q, grad, out, den, NULL, NULL, h, d, dp, dv, width, map, n, qsb, qsh, qsn,
                                            NULL, &ms};
-        if (!starts || !ends || partial_states(bh, n, parts, d, width, dv + 1, threads, key_source, &keys, starts) != 0 ||
+        if (!starts || !ends ||
+            partial_states(bh, n, parts, d, width, dv + 1, 0, threads, key_source, &keys, starts) != 0 ||
             scan_parts(starts, init, bh, parts, d, dv, width, 0) != 0 ||
-            partial_states(bh, n, parts, d, width, dv + 1, threads, query_source, &queries, ends) != 0 ||
+            partial_states(bh, n, parts, d, width, dv + 1, 0, threads, query_source, &queries, ends) != 0 ||
             scan_parts(ends, NULL, bh, parts, d, dv, width, 1) != 0) {
             free(starts);
             free(ends);
