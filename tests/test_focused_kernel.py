@@ -31,6 +31,11 @@ def inputs(seed, n=45, d=13, dv=11):
     return q, k, v, mask, scale, torch.randn(2, 3, n, dv, generator=g)
 
 
+# Head sizes: 13 runs the map's scalar tail alone; 37 its vector loops (16- or 8-float) and a tail, with values
+# of 16 that fill whole vectors (the normaliser's column then taken apart).
+SIZES = [(13, 11), (37, 16)]
+
+
 def run(q, k, v, mask, scale, grad, dtype, *, native_kernels, wanted=(True, True, True, True), **options):
     leaves = [t.detach().to(dtype).requires_grad_(w) if t is not None else None
               for t, w in zip((q, k, v, scale), wanted)]
@@ -45,8 +50,9 @@ def run(q, k, v, mask, scale, grad, dtype, *, native_kernels, wanted=(True, True
 @pytest.mark.parametrize("power", [3.0, 2.5])
 @pytest.mark.parametrize("with_scale", [True, False], ids=["scale", "no_scale"])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_focused_in_the_kernels_matches_float64(causal, power, with_scale, threads):
-    q, k, v, mask, scale, grad = inputs(int(power * 10) + threads + 2 * causal)
+@pytest.mark.parametrize("sizes", SIZES, ids=["d13", "d37"])
+def test_focused_in_the_kernels_matches_float64(causal, power, with_scale, threads, sizes):
+    q, k, v, mask, scale, grad = inputs(int(power * 10) + threads + 2 * causal, d=sizes[0], dv=sizes[1])
     scale = scale if with_scale else None
     assert backend.kernel_backend(q, k, v, FocusedMap(power, scale), causal=causal).backend == backend.NATIVE
     previous = torch.get_num_threads()
@@ -78,10 +84,11 @@ def test_focused_in_the_kernels_matches_float64(causal, power, with_scale, threa
 
 @needs_native
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_the_scale_alone_gets_its_whole_gradient(causal):
+@pytest.mark.parametrize("sizes", SIZES, ids=["d13", "d37"])
+def test_the_scale_alone_gets_its_whole_gradient(causal, sizes):
     # With q, k, v frozen the kernels must still visit every query and key row for the scale's gradient: asking
     # only for the rows whose gradients are wanted would drop the others' shares.
-    q, k, v, mask, scale, grad = inputs(7)
+    q, k, v, mask, scale, grad = inputs(7, d=sizes[0], dv=sizes[1])
     k, v = (t.masked_fill(mask[:, None, :, None], 0.0) for t in (k, v))
     wanted = (False, False, False, True)
     _, got = run(q, k, v, mask, scale, grad, torch.float32, native_kernels=True, wanted=wanted, causal=causal)

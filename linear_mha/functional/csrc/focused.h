@@ -39,9 +39,9 @@ static inline vf power_vec(vf u, const struct focused_map *c) {
         for (int i = 1; i < c->integer_power; i++) z *= u;
         return z;
     }
-    vf z;
-    for (int i = 0; i < W; i++) z[i] = powf(u[i], c->power);
-    return z;
+    /* u in (0, 1]: u^p = exp(p ln u), every exponent <= 0 (vectors, where powf went lane by lane at a third of
+     * the speed); below e^-87.3 it is 0, as the feature it scales is nothing beside the row's largest, 1. */
+    return exp_nonpositive(splat(c->power) * log_positive(u));
 }
 
 static inline float relu_eps(float x) { return (x > 0.0f ? x : 0.0f) + FOCUSED_EPS; }
@@ -112,14 +112,13 @@ static inline void focused_input_grad(float *dx, const float *g, const float *x,
     const float radial = dot / (norm_u * norm_z), tangential = norm_u * c->power / norm_z;
     const float along = dot / (norm_z * norm_z);
     f = 0;
-    if (c->integer_power)
-        for (; f + W <= d; f += W) {
-            const vf uv = load(u + f), zv = load(zp + f), xv = load(x + f);
-            const vf dy = uv * splat(radial) + splat(tangential) * (zv / uv) * (load(g + f) - splat(along) * zv);
-            const vf scale = s ? load(s + f) : splat(1.0f);
-            store(dx + f, vselect(xv > splat(0.0f), dy / scale, splat(0.0f)));
-            if (ds) store(ds + f, load(ds + f) - dy * load(y + f) / scale);
-        }
+    for (; f + W <= d; f += W) { /* u^(p - 1) as u^p / u, for every p: u > 0 */
+        const vf uv = load(u + f), zv = load(zp + f), xv = load(x + f);
+        const vf dy = uv * splat(radial) + splat(tangential) * (zv / uv) * (load(g + f) - splat(along) * zv);
+        const vf scale = s ? load(s + f) : splat(1.0f);
+        store(dx + f, vselect(xv > splat(0.0f), dy / scale, splat(0.0f)));
+        if (ds) store(ds + f, load(ds + f) - dy * load(y + f) / scale);
+    }
     for (; f < d; f++) {
         const float u_p1 = c->integer_power ? zp[f] / u[f] : powf(u[f], c->power - 1.0f);
         const float dy = u[f] * radial + tangential * u_p1 * (g[f] - along * zp[f]);

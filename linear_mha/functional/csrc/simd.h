@@ -83,6 +83,31 @@ static inline vf exp_nonpositive(vf x) {
     return vselect(tiny, splat(0.0f), p * scale);
 }
 
+/* The natural log of positive normal x (Cephes' logf scheme: x = m 2^e with m in [sqrt(1/2), sqrt(2)), a degree-8
+ * polynomial in m - 1), about 1 ulp. e becomes a float by the same magic-number trick as above. */
+static inline vf log_positive(vf x) {
+    const vi bits = (vi)x;
+    vi e = ((bits >> 23) & 0xff) - 126;                              /* x = m 2^e, m in [1/2, 1) */
+    vf m = (vf)((bits & 0x007fffff) | 0x3f000000);
+    const vi small = m < splat(0.707106781186547524f);
+    e = e - (small & 1);                                               /* m < sqrt(1/2): m 2 and e - 1 */
+    m = vselect(small, m + m, m) - splat(1.0f);
+    const vf magic = splat(12582912.0f);                               /* 1.5 * 2^23 */
+    const vf fe = (vf)((vi)magic + e) - magic;
+    const vf z = m * m;
+    vf p = splat(7.0376836292e-2f);
+    p = p * m + splat(-1.1514610310e-1f);
+    p = p * m + splat(1.1676998740e-1f);
+    p = p * m + splat(-1.2420140846e-1f);
+    p = p * m + splat(1.4249322787e-1f);
+    p = p * m + splat(-1.6668057665e-1f);
+    p = p * m + splat(2.0000714765e-1f);
+    p = p * m + splat(-2.4999993993e-1f);
+    p = p * m + splat(3.3333331174e-1f);
+    vf y = m * z * p + fe * splat(-2.12194440e-4f) - z * splat(0.5f);
+    return m + y + fe * splat(0.693359375f);
+}
+
 static inline vf feature_vec(vf x, int map) {
     vi positive = x > splat(0.0f);
     if (map == 0) return vselect(positive, x + splat(1.0f), exp_nonpositive(vselect(positive, splat(0.0f), x)));
