@@ -33,30 +33,20 @@ typedef float v4f __attribute__((vector_size(16)));
 typedef int32_t v4i __attribute__((vector_size(16)));
 
 static inline float hsum(vf x) {
-    float lanes[W];
-    store(lanes, x);
-    v4f acc;
-    memcpy(&acc, lanes, sizeof acc);
-    for (int i = 4; i < W; i += 4) {
-        v4f part;
-        memcpy(&part, lanes + i, sizeof part);
-        acc += part;
-    }
-    return (acc[0] + acc[2]) + (acc[1] + acc[3]);
+    v4f q[W / 4];
+    memcpy(q, &x, sizeof q);
+    for (int i = 1; i < W / 4; i++) q[0] += q[i];
+    return (q[0][0] + q[0][2]) + (q[0][1] + q[0][3]);
 }
 
 static inline float hmax(vf x) {
-    float lanes[W];
-    store(lanes, x);
-    v4f acc;
-    memcpy(&acc, lanes, sizeof acc);
-    for (int i = 4; i < W; i += 4) {
-        v4f part;
-        memcpy(&part, lanes + i, sizeof part);
-        const v4i more = part > acc;
-        acc = (v4f)(((v4i)part & more) | ((v4i)acc & ~more));
+    v4f q[W / 4];
+    memcpy(q, &x, sizeof q);
+    for (int i = 1; i < W / 4; i++) {
+        const v4i more = q[i] > q[0];
+        q[0] = (v4f)(((v4i)q[i] & more) | ((v4i)q[0] & ~more));
     }
-    const float a = acc[0] > acc[1] ? acc[0] : acc[1], b = acc[2] > acc[3] ? acc[2] : acc[3];
+    const float a = q[0][0] > q[0][1] ? q[0][0] : q[0][1], b = q[0][2] > q[0][3] ? q[0][2] : q[0][3];
     return a > b ? a : b;
 }
 
