@@ -138,3 +138,13 @@ def test_half_inputs_run_in_float32_and_come_back_in_their_dtype():
     with backend.override(native_kernels=False):
         ref = LF.focused(*(t.double() for t in half), scale=scale.double(), key_padding_mask=mask, causal=True)
     assert out.dtype == torch.bfloat16 and relative_error(out.float(), ref) < 1e-2
+
+
+def test_a_focused_map_refuses_a_power_and_rope_tables_it_cannot_take():
+    for power in (0, -1.0, True, "3"):
+        with pytest.raises(ValueError, match="focusing_factor must be a positive number"):
+            FocusedMap(power)
+    q = torch.randn(1, 2, 4, 8)
+    tables = (torch.ones(4, 4), torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="rope_tables take a map without settings"):
+        native.kernel_attention(q, q, q, FocusedMap(3.0), rope_tables=tables)

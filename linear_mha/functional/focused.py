@@ -60,6 +60,8 @@ class FocusedMap:
     __name__ = "focused"
 
     def __init__(self, focusing_factor: float = 3.0, scale: Optional[Tensor] = None):
+        if isinstance(focusing_factor, bool) or not isinstance(focusing_factor, (int, float)) or focusing_factor <= 0:
+            raise ValueError(f"focusing_factor must be a positive number, got {focusing_factor!r}")
         self.focusing_factor, self.scale = focusing_factor, scale
 
     def __call__(self, x: Tensor) -> Tensor:
@@ -98,7 +100,5 @@ def focused(
     dropout and initial_state as in ``kernel`` (the state has feature size d). On float32 CPU tensors with one scale
     per head and channel the map runs inside the compiled kernels, forward and backward, and no feature tensor is
     made (``FocusedMap``); ``backend.kernel_backend`` says which path a call takes, and why."""
-    if isinstance(focusing_factor, bool) or not isinstance(focusing_factor, (int, float)) or focusing_factor <= 0:
-        raise ValueError(f"focusing_factor must be a positive number, got {focusing_factor!r}")
     return kernel(q, k, v, FocusedMap(focusing_factor, scale), causal=causal, key_padding_mask=key_padding_mask,
                   dropout_p=dropout_p, initial_state=initial_state, chunk_size=chunk_size)

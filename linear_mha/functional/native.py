@@ -172,7 +172,7 @@ def _check(status: int) -> None:
         raise MemoryError("linear_mha's compiled CPU code could not allocate its buffers")
 
 
-def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_map: Optional[str],
+def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_map,
                      key_padding_mask: Optional[Tensor] = None, initial_state: Optional[Tensor] = None,
                      causal: bool = False, rope_tables: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
     """Kernel attention, differentiable through the compiled backward. Shapes as ``kernel.kernel``: q (B, H, L, D),
@@ -185,6 +185,9 @@ def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_map: Optional[str]
     power and scales, differentiable in the scales too. Callers check ``why_not_kernel`` and the shapes."""
     power, scale = 0.0, None  # the focused map's settings; the other maps have none
     if getattr(feature_map, "compiled_map", None) == "focused":
+        if rope_tables is not None:  # the rope entry points take no map settings
+            raise ValueError("rope_tables take a map without settings; give the focused map's features made already "
+                             "(feature_map None), as grid_rope_kernel does")
         (power, scale), feature_map = feature_map.compiled_settings(q), "focused"
     if rope_tables is not None:
         features = feature_count(feature_map, q.shape[-1])

@@ -32,8 +32,9 @@ from .chunked import (CHUNK_SIZE, causal_linear_product, causal_linear_state, ca
 from .composed import composed_attention, key_value_sums
 from .fused import causal_kernel, kernel_inference_blocks
 
-__all__ = ["kernel", "check_kernel_inputs", "check_initial_state", "kernel_state", "kernel_step", "feature_attention", "key_value_sums", "causal_linear_product",
-           "causal_linear_state", "causal_linear_step", "check_chunk_size", "CHUNK_SIZE"]
+__all__ = ["kernel", "check_kernel_inputs", "check_initial_state", "kernel_state", "kernel_step", "feature_attention",
+           "key_value_sums", "causal_linear_product", "causal_linear_state", "causal_linear_step", "check_chunk_size",
+           "CHUNK_SIZE"]
 
 
 @outside_autocast
@@ -54,7 +55,8 @@ def kernel(
 
     Shapes: q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv) -> (B, H, L, Dv), in q's dtype (float16/bfloat16
     inputs accumulate in float32).
-    feature_map: "elu" | "relu" | "favor" (needs ``projection`` (m, D)) | "taylor" | "taylor2" | callable psi.
+    feature_map: "elu" | "relu" | "favor" (needs ``projection`` (m, D)) | "taylor" | "taylor2" | callable psi, e.g.
+    a ``focused.FocusedMap`` (computed inside the compiled kernels on float32 CPU tensors).
     key_padding_mask: bool (B, S), True = ignore; masked keys add nothing to numerator or normaliser.
     causal: query i sees keys j <= i (requires L == S).
     dropout_p: key dropout on the numerator (see ``_common.drop_keys``); pass 0 in eval.
