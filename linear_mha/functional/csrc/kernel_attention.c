@@ -2,7 +2,8 @@
  * and the recurrent decoding step (the gradients are in kernel_attention_backward.c).
  *
  *   phi(x) = elu(x) + 1  (map 0),   relu(x)  (map 1),   x: features made by the caller (map 3),
- *            or [1, x / |x|]  (map 4, taylor: one feature more than x has values)
+ *            [1, x / |x|]  (map 4, taylor: one feature more than x has values), taylor2's (map 5),
+ *            or the focused map with its power and per-head scales (map 6, focused.h)
  *   out_i  = phi(q_i) S / phi(q_i) z,   S = sum_j phi(k_j) v_j^T,   z = sum_j phi(k_j)
  *
  * Composed from tensor ops, this is two GEMMs plus half a dozen elementwise passes over N-sized tensors, and on

@@ -142,8 +142,8 @@ static inline void softmax_row(float *dst, const float *src, int d) {
     for (; f < d; f++) dst[f] *= inv;
 }
 
-/* Map 3: the inputs are features made already (focused, learned maps, a user's map: made by PyTorch ops, so
- * autograd takes their gradient), copied as they are. */
+/* Map 3: the inputs are features made already (learned maps, a user's map: made by PyTorch ops, so autograd takes
+ * their gradient), copied as they are. */
 #define FEATURES_GIVEN 3
 /* Map 4, taylor: [1, x / max(|x|, 1e-12)] (feature_maps.taylor_feature_map), d features from d - 1 inputs. The
  * only map whose feature count differs from its input's: d counts features everywhere, rows of q, k and of
