@@ -104,14 +104,10 @@ static inline void focused_input_grad(float *dx, const float *g, const float *x,
     float y[d], u[d], zp[d], norm_u, norm_z;
     const float *s = c->scale ? c->scale + (long)head * d : NULL;
     focused_row(c, x, s, d, y, u, zp, &norm_u, &norm_z);
-    vf dot_v = splat(0.0f);
-    int f = 0;
-    for (; f + W <= d; f += W) dot_v += load(g + f) * load(zp + f);
-    float dot = hsum(dot_v);
-    for (; f < d; f++) dot += g[f] * zp[f];
+    const float dot = dot_product(g, zp, d);
     const float radial = dot / (norm_u * norm_z), tangential = norm_u * c->power / norm_z;
     const float along = dot / (norm_z * norm_z);
-    f = 0;
+    int f = 0;
     for (; f + W <= d; f += W) { /* u^(p - 1) as u^p / u, for every p: u > 0 */
         const vf uv = load(u + f), zv = load(zp + f), xv = load(x + f);
         const vf dy = uv * splat(radial) + splat(tangential) * (zv / uv) * (load(g + f) - splat(along) * zv);
@@ -120,8 +116,7 @@ static inline void focused_input_grad(float *dx, const float *g, const float *x,
         if (ds) store(ds + f, load(ds + f) - dy * load(y + f) / scale);
     }
     for (; f < d; f++) {
-        const float u_p1 = c->integer_power ? zp[f] / u[f] : powf(u[f], c->power - 1.0f);
-        const float dy = u[f] * radial + tangential * u_p1 * (g[f] - along * zp[f]);
+        const float dy = u[f] * radial + tangential * (zp[f] / u[f]) * (g[f] - along * zp[f]);
         const float scale = s ? s[f] : 1.0f;
         dx[f] = x[f] > 0.0f ? dy / scale : 0.0f;
         if (ds) ds[f] -= dy * y[f] / scale;

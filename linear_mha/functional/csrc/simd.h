@@ -172,17 +172,17 @@ static inline int input_dim(int d, int map) {
     return map == TAYLOR ? d - 1 : map == TAYLOR2 ? taylor2_inputs(d) : d;
 }
 
-static inline float sum_of_squares(const float *x, int n) {
+/* sum_f a[f] b[f] over n values. */
+static inline float dot_product(const float *a, const float *b, int n) {
     vf acc = splat(0.0f);
     int f = 0;
-    for (; f + W <= n; f += W) {
-        const vf a = load(x + f);
-        acc += a * a;
-    }
+    for (; f + W <= n; f += W) acc += load(a + f) * load(b + f);
     float s = hsum(acc);
-    for (; f < n; f++) s += x[f] * x[f];
+    for (; f < n; f++) s += a[f] * b[f];
     return s;
 }
+
+static inline float sum_of_squares(const float *x, int n) { return dot_product(x, x, n); }
 
 /* x / max(|x|, eps), divided as F.normalize does: a multiplication by the reciprocal can leave a unit vector an
  * ulp short, and 1 + q'.k' of opposite unit vectors then a rounding error instead of an exact 0. */
@@ -320,15 +320,9 @@ static inline void column_product(int shape, int m, int k, const float *a, long 
         const int kk = shape == LOWER_K && i + 1 < k ? i + 1 : k;
         const float *ar = a + i * ai;
         float acc = 0.0f;
-        if (ap == 1) {
-            vf accv = splat(0.0f);
-            int p = 0;
-            for (; p + W <= kk; p += W) accv += load(ar + p) * load(column + p);
-            for (int e = 0; e < W; e++) acc += accv[e];
-            for (; p < kk; p++) acc += ar[p] * column[p];
-        } else {
+        if (ap == 1) acc = dot_product(ar, column, kk);
+        else
             for (int p = 0; p < kk; p++) acc += ar[p * ap] * column[p];
-        }
         c[i * ldc] += acc;
     }
 }
@@ -401,13 +395,8 @@ static inline __attribute__((always_inline)) void input_grad(float *dst, float *
         scaled_copy(dst, g, n, 1.0f / TAYLOR_EPS);
         return;
     }
-    vf dot_v = splat(0.0f);
+    const float dot = dot_product(g, unit, n), inv = 1.0f / norm;
     int f = 0;
-    for (; f + W <= n; f += W) dot_v += load(g + f) * load(unit + f);
-    float dot = hsum(dot_v);
-    for (; f < n; f++) dot += g[f] * unit[f];
-    const float inv = 1.0f / norm;
-    f = 0;
     for (; f + W <= n; f += W) store(dst + f, (load(g + f) - load(unit + f) * splat(dot)) * splat(inv));
     for (; f < n; f++) dst[f] = (g[f] - unit[f] * dot) * inv;
 }

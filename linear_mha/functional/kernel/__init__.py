@@ -32,9 +32,8 @@ from .chunked import (CHUNK_SIZE, causal_linear_product, causal_linear_state, ca
 from .composed import composed_attention, key_value_sums
 from .fused import causal_kernel, kernel_inference_blocks
 
-__all__ = ["kernel", "check_kernel_inputs", "check_initial_state", "kernel_state", "kernel_step", "feature_attention",
-           "key_value_sums", "causal_linear_product", "causal_linear_state", "causal_linear_step", "check_chunk_size",
-           "CHUNK_SIZE"]
+__all__ = ["kernel", "kernel_state", "kernel_step", "feature_attention", "key_value_sums", "causal_linear_product",
+           "causal_linear_state", "causal_linear_step", "check_chunk_size", "CHUNK_SIZE"]
 
 
 @outside_autocast
@@ -63,7 +62,12 @@ def kernel(
     initial_state: (B, H, F, Dv + 1) state of extra keys every query sees (e.g. from ``kernel_state``).
     chunk_size: chunk length of the causal product (the compiled code and fla pick their own; still checked).
     """
-    causal = check_kernel_inputs(q, k, v, key_padding_mask, causal, chunk_size)
+    check_qkv(q, k, v, key_padding_mask)
+    if causal and q.shape[-2] != k.shape[-2]:
+        raise ValueError(f"causal kernel attention needs as many queries as keys, got L={q.shape[-2]}, S={k.shape[-2]}")
+    if chunk_size is not None:
+        check_chunk_size(chunk_size)
+    causal = causal and q.shape[-2] > 0  # an empty sequence has no future to hide; the chunked paths need N >= 1
     chosen = backend.kernel_backend(q, k, v, feature_map, causal=causal, initial_state=initial_state).backend
     if chosen == backend.FLA:  # half inputs as they are: fla accumulates in its own way
         return fla_causal.causal_kernel_fla(q, k, drop_keys(v, dropout_p), feature_map, key_padding_mask)
@@ -74,7 +78,7 @@ def kernel(
     if initial_state is not None:
         initial_state = initial_state.to(dtype)
         if chosen not in (backend.COMPOSED, backend.NATIVE_FEATURES):  # elu/relu: F = D, taylor D + 1
-            check_initial_state(initial_state, native.feature_count(feature_map, q.shape[-1]), v)
+            _check_state(initial_state, native.feature_count(feature_map, q.shape[-1]), v)
     if chosen == backend.NATIVE:  # the compiled code skips masked keys itself: v is not copied to zero them
         return native.kernel_attention(q, k, v, feature_map, key_padding_mask, initial_state, causal).to(out_dtype)
     # With an initial state, the keys' FAVOR+ stabiliser must be kernel_state's data-independent one: both sums
@@ -83,7 +87,7 @@ def kernel(
                            projection=projection)
     if chosen == backend.NATIVE_FEATURES:
         phi_q, phi_k = compiled_features(*apply_feature_map(feature_map, q, k, **feature_options), feature_map)
-        check_initial_state(initial_state, phi_q.shape[-1], v)
+        _check_state(initial_state, phi_q.shape[-1], v)
         return native.kernel_attention(phi_q, phi_k, v, None, key_padding_mask, initial_state, causal).to(out_dtype)
     v = mask_keys(v, key_padding_mask)
     if chosen == backend.FUSED_CAUSAL:
@@ -95,18 +99,6 @@ def kernel(
     # The output may be written over phi(k) when the map made it fresh (a named map), at inference.
     return composed_attention(phi_q, phi_k, v, causal=causal, initial_state=initial_state, chunk_size=chunk_size,
                               reuse_keys=isinstance(feature_map, str)).to(out_dtype)
-
-
-def check_kernel_inputs(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], causal: bool,
-                        chunk_size: Optional[int]) -> bool:
-    """Refuses inconsistent arguments of kernel attention by name; returns whether the call is causal in effect
-    (an empty sequence has no future to hide, and the chunked paths need N >= 1)."""
-    check_qkv(q, k, v, key_padding_mask)
-    if causal and q.shape[-2] != k.shape[-2]:
-        raise ValueError(f"causal kernel attention needs as many queries as keys, got L={q.shape[-2]}, S={k.shape[-2]}")
-    if chunk_size is not None:
-        check_chunk_size(chunk_size)
-    return causal and q.shape[-2] > 0
 
 
 def feature_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, *, causal: bool = False,
@@ -123,7 +115,7 @@ def feature_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, *, causal: bool =
     if chunk_size is not None:
         check_chunk_size(chunk_size)
     if backend.features_backend(phi_q, phi_k, v, initial_state).backend == backend.NATIVE_FEATURES:
-        check_initial_state(initial_state, phi_q.shape[-1], v)
+        _check_state(initial_state, phi_q.shape[-1], v)
         return native.kernel_attention(_last_dim_contiguous(phi_q), _last_dim_contiguous(phi_k), v, None,
                                        initial_state=initial_state, causal=causal)
     return composed_attention(phi_q, phi_k, v, causal=causal, initial_state=initial_state, chunk_size=chunk_size,
@@ -146,8 +138,7 @@ def compiled_features(phi_q: Tensor, phi_k: Tensor, feature_map) -> Tuple[Tensor
     return tuple(_last_dim_contiguous(phi.to(torch.float32)) for phi in (phi_q, phi_k))
 
 
-def check_initial_state(initial_state, features, v):
-    """Refuses an initial state that is not (B, H, F, Dv + 1) for F features per position."""
+def _check_state(initial_state, features, v):
     if initial_state is None:
         return
     expected = (v.shape[0], v.shape[1], features, v.shape[-1] + 1)
