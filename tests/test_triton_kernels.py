@@ -13,6 +13,9 @@ import torch
 
 import linear_mha.functional as LF
 from linear_mha.functional import backend, triton_kernel
+from linear_mha.functional.focused import FocusedMap
+from linear_mha.functional.grid_rope import grid_rope_kernel
+from linear_mha.functional.hedgehog import hedgehog_state
 
 
 def _interpreter_runs_on_cpu_tensors():
@@ -86,7 +89,7 @@ def test_outputs_and_gradients_match_float64(feature_map, shape, masked):
         return out, [t.grad for t in leaves]
 
     out, got = run(torch.float32, triton_kernel.kernel_attention)
-    assert "TritonKernelAttention" in type(out.grad_fn).__name__
+    assert "TritonAttention" in type(out.grad_fn).__name__
     ref, expected = run(torch.float64, LF.kernel)
     assert relative_error(out, ref) < 2e-6
     for name, a, r in zip("qkv", got, expected):
@@ -152,10 +155,13 @@ def test_the_gpu_benchmark_checks_exactness_and_writes_its_table(tmp_path):
 
     from tools import triton_bench
     triton_bench.main(["--device", "cpu", "--n", "32", "--batch", "1", "--heads", "2", "--dim", "16", "--blocks",
-                       "16", "--repeats", "1", "--dtypes", "float32", "--json", str(tmp_path / "r.json")])
+                       "16", "--repeats", "1", "--dtypes", "float32", "--exact-shape", "1", "2", "21", "19", "16", "16",
+                       "--json", str(tmp_path / "r.json")])
     record = json.loads((tmp_path / "r.json").read_text())
-    assert len(record["exactness"]) == 2 * len(triton_kernel.MAPS)
-    assert all(max(row[key] for key in ("out", "dq", "dk", "dv")) < 1e-5 for row in record["exactness"])
+    assert len(record["exactness"]) == 2 * len(triton_bench.METHODS)
+    assert all(row["triton"] for row in record["exactness"])
+    assert all(max(row[key] for key in ("out", "dq", "dk", "dv", "dparams")) < 1e-5 for row in record["exactness"])
+    assert max(row["dparams"] for row in record["exactness"] if row["method"] == "hedgehog") > 0
     assert [row["variant"] for row in record["timings"]] == ["pytorch path", "triton, 16-row tiles"]
     assert all(row["fwd_ms"] > 0 and row["fwdbwd_ms"] > 0 for row in record["timings"])
 
@@ -168,8 +174,168 @@ def test_a_map_not_yet_run_on_a_gpu_waits_for_all(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     previous = triton_kernel.set_enabled(True)
     try:
-        assert "LINEAR_MHA_TRITON=all" in triton_kernel.why_not(q, k, v, "taylor", None)
+        for ask in (lambda: triton_kernel.why_not(q, k, v, "taylor", None),
+                    lambda: triton_kernel.why_not(q, k, v, FocusedMap(3.0), None),
+                    lambda: triton_kernel.why_not_hedgehog(q, k, v, *[(torch.eye(8).repeat(3, 1, 1), None)] * 2)):
+            assert "LINEAR_MHA_TRITON=all" in ask()
         triton_kernel.set_enabled(True, all_maps=True)
         assert "CUDA" in triton_kernel.why_not(q, k, v, "taylor", None)  # CPU tensors: only the device is left
     finally:
         triton_kernel.set_enabled(previous, all_maps=os.environ.get("LINEAR_MHA_TRITON") == "all")
+
+
+def compare(fn, tensors, grad, tolerance=1e-5):
+    """fn on float32 copies of tensors (through the Triton kernels) against float64 (the chooser sends float64 to
+    PyTorch ops): output and every tensor's gradient; returns the float32 gradients."""
+    runs = []
+    for dtype in (torch.float32, torch.float64):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in tensors]
+        out = fn(*leaves)
+        out.backward(grad.to(dtype))
+        runs.append((out, [t.grad for t in leaves]))
+    (out, got), (ref, expected) = runs
+    assert "TritonAttention" in type(out.grad_fn).__name__
+    assert relative_error(out, ref) < 2e-6
+    for i, (a, r) in enumerate(zip(got, expected)):
+        assert relative_error(a, r) < tolerance, f"gradient of input {i}"
+    return got
+
+
+def learned_maps(h, d, m, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    maps = []
+    for _ in "qk":
+        maps += [torch.eye(d, m).repeat(h, 1, 1) + 0.3 * torch.randn(h, d, m, generator=g),
+                 0.3 * torch.randn(h, m, generator=g) if bias else None]
+    return maps
+
+
+@inside
+@pytest.mark.parametrize("case", ["focused p=3, scale", "focused p=2.5", "hedgehog, bias", "hedgehog m=5"])
+@pytest.mark.parametrize("shape", [(2, 3, 37, 45, 8, 5), (1, 1, 3, 70, 20, 33)], ids=str)
+def test_maps_with_parameters_match_float64(case, shape):
+    """focused's power and scale, hedgehog's learned projections and softmaxes, computed inside the kernels: outputs,
+    q / k / v gradients and the parameters' gradients (summed over programs and the batch) against float64; masked
+    keys get no gradient."""
+    q, k, v, g = inputs(*shape, seed=sum(shape) + len(case))
+    b, h, l, s, d, dv = shape
+    mask = torch.rand(b, s, generator=g) < 0.3
+    grad = torch.randn(b, h, l, dv, generator=g)
+    if case.startswith("focused"):
+        power = 3.0 if "p=3" in case else 2.5
+        params = [torch.rand(h, 1, d, generator=g) + 0.5] if "scale" in case else []
+        fn = lambda q, k, v, *p: LF.focused(q, k, v, focusing_factor=power, scale=p[0] if p else None,  # noqa: E731
+                                            key_padding_mask=mask)
+    else:
+        m = 5 if "m=5" in case else d
+        params = [t for t in learned_maps(h, d, m, "bias" in case, seed=b + s) if t is not None]
+        pairs = (lambda p: ((p[0], p[1]), (p[2], p[3]))) if "bias" in case else (lambda p: ((p[0], None), (p[1], None)))
+        fn = lambda q, k, v, *p: LF.hedgehog(q, k, v, *pairs(p), key_padding_mask=mask)  # noqa: E731
+    got = compare(fn, [q, k, v, *params], grad)
+    gone = mask[:, None, :, None]
+    assert (got[1].masked_select(gone) == 0).all() and (got[2].masked_select(gone) == 0).all()
+
+
+@inside
+@pytest.mark.parametrize("feature_map, d", [("elu", 8), ("taylor", 8), ("taylor", 7), ("relu", 13), ("focused", 8)])
+def test_rotary_position_matches_float64(feature_map, d):
+    """grid_rope_kernel through the kernels: the last 4 floor(F / 4) features turned in the numerator only, the
+    normaliser plain; taylor at d = 7 (F = 8) turns its constant feature too, d = 13 leaves one feature as it is;
+    a prefix token at no position; masked keys."""
+    g = torch.Generator().manual_seed(d)
+    grid = (3, 6, 1)
+    n, b, h, dv = 19, 2, 3, 5
+    q, k, v = (torch.randn(b, n, h, w, generator=g).transpose(1, 2) for w in (d, d, dv))
+    mask = torch.rand(b, n, generator=g) < 0.3
+    grad = torch.randn(b, h, n, dv, generator=g)
+    if feature_map == "focused":
+        fn = lambda q, k, v, scale: grid_rope_kernel(q, k, v, FocusedMap(3.0, scale), grid,  # noqa: E731
+                                                     key_padding_mask=mask)
+        tensors = [q, k, v, torch.rand(h, 1, d, generator=g) + 0.5]
+        assert backend.rope_backend(q, k, v, FocusedMap(3.0, tensors[-1])).backend == backend.TRITON
+    else:
+        fn = lambda q, k, v: grid_rope_kernel(q, k, v, feature_map, grid, key_padding_mask=mask)  # noqa: E731
+        tensors = [q, k, v]
+        assert backend.rope_backend(q, k, v, feature_map).backend == backend.TRITON
+    got = compare(fn, tensors, grad)
+    assert (got[1].masked_select(mask[:, None, :, None]) == 0).all()
+
+
+@inside
+@pytest.mark.parametrize("method", ["elu", "taylor", "focused", "hedgehog"])
+def test_an_initial_state_is_added_to_the_keys_sums(method):
+    """initial_state (kernel_state's / hedgehog_state's layout: taylor's constant feature first, hedgehog's softmax(z)
+    features before softmax(-z)) enters the sums every query sees; its gradient too."""
+    q, k, v, g = inputs(seed=11)
+    extra_k, extra_v = torch.randn(2, 3, 9, 8, generator=g), torch.randn(2, 3, 9, 5, generator=g)
+    grad = torch.randn(2, 3, 37, 5, generator=g)
+    if method == "hedgehog":
+        maps = learned_maps(3, 8, 8, True, seed=12)
+        state = hedgehog_state(extra_k, extra_v, tuple(maps[2:]))
+        fn = lambda q, k, v, st: LF.hedgehog(q, k, v, tuple(t.to(q.dtype) for t in maps[:2]),  # noqa: E731
+                                             tuple(t.to(q.dtype) for t in maps[2:]), initial_state=st)
+    else:
+        feature_map = FocusedMap(3.0) if method == "focused" else method
+        state = LF.kernel_state(extra_k, extra_v, feature_map)
+        fn = lambda q, k, v, st: LF.kernel(q, k, v, feature_map, initial_state=st)  # noqa: E731
+    compare(fn, [q, k, v, state], grad)
+    with pytest.raises(ValueError, match="initial_state must have shape"):
+        fn(q, k, v, state[:, :, 1:])
+
+
+@inside
+def test_junk_in_masked_keys_reaches_nothing_with_every_map():
+    q, k, v, g = inputs(seed=13)
+    q = q.detach().requires_grad_()  # so that the output says which Function made it
+    mask = torch.zeros(2, 45, dtype=torch.bool)
+    mask[0, 30:] = True
+    mask[1] = True
+    junk_k, junk_v = k.clone(), v.clone()
+    junk_k[0, :, 30:], junk_v[0, :, 30:] = 1e4, float("nan")
+    junk_k[1], junk_v[1] = 1e4, float("nan")
+    maps = learned_maps(3, 8, 8, True, seed=14)
+    runs = {"focused": lambda k, v: LF.focused(q, k, v, key_padding_mask=mask),
+            "taylor": lambda k, v: LF.kernel(q, k, v, "taylor", key_padding_mask=mask),
+            "hedgehog": lambda k, v: LF.hedgehog(q, k, v, tuple(maps[:2]), tuple(maps[2:]), key_padding_mask=mask)}
+    for name, run in runs.items():
+        clean, dirty = run(k, v), run(junk_k, junk_v)
+        assert "TritonAttention" in type(clean.grad_fn).__name__, name
+        torch.testing.assert_close(dirty, clean, msg=name)
+        assert (clean[1] == 0).all(), name
+
+
+@inside
+def test_half_inputs_with_the_new_maps():
+    q, k, v, _ = inputs(seed=15)
+    maps = learned_maps(3, 8, 8, True, seed=16)
+    for dtype in (torch.bfloat16, torch.float16):
+        low = [t.to(dtype) for t in (q, k, v)]
+        for fn in (lambda *t: LF.focused(*t), lambda *t: LF.hedgehog(*t, tuple(maps[:2]), tuple(maps[2:]))):
+            out = fn(*low)
+            ref = fn(*(t.double() for t in low))
+            assert out.dtype == dtype and relative_error(out, ref) < 2e-2
+
+
+@inside
+def test_the_choosers_send_the_new_maps_there_and_say_why_not():
+    q, k, v, _ = inputs(seed=17)
+    maps = learned_maps(3, 8, 8, True, seed=18)
+    q_map, k_map = tuple(maps[:2]), tuple(maps[2:])
+    with triton_kernel.switched(True):
+        assert backend.kernel_backend(q, k, v, FocusedMap(3.0), causal=False).backend == backend.TRITON
+        assert backend.hedgehog_backend(q, k, v, q_map, k_map, causal=False).backend == backend.TRITON
+        assert "causal" in backend.hedgehog_backend(q, k, v, q_map, k_map, causal=True).reason
+        assert "window" in backend.hedgehog_backend(q, k, v, q_map, k_map, causal=False, window=True).reason
+        wide_bias = (maps[2], maps[3][:1])
+        assert "bias of shape" in backend.hedgehog_backend(q, k, v, q_map, wide_bias, causal=False).reason
+        assert "scale of shape" in triton_kernel.why_not(q, k, v, FocusedMap(3.0, torch.ones(2, 3, 1, 8)))
+        n = 19
+        qs, ks, vs = (torch.randn(1, 3, n, 8) for _ in range(3))
+        assert backend.rope_backend(qs, ks, vs, "taylor").backend == backend.TRITON
+        assert backend.rope_backend(qs, ks, vs, "taylor", torch.ones(1, 3, n)).backend != backend.TRITON
+        out = LF.hedgehog(q, k, v, q_map, k_map)
+    with triton_kernel.switched(False):
+        assert backend.hedgehog_backend(q, k, v, q_map, k_map, causal=False).backend != backend.TRITON
+        torch.testing.assert_close(LF.hedgehog(q, k, v, q_map, k_map), out, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        LF.hedgehog(q, k, v, (maps[0][:, :4], None), k_map)

@@ -3,11 +3,13 @@ against the PyTorch path they would replace, SDPA's own choice and SDPA's flash 
 
     python -m tools.triton_bench --json docs/results/cuda/triton_bench.json
 
-Non-causal kernel attention (--maps: elu, relu, taylor) on (B, H, N, d) tensors, forward (no autograd) and forward + backward of a fixed
-random output gradient, medians of CUDA-event timings after warm-up. "bytes" is what one forward must move at
-least (q, k, v read and the output written once); "x bw" is the forward's time over that traffic at the
-device-to-device copy bandwidth measured in the same run. On CPU (tests) it runs under Triton's interpreter
-(TRITON_INTERPRET=1) at tiny sizes.
+Non-causal attention (--methods: elu, relu, taylor, focused, hedgehog, taylor_rope) on (B, H, N, d) tensors, forward
+(no autograd) and forward + backward of a fixed random output gradient, medians of CUDA-event timings after warm-up.
+Every method is called through the public functional API, with the kernels switched on for every map and then off
+(the path they replace); the exactness rows include the gradients of focused's scale and hedgehog's maps. "bytes"
+is what one forward must move at least (q, k, v read and the output written once); "x bw" is the forward's time over
+that traffic at the device-to-device copy bandwidth measured in the same run. On CPU (tests) it runs under Triton's
+interpreter (TRITON_INTERPRET=1) at tiny sizes.
 """
 import argparse
 import json
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from integrations.console import HelpFormatter
 from linear_mha import functional as LF
 from linear_mha.functional import triton_kernel
+from linear_mha.functional.grid_rope import grid_rope_kernel
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -52,21 +55,58 @@ def relative_error(got, ref):
     return float((got.detach().double() - ref.detach()).abs().max() / ref.detach().abs().max())
 
 
-def exactness(device, dtype, feature_map, masked):
-    """Relative errors of the Triton path's output and q, k, v gradients against float64 on this device."""
+METHODS = ("elu", "relu", "taylor", "focused", "hedgehog", "taylor_rope")
+
+
+def method(name, h, d, device):
+    """fn(q, k, v, key_padding_mask) for a method through the public functional API, and the learnable tensors it
+    uses (their gradients are compared too): focused's per-head scale, hedgehog's maps; taylor_rope is taylor with
+    rotary position on a grid of the sequence's length (self-attention)."""
+    g = torch.Generator().manual_seed(2)
+    if name == "focused":
+        scale = torch.nn.functional.softplus(torch.randn(h, 1, d, generator=g)).to(device).requires_grad_()
+        return lambda q, k, v, mask=None: LF.focused(q, k, v, scale=scale, key_padding_mask=mask), [scale]
+    if name == "hedgehog":
+        maps = [t for _ in "qk" for t in (torch.eye(d).repeat(h, 1, 1) + 0.1 * torch.randn(h, d, d, generator=g),
+                                             0.1 * torch.randn(h, d, generator=g))]
+        maps = [t.to(device).requires_grad_() for t in maps]
+        return (lambda q, k, v, mask=None: LF.hedgehog(q, k, v, tuple(maps[:2]), tuple(maps[2:]),
+                                                       key_padding_mask=mask)), maps
+    if name == "taylor_rope":
+        def rope(q, k, v, mask=None):
+            n = q.shape[2]
+            width = max(1, int(n ** 0.5))
+            return grid_rope_kernel(q, k, v, "taylor", (n // width, width, n % width), key_padding_mask=mask)
+        return rope, []
+    return (lambda q, k, v, mask=None: LF.kernel(q, k, v, name, key_padding_mask=mask)), []
+
+
+def exactness(device, dtype, name, masked, shape=(2, 4, 300, 257, 64, 64)):
+    """Relative errors of the Triton path's output and q, k, v and parameter gradients against float64 (which the
+    chooser sends to PyTorch ops) on this device, and whether the Triton kernels ran. shape: B, H, L, S, D, Dv
+    (taylor_rope, self-attention: S = L)."""
     g = torch.Generator().manual_seed(0)
-    b, h, l, s, d, dv = 2, 4, 300, 257, 64, 64
+    b, h, l, s, d, dv = shape
+    s = l if name == "taylor_rope" else s
     q, k, v = (torch.randn(b, n, h, w, generator=g).transpose(1, 2).to(device)
                for n, w in ((l, d), (s, d), (s, dv)))
     mask = (torch.rand(b, s, generator=g) < 0.3).to(device) if masked else None
     grad = torch.randn(b, h, l, dv, generator=g).to(device)
+    fn, params = method(name, h, d, device)
     results = []
-    for run_dtype, fn in ((dtype, triton_kernel.kernel_attention), (torch.float64, LF.kernel)):
-        leaves = [t.detach().to(run_dtype).requires_grad_() for t in (q.to(dtype), k.to(dtype), v.to(dtype))]
-        out = fn(*leaves, feature_map, key_padding_mask=mask)
-        out.backward(grad.to(run_dtype))
-        results.append([out] + [t.grad for t in leaves])
-    return dict(zip(("out", "dq", "dk", "dv"), (relative_error(a, r) for a, r in zip(*results))))
+    with triton_kernel.switched(True, all_maps=True):
+        for run_dtype in (dtype, torch.float64):
+            leaves = [t.detach().to(run_dtype).requires_grad_() for t in (q.to(dtype), k.to(dtype), v.to(dtype))]
+            for p in params:
+                p.grad = None
+            out = fn(*leaves, mask)
+            out.backward(grad.to(run_dtype))
+            results.append([out] + [t.grad for t in leaves] + [p.grad.clone() for p in params])
+    errors = [relative_error(a, r) for a, r in zip(*results)]
+    row = dict(zip(("out", "dq", "dk", "dv"), errors[:4]))
+    row["dparams"] = max(errors[4:], default=0.0)
+    row["triton"] = "TritonAttention" in type(results[0][0].grad_fn).__name__
+    return row
 
 
 def copy_bandwidth(device, timed):
@@ -76,51 +116,46 @@ def copy_bandwidth(device, timed):
     return 2 * x.numel() / (ms * 1e-3)  # bytes read and written per second
 
 
-def timings(device, dtype, b, h, n, d, blocks, repeats, timed, feature_map="elu", with_sdpa=True):
+def timings(device, dtype, b, h, n, d, blocks, repeats, timed, name="elu", with_sdpa=True):
     g = torch.Generator(device=device).manual_seed(1)
     q, k, v = (torch.randn(b, h, n, d, generator=g, device=device, dtype=dtype) for _ in range(3))
     grad = torch.randn(b, h, n, d, generator=g, device=device, dtype=dtype)
+    fn, _ = method(name, h, d, device)
 
-    def forward_backward(fn):
+    def forward_backward(variant):
         def run():
             leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-            fn(*leaves).backward(grad)
+            variant(*leaves).backward(grad)
         return run
 
-    variants = {"pytorch path": lambda *t: _pytorch_path(t, feature_map)}
+    variants = {"pytorch path": lambda *t: _with_block(None, t, fn, triton=False)}
     for block in blocks:
-        variants[f"triton, {block}-row tiles"] = (lambda blk: lambda *t: _with_block(blk, t, feature_map))(block)
+        variants[f"triton, {block}-row tiles"] = (lambda blk: lambda *t: _with_block(blk, t, fn))(block)
     if device.type == "cuda" and with_sdpa:
         variants["SDPA"] = lambda *t: F.scaled_dot_product_attention(*t)
         if dtype != torch.float32:
             variants["SDPA flash"] = lambda *t: _flash(*t)
     rows = []
-    for name, fn in variants.items():
+    for variant, run in variants.items():
         try:
             with torch.no_grad():
-                fwd = timed(lambda: fn(q, k, v), repeats)
-            fwdbwd = timed(forward_backward(fn), repeats)
-            rows.append(dict(variant=name, fwd_ms=fwd, fwdbwd_ms=fwdbwd))
+                fwd = timed(lambda: run(q, k, v), repeats)
+            fwdbwd = timed(forward_backward(run), repeats)
+            rows.append(dict(variant=variant, fwd_ms=fwd, fwdbwd_ms=fwdbwd))
         except Exception as exc:  # a variant this device cannot run is a row saying so
-            rows.append(dict(variant=name, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"))
+            rows.append(dict(variant=variant, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"))
     return rows
 
 
-def _with_block(block, tensors, feature_map):
-    """The Triton path with this many rows per tile (the forward's choice is kept for its backward)."""
-    previous, triton_kernel.BLOCK = triton_kernel.BLOCK, block
+def _with_block(block, tensors, fn, triton=True):
+    """fn through the Triton kernels with this many rows per tile (the forward's choice is kept for its backward),
+    every map taken; or, triton=False, through the path they replace."""
+    previous_block, triton_kernel.BLOCK = triton_kernel.BLOCK, block
     try:
-        return triton_kernel.kernel_attention(*tensors, feature_map)
+        with triton_kernel.switched(triton, all_maps=True):
+            return fn(*tensors)
     finally:
-        triton_kernel.BLOCK = previous
-
-
-def _pytorch_path(tensors, feature_map):
-    previous = triton_kernel.set_enabled(False)
-    try:
-        return LF.kernel(*tensors, feature_map)
-    finally:
-        triton_kernel.set_enabled(previous)
+        triton_kernel.BLOCK = previous_block
 
 
 def _flash(q, k, v):
@@ -139,8 +174,10 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--blocks", type=int, nargs="+", default=[16, 32, 64], help="rows per tile to try")
-    p.add_argument("--maps", nargs="+", default=["elu"], choices=list(triton_kernel.MAPS), help="maps to time")
+    p.add_argument("--methods", nargs="+", default=["elu"], choices=METHODS, help="methods to time")
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--exact-shape", type=int, nargs=6, default=[2, 4, 300, 257, 64, 64],
+                   metavar=("B", "H", "L", "S", "D", "DV"), help="of the exactness checks")
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
     device = torch.device(a.device)
@@ -153,27 +190,28 @@ def main(argv=None):
                   copy_bandwidth_gbps=bandwidth / 1e9, exactness=[], timings=[])
     print(f"{record['device']}, torch {torch.__version__}, copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
     for dtype_name in a.dtypes:
-        for feature_map in triton_kernel.MAPS:
+        for name in METHODS:
             for masked in (False, True):
-                errors = exactness(device, DTYPES[dtype_name], feature_map, masked)
-                record["exactness"].append(dict(dtype=dtype_name, feature_map=feature_map, masked=masked, **errors))
-                print(f"exact {dtype_name:8s} {feature_map:4s} masked={masked!s:5s} " +
-                      " ".join(f"{key} {value:.1e}" for key, value in errors.items()), flush=True)
-    print(f"{'map':6s} {'dtype':8s} {'N':>6s} {'variant':24s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} {'x bw':>6s}")
-    for feature_map, dtype_name, n in ((m, t, n) for m in a.maps for t in a.dtypes for n in a.n):
+                errors = exactness(device, DTYPES[dtype_name], name, masked, a.exact_shape)
+                record["exactness"].append(dict(dtype=dtype_name, method=name, masked=masked, **errors))
+                print(f"exact {dtype_name:8s} {name:11s} masked={masked!s:5s} " +
+                      " ".join(f"{key} {value:.1e}" for key, value in errors.items() if key != "triton") +
+                      ("" if errors["triton"] else "  (NOT the Triton path)"), flush=True)
+    print(f"{'method':11s} {'dtype':8s} {'N':>6s} {'variant':24s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} {'x bw':>6s}")
+    for name, dtype_name, n in ((m, t, n) for m in a.methods for t in a.dtypes for n in a.n):
         dtype = DTYPES[dtype_name]
         moved = 4 * a.batch * a.heads * n * a.dim * torch.finfo(dtype).bits // 8
-        # SDPA and its flash kernel are the same whatever the map: timed with the first one only
-        rows = timings(device, dtype, a.batch, a.heads, n, a.dim, a.blocks, a.repeats, timed, feature_map,
-                       with_sdpa=feature_map == a.maps[0])
+        # SDPA and its flash kernel are the same whatever the method: timed with the first one only
+        rows = timings(device, dtype, a.batch, a.heads, n, a.dim, a.blocks, a.repeats, timed, name,
+                       with_sdpa=name == a.methods[0])
         for row in rows:
-            row.update(map=feature_map, dtype=dtype_name, N=n, B=a.batch, H=a.heads, d=a.dim, bytes=moved)
+            row.update(method=name, dtype=dtype_name, N=n, B=a.batch, H=a.heads, d=a.dim, bytes=moved)
             if "fwd_ms" in row:
                 row["x_bandwidth_limit"] = row["fwd_ms"] / (moved / bandwidth * 1e3)
-                print(f"{feature_map:6s} {dtype_name:8s} {n:6d} {row['variant']:24s} {row['fwd_ms']:9.3f} "
+                print(f"{name:11s} {dtype_name:8s} {n:6d} {row['variant']:24s} {row['fwd_ms']:9.3f} "
                       f"{row['fwdbwd_ms']:11.3f} {row['x_bandwidth_limit']:6.1f}", flush=True)
             else:
-                print(f"{feature_map:6s} {dtype_name:8s} {n:6d} {row['variant']:24s} {row['error']}", flush=True)
+                print(f"{name:11s} {dtype_name:8s} {n:6d} {row['variant']:24s} {row['error']}", flush=True)
             record["timings"].append(row)
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)

@@ -8,8 +8,9 @@
                        by its own compiled pass; the products and the division by the compiled code
     fla                ``fla_causal.py``: causal elu/relu kernel attention on bfloat16 CUDA tensors through
                        flash-linear-attention's Triton kernel, when fla-core is installed and the path is enabled
-    triton             ``triton_kernel.py``: non-causal elu/relu kernel attention in fused Triton kernels, forward and
-                       backward, on CUDA (LINEAR_MHA_TRITON=0 switches them off; =all adds taylor)
+    triton             ``triton_kernel.py``: non-causal kernel attention in fused Triton kernels, forward and backward,
+                       on CUDA: elu/relu (LINEAR_MHA_TRITON=0 switches them off); =all adds the maps run only under
+                       Triton's interpreter so far: taylor, focused, hedgehog's learned maps, rotary position
     fused_causal       ``kernel/fused.py``: causal elu/relu kernel attention as one autograd Function, the feature
                        map and the division done block by block in reused buffers
     blocked_inference  ``kernel/fused.py``: non-causal elu/relu inference without autograd, a block of positions at a
@@ -17,7 +18,8 @@
     chunked            ``kernel/chunked.py``: the causal product on features made already, with its own backward
     composed           plain PyTorch ops (any map, dtype and device, torch.func, autograd through every op)
 
-``kernel_backend`` / ``rope_backend`` / ``product_backend`` / ``efficient_backend`` / ``step_backend`` return a :class:`Choice` naming
+``kernel_backend`` / ``rope_backend`` / ``hedgehog_backend`` / ``product_backend`` / ``efficient_backend`` /
+``step_backend`` return a :class:`Choice` naming
 the backend and the reason, so a user can ask why a call was not fast (``str(choice)``), as torch's
 ``why_not_fast_path`` does; each function is asked once per call, and the caller runs what it names.
 :func:`override` switches choices for a block of code (tests, comparisons): ``native=False`` runs PyTorch ops
@@ -148,6 +150,11 @@ def rope_backend(q: Tensor, k: Tensor, v: Tensor, feature_map, key_weights: Opti
     """The backend ``grid_rope.grid_rope_kernel`` runs: the compiled code rotates the features and runs the products
     and the division (native: it makes the map too; native_features: PyTorch ops make the features), else PyTorch
     ops."""
+    why_not_triton = "key weights" if key_weights is not None else \
+        triton_kernel.why_not(q, k, v, feature_map, rope=True)
+    if triton_kernel.enabled() and why_not_triton is None:
+        return Choice(TRITON, "the map, the rotation, the products and the division in the fused Triton kernels "
+                              "(LINEAR_MHA_TRITON=0 switches them off)")
     why_not_native = native.why_not(q, k, v, key_weights, dtype=compute_dtype(q.dtype))
     if why_not_native is not None:
         return Choice(COMPOSED, f"not native because {why_not_native}")
@@ -159,6 +166,23 @@ def rope_backend(q: Tensor, k: Tensor, v: Tensor, feature_map, key_weights: Opti
     made_by = "key weights" if key_weights is not None else f"feature_map {name!r}"
     return Choice(NATIVE_FEATURES, f"float32 CPU tensors: the features made by PyTorch ops ({made_by}), the "
                                    f"rotation, the products and the division in the compiled code")
+
+
+def hedgehog_backend(q: Tensor, k: Tensor, v: Tensor, q_map, k_map, *, causal: bool,
+                     initial_state: Optional[Tensor] = None, window: bool = False) -> Choice:
+    """The backend ``hedgehog.hedgehog`` runs: the fused Triton kernels (the maps inside them), or features made by
+    ``hedgehog_features`` and given to ``feature_attention`` (``features_backend`` then picks its products)."""
+    why_not_triton = "causal" if causal else "a sliding window" if window else \
+        triton_kernel.why_not_hedgehog(q, k, v, q_map, k_map, initial_state)
+    if triton_kernel.enabled() and why_not_triton is None:
+        return Choice(TRITON, "non-causal hedgehog attention: the maps, the products and the division in the fused "
+                              "Triton kernels (LINEAR_MHA_TRITON=0 switches them off)")
+    why_not_triton = "it is switched off" if why_not_triton is None else why_not_triton
+    why_not_native = native.why_not(q, k, v, initial_state, dtype=compute_dtype(q.dtype))
+    if why_not_native is None:
+        return Choice(NATIVE_FEATURES, f"the features made by their own pass, the products and the division in the "
+                                       f"compiled code; not triton because {why_not_triton}")
+    return Choice(COMPOSED, f"not triton because {why_not_triton}; not native because {why_not_native}")
 
 
 def features_backend(phi_q: Tensor, phi_k: Tensor, v: Tensor, initial_state: Optional[Tensor] = None) -> Choice:

@@ -73,6 +73,10 @@ class FocusedMap:
     def why_not_compiled(self, q: Tensor) -> Optional[str]:
         if self.scale is not None and not self.scale.is_cpu:
             return f"the scale is on {self.scale.device}"
+        return self.why_not_rows(q)
+
+    def why_not_rows(self, q: Tensor) -> Optional[str]:
+        """Why a fused kernel (compiled or Triton) cannot read q and the scale as they are shaped, or None."""
         return backend.why_not_focused_rows(q, self.scale)
 
     def compiled_settings(self, q: Tensor) -> Tuple[float, Optional[Tensor]]:

@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import backend, native
+from . import backend, native, triton_kernel
 from ._common import check_qkv, compute_dtype, drop_keys, mask_keys, outside_autocast, safe_normaliser
 from .feature_maps import FeatureMap, apply_feature_map
 from .kernel import compiled_features
@@ -87,6 +87,10 @@ def grid_rope_kernel(
         raise ValueError(f"grid rope needs self-attention over the grid's {prefix + height * width} tokens "
                          f"({height} x {width} + {prefix} prefix); got {q.shape[2]} queries and {k.shape[2]} keys")
     chosen = backend.rope_backend(q, k, v, feature_map, key_weights).backend
+    if chosen == backend.TRITON:  # half inputs as they are: the kernels accumulate in float32
+        tables = grid_tables(grid, native.feature_count(feature_map, q.shape[-1]), q.new_empty((), dtype=torch.float32))
+        return triton_kernel.kernel_attention(q, k, drop_keys(v, dropout_p), feature_map, key_padding_mask,
+                                              rope_tables=tables)
     out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
     q, k, v = q.to(dtype), k.to(dtype), drop_keys(v.to(dtype), dropout_p)
     if chosen == backend.NATIVE:  # the compiled code makes the features from q and k

@@ -12,20 +12,24 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import backend, native_maps
+from . import backend, native_maps, triton_kernel
 from ._common import check_qkv, compute_dtype, drop_keys, mask_keys, outside_autocast
-from .kernel import check_chunk_size
+from .kernel import check_state, check_chunk_size
 from .kernel import feature_attention
 from .sliding_window import sliding_window_linear
 
 Map = Tuple[Tensor, Optional[Tensor]]  # (weight (H, d, m), bias (H, m) or None)
 
 
-def hedgehog_features(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """x (B, H, N, d), weight (H, d, m), bias (H, m) -> (B, H, N, 2m)."""
+def _check_weight(x: Tensor, weight: Tensor) -> None:
     if weight.dim() != 3 or weight.shape[0] != x.shape[1] or weight.shape[1] != x.shape[-1]:
         raise ValueError(f"the feature map's weight must have shape (heads, head_dim, m) = ({x.shape[1]}, "
                          f"{x.shape[-1]}, m), got {tuple(weight.shape)}")
+
+
+def hedgehog_features(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """x (B, H, N, d), weight (H, d, m), bias (H, m) -> (B, H, N, 2m)."""
+    _check_weight(x, weight)
     z = torch.einsum("bhnd,hdm->bhnm", x, weight.to(x.dtype))
     if bias is not None:
         bias = bias.to(x.dtype)
@@ -61,6 +65,14 @@ def hedgehog(
     if chunk_size is not None:
         check_chunk_size(chunk_size)
     causal = causal and q.shape[-2] > 0
+    _check_weight(q, q_map[0])
+    _check_weight(k, k_map[0])
+    windowed = window is not None and window[0] > 0
+    if backend.hedgehog_backend(q, k, v, q_map, k_map, causal=causal, initial_state=initial_state,
+                                window=windowed).backend == backend.TRITON:
+        check_state(initial_state, 2 * q_map[0].shape[-1], v)
+        return triton_kernel.hedgehog_attention(q, k, drop_keys(v, dropout_p), q_map, k_map, key_padding_mask,
+                                                initial_state)
     out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
     q, k, v = q.to(dtype), k.to(dtype), drop_keys(v.to(dtype), dropout_p)
     phi_q = hedgehog_features(q, *q_map)
@@ -69,7 +81,7 @@ def hedgehog(
     v = mask_keys(v, key_padding_mask)
     if initial_state is not None:
         initial_state = initial_state.to(dtype)
-    if window is not None and window[0] > 0:
+    if windowed:
         return sliding_window_linear(q, mask_keys(k, key_padding_mask), v, phi_q, phi_k, window=window[0],
                                      mix=window[1], causal=causal, key_padding_mask=key_padding_mask,
                                      initial_state=initial_state, chunk_size=chunk_size).to(out_dtype)

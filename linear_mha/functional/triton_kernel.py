@@ -14,9 +14,10 @@ Written for CUDA; the tests run them on CPU tensors under Triton's interpreter (
 SDPA's at N = 16k in bfloat16 (docs/cuda.md). taylor's kernel has run only under the interpreter: CUDA calls take
 it with ``LINEAR_MHA_TRITON=all``.
 """
+import contextlib
 import importlib.util
 import os
-from typing import Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -31,7 +32,7 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-MAPS = {"elu": 0, "relu": 1, "taylor": 2}  # taylor: [x / |x|, 1], one feature more than x has values
+MAPS = {"elu": 0, "relu": 1, "taylor": 2, "focused": 3, "hedgehog": 4}  # triton_jit's codes
 # Maps whose kernels have run on a GPU (docs/cuda.md); the others have run under the interpreter only, and are
 # taken on CUDA with LINEAR_MHA_TRITON=all until they have.
 GPU_CHECKED = ("elu", "relu")
@@ -50,6 +51,18 @@ def set_enabled(enabled: bool, all_maps: Optional[bool] = None) -> bool:
     return previous
 
 
+@contextlib.contextmanager
+def switched(enabled: bool, all_maps: Optional[bool] = None):
+    """``set_enabled(enabled, all_maps)`` within the block, both settings restored on exit."""
+    global _enabled, _all_maps
+    previous = _enabled, _all_maps
+    set_enabled(enabled, all_maps)
+    try:
+        yield
+    finally:
+        _enabled, _all_maps = previous
+
+
 def enabled() -> bool:
     return _enabled
 
@@ -59,17 +72,58 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def why_not(q: Tensor, k: Tensor, v: Tensor, feature_map, initial_state: Optional[Tensor]) -> Optional[str]:
-    """Why these tensors cannot take the Triton kernels, or None."""
+def map_name(feature_map) -> Optional[str]:
+    """The Triton kernels' name for a feature map ("elu", "relu", "taylor"; a ``focused.FocusedMap`` is "focused"),
+    or None."""
+    if isinstance(feature_map, str):
+        return feature_map if feature_map in ("elu", "relu", "taylor") else None
+    return "focused" if getattr(feature_map, "compiled_map", None) == "focused" else None
+
+
+def why_not(q: Tensor, k: Tensor, v: Tensor, feature_map, initial_state: Optional[Tensor] = None,
+            rope: bool = False) -> Optional[str]:
+    """Why these tensors cannot take the Triton kernels (``kernel_attention``), or None. rope: with rotary
+    position tables (``grid_rope``)."""
+    name = map_name(feature_map)
+    if name is None:
+        return (f"feature_map {getattr(feature_map, '__name__', feature_map)!r}: the Triton kernels take "
+                f"{tuple(m for m in MAPS if m != 'hedgehog')} (hedgehog through hedgehog())")
+    if name == "focused":
+        why_not_rows = feature_map.why_not_rows(q)
+        if why_not_rows is not None:
+            return why_not_rows
+        if feature_map.scale is not None and feature_map.scale.device != q.device:
+            return f"focused's scale is on {feature_map.scale.device}, the inputs on {q.device}"
+    if rope and initial_state is not None:
+        return "rotary position with an initial_state"
+    return _why_not_tensors(name, q, k, v, initial_state)
+
+
+def why_not_hedgehog(q: Tensor, k: Tensor, v: Tensor, q_map, k_map,
+                     initial_state: Optional[Tensor] = None) -> Optional[str]:
+    """Why hedgehog's call cannot take the Triton kernels (``hedgehog_attention``), or None. q_map / k_map:
+    (weight (H, d, m), bias (H, m) or None), shapes checked by the caller."""
+    devices = {t.device for pair in (q_map, k_map) for t in pair if t is not None}
+    if devices - {q.device}:
+        return f"the feature maps' weights are on {sorted(map(str, devices))}, the inputs on {q.device}"
+    for weight, bias in (q_map, k_map):
+        if bias is not None and tuple(bias.shape) != (weight.shape[0], weight.shape[-1]):
+            return f"a bias of shape {tuple(bias.shape)}: the Triton kernels read one of (heads, m)"
+    if q_map[0].shape[-1] != k_map[0].shape[-1]:
+        return "the query and key maps have different feature counts"
+    if q_map[0].shape[-1] > 128:
+        return "hedgehog maps of more than 128 features"
+    return _why_not_tensors("hedgehog", q, k, v, initial_state)
+
+
+def _why_not_tensors(name: str, q: Tensor, k: Tensor, v: Tensor, initial_state: Optional[Tensor]) -> Optional[str]:
     if not HAS_TRITON:
         return "triton is not installed"
-    if not isinstance(feature_map, str) or feature_map not in MAPS:
-        return f"feature_map {getattr(feature_map, '__name__', feature_map)!r}: the Triton kernels take {tuple(MAPS)}"
-    if feature_map not in GPU_CHECKED and not (_all_maps or interpreted()):
-        return (f"feature_map {feature_map!r}: its Triton kernel has run only under Triton's interpreter so far "
+    if name not in GPU_CHECKED and not (_all_maps or interpreted()):
+        return (f"feature_map {name!r}: its Triton kernel has run only under Triton's interpreter so far "
                 f"(LINEAR_MHA_TRITON=all takes it)")
-    if initial_state is not None:
-        return "an initial_state: the Triton kernels take none yet"
+    if initial_state is not None and initial_state.device != q.device:
+        return f"the initial_state is on {initial_state.device}, the inputs on {q.device}"
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
         return "an empty tensor"
     if compiling() or functorch_active():
@@ -116,10 +170,6 @@ def _block(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-def _feature_block(map_code: int, d: int) -> int:
-    """The tile width of the features: d of them, taylor's d + 1."""
-    return _block(d + 1 if map_code == MAPS["taylor"] else d)
-
 
 def _split(g: int, n: int, rows: int):
     """(programs per head, tiles per program) for the sums over a sequence of n: enough programs to fill a GPU's
@@ -130,76 +180,175 @@ def _split(g: int, n: int, rows: int):
     return cdiv(max(n, 1), tiles * rows), tiles
 
 
-def _key_state(k, v, mask, map_code, rows):
-    b, h, s, d = k.shape
-    dv = v.shape[-1]
-    bd, bdv = _feature_block(map_code, d), _block(dv)
-    splits, tiles = _split(b * h, s, rows)
-    state = torch.empty(b * h, splits, bd, bdv, device=k.device, dtype=torch.float32)
-    z = torch.empty(b * h, splits, bd, device=k.device, dtype=torch.float32)
-    _kernels().key_sums[(b * h, splits)](k, v, k if mask is None else mask, state, z, h, s, *k.stride()[:3],
-                                         *v.stride()[:3], D=d, DV=dv, BLOCK_N=rows, BLOCK_D=bd, BLOCK_DV=bdv,
-                                         MAP=map_code, HAS_MASK=mask is not None, TILES=tiles,
-                                         PRECISION=_precision(k.dtype, k.device))
-    return state.sum(1).contiguous(), z.sum(1).contiguous()
+class _Setting(NamedTuple):
+    """What the kernels are compiled for, beyond the tensors."""
+    name: str
+    d: int
+    dv: int
+    features: int   # F: per position, in the reference order (a state's third size)
+    width: int      # hedgehog's m features per softmax; F otherwise
+    rotated: int    # R: the last R features turn with rotary position; 0 without
+    power: float    # focused's
+    rows: int       # positions per tile
+
+    @property
+    def halves(self) -> int:
+        return 2 if self.name == "hedgehog" else 1
+
+    def constants(self, device: torch.device, dtype: torch.dtype) -> dict:
+        return dict(D=self.d, DV=self.dv, F=self.features, M=self.width, OFF=1 if self.name == "taylor" else 0,
+                    R=self.rotated, BLOCK_D=_block(self.d), BLOCK_F=_block(self.width), BLOCK_DV=_block(self.dv),
+                    MAP=MAPS[self.name], PRECISION=_precision(dtype, device))
 
 
-def _forward(q, k, v, mask, map_code, rows):
-    b, h, n_q, d = q.shape
-    dv = v.shape[-1]
-    state, z = _key_state(k, v, mask, map_code, rows)
-    out = torch.empty(b, h, n_q, dv, device=q.device, dtype=q.dtype)
-    den = torch.empty(b, h, n_q, device=q.device, dtype=torch.float32)
-    _kernels().queries[(b * h, cdiv(n_q, rows))](q, state, z, out, den, h, n_q, *q.stride()[:3], D=d,
-                                                         DV=dv, BLOCK_M=rows, BLOCK_D=_feature_block(map_code, d),
-                                                         BLOCK_DV=_block(dv), MAP=map_code,
-                                                         PRECISION=_precision(q.dtype, q.device))
-    return out, state, z, den
+def _blocks_to_state(s: Tensor, z: Tensor, st: _Setting) -> Tensor:
+    """Summed blocks s (G, halves, BLOCK_F, BLOCK_DV), z (G, halves, BLOCK_F) -> (G, F, Dv + 1), the reference layout
+    of a state: [S, z] with hedgehog's softmax(z) features before its softmax(-z) ones."""
+    full = torch.cat([s[:, :, :st.width, :st.dv], z[:, :, :st.width, None]], -1)
+    return full.reshape(s.shape[0], st.features, st.dv + 1)
 
 
-class _TritonKernelAttention(torch.autograd.Function):
+def _add_state(s: Tensor, z: Tensor, state: Tensor, st: _Setting) -> None:
+    """s, z += a state (B, H, F, Dv + 1) in the reference layout."""
+    state = state.to(torch.float32).reshape(s.shape[0], st.halves, st.width, st.dv + 1)
+    s[:, :, :st.width, :st.dv] += state[..., :st.dv]
+    z[:, :, :st.width] += state[..., st.dv]
+
+
+def _param_pointers(weight: Optional[Tensor], bias: Optional[Tensor], like: Tensor, st: _Setting):
+    """The kernels' p_ptr, b_ptr (a stand-in pointer, never read, where there is no tensor) and HAS_PARAM: whether
+    focused has a scale (the weight), whether hedgehog's map has a bias (it always has a weight)."""
+    has = bias is not None if st.name == "hedgehog" else weight is not None
+    return (like if weight is None else weight), (like if bias is None else bias), has
+
+
+class _TritonAttention(torch.autograd.Function):
+    """Inputs: q, k (B, H, N, D), v (B, H, S, Dv); mask (B, S) uint8 or None; the query and key maps' parameters
+    (focused: the scale (H, D) as weight, no bias; hedgehog: weight (H, D, m), bias (H, m) or None); initial_state
+    (B, H, F, Dv + 1) or None; cos, sin (N, R) or None."""
+
     @staticmethod
-    def forward(ctx, q, k, v, mask, map_code):
-        ctx.rows = rows = _rows_per_tile(q.dtype)
-        out, state, z, den = _forward(q, k, v, mask, map_code, rows)
-        ctx.save_for_backward(q, k, v, mask, out, state, z, den)
-        ctx.map_code = map_code
+    def forward(ctx, st, q, k, v, mask, q_weight, q_bias, k_weight, k_bias, initial_state, cos, sin):
+        kernels = _kernels()
+        b, h, n_q, _ = q.shape
+        n_k, g = k.shape[2], b * h
+        consts = st.constants(q.device, q.dtype)
+        bf, bdv = consts["BLOCK_F"], consts["BLOCK_DV"]
+        rope = (q if cos is None else cos), (q if sin is None else sin)
+        qp, qb, q_has = _param_pointers(q_weight, q_bias, q, st)
+        kp, kb, k_has = _param_pointers(k_weight, k_bias, q, st)
+        splits, tiles = _split(g, n_k, st.rows)
+        s = torch.empty(g, splits, st.halves, bf, bdv, device=q.device, dtype=torch.float32)
+        z = torch.empty(g, splits, st.halves, bf, device=q.device, dtype=torch.float32)
+        kernels.key_sums[(g, splits)](k, v, k if mask is None else mask, kp, kb, *rope, s, z, h, n_k,
+                                      *k.stride()[:3], *v.stride()[:3], st.power, BLOCK_N=st.rows,
+                                      HAS_MASK=mask is not None, HAS_PARAM=k_has, TILES=tiles, **consts)
+        s, z = s.sum(1), z.sum(1)
+        if initial_state is not None:
+            _add_state(s, z, initial_state, st)
+        out = torch.empty(b, h, n_q, st.dv, device=q.device, dtype=q.dtype)
+        den = torch.empty(g, n_q, device=q.device, dtype=torch.float32)
+        kernels.queries[(g, cdiv(n_q, st.rows))](q, qp, qb, *rope, s, z, out, den, h, n_q, *q.stride()[:3],
+                                                  st.power, BLOCK_M=st.rows, HAS_PARAM=q_has, **consts)
+        ctx.st = st
+        ctx.save_for_backward(q, k, v, mask, q_weight, q_bias, k_weight, k_bias, initial_state, cos, sin, out, s, z,
+                              den)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, mask, out, state, z, den = ctx.saved_tensors
+        (q, k, v, mask, q_weight, q_bias, k_weight, k_bias, initial_state, cos, sin, out, s, z,
+         den) = ctx.saved_tensors
+        st, need = ctx.st, ctx.needs_input_grad
+        kernels = _kernels()
         b, h, n_q, d = q.shape
-        n_k, dv = k.shape[2], v.shape[-1]
-        bd, bdv = _feature_block(ctx.map_code, d), _block(dv)
-        grad_out = grad_out.contiguous()
-        out = out.contiguous()
-        dq = torch.empty(b, h, n_q, d, device=q.device, dtype=torch.float32)
-        rows = ctx.rows
-        splits, tiles = _split(b * h, n_q, rows)
-        gs = torch.empty(b * h, splits, bd, bdv, device=q.device, dtype=torch.float32)
-        gz = torch.empty(b * h, splits, bd, device=q.device, dtype=torch.float32)
-        _kernels().query_grads[(b * h, splits)](q, state, z, out, den, grad_out, dq, gs, gz, h, n_q,
-                                                *q.stride()[:3], D=d, DV=dv, BLOCK_M=rows, BLOCK_D=bd,
-                                                BLOCK_DV=bdv, MAP=ctx.map_code, NEED_DQ=ctx.needs_input_grad[0],
-                                                TILES=tiles, PRECISION=_precision(q.dtype, q.device))
-        gs, gz = gs.sum(1).contiguous(), gz.sum(1).contiguous()
-        dk = torch.empty(b, h, n_k, d, device=q.device, dtype=torch.float32)
-        dvv = torch.empty(b, h, n_k, dv, device=q.device, dtype=torch.float32)
-        _kernels().key_grads[(b * h, cdiv(n_k, rows))](k, v, k if mask is None else mask, gs, gz, dk,
-                                                               dvv, h, n_k, *k.stride()[:3], *v.stride()[:3],
-                                                               D=d, DV=dv, BLOCK_N=rows, BLOCK_D=bd, BLOCK_DV=bdv,
-                                                               MAP=ctx.map_code, HAS_MASK=mask is not None,
-                                                               PRECISION=_precision(k.dtype, k.device))
-        return dq.to(q.dtype), dk.to(k.dtype), dvv.to(v.dtype), None, None
+        n_k, g = k.shape[2], b * h
+        consts = st.constants(q.device, q.dtype)
+        bd, bf, bdv = consts["BLOCK_D"], consts["BLOCK_F"], consts["BLOCK_DV"]
+        rope = (q if cos is None else cos), (q if sin is None else sin)
+        qp, qb, q_has = _param_pointers(q_weight, q_bias, q, st)
+        kp, kb, k_has = _param_pointers(k_weight, k_bias, q, st)
+        grad_out, out = grad_out.contiguous(), out.contiguous()
+        f32 = dict(device=q.device, dtype=torch.float32)
+
+        need_dq, need_q_params = need[1], need[5] or need[6]
+        splits, tiles = _split(g, n_q, st.rows)
+        dq = torch.empty(b, h, n_q, d, **f32) if need_dq else q
+        gs = torch.empty(g, splits, st.halves, bf, bdv, **f32)
+        gz = torch.empty(g, splits, st.halves, bf, **f32)
+        dp = torch.zeros(g, splits, bd, bf, **f32) if need_q_params else q
+        db = torch.zeros(g, splits, bf, **f32) if need_q_params else q
+        kernels.query_grads[(g, splits)](q, qp, qb, *rope, s, z, out, den, grad_out, dq, gs, gz, dp, db, h, n_q,
+                                         *q.stride()[:3], st.power, BLOCK_M=st.rows, HAS_PARAM=q_has,
+                                         NEED_DX=need_dq, NEED_DP=need_q_params, TILES=tiles, **consts)
+        gs, gz = gs.sum(1), gz.sum(1)
+        q_grads = _param_grads(dp, db, b, h, d, st, q_weight, q_bias) if need_q_params else (None, None)
+
+        need_dk, need_k_params = need[2], need[7] or need[8]
+        # One tile per program unless the map has parameters, whose gradients each program sums: then as few
+        # programs as fill the GPU, so those partial sums stay few.
+        splits, tiles = _split(g, n_k, st.rows) if need_k_params else (cdiv(n_k, st.rows), 1)
+        dk = torch.empty(b, h, n_k, d, **f32) if need_dk else q
+        dv = torch.empty(b, h, n_k, st.dv, **f32)
+        dp = torch.zeros(g, splits, bd, bf, **f32) if need_k_params else q
+        db = torch.zeros(g, splits, bf, **f32) if need_k_params else q
+        kernels.key_grads[(g, splits)](k, v, k if mask is None else mask, kp, kb, *rope, gs, gz, dk, dv, dp, db,
+                                       h, n_k, *k.stride()[:3], *v.stride()[:3], st.power, BLOCK_N=st.rows,
+                                       HAS_MASK=mask is not None, HAS_PARAM=k_has, NEED_DX=need_dk,
+                                       NEED_DP=need_k_params, TILES=tiles, **consts)
+        k_grads = _param_grads(dp, db, b, h, d, st, k_weight, k_bias) if need_k_params else (None, None)
+        d_state = None
+        if initial_state is not None and need[9]:
+            d_state = _blocks_to_state(gs, gz, st).reshape(initial_state.shape).to(initial_state.dtype)
+        return (None, dq.to(q.dtype) if need_dq else None, dk.to(k.dtype) if need_dk else None, dv.to(v.dtype), None,
+                *q_grads, *k_grads, d_state, None, None)
 
 
-def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_map: str,
-                     key_padding_mask: Optional[Tensor] = None) -> Tensor:
-    """Non-causal kernel attention through the Triton kernels: q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv), any
-    strides with a contiguous last dimension, float32 or half (accumulated in float32); key_padding_mask (B, S)
-    bool, True = ignore. Returns (B, H, L, Dv) in q's dtype. Callers check ``why_not``."""
+def _param_grads(dp: Tensor, db: Tensor, b: int, h: int, d: int, st: _Setting, weight, bias):
+    """The map's parameter gradients from the programs' partial sums: (d weight, d bias) in their own dtypes."""
+    db = db.reshape(b, h, -1, db.shape[-1]).sum((0, 2))
+    if st.name == "focused":  # the scale travels as the weight
+        return db[:, :d].to(weight.dtype), None
+    dp = dp.reshape(b, h, -1, *dp.shape[-2:]).sum((0, 2))
+    return dp[:, :d, :st.width].to(weight.dtype), None if bias is None else db[:, :st.width].to(bias.dtype)
+
+
+def _prepared(q, k, v, key_padding_mask):
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     mask = None if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
-    return _TritonKernelAttention.apply(q, k, v, mask, MAPS[feature_map])
+    return q, k, v, mask
+
+
+def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_map, key_padding_mask: Optional[Tensor] = None,
+                     initial_state: Optional[Tensor] = None,
+                     rope_tables: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
+    """Non-causal kernel attention through the Triton kernels: q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv), any
+    strides with a contiguous last dimension, float32 or half (accumulated in float32); feature_map "elu", "relu",
+    "taylor" or a ``focused.FocusedMap``; key_padding_mask (B, S) bool, True = ignore; initial_state
+    (B, H, F, Dv + 1) (``kernel_state``'s); rope_tables (cos, sin) (N, R) of ``grid_rope.grid_tables`` for rotary
+    position (L = S = N). Returns (B, H, L, Dv) in q's dtype. Callers check ``why_not``."""
+    name = map_name(feature_map)
+    q, k, v, mask = _prepared(q, k, v, key_padding_mask)
+    d = q.shape[-1]
+    features = d + 1 if name == "taylor" else d
+    cos, sin = (None, None) if rope_tables is None else (t.to(q.device, torch.float32).contiguous()
+                                                         for t in rope_tables)
+    st = _Setting(name, d, v.shape[-1], features, features, 0 if cos is None else cos.shape[-1],
+                  float(getattr(feature_map, "focusing_factor", 0.0)), _rows_per_tile(q.dtype))
+    scale = None
+    if name == "focused":
+        _, scale = feature_map.compiled_settings(q)  # (H, d) float32 or None
+    return _TritonAttention.apply(st, q, k, v, mask, scale, None, scale, None, initial_state, cos, sin)
+
+
+def hedgehog_attention(q: Tensor, k: Tensor, v: Tensor, q_map, k_map, key_padding_mask: Optional[Tensor] = None,
+                       initial_state: Optional[Tensor] = None) -> Tensor:
+    """Non-causal hedgehog attention through the Triton kernels, the maps' projections and softmaxes inside them:
+    q_map / k_map (weight (H, D, m), bias (H, m) or None); otherwise as ``kernel_attention``, the state
+    (B, H, 2m, Dv + 1). Callers check ``why_not_hedgehog``."""
+    q, k, v, mask = _prepared(q, k, v, key_padding_mask)
+    m = q_map[0].shape[-1]
+    st = _Setting("hedgehog", q.shape[-1], v.shape[-1], 2 * m, m, 0, 0.0, _rows_per_tile(q.dtype))
+    params = [None if t is None else t.to(torch.float32).contiguous() for t in (*q_map, *k_map)]
+    return _TritonAttention.apply(st, q, k, v, mask, *params, initial_state, None, None)

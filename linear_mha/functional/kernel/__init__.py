@@ -32,8 +32,8 @@ from .chunked import (CHUNK_SIZE, causal_linear_product, causal_linear_state, ca
 from .composed import composed_attention, key_value_sums
 from .fused import causal_kernel, kernel_inference_blocks
 
-__all__ = ["kernel", "kernel_state", "kernel_step", "feature_attention", "key_value_sums", "causal_linear_product",
-           "causal_linear_state", "causal_linear_step", "check_chunk_size", "CHUNK_SIZE"]
+__all__ = ["kernel", "kernel_state", "check_state", "kernel_step", "feature_attention", "key_value_sums",
+           "causal_linear_product", "causal_linear_state", "causal_linear_step", "check_chunk_size", "CHUNK_SIZE"]
 
 
 @outside_autocast
@@ -72,13 +72,15 @@ def kernel(
     if chosen == backend.FLA:  # half inputs as they are: fla accumulates in its own way
         return fla_causal.causal_kernel_fla(q, k, drop_keys(v, dropout_p), feature_map, key_padding_mask)
     if chosen == backend.TRITON:  # half inputs as they are: the kernels accumulate in float32
-        return triton_kernel.kernel_attention(q, k, drop_keys(v, dropout_p), feature_map, key_padding_mask)
+        check_state(initial_state, native.feature_count(feature_map, q.shape[-1]), v)
+        return triton_kernel.kernel_attention(q, k, drop_keys(v, dropout_p), feature_map, key_padding_mask,
+                                              initial_state)
     out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
     q, k, v = q.to(dtype), k.to(dtype), drop_keys(v.to(dtype), dropout_p)
     if initial_state is not None:
         initial_state = initial_state.to(dtype)
         if chosen not in (backend.COMPOSED, backend.NATIVE_FEATURES):  # elu/relu: F = D, taylor D + 1
-            _check_state(initial_state, native.feature_count(feature_map, q.shape[-1]), v)
+            check_state(initial_state, native.feature_count(feature_map, q.shape[-1]), v)
     if chosen == backend.NATIVE:  # the compiled code skips masked keys itself: v is not copied to zero them
         return native.kernel_attention(q, k, v, feature_map, key_padding_mask, initial_state, causal).to(out_dtype)
     # With an initial state, the keys' FAVOR+ stabiliser must be kernel_state's data-independent one: both sums
@@ -87,7 +89,7 @@ def kernel(
                            projection=projection)
     if chosen == backend.NATIVE_FEATURES:
         phi_q, phi_k = compiled_features(*apply_feature_map(feature_map, q, k, **feature_options), feature_map)
-        _check_state(initial_state, phi_q.shape[-1], v)
+        check_state(initial_state, phi_q.shape[-1], v)
         return native.kernel_attention(phi_q, phi_k, v, None, key_padding_mask, initial_state, causal).to(out_dtype)
     v = mask_keys(v, key_padding_mask)
     if chosen == backend.FUSED_CAUSAL:
@@ -115,7 +117,7 @@ def feature_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, *, causal: bool =
     if chunk_size is not None:
         check_chunk_size(chunk_size)
     if backend.features_backend(phi_q, phi_k, v, initial_state).backend == backend.NATIVE_FEATURES:
-        _check_state(initial_state, phi_q.shape[-1], v)
+        check_state(initial_state, phi_q.shape[-1], v)
         return native.kernel_attention(_last_dim_contiguous(phi_q), _last_dim_contiguous(phi_k), v, None,
                                        initial_state=initial_state, causal=causal)
     return composed_attention(phi_q, phi_k, v, causal=causal, initial_state=initial_state, chunk_size=chunk_size,
@@ -138,7 +140,7 @@ def compiled_features(phi_q: Tensor, phi_k: Tensor, feature_map) -> Tuple[Tensor
     return tuple(_last_dim_contiguous(phi.to(torch.float32)) for phi in (phi_q, phi_k))
 
 
-def _check_state(initial_state, features, v):
+def check_state(initial_state, features, v):
     if initial_state is None:
         return
     expected = (v.shape[0], v.shape[1], features, v.shape[-1] + 1)
