@@ -156,8 +156,14 @@ def test_masked_keys_leak_nothing_and_empty_rows_give_zero():
 
 
 def squared_relu(x):
-    """A user's map the compiled code does not know: PyTorch makes it, the compiled code multiplies."""
+    """A user's map of elementwise steps: read as a program, the compiled code runs it (elementwise_program)."""
     return torch.relu(x) ** 2 + 0.01
+
+
+def gated_relu(x):
+    """A user's map that is not one chain of steps (x is used twice): PyTorch makes it, the compiled code
+    multiplies."""
+    return torch.relu(x) * torch.sigmoid(x) + 0.01
 
 
 def focused_p3(x):
@@ -186,18 +192,19 @@ def test_kernel_dispatches_float32_cpu_inference_to_the_kernels(monkeypatch):
     # Not taken: float64.
     LF.kernel(q.detach().double(), k.double(), v.double(), "elu")
     assert len(calls) == 4
-    # taylor's map is computed there too; a map the C code does not know is made by PyTorch ops, and its features
-    # go to the compiled products.
+    # taylor's map is computed there too, and a user's map of elementwise steps; another map is made by PyTorch
+    # ops, and its features go to the compiled products.
     LF.kernel(q.detach(), k, v, "taylor")
     LF.kernel(q.detach(), k, v, squared_relu)
-    assert calls[4:] == ["taylor", None]
+    LF.kernel(q.detach(), k, v, gated_relu)
+    assert calls[4] == "taylor" and calls[5].fn is squared_relu and calls[6] is None
     previous = native.set_enabled(False)
     try:
         with torch.inference_mode():
             composed = LF.kernel(q.detach(), k, v, "elu", key_padding_mask=mask)
     finally:
         native.set_enabled(previous)
-    assert len(calls) == 6
+    assert len(calls) == 7
     assert torch.allclose(fast, composed, rtol=1e-5, atol=1e-6)
 
 
@@ -226,7 +233,8 @@ def test_a_user_map_s_odd_features_reach_the_compiled_products_as_float32_rows(o
 
 
 @needs_native
-@pytest.mark.parametrize("feature_map", ["elu", "relu", "taylor", "taylor2", squared_relu, focused_p3], ids=str)
+@pytest.mark.parametrize("feature_map", ["elu", "relu", "taylor", "taylor2", squared_relu, gated_relu, focused_p3],
+                         ids=str)
 @pytest.mark.parametrize("b,h,n_q,n_k,d,dv", [(1, 4, 200, 200, 64, 64), (2, 3, 37, 70, 13, 5), (1, 1, 1300, 1100, 16, 9)])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
@@ -254,7 +262,7 @@ def test_gradients_match_float64(feature_map, b, h, n_q, n_k, d, dv, masked, cau
     ref_out, ref = grads(torch.float64)
     # float32 sums over F features: rounding grows as sqrt(F) (taylor2 has 2,145 at d = 64); squared features span
     # a wider range, and one thread sums 1,100 of them in one accumulator (2.3e-6 seen against float64)
-    sums = max(1.0, features / 64) ** 0.5 * (2.0 if feature_map is squared_relu else 1.0)
+    sums = max(1.0, features / 64) ** 0.5 * (2.0 if feature_map in (squared_relu, gated_relu) else 1.0)
     assert relative_error(out, ref_out) < 2e-6 * sums
     for name, a, r in zip(("q", "k", "v", "initial_state"), got, ref):
         assert relative_error(a, r) < 1e-5 * sums, name

@@ -1,9 +1,9 @@
 """Which implementation runs an attention call, and why: the one place that decides.
 
     native             the compiled C code of ``native.py`` (float32 CPU, or half CPU inputs once copied to float32;
-                       kernel attention with elu/relu/taylor/taylor2 maps and focused attention, each map computed
-                       inside the kernels' row loaders, Efficient Attention), forward and backward, and the decoding
-                       step
+                       kernel attention with elu/relu/taylor/taylor2 maps, focused attention and a user's
+                       elementwise map read as steps (``elementwise_program.py``), each map computed inside the
+                       kernels' row loaders, Efficient Attention), forward and backward, and the decoding step
     native_features    any other feature map (hedgehog's learned maps, a user's map): the map made by PyTorch ops or
                        by its own compiled pass; the products and the division by the compiled code
     fla                ``fla_causal.py``: causal elu/relu kernel attention on bfloat16 CUDA tensors through
@@ -33,6 +33,7 @@ from torch import Tensor
 
 from . import fla_causal, native, triton_kernel
 from ._common import compiling, compute_dtype, fixed_graph, functorch_active, needs_grad
+from .elementwise_program import program_map
 from .feature_maps import IN_PLACE_FEATURE_MAPS
 
 NATIVE, NATIVE_FEATURES, FLA, TRITON, FUSED_CAUSAL, BLOCKED, CHUNKED, COMPOSED = (
@@ -111,7 +112,8 @@ def kernel_backend(q: Tensor, k: Tensor, v: Tensor, feature_map, *, causal: bool
                    initial_state: Optional[Tensor] = None) -> Choice:
     """The backend ``functional.kernel`` runs for these tensors, as the caller passes them: half inputs go to fla as
     they are, everywhere else they are computed in float32 copies (so the compiled code takes bfloat16 CPU
-    inputs too)."""
+    inputs too). A user's callable is judged as ``kernel`` runs it: read as a program of steps where it is one."""
+    feature_map = program_map(feature_map)
     if not causal and triton_kernel.enabled() and triton_kernel.why_not(q, k, v, feature_map, initial_state) is None:
         return Choice(TRITON, "non-causal kernel attention on CUDA: the fused Triton kernels "
                               "(LINEAR_MHA_TRITON=0 switches them off)")

@@ -3,7 +3,8 @@
 Kernel attention with an elementwise map spends most of its CPU time in elementwise passes over N-sized
 tensors, not in its two GEMMs; the C functions fuse those passes into the GEMMs (see kernel_attention.c). They
 cover float32 CPU tensors: kernel attention with elu/relu/taylor/taylor2 maps, the focused map (its scales'
-gradient too) or features made already (non-causal and causal, with gradients; elu/relu also the recurrent
+gradient too), a user's elementwise map read as a program of steps (``elementwise_program.py``), or features made
+already (non-causal and causal, with gradients; elu/relu also the recurrent
 decoding step), Efficient Attention (with gradients), and the focused and hedgehog feature maps on their own
 (with gradients, through ``native_maps.py``). Everything
 else (other dtypes, accelerators) stays in PyTorch, and so does everything when the compiled code is unavailable;
@@ -31,9 +32,12 @@ MAPS = {"elu": 0, "relu": 1}  # the elementwise feature maps the C code computes
 # [1, x', x'_i x'_j], 1 + D + D (D + 1) / 2 features.
 ROW_MAPS = {"taylor": 4, "taylor2": 5}
 FEATURES_GIVEN = 3  # the C code's map for features made already (any map, made by PyTorch ops)
-# focused (FLatten): a row map with settings, its power and per-head scales, passed beside the map code; given as a
-# focused.FocusedMap, which carries them, not by a name.
+# Maps with settings, passed beside the map code, given as objects that carry them (``compiled_map`` names the map,
+# ``compiled_settings(q)`` gives (power, data)), not by a name: focused (FLatten, a focused.FocusedMap: its power and
+# per-head scales), and a user's elementwise map read as a program of steps (an elementwise_program.ProgramMap).
 FOCUSED = 6
+PROGRAM = 7
+SETTINGS_MAPS = {"focused": FOCUSED, "program": PROGRAM}
 
 _lock = threading.Lock()
 _library = None
@@ -122,7 +126,7 @@ def build_error() -> Optional[str]:
 def why_not_kernel(feature_map, *tensors: Optional[Tensor], dtype: Optional[torch.dtype] = None) -> Optional[str]:
     """Why kernel attention with ``feature_map`` on these tensors cannot run in the compiled code, or None if it
     can (the caller has a backward for it). ``dtype``: the dtype they will be computed in, if not their own."""
-    if getattr(feature_map, "compiled_map", None) == "focused":  # a map with settings (focused.FocusedMap)
+    if getattr(feature_map, "compiled_map", None) in SETTINGS_MAPS:  # a map with settings
         return feature_map.why_not_compiled(tensors[0]) or why_not(*tensors, dtype=dtype)
     if not isinstance(feature_map, str) or (feature_map not in MAPS and feature_map not in ROW_MAPS):
         name = getattr(feature_map, "__name__", feature_map)
@@ -183,12 +187,12 @@ def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_map,
     contiguous float32 from ``grid_rope.rotation_tables``, for ``grid_rope_kernel``'s rotary position (non-causal
     self-attention, L == S, no initial_state). ``feature_map`` a ``focused.FocusedMap``: the focused map with its
     power and scales, differentiable in the scales too. Callers check ``why_not_kernel`` and the shapes."""
-    power, scale = 0.0, None  # the focused map's settings; the other maps have none
-    if getattr(feature_map, "compiled_map", None) == "focused":
+    power, scale = 0.0, None  # a map's settings (focused's power and scales, a program); the other maps have none
+    if getattr(feature_map, "compiled_map", None) in SETTINGS_MAPS:
         if rope_tables is not None:  # the rope entry points take no map settings
-            raise ValueError("rope_tables take a map without settings; give the focused map's features made already "
-                             "(feature_map None), as grid_rope_kernel does")
-        (power, scale), feature_map = feature_map.compiled_settings(q), "focused"
+            raise ValueError(f"rope_tables take a map without settings; give the {feature_map.compiled_map} map's "
+                             f"features made already (feature_map None), as grid_rope_kernel does")
+        (power, scale), feature_map = feature_map.compiled_settings(q), feature_map.compiled_map
     if rope_tables is not None:
         features = feature_count(feature_map, q.shape[-1])
         rotated = rope_tables[0].shape[-1]
@@ -223,8 +227,8 @@ def pointer(t: Optional[Tensor]):
 def _map_code(feature_map: Optional[str]) -> int:
     if feature_map is None:
         return FEATURES_GIVEN
-    if feature_map == "focused":
-        return FOCUSED
+    if feature_map in SETTINGS_MAPS:
+        return SETTINGS_MAPS[feature_map]
     return MAPS[feature_map] if feature_map in MAPS else ROW_MAPS[feature_map]
 
 

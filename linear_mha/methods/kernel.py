@@ -8,6 +8,7 @@ import torch
 from .. import functional, naive
 from ..functional.kernel import CHUNK_SIZE, check_chunk_size
 from ..functional._common import drop_keys
+from ..functional.elementwise_program import program_for
 from ..functional.feature_maps import elementwise_feature_map
 from ..functional.grid_rope import grid_rope_kernel
 from ..functional.key_reweight import key_weights, unweight, weighted_values
@@ -60,11 +61,12 @@ class FeatureMapMethod(AttentionMethod):
         raise NotImplementedError(f"method {self.name!r} defines neither features() nor kernel_map()")
 
     def kernel_map(self, state):
-        """The map ``functional.kernel`` applies: a name it knows, or a callable x -> phi(x)."""
+        """The map ``functional.kernel`` applies: a name it knows, or a callable x -> phi(x). A ``features`` made of
+        elementwise steps (``elementwise_program``) is read once per method and runs inside the compiled kernels."""
         def phi(x):
             return self.features(x, state)
         phi.__name__ = self.name
-        return phi
+        return program_for(self, phi)
 
     def attend(self, q, k, v, state, *, key_padding_mask=None, causal=False, dropout_p=0.0, extra_keys=None,
                token_grid=None):

@@ -51,12 +51,12 @@ static int noncausal_attention(const float *q, const float *k, const float *v, c
  * or NULL; init (B, H, D, Dv + 1) contiguous state of extra keys, or NULL; out (B, H, L, Dv) contiguous.
  * For autograd, state_out (B, H, D, Dv + 1) receives the state and den_out (B, H, L) the normalisers (zeros
  * replaced by 1); either may be NULL. power and scale ((H, D) contiguous, or NULL): the focused map's settings
- * (map 6; ignored by the others). */
+ * (map 6); for map 7 scale holds the program of a user's elementwise map (program_from); ignored by the others. */
 int lm_kernel_attention_f32(const float *q, const float *k, const float *v, const uint8_t *mask, const float *init,
                             float *out, float *state_out, float *den_out, int b, int h, long nq, long nk, int d,
                             int dv, long qsb, long qsh, long qsn, long ksb, long ksh, long ksn, long vsb, long vsh,
                             long vsn, int map, int threads, float power, const float *scale) {
-    const struct map_settings ms = {focused_settings(power, scale), NULL, h};
+    const struct map_settings ms = settings_of(map, power, scale, NULL, h);
     return noncausal_attention(q, k, v, mask, init, out, state_out, den_out, b, h, nq, nk, d, dv, qsb, qsh, qsn, ksb,
                                ksh, ksn, vsb, vsh, vsn, map, threads, NULL, &ms);
 }
@@ -179,7 +179,7 @@ int lm_causal_kernel_attention_f32(const float *q, const float *k, const float *
                                    int dv, long qsb, long qsh, long qsn, long ksb, long ksh, long ksn, long vsb,
                                    long vsh, long vsn, int map, int threads, float power, const float *scale) {
     const int bh = b * h, dvp = (dv + 1 + W - 1) / W * W, ldt = (ROWS + W - 1) / W * W;
-    const struct map_settings ms = {focused_settings(power, scale), NULL, h};
+    const struct map_settings ms = settings_of(map, power, scale, NULL, h);
     threads = threads_for(threads);
     const long parts = parts_for(bh, n, threads, 8 * ROWS);
     float *starts = NULL;

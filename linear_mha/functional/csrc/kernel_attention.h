@@ -7,17 +7,28 @@
 #include <omp.h>
 #endif
 #include "focused.h"
+#include "program.h"
 #include "simd.h"
 
-/* Map 6, focused (focused.h): a row map with settings, which ride beside the map code; its backward adds each row's
+/* Maps with settings, which ride beside the map code. Map 6, focused (focused.h): its backward adds each row's
  * share of the scales' gradient into grad_scale, (threads x H x d) partial sums, one slice per thread (NULL: not
- * wanted; the caller sums the slices). */
+ * wanted; the caller sums the slices). Map 7, a user's elementwise map as a program of steps (program.h). */
 #define FOCUSED 6
+#define PROGRAM 7
 struct map_settings {
     struct focused_map focused;
     float *grad_scale;
     int h;
+    struct program program;
 };
+
+/* The settings of a map from the entry points' arguments: focused's power and scales, or the program's layout
+ * (program_from) in the same pointer. */
+static inline struct map_settings settings_of(int map, float power, const float *data, float *grad_scale, int h) {
+    const struct map_settings ms = {focused_settings(power, map == FOCUSED ? data : NULL), grad_scale, h,
+                                    program_from(map == PROGRAM ? data : NULL)};
+    return ms;
+}
 
 static inline int thread_slot(void) {
 #ifdef _OPENMP
@@ -30,12 +41,17 @@ static inline int thread_slot(void) {
 /* features() for every map, settings and the row's head included (ms may be NULL for maps without settings). */
 static inline void map_features(float *dst, const float *src, int d, int map, const struct map_settings *ms, int head) {
     if (map == FOCUSED) focused_features(dst, src, d, &ms->focused, head);
+    else if (map == PROGRAM) program_features(dst, src, d, &ms->program);
     else features(dst, src, d, map);
 }
 
 /* input_grad() for every map; a focused row also adds its share of the scales' gradient. */
 static inline void map_input_grad(float *dst, float *g_phi, const float *phi, const float *src, int d, int map,
                                   const struct map_settings *ms, int head) {
+    if (map == PROGRAM) {
+        program_input_grad(dst, g_phi, src, d, &ms->program);
+        return;
+    }
     if (map != FOCUSED) {
         input_grad(dst, g_phi, phi, src, d, map);
         return;

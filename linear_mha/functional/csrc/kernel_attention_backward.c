@@ -151,7 +151,7 @@ int lm_kernel_attention_backward_f32(const float *q, const float *k, const float
                                      long nq, long nk, int d, int dv, long qsb, long qsh, long qsn, long ksb,
                                      long ksh, long ksn, long vsb, long vsh, long vsn, int map, int threads,
                                      float power, const float *scale, float *grad_scale) {
-    const struct map_settings ms = {focused_settings(power, scale), grad_scale, h};
+    const struct map_settings ms = settings_of(map, power, scale, grad_scale, h);
     return noncausal_backward(q, k, v, mask, state, den, out, grad, grad_q, grad_k, grad_v, grad_state, b, h, nq, nk,
                               d, dv, qsb, qsh, qsn, ksb, ksh, ksn, vsb, vsh, vsn, map, threads, NULL, &ms);
 }
@@ -276,7 +276,7 @@ int lm_causal_kernel_attention_backward_f32(const float *q, const float *k, cons
                                             long vsn, int map, int threads, float power, const float *scale,
                                             float *grad_scale) {
     const int bh = b * h, width = (dv + 1 + W - 1) / W * W, dp = (d + W - 1) / W * W;
-    const struct map_settings ms = {focused_settings(power, scale), grad_scale, h};
+    const struct map_settings ms = settings_of(map, power, scale, grad_scale, h);
     const int ldt = (ROWS + W - 1) / W * W;
     threads = threads_for(threads);
     /* With fewer heads than threads each sequence is cut into parts, as in the forward: the parts' key sums give

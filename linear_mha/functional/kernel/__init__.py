@@ -26,6 +26,7 @@ from torch import Tensor
 from .. import backend, fla_causal, native, triton_kernel
 from .._common import (append_ones, check_qkv, compute_dtype, drop_keys, mask_keys, outside_autocast,
                        split_normalise)
+from ..elementwise_program import program_map
 from ..feature_maps import FeatureMap, apply_feature_map, elementwise_feature_map
 from .chunked import (CHUNK_SIZE, causal_linear_product, causal_linear_state, causal_linear_step, check_chunk_size,
                       step_unchecked)
@@ -55,7 +56,8 @@ def kernel(
     Shapes: q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv) -> (B, H, L, Dv), in q's dtype (float16/bfloat16
     inputs accumulate in float32).
     feature_map: "elu" | "relu" | "favor" (needs ``projection`` (m, D)) | "taylor" | "taylor2" | callable psi, e.g.
-    a ``focused.FocusedMap`` (computed inside the compiled kernels on float32 CPU tensors).
+    a ``focused.FocusedMap``, or a function of elementwise steps such as ``lambda x: torch.relu(x) ** 2``
+    (``elementwise_program``): both computed inside the compiled kernels on float32 CPU tensors.
     key_padding_mask: bool (B, S), True = ignore; masked keys add nothing to numerator or normaliser.
     causal: query i sees keys j <= i (requires L == S).
     dropout_p: key dropout on the numerator (see ``_common.drop_keys``); pass 0 in eval.
@@ -63,6 +65,7 @@ def kernel(
     chunk_size: chunk length of the causal product (the compiled code and fla pick their own; still checked).
     """
     check_qkv(q, k, v, key_padding_mask)
+    feature_map = program_map(feature_map)  # a user's elementwise callable the compiled kernels can run as steps
     if causal and q.shape[-2] != k.shape[-2]:
         raise ValueError(f"causal kernel attention needs as many queries as keys, got L={q.shape[-2]}, S={k.shape[-2]}")
     if chunk_size is not None:
