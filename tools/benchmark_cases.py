@@ -152,6 +152,26 @@ def methods() -> dict:
     return {**METHODS, **registry_methods()}
 
 
+def relu_squared(x):
+    """A user's own elementwise feature map, as one would write it."""
+    return torch.relu(x) ** 2
+
+
+class Opaque:
+    """A callable torch.fx cannot trace: the same map, kept on the path a user's map took before the kernels read
+    maps as programs (PyTorch makes the features, the compiled products use them)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, x):
+        return self.fn(x)
+
+
+def _user_map(fn):
+    return _core(lambda c, t, d: lambda q, k, v: LF.kernel(q, k, v, fn, causal=c["causal"]))
+
+
 SOFTMAX_FLOPS = method_flops("softmax")
 KERNEL_ELU_FLOPS = method_flops("kernel", {"feature_map": "elu"})
 METHODS = {
@@ -168,6 +188,10 @@ METHODS = {
                                        peer="performer_pytorch"),
     ("core", "peer_fla"): Method(_peer_fla, KERNEL_ELU_FLOPS, peer="fla", full=False, devices=("cuda",),
                                  reference="kernel_elu"),
+    # A user's elementwise map given as a callable: read as a program and run inside the kernels, and the same map
+    # hidden from the reader (its features made by PyTorch ops first).
+    ("core", "user_relu2"): Method(_user_map(relu_squared), KERNEL_ELU_FLOPS),
+    ("core", "user_relu2_opaque"): Method(_user_map(Opaque(relu_squared)), KERNEL_ELU_FLOPS),
     ("module", "mha_sdpa"): Method(_torch_mha(False), plus_projections(SOFTMAX_FLOPS), kind="sdpa"),
     ("module", "mha_weights"): Method(_torch_mha(True), plus_projections(SOFTMAX_FLOPS), kind="weights"),
     ("module", "peer_linformer"): Method(_peer_linformer, plus_projections(method_flops("linformer")), causal=False,
