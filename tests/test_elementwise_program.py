@@ -110,6 +110,7 @@ NOT_STEPS = {
     "a branch on the data": (branching, "torch.fx cannot trace"),
     "too many steps": (lambda x: ((((((((x + 1) * 2) + 1) * 2) + 1) * 2) + 1) * 2).relu(), f"more than the "
                                                                                             f"kernels take ({MAX_STEPS})"),
+    "a whole power above 8": (lambda x: x ** 10 + 1.0, "whole powers go to 8"),
     "a power of the value": (lambda x: 2.0 ** x, "exponent"),
     "a module": (Scale(), "module"),
 }
@@ -182,9 +183,42 @@ def test_a_user_registered_method_with_an_elementwise_map_runs_inside_the_kernel
         module = linear_mha.LinearMultiheadAttention(48, 3, mode="test_relu_squared", batch_first=True)
         x = torch.randn(2, 37, 48)
         phi = module.method.kernel_map({})
-        assert isinstance(phi, ProgramMap) and phi.steps == [(0, 0.0), (4, 2.0), (5, 0.01)]
+        assert isinstance(phi, ProgramMap) and phi.steps == [(0, 0.0), (9, 2.0), (5, 0.01)]
         out = module(x, x, x, need_weights=False)[0]
         ref = module.double()(*[x.double()] * 3, need_weights=False)[0]
         assert relative_error(out, ref) < 2e-6
     finally:
         linear_mha.unregister_method("test_relu_squared")
+
+
+@needs_native
+@pytest.mark.parametrize("name, fn", [("x ** 2.00000001 + 1", lambda x: x ** 2.00000001 + 1.0),
+                                      ("softplus far below 0", lambda x: F.softplus(x - 20.0) * 1e8)])
+def test_powers_and_softplus_at_their_edges(name, fn):
+    """A power that is whole only once rounded to float32 stays NaN below 0, as in PyTorch; softplus of v < -17
+    keeps its e^v (ln(1 + e) taken as log1p), in the vector loops as in the tail."""
+    q, k, v, mask, _ = inputs(seed=7)
+    assert isinstance(program_map(fn), ProgramMap)
+    out = LF.kernel(q, k, v, fn, key_padding_mask=mask)
+    ref = LF.kernel(q.double(), k.double(), v.double(), fn, key_padding_mask=mask)
+    assert torch.equal(out.isnan(), ref.isnan())
+    if not ref.isnan().any():
+        assert relative_error(out, ref) < 2e-6
+
+
+def test_a_kept_program_is_checked_again_on_every_call():
+    """What a trace read through a module's attribute, or a method's map through its state, may change later."""
+    import types
+
+    from linear_mha.functional.elementwise_program import MUL, POW_WHOLE, program_for
+    settings = types.ModuleType("settings")
+    settings.power = 2
+    fn = lambda x: torch.relu(x) ** settings.power + 0.1  # noqa: E731
+    assert program_map(fn).steps[1] == (POW_WHOLE, 2.0)
+    settings.power = 3
+    assert program_map(fn).steps[1] == (POW_WHOLE, 3.0)
+    owner, factor = types.SimpleNamespace(), [2.0]
+    scaled = lambda x: torch.relu(x) * factor[0] + 0.01  # noqa: E731
+    assert program_for(owner, scaled).steps[1] == (MUL, 2.0)
+    factor[0] = 5.0
+    assert program_for(owner, scaled).steps[1] == (MUL, 5.0)

@@ -305,6 +305,40 @@ def test_junk_in_masked_keys_reaches_nothing_with_every_map():
 
 
 @inside
+@pytest.mark.parametrize("method", ["taylor", "focused", "hedgehog"])
+def test_nan_and_inf_in_masked_keys_reach_no_gradient(method):
+    """The backward reloads the keys: masked rows holding NaN or inf must be zeroed there too (hedgehog's d W_k is
+    x^T d z, taylor's unit vector inf / inf), as the forward and the reference do."""
+    q, k, v, g = inputs(seed=19)
+    mask = torch.zeros(2, 45, dtype=torch.bool)
+    mask[0, 30:], mask[1, :5] = True, True
+    dirty_k, dirty_v = k.clone(), v.clone()
+    dirty_k[0, :, 30:35], dirty_k[0, :, 35:], dirty_v[0, :, 30:] = float("nan"), float("inf"), float("nan")
+    dirty_k[1, :, :5] = -float("inf")
+    maps = learned_maps(3, 8, 8, True, seed=20)
+    scale = torch.rand(3, 1, 8, generator=g) + 0.5
+    grad = torch.randn(2, 3, 37, 5, generator=g)
+
+    def run(k, v):
+        params = [p.clone().requires_grad_() for p in {"hedgehog": maps, "focused": [scale]}.get(method, [])]
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        if method == "hedgehog":
+            out = LF.hedgehog(*leaves, tuple(params[:2]), tuple(params[2:]), key_padding_mask=mask)
+        elif method == "focused":
+            out = LF.focused(*leaves, scale=params[0], key_padding_mask=mask)
+        else:
+            out = LF.kernel(*leaves, "taylor", key_padding_mask=mask)
+        assert "TritonAttention" in type(out.grad_fn).__name__
+        out.backward(grad)
+        return [t.grad for t in leaves + params]
+
+    clean, dirty = run(k, v), run(dirty_k, dirty_v)
+    for a, b in zip(clean, dirty):
+        assert torch.isfinite(b).all()
+        torch.testing.assert_close(b, a)
+
+
+@inside
 def test_half_inputs_with_the_new_maps():
     q, k, v, _ = inputs(seed=15)
     maps = learned_maps(3, 8, 8, True, seed=16)

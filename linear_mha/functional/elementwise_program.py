@@ -8,8 +8,9 @@ tensors first (which took 1.7-2.6x the elu kernel's time; docs/benchmarks.md).
 kernels know (below), each with constants only, and the program then reproduces fn on a float64 probe, it returns
 a ``ProgramMap``, which calls fn as before wherever the features are made by PyTorch ops and gives the kernels its
 program. Anything else (a learnable module, a row reduction, a branch on the data) keeps fn as it is, and
-``why_not_program(fn)`` says why. Steps: relu, elu (alpha 1), exp, abs, x ** c (c > 0), x + c, x - c, c - x, x * c,
-x / c, -x, softplus (beta 1), sigmoid; at most MAX_STEPS of them.
+``why_not_program(fn)`` says why. Steps: relu, elu (alpha 1), exp, abs, x ** c (c > 0; a whole c up to 8), x + c,
+x - c, c - x, x * c, x / c, -x, softplus (beta 1), sigmoid; at most MAX_STEPS of them. A kept program that reads a
+user's module or calls a helper function is checked against its callable again on every call, on the same probe.
 """
 import math
 import operator
@@ -23,12 +24,13 @@ from torch import Tensor
 from ._common import compiling, functorch_active
 
 MAX_STEPS = 8  # csrc/program.h's PROGRAM_STEPS
-RELU, ELU, EXP, ABS, POW, ADD, MUL, SOFTPLUS, SIGMOID = range(9)  # csrc/program.h's step codes
+RELU, ELU, EXP, ABS, POW, ADD, MUL, SOFTPLUS, SIGMOID, POW_WHOLE = range(10)  # csrc/program.h's step codes
 Step = Tuple[int, float]
 
 # The steps' float64 meaning, what the probe checks a program against.
 _MEANING = {RELU: lambda x, c: torch.relu(x), ELU: lambda x, c: F.elu(x), EXP: lambda x, c: torch.exp(x),
-            ABS: lambda x, c: torch.abs(x), POW: lambda x, c: torch.pow(x, c), ADD: lambda x, c: x + c,
+            ABS: lambda x, c: torch.abs(x), POW: lambda x, c: torch.pow(x, c), POW_WHOLE: lambda x, c: torch.pow(x, c),
+            ADD: lambda x, c: x + c,
             MUL: lambda x, c: x * c, SOFTPLUS: lambda x, c: F.softplus(x), SIGMOID: lambda x, c: torch.sigmoid(x)}
 
 _UNARY = {torch.relu: RELU, F.relu: RELU, "relu": RELU, torch.exp: EXP, "exp": EXP, torch.abs: ABS, "abs": ABS,
@@ -58,7 +60,7 @@ def _step(node) -> Tuple[Optional[object], List[Step], Optional[str]]:
                 return None, [], f"{getattr(target, '__name__', target)} with {key}={value!r}"
         code = _UNARY[target]
         if target in (torch.square, "square"):
-            return args[0], [(POW, 2.0)], None
+            return args[0], [(POW_WHOLE, 2.0)], None
         if code == MUL:  # negation
             return args[0], [(MUL, -1.0)], None
         return args[0], [(code, 0.0)], None
@@ -82,6 +84,8 @@ def _step(node) -> Tuple[Optional[object], List[Step], Optional[str]]:
         if kind == "div" and first_is_node and c != 0.0:
             return x, [(MUL, 1.0 / c)], None
         if kind == "pow" and first_is_node and c > 0.0 and math.isfinite(c):
+            if c.is_integer():  # decided on the float64 value: x ** 2.00000001 is NaN below 0, x ** 2 is not
+                return (x, [(POW_WHOLE, c)], None) if c <= 8 else (None, [], f"pow {c:g}: whole powers go to 8")
             return x, [(POW, c)], None
         return None, [], f"{kind} with {'the value as the exponent' if not first_is_node else c}"
     return None, [], f"{getattr(target, '__name__', target)!s} with arguments {args}"
@@ -102,7 +106,7 @@ def _is_node(value) -> bool:
 def read_program(fn: Callable[[Tensor], Tensor]) -> Tuple[Optional[List[Step]], Optional[str]]:
     """(fn's steps, None) when fn is a chain of known steps that reproduces it, else (None, why not)."""
     if _hashable(fn) and fn in _UNARY and not isinstance(fn, str):  # torch.relu or F.softplus itself: nothing to trace
-        steps = [(POW, 2.0)] if fn is torch.square else [(MUL, -1.0)] if _UNARY[fn] == MUL else [(_UNARY[fn], 0.0)]
+        steps = [(POW_WHOLE, 2.0)] if fn is torch.square else [(MUL, -1.0)] if _UNARY[fn] == MUL else [(_UNARY[fn], 0.0)]
         return (steps, None) if _reproduces(fn, steps) else (None, "its program does not reproduce it on a probe")
     try:
         graph = torch.fx.symbolic_trace(fn).graph
@@ -180,6 +184,20 @@ class ProgramMap:
 
 _read = {}  # key (below) -> ProgramMap or the reason there is none: a lambda made anew per call is read once
 _STABLE = (int, float, bool, str, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)
+_TRUSTED_MODULES = ("torch", "math", "operator")  # and their submodules: their attributes are taken as fixed
+
+
+def _may_drift(fn) -> bool:
+    """Whether a function's program can change while its key does not: it reads a module of the user's (whose
+    attributes may change) or calls a helper function (whose own globals may)."""
+    if not isinstance(fn, types.FunctionType):
+        return False
+    names = fn.__globals__
+    values = [names[name] for name in fn.__code__.co_names if name in names]
+    values += [cell.cell_contents for cell in fn.__closure__ or ()]
+    return any(isinstance(value, types.FunctionType) or (isinstance(value, types.ModuleType) and
+                                                          value.__name__.split(".")[0] not in _TRUSTED_MODULES)
+               for value in values)
 
 
 def _key(fn):
@@ -212,7 +230,8 @@ def why_not_program(fn) -> Optional[str]:
     if key is None:
         return ("it is not a plain function or builtin whose program can be kept: a callable object, or a function "
                 "reading an object (a closure or global) whose values a trace would read once")
-    return _read[key]
+    why = _read.get(key)
+    return why if isinstance(why, str) else read_program(fn)[1]
 
 
 def program_for(owner, fn):
@@ -222,7 +241,7 @@ def program_for(owner, fn):
     if compiling() or functorch_active():
         return fn
     steps = owner.__dict__.get("_elementwise_program")
-    if steps is None:
+    if steps is None or (steps and not _reproduces(fn, steps)):  # read again when the map changed (its state)
         steps = owner.__dict__["_elementwise_program"] = read_program(fn)[0] or ()
     return ProgramMap(fn, steps) if steps else fn
 
@@ -238,7 +257,11 @@ def program_map(feature_map):
     if key is None:
         return feature_map
     found = _read.get(key)
-    if found is None:
+    # A kept program that may drift (_may_drift) is checked against the callable again on every call (a float64
+    # probe, tens of microseconds): what the trace read through a module's attribute or a helper's globals may
+    # have changed since.
+    if found is None or (isinstance(found, ProgramMap) and _may_drift(feature_map)
+                         and not _reproduces(feature_map, found.steps)):
         steps, why = read_program(feature_map)
         found = ProgramMap(feature_map, steps) if steps is not None else why
         if len(_read) < 4096:

@@ -25,6 +25,13 @@ def _load(base, stride_n, rows, n, cols, width):
 
 
 @triton.jit
+def _inputs(base, stride_n, rows, n, keep, cols, width):
+    """_load's tile with the rows not kept (padded keys) zeroed, as the reference zeroes masked keys before their
+    map: whatever they hold, NaN or inf, then reaches no feature and no gradient (0 * NaN would)."""
+    return tl.where(keep[:, None], _load(base, stride_n, rows, n, cols, width), 0.0)
+
+
+@triton.jit
 def _point_features(x, cols, p_ptr, h, power, D: tl.constexpr, MAP: tl.constexpr, HAS_PARAM: tl.constexpr):
     """The features in columns ``cols`` of rows x (x[:, c] = input column c - OFF): elu/relu elementwise, taylor's
     [1, x / |x|], focused's |y| y^p / |y^p| for y = (relu(x) + eps) / scale (HAS_PARAM: a scale per head and
@@ -157,17 +164,17 @@ def _features(base, stride_n, rows, n, keep, p_ptr, w, b, h, power, cos_ptr, sin
     turned by rotary position (plain itself without it) and second is hedgehog's softmax(-z) tile (plain again for
     the other maps, unused)."""
     if MAP == HEDGEHOG:
-        x = _load(base, stride_n, rows, n, dcols, D)
+        x = _inputs(base, stride_n, rows, n, keep, dcols, D)
         pos, neg = _softmax_pair(x, w, b, fcols, M, HAS_PARAM, PRECISION)
         pos, neg = tl.where(keep[:, None], pos, 0.0), tl.where(keep[:, None], neg, 0.0)
         return pos, pos, neg
-    x = _load(base, stride_n, rows, n, fcols - OFF, D)
+    x = _inputs(base, stride_n, rows, n, keep, fcols - OFF, D)
     plain = tl.where(keep[:, None], _point_features(x, fcols, p_ptr, h, power, D, MAP, HAS_PARAM), 0.0)
     rotated = plain
     if R > 0:
         cos, sin = _rope(cos_ptr, sin_ptr, rows, n, fcols, F, R)
         partner = _partner(fcols, F, R)
-        x_partner = _load(base, stride_n, rows, n, partner - OFF, D)
+        x_partner = _inputs(base, stride_n, rows, n, keep, partner - OFF, D)
         other = tl.where(keep[:, None], _point_features(x_partner, partner, p_ptr, h, power, D, MAP, HAS_PARAM), 0.0)
         rotated = plain * cos + other * sin
     return plain, rotated, plain
@@ -182,7 +189,7 @@ def _feature_grads(base, stride_n, rows, n, keep, p_ptr, w, b, h, power, cos_ptr
     columns, d_plain of the plain ones; hedgehog: d_rot of softmax(z), d_second of softmax(-z)), store d x (when
     NEED_DX) and return the map's parameter gradients summed over the rows: (d W or d scale, d b)."""
     if MAP == HEDGEHOG:
-        x = _load(base, stride_n, rows, n, dcols, D)
+        x = _inputs(base, stride_n, rows, n, keep, dcols, D)
         pos, neg = _softmax_pair(x, w, b, fcols, M, HAS_PARAM, PRECISION)
         d_z = tl.where(keep[:, None], _softmax_pair_grad(pos, neg, d_rot + d_plain, d_second), 0.0)
         if NEED_DX:
@@ -195,7 +202,7 @@ def _feature_grads(base, stride_n, rows, n, keep, p_ptr, w, b, h, power, cos_ptr
         cos, sin = _rope(cos_ptr, sin_ptr, rows, n, fcols, F, R)
         d_phi = d_plain + d_rot * cos - d_rot_partner * sin  # R^T: the turn by minus the angle
     d_phi = tl.where(keep[:, None], d_phi, 0.0)
-    x = _load(base, stride_n, rows, n, fcols - OFF, D)
+    x = _inputs(base, stride_n, rows, n, keep, fcols - OFF, D)
     dx, d_scale = _point_input_grad(x, d_phi, fcols, p_ptr, h, power, D, MAP, HAS_PARAM)
     if NEED_DX:
         tl.store(dx_ptr + dx_rows[:, None] * D + (fcols - OFF)[None, :], dx,

@@ -7,13 +7,16 @@
 #include "simd.h"
 
 #define PROGRAM_STEPS 8 /* elementwise_program.MAX_STEPS */
-enum { STEP_RELU, STEP_ELU, STEP_EXP, STEP_ABS, STEP_POW, STEP_ADD, STEP_MUL, STEP_SOFTPLUS, STEP_SIGMOID };
+/* STEP_POW: x ** c for c > 0 not a whole number (NaN below 0, as torch.pow); STEP_POW_WHOLE: c in 1 .. 8, by
+ * multiplication (any sign). Python tells them apart on c's float64 value, before it is rounded to float32. */
+enum { STEP_RELU, STEP_ELU, STEP_EXP, STEP_ABS, STEP_POW, STEP_ADD, STEP_MUL, STEP_SOFTPLUS, STEP_SIGMOID,
+       STEP_POW_WHOLE };
 
 struct program {
     int steps;
     int op[PROGRAM_STEPS];
     float c[PROGRAM_STEPS];     /* the step's constant: the power, the term, the factor */
-    int whole[PROGRAM_STEPS];   /* a power that is a whole number in 1..8, taken by multiplication; else 0 */
+    int whole[PROGRAM_STEPS];   /* STEP_POW_WHOLE's power */
 };
 
 /* The program as Python lays it out: [steps, op_0, c_0, op_1, c_1, ...] (floats), or NULL for no program. */
@@ -21,11 +24,14 @@ static inline struct program program_from(const float *data) {
     struct program p = {0, {0}, {0}, {0}};
     if (!data) return p;
     p.steps = (int)data[0];
-    for (int s = 0; s < p.steps && s < PROGRAM_STEPS; s++) {
+    if (p.steps > PROGRAM_STEPS) p.steps = PROGRAM_STEPS; /* Python allows no more; never read past the arrays */
+    for (int s = 0; s < p.steps; s++) {
         p.op[s] = (int)data[1 + 2 * s];
         p.c[s] = data[2 + 2 * s];
-        const float whole = floorf(p.c[s]);
-        p.whole[s] = p.op[s] == STEP_POW && whole == p.c[s] && whole >= 1.0f && whole <= 8.0f ? (int)whole : 0;
+        if (p.op[s] == STEP_POW_WHOLE) {
+            const int whole = (int)p.c[s];
+            p.whole[s] = whole < 1 ? 1 : whole > 8 ? 8 : whole;
+        }
     }
     return p;
 }
@@ -61,21 +67,21 @@ static inline vf step_vec(vf v, const struct program *p, int s, vf *slope) {
         out = vabs(v);
         d = vselect(positive, one, vselect(v < zero, -one, zero)); /* torch.sign: 0 at 0 */
         break;
-    case STEP_POW:
-        if (p->whole[s]) {
-            vf below = one; /* v^(n - 1) */
-            for (int i = 1; i < p->whole[s]; i++) below *= v;
-            out = below * v;
-            d = c * below;
-        } else { /* v^c = exp(c ln v) for v > 0; 0 at 0 (c > 0); NaN below, as torch.pow */
-            const vf safe = vselect(positive, v, one);
-            const vf power = exp_any(c * log_positive(safe));
-            const vf nan = splat(NAN);
-            out = vselect(positive, power, vselect(v < zero, nan, zero));
-            d = vselect(positive, c * power / safe, vselect(v < zero, nan, p->c[s] < 1.0f ? splat(INFINITY) : zero));
-            if (p->c[s] == 1.0f) d = vselect(v == zero, one, d);
-        }
+    case STEP_POW_WHOLE: {
+        vf below = one; /* v^(n - 1) */
+        for (int i = 1; i < p->whole[s]; i++) below *= v;
+        out = below * v;
+        d = c * below;
         break;
+    }
+    case STEP_POW: { /* v^c = exp(c ln v) for v > 0; 0 at 0 (c > 0); NaN below, as torch.pow */
+        const vf safe = vselect(positive, v, one);
+        const vf power = exp_any(c * log_positive(safe));
+        const vf nan = splat(NAN);
+        out = vselect(positive, power, vselect(v < zero, nan, zero));
+        d = vselect(positive, c * power / safe, vselect(v < zero, nan, p->c[s] < 1.0f ? splat(INFINITY) : zero));
+        break;
+    }
     case STEP_ADD:
         out = v + c;
         break;
@@ -84,8 +90,12 @@ static inline vf step_vec(vf v, const struct program *p, int s, vf *slope) {
         d = c;
         break;
     case STEP_SOFTPLUS: { /* max(v, 0) + ln(1 + e^-|v|); its slope is sigmoid(v) */
-        const vf e = exp_nonpositive(-vabs(v));
-        out = vselect(positive, v, zero) + log_positive(one + e);
+        const vf e = exp_nonpositive(-vabs(v)), u = one + e;
+        /* ln(1 + e) as ln(u) e / (u - 1), exact where u rounds 1 + e (log1p's trick): ln(u) alone would lose e
+         * below 2^-24, and softplus of v < -17 with it */
+        const vi rounded_away = u == one;
+        const vf log1p_e = vselect(rounded_away, e, log_positive(u) * e / vselect(rounded_away, one, u - one));
+        out = vselect(positive, v, zero) + log1p_e;
         d = vselect(positive, one, e) / (one + e);
         break;
     }
@@ -122,18 +132,20 @@ static inline float step_scalar(float v, const struct program *p, int s, float *
         out = fabsf(v);
         d = v > 0.0f ? 1.0f : v < 0.0f ? -1.0f : 0.0f;
         break;
+    case STEP_POW_WHOLE: {
+        float below = 1.0f;
+        for (int i = 1; i < p->whole[s]; i++) below *= v;
+        out = below * v;
+        d = c * below;
+        break;
+    }
     case STEP_POW:
-        if (p->whole[s]) {
-            float below = 1.0f;
-            for (int i = 1; i < p->whole[s]; i++) below *= v;
-            out = below * v;
-            d = c * below;
-        } else if (v > 0.0f) {
+        if (v > 0.0f) {
             out = powf(v, c);
             d = c * out / v;
         } else {
             out = v < 0.0f ? NAN : 0.0f;
-            d = v < 0.0f ? NAN : c < 1.0f ? INFINITY : c == 1.0f ? 1.0f : 0.0f;
+            d = v < 0.0f ? NAN : c < 1.0f ? INFINITY : 0.0f;
         }
         break;
     case STEP_ADD:
