@@ -106,7 +106,8 @@ def _is_node(value) -> bool:
 def read_program(fn: Callable[[Tensor], Tensor]) -> Tuple[Optional[List[Step]], Optional[str]]:
     """(fn's steps, None) when fn is a chain of known steps that reproduces it, else (None, why not)."""
     if _hashable(fn) and fn in _UNARY and not isinstance(fn, str):  # torch.relu or F.softplus itself: nothing to trace
-        steps = [(POW_WHOLE, 2.0)] if fn is torch.square else [(MUL, -1.0)] if _UNARY[fn] == MUL else [(_UNARY[fn], 0.0)]
+        code = _UNARY[fn]
+        steps = [(POW_WHOLE, 2.0)] if fn is torch.square else [(MUL, -1.0)] if code == MUL else [(code, 0.0)]
         return (steps, None) if _reproduces(fn, steps) else (None, "its program does not reproduce it on a probe")
     try:
         graph = torch.fx.symbolic_trace(fn).graph
