@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import backend, native_maps, triton_kernel
+from . import backend, native, native_maps, triton_kernel
 from ._common import check_qkv, compute_dtype, drop_keys, mask_keys, outside_autocast
 from .kernel import check_state, check_chunk_size
 from .kernel import feature_attention
@@ -38,6 +38,32 @@ def hedgehog_features(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) 
     if bias is not None:
         z = z + bias[None, :, None, :]
     return torch.cat([torch.softmax(z, dim=-1), torch.softmax(-z, dim=-1)], dim=-1)
+
+
+class HedgehogMap:
+    """The query and key maps as the compiled kernels take them (map 8, csrc/hedgehog.h): their projections and
+    double softmaxes run inside the kernels' row loaders, forward and backward, and no feature tensor is made. The
+    settings are one float32 array, [d, m, W_q, W_k, b_q, b_k] (W (H, d, m), b (H, m), zeros for a missing bias),
+    made from the maps by differentiable ops, so the gradients the kernels sum into its layout reach W and b."""
+
+    compiled_map = "hedgehog"
+
+    def __init__(self, q_map: Map, k_map: Map):
+        self.q_map, self.k_map = q_map, k_map
+
+    def feature_count(self, d: int) -> int:
+        return 2 * self.q_map[0].shape[-1]
+
+    def why_not_compiled(self, q: Tensor) -> Optional[str]:
+        return None
+
+    def compiled_settings(self, q: Tensor) -> Tuple[float, Tensor]:
+        (w_q, b_q), (w_k, b_k) = self.q_map, self.k_map
+        h, d, m = w_q.shape
+        parts = [torch.tensor([float(d), float(m)])]
+        parts += [w.to(torch.float32).reshape(-1) for w in (w_q, w_k)]
+        parts += [torch.zeros(h * m) if b is None else b.to(torch.float32).reshape(-1) for b in (b_q, b_k)]
+        return 0.0, torch.cat([p.to(q.device) for p in parts])
 
 
 @outside_autocast
@@ -68,13 +94,19 @@ def hedgehog(
     _check_weight(q, q_map[0])
     _check_weight(k, k_map[0])
     windowed = window is not None and window[0] > 0
-    if backend.hedgehog_backend(q, k, v, q_map, k_map, causal=causal, initial_state=initial_state,
-                                window=windowed).backend == backend.TRITON:
+    chosen = backend.hedgehog_backend(q, k, v, q_map, k_map, causal=causal, initial_state=initial_state,
+                                      window=windowed).backend
+    if chosen == backend.TRITON:
         check_state(initial_state, 2 * q_map[0].shape[-1], v)
         return triton_kernel.hedgehog_attention(q, k, drop_keys(v, dropout_p), q_map, k_map, key_padding_mask,
                                                 initial_state)
     out_dtype, dtype = q.dtype, compute_dtype(q.dtype)
     q, k, v = q.to(dtype), k.to(dtype), drop_keys(v.to(dtype), dropout_p)
+    if chosen == backend.NATIVE:  # the maps inside the compiled kernels; they skip masked keys themselves
+        check_state(initial_state, 2 * q_map[0].shape[-1], v)
+        state = None if initial_state is None else initial_state.to(dtype)
+        return native.kernel_attention(q, k, v, HedgehogMap(q_map, k_map), key_padding_mask, state,
+                                       causal).to(out_dtype)
     phi_q = hedgehog_features(q, *q_map)
     # Masked keys are zeroed before the map (garbage reaches nothing) and their features after it (they add nothing).
     phi_k = mask_keys(hedgehog_features(mask_keys(k, key_padding_mask), *k_map), key_padding_mask)

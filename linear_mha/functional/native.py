@@ -37,7 +37,9 @@ FEATURES_GIVEN = 3  # the C code's map for features made already (any map, made 
 # per-head scales), and a user's elementwise map read as a program of steps (an elementwise_program.ProgramMap).
 FOCUSED = 6
 PROGRAM = 7
-SETTINGS_MAPS = {"focused": FOCUSED, "program": PROGRAM}
+HEDGEHOG = 8  # hedgehog's learned maps (a hedgehog.HedgehogMap): 2m features from d inputs, projections included
+HEDGEHOG_MAX_M = 256  # csrc/hedgehog.h's HEDGEHOG_MAX_M
+SETTINGS_MAPS = {"focused": FOCUSED, "program": PROGRAM, "hedgehog": HEDGEHOG}
 
 _lock = threading.Lock()
 _library = None
@@ -188,6 +190,7 @@ def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_map,
     self-attention, L == S, no initial_state). ``feature_map`` a ``focused.FocusedMap``: the focused map with its
     power and scales, differentiable in the scales too. Callers check ``why_not_kernel`` and the shapes."""
     power, scale = 0.0, None  # a map's settings (focused's power and scales, a program); the other maps have none
+    features = getattr(feature_map, "feature_count", lambda d: None)(q.shape[-1])  # a map that says its own
     if getattr(feature_map, "compiled_map", None) in SETTINGS_MAPS:
         if rope_tables is not None:  # the rope entry points take no map settings
             raise ValueError(f"rope_tables take a map without settings; give the {feature_map.compiled_map} map's "
@@ -204,8 +207,8 @@ def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_map,
     mask = None if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
     init = None if initial_state is None else initial_state.contiguous()
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, init, scale)):
-        return _KernelAttention.apply(q, k, v, init, mask, feature_map, causal, rope_tables, scale, power)
-    return _forward(q, k, v, mask, init, feature_map, causal, False, rope_tables, scale, power)[0]
+        return _KernelAttention.apply(q, k, v, init, mask, feature_map, causal, rope_tables, scale, power, features)
+    return _forward(q, k, v, mask, init, feature_map, causal, False, rope_tables, scale, power, features)[0]
 
 
 def call(entry: str, *args) -> None:
@@ -257,11 +260,11 @@ def _rope_arguments(rope):
     return cos.data_ptr(), sin.data_ptr(), cos.shape[-1]
 
 
-def _forward(q, k, v, mask, init, feature_map, causal, keep, rope=None, scale=None, power=0.0):
+def _forward(q, k, v, mask, init, feature_map, causal, keep, rope=None, scale=None, power=0.0, features=None):
     """(out, state, den): the state (B, H, D, Dv + 1, non-causal only) and the normalisers den (B, H, L) are
-    returned for the backward when ``keep``, else None."""
+    returned for the backward when ``keep``, else None. ``features``: per position, for a map that says its own."""
     b, h, n_q, d = q.shape
-    dv, features = v.shape[-1], _feature_rows(feature_map, d, rope)
+    dv, features = v.shape[-1], features or _feature_rows(feature_map, d, rope)
     out = q.new_empty(b, h, n_q, dv)
     den = q.new_empty(b, h, n_q) if keep else None
     state = q.new_empty(b, h, features, dv + 1) if keep and not causal else None
@@ -285,8 +288,9 @@ class _KernelAttention(torch.autograd.Function):
     and keeps only the output, the normalisers and, non-causal, the (B, H, D, Dv + 1) state."""
 
     @staticmethod
-    def forward(ctx, q, k, v, init, mask, feature_map, causal, rope, scale, power):
-        out, state, den = _forward(q, k, v, mask, init, feature_map, causal, True, rope, scale, power)
+    def forward(ctx, q, k, v, init, mask, feature_map, causal, rope, scale, power, features):
+        out, state, den = _forward(q, k, v, mask, init, feature_map, causal, True, rope, scale, power, features)
+        ctx.features = features
         ctx.save_for_backward(q, k, v, init, mask, out, state, den, scale, *(rope or ()))
         ctx.feature_map, ctx.causal, ctx.rope, ctx.power = feature_map, causal, rope is not None, power
         return out
@@ -298,7 +302,7 @@ class _KernelAttention(torch.autograd.Function):
         need_q, need_k, need_v, need_init = ctx.needs_input_grad[:4]
         need_scale = scale is not None and ctx.needs_input_grad[8]
         b, h, n_q, d = q.shape
-        n_k, dv, features = k.shape[2], v.shape[-1], feature_count(ctx.feature_map, d)
+        n_k, dv, features = k.shape[2], v.shape[-1], ctx.features or feature_count(ctx.feature_map, d)
         threads = torch.get_num_threads()
         # The scales' gradient is summed from the rows whose input gradients the kernels write: those of q and k.
         partial = q.new_zeros(threads, *scale.shape) if need_scale else None
@@ -315,7 +319,7 @@ class _KernelAttention(torch.autograd.Function):
                 *map(pointer, grads[:3]), *sizes, _map_code(ctx.feature_map), torch.get_num_threads(),
                 *_rope_arguments(rope))
             _check(status)
-            return (*grads, None, None, None, None, None, None)
+            return (*grads, None, None, None, None, None, None, None)
         tail = (out.data_ptr(), grad_out.data_ptr(), *map(pointer, grads),
                 *_sizes(q, k, v, ctx.causal, features), _map_code(ctx.feature_map), threads, ctx.power,
                 pointer(scale), pointer(partial))
@@ -326,7 +330,7 @@ class _KernelAttention(torch.autograd.Function):
         _check(status)
         needed = ctx.needs_input_grad
         return (grads[0] if needed[0] else None, grads[1] if needed[1] else None, *grads[2:], None, None, None, None,
-                None if partial is None else partial.sum(0), None)
+                None if partial is None else partial.sum(0), None, None)
 
 
 def efficient_attention(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor] = None) -> Tensor:

@@ -17,35 +17,12 @@ struct hedgehog_rows {
     long rows, n;
 };
 
-/* e = exp(sign * (x - extreme)), all exponents <= 0; returns the sum of e. */
-static inline float shifted_exps(float *e, const float *x, int m, float extreme, float sign) {
-    vf sum_v = splat(0.0f);
-    int f = 0;
-    for (; f + W <= m; f += W) {
-        const vf ev = exp_nonpositive(splat(sign) * (load(x + f) - splat(extreme)));
-        store(e + f, ev);
-        sum_v += ev;
-    }
-    float sum = hsum(sum_v);
-    for (; f < m; f++) {
-        const float a = sign * (x[f] - extreme);
-        sum += e[f] = a < -87.3f ? 0.0f : expf(a);
-    }
-    return sum;
-}
-
 /* The row's biased values into zb and its 2m features into phi. */
 static inline void hedgehog_row(const struct hedgehog_rows *c, long row, float *zb, float *phi) {
     const int m = c->m;
     const float *z = c->z + row * m, *b = c->bias ? c->bias + (row / c->n % c->h) * m : NULL;
-    float top = -INFINITY, bottom = INFINITY;
-    for (int f = 0; f < m; f++) {
-        zb[f] = b ? z[f] + b[f] : z[f];
-        top = zb[f] > top ? zb[f] : top;
-        bottom = zb[f] < bottom ? zb[f] : bottom;
-    }
-    scaled_copy(phi, phi, m, 1.0f / shifted_exps(phi, zb, m, top, 1.0f));
-    scaled_copy(phi + m, phi + m, m, 1.0f / shifted_exps(phi + m, zb, m, bottom, -1.0f));
+    for (int f = 0; f < m; f++) zb[f] = b ? z[f] + b[f] : z[f];
+    double_softmax(phi, zb, m);
 }
 
 static void forward_task(const void *ctx, int t, float *scratch) {

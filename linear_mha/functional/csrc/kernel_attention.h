@@ -7,27 +7,43 @@
 #include <omp.h>
 #endif
 #include "focused.h"
+#include "hedgehog.h"
 #include "program.h"
 #include "simd.h"
 
 /* Maps with settings, which ride beside the map code. Map 6, focused (focused.h): its backward adds each row's
  * share of the scales' gradient into grad_scale, (threads x H x d) partial sums, one slice per thread (NULL: not
- * wanted; the caller sums the slices). Map 7, a user's elementwise map as a program of steps (program.h). */
+ * wanted; the caller sums the slices). Map 7, a user's elementwise map as a program of steps (program.h). Map 8,
+ * hedgehog's learned maps (hedgehog.h), 2m features from d inputs, the queries' and the keys' maps apart (a key
+ * row's head is key_head's); its backward adds d W and d b into grad_scale, one slice of its layout per thread. */
 #define FOCUSED 6
 #define PROGRAM 7
+#define HEDGEHOG 8
 struct map_settings {
     struct focused_map focused;
     float *grad_scale;
     int h;
     struct program program;
+    struct hedgehog_map hedgehog;
 };
 
-/* The settings of a map from the entry points' arguments: focused's power and scales, or the program's layout
- * (program_from) in the same pointer. */
+/* The settings of a map from the entry points' arguments: focused's power and scales, or in the same pointer the
+ * program's layout (program_from) or hedgehog's (hedgehog_settings). */
 static inline struct map_settings settings_of(int map, float power, const float *data, float *grad_scale, int h) {
     const struct map_settings ms = {focused_settings(power, map == FOCUSED ? data : NULL), grad_scale, h,
-                                    program_from(map == PROGRAM ? data : NULL)};
+                                    program_from(map == PROGRAM ? data : NULL),
+                                    hedgehog_settings(map == HEDGEHOG ? data : NULL, h)};
     return ms;
+}
+
+/* Inputs per row for a map of d features (hedgehog's come from its own d). */
+static inline int map_inputs(int d, int map, const struct map_settings *ms) {
+    return map == HEDGEHOG ? ms->hedgehog.d : input_dim(d, map);
+}
+
+/* The head a key row's map is read for: its own, or for hedgehog that of the keys' map. */
+static inline int key_head(int map, const struct map_settings *ms, int head) {
+    return map == HEDGEHOG ? head + ms->h : head;
 }
 
 static inline int thread_slot(void) {
@@ -42,6 +58,7 @@ static inline int thread_slot(void) {
 static inline void map_features(float *dst, const float *src, int d, int map, const struct map_settings *ms, int head) {
     if (map == FOCUSED) focused_features(dst, src, d, &ms->focused, head);
     else if (map == PROGRAM) program_features(dst, src, d, &ms->program);
+    else if (map == HEDGEHOG) hedgehog_features(dst, src, &ms->hedgehog, head);
     else features(dst, src, d, map);
 }
 
@@ -50,6 +67,11 @@ static inline void map_input_grad(float *dst, float *g_phi, const float *phi, co
                                   const struct map_settings *ms, int head) {
     if (map == PROGRAM) {
         program_input_grad(dst, g_phi, src, d, &ms->program);
+        return;
+    }
+    if (map == HEDGEHOG) {
+        float *slice = ms->grad_scale ? ms->grad_scale + (long)thread_slot() * ms->hedgehog.len : NULL;
+        hedgehog_input_grad(dst, g_phi, src, &ms->hedgehog, head, slice);
         return;
     }
     if (map != FOCUSED) {
@@ -134,8 +156,8 @@ static inline void row_input_grad(float *dst, float *g_phi, const float *phi, co
 }
 
 /* Values per input row: the map's inputs for its features (d, or half of them with rope). */
-static inline int row_inputs(int d, int map, const struct rope_tables *rope) {
-    return input_dim(rope ? d / 2 : d, map);
+static inline int row_inputs(int d, int map, const struct map_settings *ms, const struct rope_tables *rope) {
+    return map_inputs(rope ? d / 2 : d, map, ms);
 }
 
 /* Zeroes what rope keeps apart in bh (d x width) states: the normaliser column of the first d / 2 rows (rotated
@@ -271,7 +293,7 @@ static inline int key_source(const void *ctx, int g, long j, long z, long *next,
         if (c->mask && c->mask[bi * c->n + j]) continue;
         const float *kr = c->k + bi * c->ksb + hi * c->ksh + j * c->ksn;
         if (c->shift) shifted_exp(a + rows * c->d, kr, c->shift + (long)g * c->d, c->d);
-        else row_features(a + rows * c->d, kr, c->d, c->map, c->ms, hi, c->rope, j);
+        else row_features(a + rows * c->d, kr, c->d, c->map, c->ms, key_head(c->map, c->ms, hi), c->rope, j);
         float *row = b + rows * c->width;
         memcpy(row, c->v + bi * c->vsb + hi * c->vsh + j * c->vsn, sizeof(float) * c->dv);
         row[c->dv] = 1.0f;
@@ -425,7 +447,8 @@ static inline void load_chunk(const struct causal_inputs *in, int g, long i0, in
             memset(pk, 0, sizeof(float) * d);
             memset(vr, 0, sizeof(float) * (dv + 1));
         } else {
-            map_features(pk, in->k + bi * in->ksb + hi * in->ksh + j * in->ksn, d, in->map, in->ms, hi);
+            map_features(pk, in->k + bi * in->ksb + hi * in->ksh + j * in->ksn, d, in->map, in->ms,
+                         key_head(in->map, in->ms, hi));
             memcpy(vr, in->v + bi * in->vsb + hi * in->vsh + j * in->vsn, sizeof(float) * dv);
             vr[dv] = 1.0f;
         }

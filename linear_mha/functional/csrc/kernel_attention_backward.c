@@ -47,7 +47,7 @@ static int query_source(const void *ctx, int g, long j, long z, long *next, floa
         memset(scratch, 0, sizeof(float) * rows * c->dp);
         if (c->rope) split_state_product(rows, c->d, c->dv, b, c->width, state_t, c->dp, scratch);
         else gemm_acc(rows, c->dp / W, c->dv + 1, b, c->width, 1, state_t, c->dp, scratch, c->dp);
-        const int d_in = row_inputs(c->d, c->map, c->rope);
+        const int d_in = row_inputs(c->d, c->map, c->ms, c->rope);
         for (int r = 0; r < rows; r++)
             row_input_grad(c->grad_q + ((long)g * c->n + j + r) * d_in, scratch + r * c->dp, a + r * c->d,
                            c->q + bi * c->qsb + hi * c->qsh + (j + r) * c->qsn, c->d, c->map, c->ms, hi, c->rope,
@@ -76,7 +76,8 @@ static void key_block(const void *ctx, int g, long j0, int rows, float *scratch)
     for (int r = 0; r < rows; r++) {
         const long j = j0 + r;
         float *row = v1 + r * width;
-        row_features(phi + r * d, c->k + bi * c->ksb + hi * c->ksh + j * c->ksn, d, c->map, c->ms, hi, c->rope, j);
+        row_features(phi + r * d, c->k + bi * c->ksb + hi * c->ksh + j * c->ksn, d, c->map, c->ms,
+                     key_head(c->map, c->ms, hi), c->rope, j);
         memcpy(row, c->v + bi * c->vsb + hi * c->vsh + j * c->vsn, sizeof(float) * dv);
         row[dv] = 1.0f;
         memset(row + dv + 1, 0, sizeof(float) * (width - dv - 1));
@@ -95,10 +96,11 @@ static void key_block(const void *ctx, int g, long j0, int rows, float *scratch)
         const long j = j0 + r, o = (long)g * c->n + j;
         const int masked = c->mask && c->mask[bi * c->n + j];
         if (c->grad_k) {
-            const int d_in = row_inputs(d, c->map, c->rope);
+            const int d_in = row_inputs(d, c->map, c->ms, c->rope);
             if (masked) memset(c->grad_k + o * d_in, 0, sizeof(float) * d_in);
             else row_input_grad(c->grad_k + o * d_in, g_phi + r * dp, phi + r * d,
-                                c->k + bi * c->ksb + hi * c->ksh + j * c->ksn, d, c->map, c->ms, hi, c->rope, j);
+                                c->k + bi * c->ksb + hi * c->ksh + j * c->ksn, d, c->map, c->ms,
+                                key_head(c->map, c->ms, hi), c->rope, j);
         }
         if (c->grad_v) {
             if (masked) memset(c->grad_v + o * dv, 0, sizeof(float) * dv);
@@ -209,7 +211,7 @@ static void causal_part_backward(const void *ctx, int item, float *scratch) {
     float *k_t = r_rows + ROWS * width, *v1_t = k_t + d * ldt, *scores = v1_t + width * ldt;
     float *d_scores = scores + ROWS * ldt, *g_phi = d_scores + ROWS * ldt, *g_v1 = g_phi + ROWS * dp;
     float *acc = g_v1 + ROWS * width, *acc_t = acc + d * width;
-    const int bi = g / c->in.h, hi = g % c->in.h, d_in = input_dim(d, map);
+    const int bi = g / c->in.h, hi = g % c->in.h, d_in = map_inputs(d, map, c->in.ms);
     /* Forward order: d q, with the state carried transposed (acc_t = S^T, width x dp). */
     if (c->grad_q) {
         if (c->starts) transpose_states(c->starts + (long)item * d * width, width, 1, d, dv, width, dp, acc_t);
@@ -254,7 +256,7 @@ static void causal_part_backward(const void *ctx, int item, float *scratch) {
                 if (masked) memset(c->grad_k + (o + r) * d_in, 0, sizeof(float) * d_in);
                 else map_input_grad(c->grad_k + (o + r) * d_in, g_phi + r * dp, phi_k + r * dp,
                                     c->in.k + bi * c->in.ksb + hi * c->in.ksh + (i0 + r) * c->in.ksn, d, map, c->in.ms,
-                                    hi);
+                                    key_head(map, c->in.ms, hi));
             }
             if (c->grad_v) {
                 if (masked) memset(c->grad_v + (o + r) * dv, 0, sizeof(float) * dv);

@@ -1,0 +1,86 @@
+"""hedgehog's learned maps inside the compiled kernels (map 8, csrc/hedgehog.h): the queries' and keys' projections
+and double softmaxes computed in the row loaders, forward and backward, causal and not, against float64; and when
+``hedgehog`` takes that path (no gradients) and why not otherwise."""
+import pytest
+import torch
+
+import linear_mha.functional as LF
+from linear_mha.functional import backend, native
+from linear_mha.functional.hedgehog import HedgehogMap
+
+needs_native = pytest.mark.skipif(not native.available(), reason=f"kernels not built: {native.build_error()}")
+
+
+def relative_error(got, ref):
+    return ((got.detach().double() - ref.detach()).abs().max() / ref.detach().abs().max().clamp_min(1e-30)).item()
+
+
+def inputs(seed, b=2, h=3, n=41, d=37, dv=16, m=20, bias_k=False):
+    """d = 37 and m = 20: the projections' and softmaxes' vector loops and their tails; masked keys hold NaN."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, n, h, d, generator=g).transpose(1, 2)
+    k, v = torch.randn(b, h, n, d, generator=g), torch.randn(b, h, n, dv, generator=g)
+    maps = [0.3 * torch.randn(h, d, m, generator=g), torch.randn(h, m, generator=g), 0.3 * torch.randn(h, d, m, generator=g),
+            torch.randn(h, m, generator=g) if bias_k else None]
+    mask = torch.zeros(b, n, dtype=torch.bool)
+    mask[1, -6:] = True
+    state = torch.rand(b, h, 2 * m, dv + 1, generator=g)
+    return q, k, v, maps, mask, state, torch.randn(b, h, n, dv, generator=g)
+
+
+@needs_native
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("bias_k", [False, True])
+def test_outputs_and_every_gradient_match_float64(causal, bias_k):
+    """Through native.kernel_attention with a HedgehogMap, the compiled backward included: q, k, v, the initial
+    state, both maps' W and b."""
+    q, k, v, maps, mask, state, grad = inputs(seed=1 + causal + 2 * bias_k, bias_k=bias_k)
+    options = dict(causal=causal, key_padding_mask=None if causal else mask)
+    runs = []
+    for dtype in (torch.float32, torch.float64):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v, state)]
+        params = [None if t is None else t.detach().to(dtype).requires_grad_() for t in maps]
+        q_map, k_map = (params[0], params[1]), (params[2], params[3])
+        if dtype == torch.float32:
+            out = native.kernel_attention(*leaves[:3], HedgehogMap(q_map, k_map), options["key_padding_mask"],
+                                          leaves[3], causal)
+            assert type(out.grad_fn).__name__ == "_KernelAttentionBackward"
+        else:
+            out = LF.hedgehog(*leaves[:3], q_map, k_map, initial_state=leaves[3], **options)
+        out.backward(grad.to(dtype))
+        runs.append((out, [t.grad for t in leaves + [p for p in params if p is not None]]))
+    (out, got), (ref, expected) = runs
+    assert relative_error(out, ref) < 2e-6
+    for i, (a, r) in enumerate(zip(got, expected)):
+        assert relative_error(a, r) < 2e-5, i
+    if not causal:
+        assert (got[1][1, :, -6:] == 0).all() and (got[2][1, :, -6:] == 0).all()
+
+
+@needs_native
+@pytest.mark.parametrize("causal", [False, True])
+def test_hedgehog_takes_the_maps_inside_the_kernels_for_inference(causal):
+    q, k, v, maps, mask, state, _ = inputs(seed=5)
+    k[1, :, -6:], v[1, :, -6:] = float("nan"), float("nan")  # masked keys reach nothing
+    q_map, k_map = (maps[0], maps[1]), (maps[2], maps[3])
+    mask = None if causal else mask
+    if causal:
+        k, v = k.nan_to_num(), v.nan_to_num()
+    with torch.no_grad():
+        assert backend.hedgehog_backend(q, k, v, q_map, k_map, causal=causal).backend == backend.NATIVE
+        out = LF.hedgehog(q, k, v, q_map, k_map, causal=causal, key_padding_mask=mask, initial_state=state)
+    ref = LF.hedgehog(q.double(), k.double(), v.double(), tuple(t.double() for t in q_map), (k_map[0].double(), None),
+                      causal=causal, key_padding_mask=mask, initial_state=state.double())
+    assert relative_error(out, ref) < 2e-6
+
+
+def test_with_gradients_or_a_window_the_features_are_made_first_and_the_chooser_says_why():
+    q, k, v, maps, _, _, _ = inputs(seed=6, n=9)
+    q_map, k_map = (maps[0].requires_grad_(), maps[1]), (maps[2], maps[3])
+    choice = backend.hedgehog_backend(q, k, v, q_map, k_map, causal=False)
+    assert choice.backend != backend.NATIVE and "gradients are needed" in choice.reason
+    with torch.no_grad():
+        windowed = backend.hedgehog_backend(q, k, v, q_map, k_map, causal=False, window=True)
+        assert windowed.backend != backend.NATIVE and "window" in windowed.reason
+        wide = backend.hedgehog_backend(q, k, v, q_map, (maps[2], torch.zeros(1, 20)), causal=False)
+        assert "bias of shape" in wide.reason
