@@ -1,9 +1,10 @@
 """Which implementation runs an attention call, and why: the one place that decides.
 
     native             the compiled C code of ``native.py`` (float32 CPU, or half CPU inputs once copied to float32;
-                       kernel attention with elu/relu/taylor/taylor2 maps, focused attention and a user's
-                       elementwise map read as steps (``elementwise_program.py``), each map computed inside the
-                       kernels' row loaders, Efficient Attention), forward and backward, and the decoding step
+                       kernel attention with elu/relu/taylor/taylor2 maps, focused attention, a user's
+                       elementwise map read as steps (``elementwise_program.py``) and hedgehog's maps at inference,
+                       each map computed inside the kernels' row loaders, Efficient Attention), forward and backward,
+                       and the decoding step
     native_features    any other feature map (hedgehog's learned maps, a user's map): the map made by PyTorch ops or
                        by its own compiled pass; the products and the division by the compiled code
     fla                ``fla_causal.py``: causal elu/relu kernel attention on bfloat16 CUDA tensors through

@@ -3,8 +3,8 @@
 Kernel attention with an elementwise map spends most of its CPU time in elementwise passes over N-sized
 tensors, not in its two GEMMs; the C functions fuse those passes into the GEMMs (see kernel_attention.c). They
 cover float32 CPU tensors: kernel attention with elu/relu/taylor/taylor2 maps, the focused map (its scales'
-gradient too), a user's elementwise map read as a program of steps (``elementwise_program.py``), or features made
-already (non-causal and causal, with gradients; elu/relu also the recurrent
+gradient too), a user's elementwise map read as a program of steps (``elementwise_program.py``), hedgehog's learned
+maps (``hedgehog.HedgehogMap``, their weights' gradients too), or features made already (non-causal and causal, with gradients; elu/relu also the recurrent
 decoding step), Efficient Attention (with gradients), and the focused and hedgehog feature maps on their own
 (with gradients, through ``native_maps.py``). Everything
 else (other dtypes, accelerators) stays in PyTorch, and so does everything when the compiled code is unavailable;
