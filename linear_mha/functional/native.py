@@ -190,7 +190,7 @@ def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_map,
     self-attention, L == S, no initial_state). ``feature_map`` a ``focused.FocusedMap``: the focused map with its
     power and scales, differentiable in the scales too. Callers check ``why_not_kernel`` and the shapes."""
     power, scale = 0.0, None  # a map's settings (focused's power and scales, a program); the other maps have none
-    features = getattr(feature_map, "feature_count", lambda d: None)(q.shape[-1])  # a map that says its own
+    own_features = getattr(feature_map, "feature_count", lambda d: None)(q.shape[-1])  # a map that says its own
     if getattr(feature_map, "compiled_map", None) in SETTINGS_MAPS:
         if rope_tables is not None:  # the rope entry points take no map settings
             raise ValueError(f"rope_tables take a map without settings; give the {feature_map.compiled_map} map's "
@@ -207,8 +207,9 @@ def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_map,
     mask = None if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
     init = None if initial_state is None else initial_state.contiguous()
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, init, scale)):
-        return _KernelAttention.apply(q, k, v, init, mask, feature_map, causal, rope_tables, scale, power, features)
-    return _forward(q, k, v, mask, init, feature_map, causal, False, rope_tables, scale, power, features)[0]
+        return _KernelAttention.apply(q, k, v, init, mask, feature_map, causal, rope_tables, scale, power,
+                                      own_features)
+    return _forward(q, k, v, mask, init, feature_map, causal, False, rope_tables, scale, power, own_features)[0]
 
 
 def call(entry: str, *args) -> None:
