@@ -261,6 +261,21 @@ def _state(s_ptr, z_ptr, g, half, rows_of_s, fcols, c, BLOCK_F: tl.constexpr, BL
 
 
 @triton.jit
+def _states(s_ptr, z_ptr, g, fcols, c, F: tl.constexpr, R: tl.constexpr, BLOCK_F: tl.constexpr,
+            BLOCK_DV: tl.constexpr, MAP: tl.constexpr):
+    """What a backward pass reads of head g's state (or of G): (S, z) of the first half, of hedgehog's second (the
+    first again otherwise), and S with its rows permuted to the partner features (rotary position; S otherwise)."""
+    s, z = _state(s_ptr, z_ptr, g, 0, fcols, fcols, c, BLOCK_F, BLOCK_DV, MAP)
+    s2, z2 = s, z
+    if MAP == HEDGEHOG:
+        s2, z2 = _state(s_ptr, z_ptr, g, 1, fcols, fcols, c, BLOCK_F, BLOCK_DV, MAP)
+    s_partner = s
+    if R > 0:
+        s_partner, _ = _state(s_ptr, z_ptr, g, 0, _partner(fcols, F, R), fcols, c, BLOCK_F, BLOCK_DV, MAP)
+    return s, z, s2, z2, s_partner
+
+
+@triton.jit
 def queries(q_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, s_ptr, z_ptr, o_ptr, den_ptr, H, L, qsb, qsh, qsn, power,
             D: tl.constexpr, DV: tl.constexpr, F: tl.constexpr, M: tl.constexpr, OFF: tl.constexpr,
             R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
@@ -302,13 +317,7 @@ def query_grads(q_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, s_ptr, z_ptr, o_ptr, den_
     q_base = q_ptr + b * qsb + h * qsh
     dcols, fcols, c = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_F), tl.arange(0, BLOCK_DV)
     w, bias = _head_params(p_ptr, b_ptr, h, dcols, fcols, D, M, MAP, HAS_PARAM)
-    s, z = _state(s_ptr, z_ptr, g, 0, fcols, fcols, c, BLOCK_F, BLOCK_DV, MAP)
-    s2, z2 = s, z
-    if MAP == HEDGEHOG:
-        s2, z2 = _state(s_ptr, z_ptr, g, 1, fcols, fcols, c, BLOCK_F, BLOCK_DV, MAP)
-    s_partner = s
-    if R > 0:
-        s_partner, _ = _state(s_ptr, z_ptr, g, 0, _partner(fcols, F, R), fcols, c, BLOCK_F, BLOCK_DV, MAP)
+    s, z, s2, z2, s_partner = _states(s_ptr, z_ptr, g, fcols, c, F, R, BLOCK_F, BLOCK_DV, MAP)
     acc = tl.zeros((BLOCK_F, BLOCK_DV), dtype=tl.float32)
     acc_z = tl.zeros((BLOCK_F,), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_F, BLOCK_DV), dtype=tl.float32)
@@ -376,13 +385,7 @@ def key_grads(k_ptr, v_ptr, mask_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, gs_ptr, gz
     k_base, v_base = k_ptr + b * ksb + h * ksh, v_ptr + b * vsb + h * vsh
     dcols, fcols, c = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_F), tl.arange(0, BLOCK_DV)
     w, bias = _head_params(p_ptr, b_ptr, h, dcols, fcols, D, M, MAP, HAS_PARAM)
-    gs, gz = _state(gs_ptr, gz_ptr, g, 0, fcols, fcols, c, BLOCK_F, BLOCK_DV, MAP)
-    gs2, gz2 = gs, gz
-    if MAP == HEDGEHOG:
-        gs2, gz2 = _state(gs_ptr, gz_ptr, g, 1, fcols, fcols, c, BLOCK_F, BLOCK_DV, MAP)
-    gs_partner = gs
-    if R > 0:
-        gs_partner, _ = _state(gs_ptr, gz_ptr, g, 0, _partner(fcols, F, R), fcols, c, BLOCK_F, BLOCK_DV, MAP)
+    gs, gz, gs2, gz2, gs_partner = _states(gs_ptr, gz_ptr, g, fcols, c, F, R, BLOCK_F, BLOCK_DV, MAP)
     acc_dp = tl.zeros((BLOCK_D, BLOCK_F), dtype=tl.float32)
     acc_db = tl.zeros((BLOCK_F,), dtype=tl.float32)
     for tile in range(TILES):

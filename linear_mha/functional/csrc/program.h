@@ -3,7 +3,6 @@
  * goes through the steps in order; its gradient goes back through them in reverse. */
 #ifndef LINEAR_MHA_PROGRAM_H
 #define LINEAR_MHA_PROGRAM_H
-#include <math.h>
 #include "simd.h"
 
 #define PROGRAM_STEPS 8 /* elementwise_program.MAX_STEPS */
@@ -110,79 +109,31 @@ static inline vf step_vec(vf v, const struct program *p, int s, vf *slope) {
     return out;
 }
 
-/* The same step on one value (the rows' tails). */
-static inline float step_scalar(float v, const struct program *p, int s, float *slope) {
-    const float c = p->c[s];
-    float out, d = 1.0f;
-    switch (p->op[s]) {
-    case STEP_RELU:
-        out = v > 0.0f ? v : 0.0f;
-        d = v > 0.0f ? 1.0f : 0.0f;
-        break;
-    case STEP_ELU: {
-        const float e = expf(v > 0.0f ? 0.0f : v);
-        out = v > 0.0f ? v : e - 1.0f;
-        d = v > 0.0f ? 1.0f : e;
-        break;
+/* n <= W values of a row as one vector, the lanes past n zero (a row's tail goes through the same vector steps as
+ * the rest of the row, so it computes exactly what they do; its padding is never stored). */
+static inline vf load_some(const float *x, int n) {
+    if (n == W) return load(x);
+    float lanes[W] = {0};
+    memcpy(lanes, x, sizeof(float) * n);
+    return load(lanes);
+}
+
+static inline void store_some(float *x, vf v, int n) {
+    if (n == W) {
+        store(x, v);
+        return;
     }
-    case STEP_EXP:
-        out = d = expf(v);
-        break;
-    case STEP_ABS:
-        out = fabsf(v);
-        d = v > 0.0f ? 1.0f : v < 0.0f ? -1.0f : 0.0f;
-        break;
-    case STEP_POW_WHOLE: {
-        float below = 1.0f;
-        for (int i = 1; i < p->whole[s]; i++) below *= v;
-        out = below * v;
-        d = c * below;
-        break;
-    }
-    case STEP_POW:
-        if (v > 0.0f) {
-            out = powf(v, c);
-            d = c * out / v;
-        } else {
-            out = v < 0.0f ? NAN : 0.0f;
-            d = v < 0.0f ? NAN : c < 1.0f ? INFINITY : 0.0f;
-        }
-        break;
-    case STEP_ADD:
-        out = v + c;
-        break;
-    case STEP_MUL:
-        out = v * c;
-        d = c;
-        break;
-    case STEP_SOFTPLUS: {
-        const float e = expf(-fabsf(v));
-        out = (v > 0.0f ? v : 0.0f) + log1pf(e);
-        d = (v > 0.0f ? 1.0f : e) / (1.0f + e);
-        break;
-    }
-    default: {
-        const float e = expf(-fabsf(v));
-        out = (v > 0.0f ? 1.0f : e) / (1.0f + e);
-        d = out * (1.0f - out);
-        break;
-    }
-    }
-    if (slope) *slope *= d;
-    return out;
+    float lanes[W];
+    store(lanes, v);
+    memcpy(x, lanes, sizeof(float) * n);
 }
 
 static inline void program_features(float *dst, const float *src, int d, const struct program *p) {
-    int f = 0;
-    for (; f + W <= d; f += W) {
-        vf v = load(src + f);
+    for (int f = 0; f < d; f += W) {
+        const int n = d - f < W ? d - f : W;
+        vf v = load_some(src + f, n);
         for (int s = 0; s < p->steps; s++) v = step_vec(v, p, s, NULL);
-        store(dst + f, v);
-    }
-    for (; f < d; f++) {
-        float v = src[f];
-        for (int s = 0; s < p->steps; s++) v = step_scalar(v, p, s, NULL);
-        dst[f] = v;
+        store_some(dst + f, v, n);
     }
 }
 
@@ -195,29 +146,16 @@ static inline vf step_grad_vec(vf g, vf x, const struct program *p, int s) {
     return g * slope;
 }
 
-static inline float step_grad_scalar(float g, float x, const struct program *p, int s) {
-    if (p->op[s] == STEP_RELU) return x > 0.0f ? g : 0.0f;
-    float slope = 1.0f;
-    step_scalar(x, p, s, &slope);
-    return g * slope;
-}
-
 /* dst = the gradient of the inputs src from g_phi, that of their features: the steps' inputs recomputed, then
  * the gradient taken back through the steps in reverse, in autograd's order (so inf and NaN land as they would). */
 static inline void program_input_grad(float *dst, const float *g_phi, const float *src, int d,
                                       const struct program *p) {
-    int f = 0;
-    for (; f + W <= d; f += W) {
-        vf x[PROGRAM_STEPS], v = load(src + f), g = load(g_phi + f);
+    for (int f = 0; f < d; f += W) {
+        const int n = d - f < W ? d - f : W;
+        vf x[PROGRAM_STEPS], v = load_some(src + f, n), g = load_some(g_phi + f, n);
         for (int s = 0; s < p->steps; s++) v = step_vec(x[s] = v, p, s, NULL);
         for (int s = p->steps - 1; s >= 0; s--) g = step_grad_vec(g, x[s], p, s);
-        store(dst + f, g);
-    }
-    for (; f < d; f++) {
-        float x[PROGRAM_STEPS], v = src[f], g = g_phi[f];
-        for (int s = 0; s < p->steps; s++) v = step_scalar(x[s] = v, p, s, NULL);
-        for (int s = p->steps - 1; s >= 0; s--) g = step_grad_scalar(g, x[s], p, s);
-        dst[f] = g;
+        store_some(dst + f, g, n);
     }
 }
 
