@@ -182,17 +182,10 @@ def hedgehog_backend(q: Tensor, k: Tensor, v: Tensor, q_map, k_map, *, causal: b
                               "Triton kernels (LINEAR_MHA_TRITON=0 switches them off)")
     why_not_triton = "it is switched off" if why_not_triton is None else why_not_triton
     why_not_native = native.why_not(q, k, v, initial_state, dtype=compute_dtype(q.dtype))
-    weights = [t for pair in (q_map, k_map) for t in pair if t is not None]
-    why_not_maps = "a sliding window" if window else next(
-        (f"the maps' weights are on {t.device}" for t in weights if not t.is_cpu), None) or (
-        f"maps of {q_map[0].shape[-1]} features per softmax, above {native.HEDGEHOG_MAX_M}"
-        if q_map[0].shape[-1] > native.HEDGEHOG_MAX_M else None) or (
-        "the query and key maps differ in size" if q_map[0].shape != k_map[0].shape else None) or next(
-        (f"a bias of shape {tuple(b.shape)}, not (heads, m)" for w, b in (q_map, k_map)
-         if b is not None and tuple(b.shape) != (w.shape[0], w.shape[-1])), None)
-    if why_not_maps is None and needs_grad(q, k, v, initial_state, *weights):
+    why_not_maps = _why_not_compiled_hedgehog(q_map, k_map, window)
+    if why_not_maps is None and needs_grad(q, k, v, initial_state, *[t for pair in (q_map, k_map) for t in pair]):
         # Measured (docs/benchmarks.md): the compiled backward recomputes each row's map where it needs it, 5% slower
-        # than features made once non-causal and 15-20% causal; the forward alone runs 1.4-1.6x faster inside.
+        # than features made once non-causal and 15-20% causal; the forward alone runs 1.3-1.5x faster inside.
         why_not_maps = "gradients are needed, and features made once ran faster forward + backward"
     if why_not_native is None and why_not_maps is None:
         return Choice(NATIVE, f"float32 CPU tensors, no gradients: the maps' projections and double softmaxes, the "
@@ -202,6 +195,23 @@ def hedgehog_backend(q: Tensor, k: Tensor, v: Tensor, q_map, k_map, *, causal: b
                                        f"compiled code; the maps not inside it because {why_not_maps}; not triton "
                                        f"because {why_not_triton}")
     return Choice(COMPOSED, f"not triton because {why_not_triton}; not native because {why_not_native}")
+
+
+def _why_not_compiled_hedgehog(q_map, k_map, window: bool) -> Optional[str]:
+    """Why the compiled kernels cannot compute these hedgehog maps in their row loaders, or None."""
+    if window:
+        return "a sliding window"
+    weights = [t for pair in (q_map, k_map) for t in pair if t is not None]
+    if any(not t.is_cpu for t in weights):
+        return f"the maps' weights are on {sorted({str(t.device) for t in weights})}"
+    if q_map[0].shape != k_map[0].shape:
+        return "the query and key maps differ in size"
+    if q_map[0].shape[-1] > native.HEDGEHOG_MAX_M:
+        return f"maps of {q_map[0].shape[-1]} features per softmax, above {native.HEDGEHOG_MAX_M}"
+    for weight, bias in (q_map, k_map):
+        if bias is not None and tuple(bias.shape) != (weight.shape[0], weight.shape[-1]):
+            return f"a bias of shape {tuple(bias.shape)}, not (heads, m)"
+    return None
 
 
 def features_backend(phi_q: Tensor, phi_k: Tensor, v: Tensor, initial_state: Optional[Tensor] = None) -> Choice:
