@@ -112,6 +112,17 @@ def needs_grad(*tensors: Optional[Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def why_not_fused_map_pair(q_map, k_map) -> Optional[str]:
+    """Why hedgehog's query and key maps (weight (H, d, m), bias (H, m) or None each) cannot be read by a fused
+    kernel as it lays them out (both the same size, biases of (heads, m)), or None."""
+    if q_map[0].shape != k_map[0].shape:
+        return "the query and key maps differ in size"
+    for weight, bias in (q_map, k_map):
+        if bias is not None and tuple(bias.shape) != (weight.shape[0], weight.shape[-1]):
+            return f"a bias of shape {tuple(bias.shape)}, not (heads, m)"
+    return None
+
+
 def split_normalise(num_den: Tensor) -> Tensor:
     """Divide the numerator columns by the last (normaliser) column.
 

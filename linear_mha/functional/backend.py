@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from . import fla_causal, native, triton_kernel
-from ._common import compiling, compute_dtype, fixed_graph, functorch_active, needs_grad
+from ._common import compiling, compute_dtype, fixed_graph, functorch_active, needs_grad, why_not_fused_map_pair
 from .elementwise_program import program_map
 from .feature_maps import IN_PLACE_FEATURE_MAPS
 
@@ -204,14 +204,9 @@ def _why_not_compiled_hedgehog(q_map, k_map, window: bool) -> Optional[str]:
     weights = [t for pair in (q_map, k_map) for t in pair if t is not None]
     if any(not t.is_cpu for t in weights):
         return f"the maps' weights are on {sorted({str(t.device) for t in weights})}"
-    if q_map[0].shape != k_map[0].shape:
-        return "the query and key maps differ in size"
     if q_map[0].shape[-1] > native.HEDGEHOG_MAX_M:
         return f"maps of {q_map[0].shape[-1]} features per softmax, above {native.HEDGEHOG_MAX_M}"
-    for weight, bias in (q_map, k_map):
-        if bias is not None and tuple(bias.shape) != (weight.shape[0], weight.shape[-1]):
-            return f"a bias of shape {tuple(bias.shape)}, not (heads, m)"
-    return None
+    return why_not_fused_map_pair(q_map, k_map)
 
 
 def features_backend(phi_q: Tensor, phi_k: Tensor, v: Tensor, initial_state: Optional[Tensor] = None) -> Choice:

@@ -58,12 +58,7 @@ def _step(node) -> Tuple[Optional[object], List[Step], Optional[str]]:
         for key, value in given.items():
             if key not in allowed or (allowed[key] is not None and value != allowed[key]):
                 return None, [], f"{getattr(target, '__name__', target)} with {key}={value!r}"
-        code = _UNARY[target]
-        if target in (torch.square, "square"):
-            return args[0], [(POW_WHOLE, 2.0)], None
-        if code == MUL:  # negation
-            return args[0], [(MUL, -1.0)], None
-        return args[0], [(code, 0.0)], None
+        return args[0], _unary_steps(target), None
     if kwargs:
         return None, [], f"{getattr(target, '__name__', target)} with {kwargs}"
     if len(args) == 2:
@@ -91,6 +86,14 @@ def _step(node) -> Tuple[Optional[object], List[Step], Optional[str]]:
     return None, [], f"{getattr(target, '__name__', target)!s} with arguments {args}"
 
 
+def _unary_steps(target) -> List[Step]:
+    """The steps of a one-argument function or method the kernels know: square is x ** 2, negation x * -1."""
+    if target in (torch.square, "square"):
+        return [(POW_WHOLE, 2.0)]
+    code = _UNARY[target]
+    return [(MUL, -1.0)] if code == MUL else [(code, 0.0)]
+
+
 def _hashable(value) -> bool:
     try:
         hash(value)
@@ -106,8 +109,7 @@ def _is_node(value) -> bool:
 def read_program(fn: Callable[[Tensor], Tensor]) -> Tuple[Optional[List[Step]], Optional[str]]:
     """(fn's steps, None) when fn is a chain of known steps that reproduces it, else (None, why not)."""
     if _hashable(fn) and fn in _UNARY and not isinstance(fn, str):  # torch.relu or F.softplus itself: nothing to trace
-        code = _UNARY[fn]
-        steps = [(POW_WHOLE, 2.0)] if fn is torch.square else [(MUL, -1.0)] if code == MUL else [(code, 0.0)]
+        steps = _unary_steps(fn)
         return (steps, None) if _reproduces(fn, steps) else (None, "its program does not reproduce it on a probe")
     try:
         graph = torch.fx.symbolic_trace(fn).graph

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ._common import compiling, functorch_active
+from ._common import compiling, functorch_active, why_not_fused_map_pair
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None  # imported only when the kernels are first used
 
@@ -106,11 +106,9 @@ def why_not_hedgehog(q: Tensor, k: Tensor, v: Tensor, q_map, k_map,
     devices = {t.device for pair in (q_map, k_map) for t in pair if t is not None}
     if devices - {q.device}:
         return f"the feature maps' weights are on {sorted(map(str, devices))}, the inputs on {q.device}"
-    for weight, bias in (q_map, k_map):
-        if bias is not None and tuple(bias.shape) != (weight.shape[0], weight.shape[-1]):
-            return f"a bias of shape {tuple(bias.shape)}: the Triton kernels read one of (heads, m)"
-    if q_map[0].shape[-1] != k_map[0].shape[-1]:
-        return "the query and key maps have different feature counts"
+    why_not_pair = why_not_fused_map_pair(q_map, k_map)
+    if why_not_pair is not None:
+        return why_not_pair
     if q_map[0].shape[-1] > 128:
         return "hedgehog maps of more than 128 features"
     return _why_not_tensors("hedgehog", q, k, v, initial_state)
