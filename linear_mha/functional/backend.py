@@ -183,13 +183,10 @@ def hedgehog_backend(q: Tensor, k: Tensor, v: Tensor, q_map, k_map, *, causal: b
     why_not_triton = "it is switched off" if why_not_triton is None else why_not_triton
     why_not_native = native.why_not(q, k, v, initial_state, dtype=compute_dtype(q.dtype))
     why_not_maps = _why_not_compiled_hedgehog(q_map, k_map, window)
-    if why_not_maps is None and needs_grad(q, k, v, initial_state, *[t for pair in (q_map, k_map) for t in pair]):
-        # Measured (docs/benchmarks.md): the compiled backward recomputes each row's map where it needs it, 5% slower
-        # than features made once non-causal and 15-20% causal; the forward alone runs 1.3-1.5x faster inside.
-        why_not_maps = "gradients are needed, and features made once ran faster forward + backward"
     if why_not_native is None and why_not_maps is None:
-        return Choice(NATIVE, f"float32 CPU tensors, no gradients: the maps' projections and double softmaxes, the "
-                              f"products and the division in the compiled code; not triton because {why_not_triton}")
+        return Choice(NATIVE, f"float32 CPU tensors: the maps' projections and double softmaxes, the products and the "
+                              f"division in the compiled code, forward and backward; not triton because "
+                              f"{why_not_triton}")
     if why_not_native is None:
         return Choice(NATIVE_FEATURES, f"the features made by their own pass, the products and the division in the "
                                        f"compiled code; the maps not inside it because {why_not_maps}; not triton "

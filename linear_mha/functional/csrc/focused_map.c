@@ -63,7 +63,7 @@ int lm_focused_map_f32(const float *x, const float *scale, float *out, int b, in
                        long xsh, long xsn, float power, int threads) {
     struct focused_rows c = describe(x, scale, b, h, n, d, xsb, xsh, xsn, power, threads);
     c.out = out;
-    return for_each_task(c.tasks, threads_for(threads), 1, forward_task, &c);
+    return for_each_task(c.tasks, threads_for(threads), 1, forward_task, &c, 0);
 }
 
 /* The number of partial sums lm_focused_map_backward_f32 writes into grad_scale: (tasks, H, d). */
@@ -80,5 +80,5 @@ int lm_focused_map_backward_f32(const float *x, const float *scale, const float 
     c.grad = grad;
     c.grad_x = grad_x;
     c.grad_scale = grad_scale;
-    return for_each_task(c.tasks, threads_for(threads), 1, backward_task, &c);
+    return for_each_task(c.tasks, threads_for(threads), 1, backward_task, &c, 0);
 }

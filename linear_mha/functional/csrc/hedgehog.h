@@ -32,7 +32,18 @@ static inline float shifted_exps(float *e, const float *x, int m, float extreme,
 /* phi (2m) = [softmax(z), softmax(-z)] of m values z. */
 static inline void double_softmax(float *phi, const float *z, int m) {
     float top = -INFINITY, bottom = INFINITY;
-    for (int f = 0; f < m; f++) {
+    int f = 0;
+    if (m >= W) {
+        vf top_v = load(z), bottom_v = top_v;
+        for (f = W; f + W <= m; f += W) {
+            const vf zv = load(z + f);
+            top_v = vselect(zv > top_v, zv, top_v);
+            bottom_v = vselect(zv < bottom_v, zv, bottom_v);
+        }
+        top = hmax(top_v);
+        bottom = -hmax(splat(0.0f) - bottom_v);
+    }
+    for (; f < m; f++) {
         top = z[f] > top ? z[f] : top;
         bottom = z[f] < bottom ? z[f] : bottom;
     }
@@ -40,16 +51,57 @@ static inline void double_softmax(float *phi, const float *z, int m) {
     scaled_copy(phi + m, phi + m, m, 1.0f / shifted_exps(phi + m, z, m, bottom, -1.0f));
 }
 
+/* y (n) = init + x A for a row x (k) and a (k x n) matrix a, row-major (init NULL: 0). Up to four vectors of y
+ * stay in registers while the rows of A stream past: one load and one FMA per vector of A, where updating y in
+ * memory would cost a load and a store more. */
+static inline void row_times_matrix(float *y, const float *x, int k, const float *a, int n, const float *init) {
+    int c = 0;
+    for (; c + 4 * W <= n; c += 4 * W) {
+        vf acc[4];
+        for (int v = 0; v < 4; v++) acc[v] = init ? load(init + c + v * W) : splat(0.0f);
+        for (int p = 0; p < k; p++) {
+            const vf xp = splat(x[p]);
+            const float *ar = a + (long)p * n + c;
+            acc[0] += xp * load(ar); acc[1] += xp * load(ar + W);
+            acc[2] += xp * load(ar + 2 * W); acc[3] += xp * load(ar + 3 * W);
+        }
+        for (int v = 0; v < 4; v++) store(y + c + v * W, acc[v]);
+    }
+    for (; c + W <= n; c += W) {
+        vf acc = init ? load(init + c) : splat(0.0f);
+        for (int p = 0; p < k; p++) acc += splat(x[p]) * load(a + (long)p * n + c);
+        store(y + c, acc);
+    }
+    for (; c < n; c++) {
+        float sum = init ? init[c] : 0.0f;
+        for (int p = 0; p < k; p++) sum += x[p] * a[(long)p * n + c];
+        y[c] = sum;
+    }
+}
+
+/* What a backward pass holds for the maps' gradients: each head's W transposed (dx = W dz as a row times W^T),
+ * and per thread the sums d W and d b over its rows. A row's x and dz wait in the thread's block until ROWS rows
+ * of one head are there, which are then added to d W as one product X^T dZ: a rank-1 update per row would read
+ * and write all of d W's d x m floats for each row, and took more of the backward than the attention itself. */
+struct hedgehog_grads {
+    float *wt;        /* (2H x m x d) */
+    float *dw, *db;   /* per thread (2H x d x mp), (2H x mp), mp = m rounded up to whole vectors */
+    float *x, *dz;    /* per thread: pending rows, ROWS x d and ROWS x mp */
+    int *pending;     /* per thread, 16 ints apart: [rows pending, their head] */
+    int mp, threads;
+};
+
 /* The maps' settings as hedgehog.HedgehogMap lays them out in one float array: [d, m, W (2H x d x m),
- * b (2H x m)]; its gradient has the same layout. */
+ * b (2H x m)]; its gradient has the same layout. grads: set by a backward pass (hedgehog_grads_start). */
 struct hedgehog_map {
     const float *w, *b;
     int d, m, h;
     long len; /* floats in the layout, the size of a thread's slice of the gradient */
+    struct hedgehog_grads *grads;
 };
 
 static inline struct hedgehog_map hedgehog_settings(const float *data, int h) {
-    struct hedgehog_map c = {NULL, NULL, 0, 0, h, 0};
+    struct hedgehog_map c = {NULL, NULL, 0, 0, h, 0, NULL};
     if (!data) return c;
     c.d = (int)data[0];
     c.m = (int)data[1];
@@ -59,17 +111,67 @@ static inline struct hedgehog_map hedgehog_settings(const float *data, int h) {
     return c;
 }
 
+/* Sets up c->grads for a backward on `threads` threads (the sums only with sums != 0); 0, or -1 when out of
+ * memory. hedgehog_grads_finish adds the sums into the caller's slices and frees it all. */
+static inline int hedgehog_grads_start(struct hedgehog_map *c, struct hedgehog_grads *g, int threads, int sums) {
+    const int d = c->d, m = c->m, heads = 2 * c->h, mp = (m + W - 1) / W * W;
+    memset(g, 0, sizeof *g);
+    g->mp = mp;
+    g->threads = sums ? threads : 0;
+    g->wt = malloc(sizeof(float) * heads * m * d);
+    if (sums) {
+        g->dw = calloc((size_t)threads * heads * (d + 1) * mp, sizeof(float));
+        g->db = g->dw ? g->dw + (long)threads * heads * d * mp : NULL;
+        g->x = malloc(sizeof(float) * threads * ROWS * d);
+        g->dz = calloc((size_t)threads * ROWS * mp, sizeof(float));
+        g->pending = calloc((size_t)threads * 16, sizeof(int));
+    }
+    if (!g->wt || (sums && (!g->dw || !g->x || !g->dz || !g->pending))) {
+        free(g->wt); free(g->dw); free(g->x); free(g->dz); free(g->pending);
+        return -1;
+    }
+    for (int head = 0; head < heads; head++)
+        for (int e = 0; e < d; e++)
+            for (int f = 0; f < m; f++)
+                g->wt[((long)head * m + f) * d + e] = c->w[((long)head * d + e) * m + f];
+    c->grads = g;
+    return 0;
+}
+
+/* Thread t's pending rows into its sums d W += X^T dZ, d b += the dZ rows (once per block of rows: kept out of
+ * line, away from the row loaders). */
+static __attribute__((noinline)) void hedgehog_flush(struct hedgehog_grads *g, int d, int heads, int t) {
+    int *state = g->pending + 16L * t;
+    const int rows = state[0], head = state[1], mp = g->mp;
+    if (rows == 0) return;
+    const float *x = g->x + (long)t * ROWS * d, *dz = g->dz + (long)t * ROWS * mp;
+    gemm_acc(d, mp / W, rows, x, 1, d, dz, mp, g->dw + ((long)t * heads + head) * d * mp, mp);
+    float *db = g->db + ((long)t * heads + head) * mp;
+    for (int r = 0; r < rows; r++)
+        for (int f = 0; f < mp; f += W) store(db + f, load(db + f) + load(dz + (long)r * mp + f));
+    state[0] = 0;
+}
+
+/* Flushes every thread's rows, adds its sums into its slice of grad (the layout's, threads slices; NULL when no
+ * sums were asked for, or on an error) and frees what hedgehog_grads_start took. */
+static inline void hedgehog_grads_finish(struct hedgehog_map *c, float *grad) {
+    struct hedgehog_grads *g = c->grads;
+    const int d = c->d, m = c->m, heads = 2 * c->h, mp = g->mp;
+    for (int t = 0; grad && t < g->threads; t++) {
+        hedgehog_flush(g, d, heads, t);
+        float *slice = grad + (long)t * c->len, *dw = slice + 2, *db = dw + (long)heads * d * m;
+        for (long row = 0; row < (long)heads * d; row++)
+            for (int f = 0; f < m; f++) dw[row * m + f] += g->dw[((long)t * heads * d + row) * mp + f];
+        for (long head = 0; head < heads; head++)
+            for (int f = 0; f < m; f++) db[head * m + f] += g->db[((long)t * heads + head) * mp + f];
+    }
+    free(g->wt); free(g->dw); free(g->x); free(g->dz); free(g->pending);
+    c->grads = NULL;
+}
+
 /* z (m) = x W + b for the map of head (0 .. 2H - 1). */
 static inline void hedgehog_project(const struct hedgehog_map *c, const float *x, int head, float *z) {
-    const int m = c->m;
-    const float *w = c->w + (long)head * c->d * m;
-    memcpy(z, c->b + (long)head * m, sizeof(float) * m);
-    for (int e = 0; e < c->d; e++, w += m) {
-        const float xe = x[e];
-        int f = 0;
-        for (; f + W <= m; f += W) store(z + f, load(z + f) + splat(xe) * load(w + f));
-        for (; f < m; f++) z[f] += xe * w[f];
-    }
+    row_times_matrix(z, x, c->d, c->w + (long)head * c->d * c->m, c->m, c->b + (long)head * c->m);
 }
 
 static inline void hedgehog_features(float *phi, const float *x, const struct hedgehog_map *c, int head) {
@@ -78,31 +180,29 @@ static inline void hedgehog_features(float *phi, const float *x, const struct he
     double_softmax(phi, z, c->m);
 }
 
-/* dx (d) from g (2m), the gradient of the row's features; with grad (a thread's slice of the layout, or NULL) the
- * row's share of d W (x^T dz) and d b (dz) added. With s, u the two softmaxes and g1, g2 the halves of g:
- * dz = s (g1 - s.g1) - u (g2 - u.g2), dx = W dz. */
-static inline void hedgehog_input_grad(float *dx, const float *g, const float *x, const struct hedgehog_map *c,
-                                       int head, float *grad) {
+/* dx (d) from g (2m), the gradient of the row's features phi (as hedgehog_features made them from x), in a
+ * backward (c->grads set); with sums asked for, the row's x and dz wait in thread t's block for d W (x^T dz) and
+ * d b (dz). With s, u the two softmaxes and g1, g2 the halves of g: dz = s (g1 - s.g1) - u (g2 - u.g2),
+ * dx = W dz. */
+static inline void hedgehog_input_grad(float *dx, const float *g, const float *phi, const float *x,
+                                       const struct hedgehog_map *c, int head, int t) {
     const int m = c->m;
-    float z[HEDGEHOG_MAX_M], phi[2 * HEDGEHOG_MAX_M], dz[HEDGEHOG_MAX_M];
-    hedgehog_project(c, x, head, z);
-    double_softmax(phi, z, m);
+    float dz[HEDGEHOG_MAX_M];
     const float *s = phi, *u = phi + m;
     const float sg = dot_product(s, g, m), ug = dot_product(u, g + m, m);
     int f = 0;
     for (; f + W <= m; f += W)
         store(dz + f, load(s + f) * (load(g + f) - splat(sg)) - load(u + f) * (load(g + m + f) - splat(ug)));
     for (; f < m; f++) dz[f] = s[f] * (g[f] - sg) - u[f] * (g[m + f] - ug);
-    const float *w = c->w + (long)head * c->d * m;
-    for (int e = 0; e < c->d; e++) dx[e] = dot_product(w + (long)e * m, dz, m);
-    if (!grad) return;
-    float *dw = grad + 2 + (long)head * c->d * m, *db = grad + 2 + 2L * c->h * c->d * m + (long)head * m;
-    for (int e = 0; e < c->d; e++, dw += m) {
-        const float xe = x[e];
-        for (f = 0; f + W <= m; f += W) store(dw + f, load(dw + f) + splat(xe) * load(dz + f));
-        for (; f < m; f++) dw[f] += xe * dz[f];
-    }
-    for (f = 0; f < m; f++) db[f] += dz[f];
+    struct hedgehog_grads *grads = c->grads;
+    row_times_matrix(dx, dz, m, grads->wt + (long)head * m * c->d, c->d, NULL);
+    if (!grads->threads) return;
+    int *state = grads->pending + 16L * t;
+    if (state[0] == ROWS || (state[0] > 0 && state[1] != head)) hedgehog_flush(grads, c->d, 2 * c->h, t);
+    state[1] = head;
+    const long r = (long)t * ROWS + state[0]++;
+    memcpy(grads->x + r * c->d, x, sizeof(float) * c->d);
+    memcpy(grads->dz + r * grads->mp, dz, sizeof(float) * m); /* the padding past m stays 0 from calloc */
 }
 
 #endif

@@ -74,7 +74,7 @@ int lm_hedgehog_map_f32(const float *z, const float *bias, float *out, int b, in
     c.z = z;
     c.bias = bias;
     c.out = out;
-    return for_each_task(c.tasks, threads_for(threads), 3L * m, forward_task, &c);
+    return for_each_task(c.tasks, threads_for(threads), 3L * m, forward_task, &c, 0);
 }
 
 /* The number of partial sums lm_hedgehog_map_backward_f32 writes into grad_bias: (tasks, H, m). */
@@ -90,5 +90,5 @@ int lm_hedgehog_map_backward_f32(const float *z, const float *bias, const float 
     c.grad = grad;
     c.grad_z = grad_z;
     c.grad_bias = grad_bias;
-    return for_each_task(c.tasks, threads_for(threads), 3L * m, backward_task, &c);
+    return for_each_task(c.tasks, threads_for(threads), 3L * m, backward_task, &c, 0);
 }

@@ -195,7 +195,7 @@ int lm_causal_kernel_attention_f32(const float *q, const float *k, const float *
     const struct causal_forward forward = {{q, k, v, mask, h, d, dv, map, n, qsb, qsh, qsn, ksb, ksh, ksn, vsb, vsh,
                                             vsn, &ms}, init, starts, out, den_out, dvp, ldt, parts};
     const long scratch = (long)ROWS * (2 * d + ldt + 2 * dvp) + (long)d * (ldt + dvp);
-    const int status = for_each_task((int)(bh * parts), threads, scratch, causal_part, &forward);
+    const int status = for_each_task((int)(bh * parts), threads, scratch, causal_part, &forward, 1);
     free(starts);
     return status;
 }

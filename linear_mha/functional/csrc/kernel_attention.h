@@ -70,8 +70,7 @@ static inline void map_input_grad(float *dst, float *g_phi, const float *phi, co
         return;
     }
     if (map == HEDGEHOG) {
-        float *slice = ms->grad_scale ? ms->grad_scale + (long)thread_slot() * ms->hedgehog.len : NULL;
-        hedgehog_input_grad(dst, g_phi, src, &ms->hedgehog, head, slice);
+        hedgehog_input_grad(dst, g_phi, phi, src, &ms->hedgehog, head, thread_slot());
         return;
     }
     if (map != FOCUSED) {
@@ -223,7 +222,7 @@ static inline int partial_states(int bh, long n, long parts, int d, int width, i
         }
 #pragma omp barrier
         if (!failed) {
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(static) /* fixed: the backward's sources add parameter gradients per thread */
             for (long item = 0; item < bh * parts; item++) {
                 const int g = (int)(item / parts);
                 const long part = item % parts, z = n * (part + 1) / parts;
@@ -359,10 +358,13 @@ static inline int for_each_block(int bh, long n, int threads, long scratch_float
 
 /* Calls task(ctx, i, scratch) for i = 0 .. tasks - 1, one task at a time per thread (a task runs along its stretch
  * of a sequence in order); scratch is scratch_floats zero-initialised floats of thread-local space, reused from
- * task to task. Returns -1 when that space could not be allocated. */
+ * task to task. fixed_order: each thread takes the same tasks on every call (tasks that add a map's parameter
+ * gradients into per-thread sums then give the same sums run after run); else a thread takes the next task free.
+ * Returns -1 when that space could not be allocated. */
 typedef void (*task_fn)(const void *ctx, int i, float *scratch);
 
-static inline int for_each_task(int tasks, int threads, long scratch_floats, task_fn task, const void *ctx) {
+static inline int for_each_task(int tasks, int threads, long scratch_floats, task_fn task, const void *ctx,
+                                int fixed_order) {
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -372,7 +374,10 @@ static inline int for_each_task(int tasks, int threads, long scratch_floats, tas
             failed = 1;
         }
 #pragma omp barrier
-        if (!failed) {
+        if (!failed && fixed_order) {
+#pragma omp for schedule(static)
+            for (int i = 0; i < tasks; i++) task(ctx, i, scratch);
+        } else if (!failed) {
 #pragma omp for schedule(dynamic, 1)
             for (int i = 0; i < tasks; i++) task(ctx, i, scratch);
         }

@@ -153,9 +153,15 @@ int lm_kernel_attention_backward_f32(const float *q, const float *k, const float
                                      long nq, long nk, int d, int dv, long qsb, long qsh, long qsn, long ksb,
                                      long ksh, long ksn, long vsb, long vsh, long vsn, int map, int threads,
                                      float power, const float *scale, float *grad_scale) {
-    const struct map_settings ms = settings_of(map, power, scale, grad_scale, h);
-    return noncausal_backward(q, k, v, mask, state, den, out, grad, grad_q, grad_k, grad_v, grad_state, b, h, nq, nk,
-                              d, dv, qsb, qsh, qsn, ksb, ksh, ksn, vsb, vsh, vsn, map, threads, NULL, &ms);
+    struct map_settings ms = settings_of(map, power, scale, grad_scale, h);
+    struct hedgehog_grads hedgehog;
+    if (map == HEDGEHOG && hedgehog_grads_start(&ms.hedgehog, &hedgehog, threads_for(threads), grad_scale != NULL))
+        return -1;
+    const int status = noncausal_backward(q, k, v, mask, state, den, out, grad, grad_q, grad_k, grad_v, grad_state, b,
+                                          h, nq, nk, d, dv, qsb, qsh, qsn, ksb, ksh, ksn, vsb, vsh, vsn, map, threads,
+                                          NULL, &ms);
+    if (map == HEDGEHOG) hedgehog_grads_finish(&ms.hedgehog, grad_scale);
+    return status;
 }
 
 /* The gradients of lm_rope_kernel_attention_f32 (n positions, d = twice the map's features, its tables), the
@@ -278,9 +284,11 @@ int lm_causal_kernel_attention_backward_f32(const float *q, const float *k, cons
                                             long vsn, int map, int threads, float power, const float *scale,
                                             float *grad_scale) {
     const int bh = b * h, width = (dv + 1 + W - 1) / W * W, dp = (d + W - 1) / W * W;
-    const struct map_settings ms = settings_of(map, power, scale, grad_scale, h);
+    struct map_settings ms = settings_of(map, power, scale, grad_scale, h);
     const int ldt = (ROWS + W - 1) / W * W;
     threads = threads_for(threads);
+    struct hedgehog_grads hedgehog;
+    if (map == HEDGEHOG && hedgehog_grads_start(&ms.hedgehog, &hedgehog, threads, grad_scale != NULL)) return -1;
     /* With fewer heads than threads each sequence is cut into parts, as in the forward: the parts' key sums give
      * their starting states S and the parts' sums of phi(q)^T R, scanned from the end, their final gradients G. */
     const long parts = parts_for(bh, n, threads, 8 * ROWS), size = (long)bh * parts * d * width;
@@ -299,6 +307,7 @@ int lm_causal_kernel_attention_backward_f32(const float *q, const float *k, cons
             scan_parts(ends, NULL, bh, parts, d, dv, width, 1) != 0) {
             free(starts);
             free(ends);
+            if (map == HEDGEHOG) hedgehog_grads_finish(&ms.hedgehog, NULL);
             return -1;
         }
     }
@@ -307,7 +316,8 @@ int lm_causal_kernel_attention_backward_f32(const float *q, const float *k, cons
                                              width, dp, ldt, parts, starts, ends};
     const long scratch = (long)ROWS * (3 * dp + 3 * width + 2 * ldt) + (long)d * (ldt + width) +
                          (long)width * (ldt + dp);
-    const int status = for_each_task((int)(bh * parts), threads, scratch, causal_part_backward, &backward);
+    const int status = for_each_task((int)(bh * parts), threads, scratch, causal_part_backward, &backward, 1);
+    if (map == HEDGEHOG) hedgehog_grads_finish(&ms.hedgehog, grad_scale);
     free(starts);
     free(ends);
     return status;
