@@ -265,6 +265,14 @@ static inline int accumulate_states(int bh, long n, int d, int width, int cols, 
     return failed ? -1 : 0;
 }
 
+/* Asks for rows [j, z) of a head (stride apart, `floats` floats each) to be brought into the cache ahead of the
+ * row loaders: the hardware prefetchers stop at each 4 KiB page, which a head's rows of 64 floats cross every 16
+ * rows, so without this the loaders wait on memory at every page. */
+static inline void prefetch_rows(const float *base, long j, long z, long stride, int floats) {
+    for (; j < z; j++)
+        for (int e = 0; e < floats; e += 16) __builtin_prefetch(base + j * stride + e, 0, 2);
+}
+
 struct key_rows {
     const float *k, *v;
     const uint8_t *mask;
@@ -288,6 +296,10 @@ static inline int key_source(const void *ctx, int g, long j, long z, long *next,
     const int bi = g / c->h, hi = g % c->h;
     int rows = 0;
     (void)scratch;
+    const long ahead = z < j + 2 * ROWS ? z : j + 2 * ROWS; /* the next block's rows */
+    prefetch_rows(c->k + bi * c->ksb + hi * c->ksh, j + ROWS, ahead, c->ksn,
+                  c->shift ? c->d : row_inputs(c->d, c->map, c->ms, c->rope));
+    prefetch_rows(c->v + bi * c->vsb + hi * c->vsh, j + ROWS, ahead, c->vsn, c->dv);
     for (; j < z && rows < ROWS; j++) {
         if (c->mask && c->mask[bi * c->n + j]) continue;
         const float *kr = c->k + bi * c->ksb + hi * c->ksh + j * c->ksn;
@@ -401,6 +413,8 @@ static inline void query_block(const void *ctx, int g, long i0, int rows, float 
     const struct query_outputs *c = ctx;
     const int bi = g / c->h, hi = g % c->h;
     float *phi = scratch, *num_den = scratch + ROWS * c->d;
+    prefetch_rows(c->q + bi * c->qsb + hi * c->qsh, i0 + rows, c->n < i0 + rows + ROWS ? c->n : i0 + rows + ROWS,
+                  c->qsn, row_inputs(c->d, c->map, c->ms, c->rope));
     for (int r = 0; r < rows; r++)
         row_features(phi + r * c->d, c->q + bi * c->qsb + hi * c->qsh + (i0 + r) * c->qsn, c->d, c->map, c->ms, hi,
                      c->rope, i0 + r);
