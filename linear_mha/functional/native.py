@@ -81,13 +81,14 @@ def _declare(library: ctypes.CDLL) -> None:
     library.lm_hedgehog_map_f32.argtypes = [p] * 3 + [i, i, l, i, i]
     library.lm_hedgehog_map_backward_f32.argtypes = [p] * 5 + [i, i, l, i, i]
     library.lm_hedgehog_map_tasks.argtypes = [i, i, l, i]
+    library.lm_prefault.argtypes = [p, l, i]
     for fn in (library.lm_kernel_attention_f32, library.lm_kernel_attention_backward_f32,
                library.lm_causal_kernel_attention_f32, library.lm_causal_kernel_attention_backward_f32,
                library.lm_rope_kernel_attention_f32, library.lm_rope_kernel_attention_backward_f32,
                library.lm_kernel_step_f32, library.lm_efficient_attention_f32,
                library.lm_efficient_attention_backward_f32, library.lm_focused_map_f32,
                library.lm_focused_map_backward_f32, library.lm_focused_map_tasks, library.lm_hedgehog_map_f32,
-               library.lm_hedgehog_map_backward_f32, library.lm_hedgehog_map_tasks):
+               library.lm_hedgehog_map_backward_f32, library.lm_hedgehog_map_tasks, library.lm_prefault):
         fn.restype = ctypes.c_int
 
 
@@ -228,6 +229,21 @@ def pointer(t: Optional[Tensor]):
     return None if t is None else t.data_ptr()
 
 
+PREFAULT_BYTES = 1 << 20  # below this a fresh output's page faults cost less than asking for them to be done at once
+prefault_outputs = True  # False: let the kernels' writes fault fresh outputs in page by page (for A/B timing)
+
+
+def output(like: Tensor, *shape: int) -> Tensor:
+    """An uninitialised contiguous tensor for the compiled code to write, its pages faulted in at once when it is
+    fresh memory of at least PREFAULT_BYTES: the page-by-page faults of a fresh output cost a quarter of the elu
+    forward at N = 16k under glibc's default allocator, and faulting them in at once saves part of that
+    (csrc/prefault.c)."""
+    out = like.new_empty(shape)
+    if prefault_outputs and out.numel() * out.element_size() >= PREFAULT_BYTES:
+        _lib().lm_prefault(out.data_ptr(), out.numel() * out.element_size(), torch.get_num_threads())
+    return out
+
+
 def _map_code(feature_map: Optional[str]) -> int:
     if feature_map is None:
         return FEATURES_GIVEN
@@ -266,8 +282,8 @@ def _forward(q, k, v, mask, init, feature_map, causal, keep, rope=None, scale=No
     returned for the backward when ``keep``, else None. ``features``: per position, for a map that says its own."""
     b, h, n_q, d = q.shape
     dv, features = v.shape[-1], features or _feature_rows(feature_map, d, rope)
-    out = q.new_empty(b, h, n_q, dv)
-    den = q.new_empty(b, h, n_q) if keep else None
+    out = output(q, b, h, n_q, dv)
+    den = output(q, b, h, n_q) if keep else None
     state = q.new_empty(b, h, features, dv + 1) if keep and not causal else None
     tail = (*_sizes(q, k, v, causal or rope is not None, features), _map_code(feature_map), torch.get_num_threads())
     inputs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), pointer(mask))
@@ -308,8 +324,8 @@ class _KernelAttention(torch.autograd.Function):
         # The scales' gradient is summed from the rows whose input gradients the kernels write: those of q and k.
         partial = q.new_zeros(threads, *scale.shape) if need_scale else None
         need_q, need_k = need_q or need_scale, need_k or need_scale
-        grads = (q.new_empty(b, h, n_q, d) if need_q else None, k.new_empty(b, h, n_k, d) if need_k else None,
-                 v.new_empty(b, h, n_k, dv) if need_v else None,
+        grads = (output(q, b, h, n_q, d) if need_q else None, output(k, b, h, n_k, d) if need_k else None,
+                 output(v, b, h, n_k, dv) if need_v else None,
                  q.new_empty(b, h, features, dv + 1) if need_init else None)
         grad_out = grad_out.contiguous()  # held in a name: a temporary's memory would be freed before the call
         pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), pointer(mask))
@@ -348,7 +364,7 @@ def _efficient_forward(q, k, v, mask, keep):
     """(out, state (B, H, D, Dv), key maxima m and inverse sums 1 / l (B, H, D)); all but out only when keep."""
     b, h, n_q, d = q.shape
     dv = v.shape[-1]
-    out = q.new_empty(b, h, n_q, dv)
+    out = output(q, b, h, n_q, dv)
     saved = (q.new_empty(b, h, d, dv), q.new_empty(b, h, d), q.new_empty(b, h, d)) if keep else (None,) * 3
     _check(_lib().lm_efficient_attention_f32(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), pointer(mask), out.data_ptr(), *map(pointer, saved),
@@ -371,9 +387,8 @@ class _EfficientAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, mask, state, top, inv_sum = ctx.saved_tensors
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
-        grads = (torch.empty_like(q, memory_format=torch.contiguous_format) if need_q else None,
-                 torch.empty_like(k, memory_format=torch.contiguous_format) if need_k else None,
-                 torch.empty_like(v, memory_format=torch.contiguous_format) if need_v else None)
+        grads = (output(q, *q.shape) if need_q else None, output(k, *k.shape) if need_k else None,
+                 output(v, *v.shape) if need_v else None)
         grad_out = grad_out.contiguous()  # held in a name: a temporary's memory would be freed before the call
         _check(_lib().lm_efficient_attention_backward_f32(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), pointer(mask), state.data_ptr(), top.data_ptr(),

@@ -36,7 +36,7 @@ def _rows(x):
 
 
 def _focused_forward(x, scale, power):
-    out = torch.empty(x.shape, dtype=x.dtype)
+    out = native.output(x, *x.shape)
     native.call("lm_focused_map_f32", x.data_ptr(), native.pointer(scale), out.data_ptr(), *_rows(x), float(power),
          torch.get_num_threads())
     return out
@@ -55,7 +55,7 @@ class _FocusedMap(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         x, scale = ctx.saved_tensors
-        grad_x = torch.empty(x.shape, dtype=x.dtype)
+        grad_x = native.output(x, *x.shape)
         partial = _partial_sums("lm_focused_map_tasks", x, () if scale is None else scale.shape,
                                 scale is not None and ctx.needs_input_grad[1])
         grad_out = grad_out.contiguous()  # held in a name: a temporary's memory would be freed before the call
@@ -75,7 +75,7 @@ def hedgehog_map(z: Tensor, bias: Optional[Tensor]) -> Tensor:
 
 def _hedgehog_forward(z, bias):
     b, h, n, m = z.shape
-    out = z.new_empty(b, h, n, 2 * m)
+    out = native.output(z, b, h, n, 2 * m)
     native.call("lm_hedgehog_map_f32", z.data_ptr(), native.pointer(bias), out.data_ptr(), b, h, n, m,
          torch.get_num_threads())
     return out
@@ -93,7 +93,7 @@ class _HedgehogMap(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         z, bias = ctx.saved_tensors
-        grad_z = torch.empty_like(z)
+        grad_z = native.output(z, *z.shape)
         partial = _partial_sums("lm_hedgehog_map_tasks", z, () if bias is None else bias.shape,
                                 bias is not None and ctx.needs_input_grad[1])
         grad_out = grad_out.contiguous()  # held in a name: a temporary's memory would be freed before the call
