@@ -62,7 +62,8 @@ def _module(mode, **options):
         m = LinearMultiheadAttention(c["H"] * c["d"], c["H"], batch_first=True, mode=mode, **options,
                                      **case_options(mode, c))
         m = m.to(device=device, dtype=dtype)
-        grid = {"token_grid": square_grid(c["N"])} if m.method.needs_grid else {}  # methods over an image's tokens
+        # methods over an image's tokens, and the local term, which convolves the values over their grid
+        grid = {"token_grid": square_grid(c["N"])} if m.method.needs_grid or m.dwc_weight is not None else {}
         return (lambda x: m(x, x, x, is_causal=c["causal"], **grid)[0]), [m]
     return build
 
@@ -147,9 +148,30 @@ def registry_methods() -> dict:
     return methods
 
 
+# The accuracy work's module options on the fast path, each on top of the kernels' methods (issue 33: they must
+# add no more than a few percent): suffix -> (module options, has a causal form, FLOPs per token and channel). The
+# 3 x 3 local term convolves each channel over 9 neighbours; the output gate is a (d x d) product per head.
+MODULE_OPTION_ROWS = {"dwc3": ({"dwc_kernel": 3}, False, lambda c: 2 * 9),
+                      "gate": ({"output_gate": True}, True, lambda c: 2 * c["d"])}
+
+
+def module_option_methods() -> dict:
+    """("module", "<method>+<option>") -> Method for kernel_elu and taylor with each of MODULE_OPTION_ROWS."""
+    rows, presets = {}, method_presets()
+    for base in ("kernel_elu", "taylor"):
+        options = dict(presets[base])
+        mode = options.pop("mode")
+        module_flops = plus_projections(method_flops(mode, options))
+        for suffix, (extra, causal, per_channel) in MODULE_OPTION_ROWS.items():
+            def flops(c, module_flops=module_flops, per_channel=per_channel):
+                return module_flops(c) + c["B"] * c["N"] * c["H"] * c["d"] * per_channel(c)
+            rows[("module", f"{base}+{suffix}")] = Method(_module(mode, **options, **extra), flops, causal=causal)
+    return rows
+
+
 def methods() -> dict:
     """Every method of the benchmark: the softmax and peer rows, and the registry's methods at both levels."""
-    return {**METHODS, **registry_methods()}
+    return {**METHODS, **registry_methods(), **module_option_methods()}
 
 
 def relu_squared(x):
