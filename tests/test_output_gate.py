@@ -138,3 +138,16 @@ def test_patched_and_patch_take_the_gate_as_a_module_option():
     assert m.gate_weight is not None
     with pytest.raises(ValueError, match="output_gate must be True or False"):
         patch(nn.Sequential(nn.MultiheadAttention(E, H)), "taylor", output_gate="yes")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_gate_without_autograd_gives_what_it_gives_with_it(causal):
+    """Without gradients the gate is written over its own tensor; with them a Function of its own runs (both
+    leave the plain formula, which graphs and torch.func transforms still see)."""
+    m = gated_module("kernel")
+    x = torch.randn(2, 12, E, dtype=torch.float64)
+    with torch.no_grad():
+        inference, _ = m(x, x, x, is_causal=causal)
+    trained, _ = m(x, x, x, is_causal=causal)
+    assert trained.grad_fn is not None
+    torch.testing.assert_close(inference, trained, rtol=1e-12, atol=1e-12)
