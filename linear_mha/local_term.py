@@ -53,5 +53,11 @@ def add_local_term(module: nn.Module, out: Tensor, v: Tensor, key_padding_mask: 
         raise ValueError(f"dwc_kernel {NO_GRID}")
     if key_padding_mask is not None:
         key_padding_mask = masks.to_forbidden(key_padding_mask, "key_padding_mask", "with dwc_kernel")
-    return out + token_grid_conv(v, module.dwc_weight, module.dwc_bias, grid.height, grid.width, grid.prefix,
-                                 key_padding_mask).to(out.dtype)
+    local = token_grid_conv(v, module.dwc_weight, module.dwc_bias, grid.height, grid.width, grid.prefix,
+                            key_padding_mask).to(out.dtype)
+    # For a module's values the convolution's output is (B, S, H, d) in memory, and the sum keeps that layout (local
+    # comes first), so merging the heads after it is a view. Without autograd the sum goes into that fresh output
+    # itself; with it, in place on a view would cost autograd a copy of the whole tensor backward.
+    if torch.is_grad_enabled() and (local.requires_grad or out.requires_grad):
+        return local + out
+    return local.add_(out)

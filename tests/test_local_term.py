@@ -81,6 +81,10 @@ def test_the_local_term_is_added_to_every_methods_output(mode):  # grid methods 
     v = nn.functional.linear(x, m.in_proj_weight[2 * E:], m.in_proj_bias[2 * E:]).view(2, 13, H, E // H)
     local = naive_grid_conv(v.transpose(1, 2), weight, bias, 3, 4, 1).transpose(1, 2).reshape(2, 13, E)
     torch.testing.assert_close(with_term, without + m.out_proj(local) - m.out_proj.bias, rtol=1e-10, atol=1e-10)
+    m.dwc_weight, m.dwc_bias = weight, bias
+    with torch.no_grad():  # the sum then goes into the convolution's own output: the same numbers
+        inference, _ = m(x, x, x, token_grid=grid, need_weights=False)
+    torch.testing.assert_close(inference, with_term, rtol=1e-12, atol=1e-12)
 
 
 # Linformer's projection weighs keys by their position in the sequence, and padding a 3 x 3 image to 4 x 5 moves
