@@ -74,10 +74,9 @@ class _OutputGate(torch.autograd.Function):
         out, q, weight, bias = ctx.saved_tensors
         gate = _gate(q, weight, bias)  # s = 2·sigmoid(z)
         grad_out = (grad * gate.to(grad.dtype)) if ctx.needs_input_grad[0] else None
-        # d z = grad ⊙ out ⊙ s (1 - s / 2), since d s / d z = 2·sigmoid(z)(1 - sigmoid(z))
-        grad_z = grad.to(gate.dtype) * out.to(gate.dtype)
-        grad_z.mul_(gate)
-        grad_z.mul_(gate.mul_(-0.5).add_(1.0))  # 1 - s / 2 made over s, which is not needed after it
+        # d z = grad ⊙ out ⊙ (s - s² / 2), since d s / d z = 2·sigmoid(z)(1 - sigmoid(z)); made over s, which is
+        # not needed after it: each fresh N-sized tensor costs more in page faults than its arithmetic
+        grad_z = gate.addcmul_(gate, gate, value=-0.5).mul_(grad.to(gate.dtype)).mul_(out.to(gate.dtype))
         grad_q = torch.matmul(grad_z, weight.transpose(-1, -2)) if ctx.needs_input_grad[1] else None
         grad_weight = torch.matmul(q.transpose(-1, -2), grad_z).sum_to_size(weight.shape) \
             if ctx.needs_input_grad[2] else None
