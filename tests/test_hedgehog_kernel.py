@@ -31,11 +31,20 @@ def inputs(seed, b=2, h=3, n=41, d=37, dv=16, m=20, bias_k=False):
 @needs_native
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("bias_k", [False, True])
-@pytest.mark.parametrize("n", [41, 130])
-def test_outputs_and_every_gradient_match_float64(causal, bias_k, n):
+@pytest.mark.parametrize("n,threads", [(41, 2), (130, 1), (130, 3)])
+def test_outputs_and_every_gradient_match_float64(causal, bias_k, n, threads):
     """Through native.kernel_attention with a HedgehogMap, the compiled backward included: q, k, v, the initial
     state, both maps' W and b. n = 130: the rows a thread holds back for d W fill their block of 48 (csrc ROWS)
-    and are flushed when full, when the head changes and at the end."""
+    and are flushed when full, when the head changes and at the end; on one thread and on more than the cores."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_against_float64(causal, bias_k, n)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def check_against_float64(causal, bias_k, n):
     q, k, v, maps, mask, state, grad = inputs(seed=1 + causal + 2 * bias_k, n=n, bias_k=bias_k)
     options = dict(causal=causal, key_padding_mask=None if causal else mask)
     runs = []

@@ -140,7 +140,7 @@ static inline int hedgehog_grads_start(struct hedgehog_map *c, struct hedgehog_g
 
 /* Thread t's pending rows into its sums d W += X^T dZ, d b += the dZ rows (once per block of rows: kept out of
  * line, away from the row loaders). */
-static __attribute__((noinline)) void hedgehog_flush(struct hedgehog_grads *g, int d, int heads, int t) {
+static __attribute__((noinline, unused)) void hedgehog_flush(struct hedgehog_grads *g, int d, int heads, int t) {
     int *state = g->pending + 16L * t;
     const int rows = state[0], head = state[1], mp = g->mp;
     if (rows == 0) return;
