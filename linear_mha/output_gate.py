@@ -61,7 +61,8 @@ class _OutputGate(torch.autograd.Function):
     """The gate with a backward of its own. Composed from tensor ops, the formula made five N-sized tensors
     forward (q W, + b, sigmoid, 2·, ⊙ out) and more backward, each a fresh allocation whose page faults cost more
     than its arithmetic: the gate added 32% to a module's forward at 16,384 tokens. Here the forward makes one
-    tensor and the backward recomputes the gate instead of keeping it."""
+    tensor and the backward recomputes the gate instead of keeping it. Like the compiled attention kernels it has
+    no double backward and no forward-mode derivative outside torch.func (whose transforms get the plain ops)."""
 
     @staticmethod
     def forward(ctx, out, q, weight, bias):
@@ -74,6 +75,8 @@ class _OutputGate(torch.autograd.Function):
         out, q, weight, bias = ctx.saved_tensors
         gate = _gate(q, weight, bias)  # s = 2·sigmoid(z)
         grad_out = (grad * gate.to(grad.dtype)) if ctx.needs_input_grad[0] else None
+        if not any(ctx.needs_input_grad[1:]):
+            return grad_out, None, None, None
         # d z = grad ⊙ out ⊙ (s - s² / 2), since d s / d z = 2·sigmoid(z)(1 - sigmoid(z)); made over s, which is
         # not needed after it: each fresh N-sized tensor costs more in page faults than its arithmetic
         grad_z = gate.addcmul_(gate, gate, value=-0.5).mul_(grad.to(gate.dtype)).mul_(out.to(gate.dtype))

@@ -240,3 +240,16 @@ def test_a_model_without_a_known_grid_names_grid_source():
     tracker = linear_mha.track_token_grid(direct, "stem", stride=4)
     tokens = direct["stem"](torch.randn(1, 3, 8, 12)).flatten(2).transpose(1, 2)
     assert direct["attn"](tokens, tokens, tokens)[0].shape == (1, 6, E) and tracker.grid == TokenGrid(2, 3)
+
+
+def test_vmap_over_the_queries_alone_gives_each_samples_output():
+    """torch.func.vmap batching only the queries: attention's output is batched and the local term (from the keys'
+    values) is not, so the sum cannot go into the local term's tensor in place."""
+    torch.manual_seed(0)
+    m = LinearMultiheadAttention(E, H, mode="kernel", dwc_kernel=3, batch_first=True).requires_grad_(False)
+    with torch.no_grad():
+        m.dwc_weight.normal_()
+    kv, queries = torch.randn(2, 12, E), torch.randn(5, 2, 12, E)
+    got = torch.func.vmap(lambda q: m(q, kv, kv, token_grid=TokenGrid(3, 4))[0])(queries)
+    want = torch.stack([m(q, kv, kv, token_grid=TokenGrid(3, 4))[0] for q in queries])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -151,3 +151,20 @@ def test_the_gate_without_autograd_gives_what_it_gives_with_it(causal):
     trained, _ = m(x, x, x, is_causal=causal)
     assert trained.grad_fn is not None
     torch.testing.assert_close(inference, trained, rtol=1e-12, atol=1e-12)
+
+
+def test_the_gate_function_gives_each_input_its_gradient_alone():
+    """_OutputGate's backward when only some inputs need a gradient (e.g. frozen gate parameters): each as the plain
+    formula's autograd gives it, and None for the others."""
+    from linear_mha.output_gate import _OutputGate
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(2, 2, 5, 4, generator=g, dtype=torch.float64), torch.randn(2, 2, 5, 3, generator=g,
+               dtype=torch.float64), torch.randn(2, 3, 4, generator=g, dtype=torch.float64),
+               torch.randn(2, 1, 4, generator=g, dtype=torch.float64)]
+    grad = torch.randn(2, 2, 5, 4, generator=g, dtype=torch.float64)
+    for wanted in range(4):
+        leaves = [t.clone().requires_grad_(i == wanted) for i, t in enumerate(tensors)]
+        out, q, w, b = leaves
+        got = torch.autograd.grad(_OutputGate.apply(out, q, w, b), leaves[wanted], grad)[0]
+        want = torch.autograd.grad(out * 2 * torch.sigmoid(q @ w + b), leaves[wanted], grad)[0]
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
