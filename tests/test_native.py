@@ -724,3 +724,43 @@ def test_broadcast_features_take_the_composed_product():
     out = feature_attention(phi_q, phi_k, v)
     expected = feature_attention(phi_q, phi_k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1))
     torch.testing.assert_close(out, expected)
+
+
+def _split_heads(projection, heads):
+    """q, k, v as a module makes them: (B, H, N, d) views of one (B, N, 3 H d) projection."""
+    b, n, _ = projection.shape
+    return [t.reshape(b, n, heads, -1).transpose(1, 2) for t in projection.chunk(3, dim=-1)]
+
+
+LAYOUT_CASES = {
+    "elu": lambda q, k, v: LF.kernel(q, k, v, feature_map="elu"),
+    # k in the projection's layout and v contiguous: each gradient in its own input's layout
+    "elu_v_contiguous": lambda q, k, v: LF.kernel(q, k, v.contiguous(), feature_map="elu"),
+    "relu_causal_v_contiguous": lambda q, k, v: LF.kernel(q, k, v.contiguous(), feature_map="relu", causal=True),
+    "taylor_causal": lambda q, k, v: LF.kernel(q, k, v, feature_map="taylor", causal=True),
+    "padding": lambda q, k, v: LF.kernel(q, k, v, feature_map="relu",
+                                         key_padding_mask=torch.arange(q.shape[2]).expand(q.shape[0], -1) >= 37),
+    "focused": lambda q, k, v: LF.focused(q, k, v, scale=torch.linspace(0.5, 2, 4 * 8).reshape(4, 1, 8)),
+    "hedgehog": lambda q, k, v: LF.hedgehog(q, k, v, (torch.eye(8).expand(4, 8, 8), None),
+                                            (0.5 * torch.eye(8).expand(4, 8, 8), None)),
+    "rope": lambda q, k, v: LF.grid_rope.grid_rope_kernel(q, k, v, "taylor", (5, 8, 1)),
+}
+
+
+@needs_native
+@pytest.mark.parametrize("case", sorted(LAYOUT_CASES))
+def test_outputs_and_gradients_follow_the_inputs_layout_with_the_same_numbers(case):
+    """Heads that are views of one projection (a module's) get their output and input gradients written in that
+    layout, (B, N, H, d) in memory, so that merging the heads and reshaping the gradients back are views; the
+    numbers are those of contiguous inputs, bit for bit. A wrong stride in any kernel's reads or writes breaks it."""
+    g = torch.Generator().manual_seed(3)
+    projection = torch.randn(2, 41, 3 * 4 * 8, generator=g).requires_grad_()
+    grad = torch.randn(2, 4, 41, 8, generator=g)
+    split = _split_heads(projection, 4)
+    plain = [t.detach().contiguous().requires_grad_() for t in split]
+    out_split, out_plain = LAYOUT_CASES[case](*split), LAYOUT_CASES[case](*plain)
+    assert out_split.transpose(1, 2).is_contiguous() and out_plain.is_contiguous()
+    assert torch.equal(out_split, out_plain)
+    (grad_projection,) = torch.autograd.grad(out_split, projection, grad.transpose(1, 2).contiguous().transpose(1, 2))
+    grads = torch.autograd.grad(out_plain, plain, grad)
+    assert torch.equal(grad_projection, torch.cat([t.transpose(1, 2).reshape(2, 41, 32) for t in grads], dim=-1))

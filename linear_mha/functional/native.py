@@ -66,12 +66,13 @@ def enabled() -> bool:
 def _declare(library: ctypes.CDLL) -> None:
     p, i, l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     f = ctypes.c_float
-    library.lm_kernel_attention_f32.argtypes = [p] * 8 + [i, i, l, l, i, i] + [l] * 9 + [i, i, f, p]
-    library.lm_kernel_attention_backward_f32.argtypes = [p] * 12 + [i, i, l, l, i, i] + [l] * 9 + [i, i, f, p, p]
-    library.lm_causal_kernel_attention_f32.argtypes = [p] * 7 + [i, i, l, i, i] + [l] * 9 + [i, i, f, p]
-    library.lm_causal_kernel_attention_backward_f32.argtypes = [p] * 12 + [i, i, l, i, i] + [l] * 9 + [i, i, f, p, p]
-    library.lm_rope_kernel_attention_f32.argtypes = [p] * 7 + [i, i, l, i, i] + [l] * 9 + [i, i, p, p, i]
-    library.lm_rope_kernel_attention_backward_f32.argtypes = [p] * 11 + [i, i, l, i, i] + [l] * 9 + [i, i, p, p, i]
+    s = ctypes.POINTER(ctypes.c_long)  # strides over (B, H, position) of the outputs and gradients (_strides)
+    library.lm_kernel_attention_f32.argtypes = [p] * 8 + [i, i, l, l, i, i] + [l] * 9 + [i, i, f, p, s]
+    library.lm_kernel_attention_backward_f32.argtypes = [p] * 12 + [i, i, l, l, i, i] + [l] * 9 + [i, i, f, p, p, s]
+    library.lm_causal_kernel_attention_f32.argtypes = [p] * 7 + [i, i, l, i, i] + [l] * 9 + [i, i, f, p, s]
+    library.lm_causal_kernel_attention_backward_f32.argtypes = [p] * 12 + [i, i, l, i, i] + [l] * 9 + [i, i, f, p, p, s]
+    library.lm_rope_kernel_attention_f32.argtypes = [p] * 7 + [i, i, l, i, i] + [l] * 9 + [i, i, p, p, i, s]
+    library.lm_rope_kernel_attention_backward_f32.argtypes = [p] * 11 + [i, i, l, i, i] + [l] * 9 + [i, i, p, p, i, s]
     library.lm_kernel_step_f32.argtypes = [p] * 6 + [i, i, i, i]
     library.lm_efficient_attention_f32.argtypes = [p] * 8 + [i, i, l, l, i, i] + [l] * 9 + [i]
     library.lm_efficient_attention_backward_f32.argtypes = [p] * 11 + [i, i, l, l, i, i] + [l] * 9 + [i]
@@ -184,12 +185,13 @@ def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_map,
                      causal: bool = False, rope_tables: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
     """Kernel attention, differentiable through the compiled backward. Shapes as ``kernel.kernel``: q (B, H, L, D),
     k (B, H, S, D), v (B, H, S, Dv), any strides with a contiguous last dimension (L == S when causal);
-    key_padding_mask (B, S) bool, True = ignore; initial_state (B, H, D, Dv + 1). Returns a contiguous
-    (B, H, L, Dv) tensor. ``feature_map`` None: q and k are features made already (phi(q), phi(k), D = their
-    count), and the gradients returned are those of the features. ``rope_tables``: (cos, sin), each (L, R)
-    contiguous float32 from ``grid_rope.rotation_tables``, for ``grid_rope_kernel``'s rotary position (non-causal
-    self-attention, L == S, no initial_state). ``feature_map`` a ``focused.FocusedMap``: the focused map with its
-    power and scales, differentiable in the scales too. Callers check ``why_not_kernel`` and the shapes."""
+    key_padding_mask (B, S) bool, True = ignore; initial_state (B, H, D, Dv + 1). Returns a (B, H, L, Dv) tensor laid
+    out as q is (``rows_like``), and the input gradients as their inputs. ``feature_map`` None: q and k are features
+    made already (phi(q), phi(k), D = their count), and the gradients returned are those of the features.
+    ``rope_tables``: (cos, sin), each (L, R) contiguous float32 from ``grid_rope.rotation_tables``, for
+    ``grid_rope_kernel``'s rotary position (non-causal self-attention, L == S, no initial_state). ``feature_map`` a
+    ``focused.FocusedMap``: the focused map with its power and scales, differentiable in the scales too. Callers
+    check ``why_not_kernel`` and the shapes."""
     power, scale = 0.0, None  # a map's settings (focused's power and scales, a program); the other maps have none
     own_features = getattr(feature_map, "feature_count", lambda d: None)(q.shape[-1])  # a map that says its own
     if getattr(feature_map, "compiled_map", None) in SETTINGS_MAPS:
@@ -244,6 +246,27 @@ def output(like: Tensor, *shape: int) -> Tensor:
     return out
 
 
+def rows_like(t: Tensor, b: int, h: int, n: int, width: int) -> Tensor:
+    """A fresh (B, H, n, width) tensor for the compiled code to write (``output``), laid out as t is: (B, n, H, width)
+    in memory when t's heads lie within its positions, as a module's heads split from one projection do (merging
+    them back is then a view, and the input gradients reshape to the projection's layout without a copy), else
+    contiguous."""
+    if h > 1 and n > 1 and t.stride(1) < t.stride(2):
+        return output(t, b, n, h, width).transpose(1, 2)
+    return output(t, b, h, n, width)
+
+
+def _strides(*tensors: Optional[Tensor]):
+    """The (B, H, position) strides of each tensor, 0s for None, as the entry points' ``strides`` take them."""
+    values = [stride for t in tensors for stride in (t.stride()[:3] if t is not None else (0, 0, 0))]
+    return (ctypes.c_long * len(values))(*values)
+
+
+def _rows_readable(t: Tensor) -> Tensor:
+    """t, or a copy of it, with contiguous rows (its last dimension), as the compiled code reads tensors."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def _map_code(feature_map: Optional[str]) -> int:
     if feature_map is None:
         return FEATURES_GIVEN
@@ -282,20 +305,20 @@ def _forward(q, k, v, mask, init, feature_map, causal, keep, rope=None, scale=No
     returned for the backward when ``keep``, else None. ``features``: per position, for a map that says its own."""
     b, h, n_q, d = q.shape
     dv, features = v.shape[-1], features or _feature_rows(feature_map, d, rope)
-    out = output(q, b, h, n_q, dv)
+    out = rows_like(q, b, h, n_q, dv)
     den = output(q, b, h, n_q) if keep else None
     state = q.new_empty(b, h, features, dv + 1) if keep and not causal else None
     tail = (*_sizes(q, k, v, causal or rope is not None, features), _map_code(feature_map), torch.get_num_threads())
     inputs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), pointer(mask))
     if rope is not None:
         status = _lib().lm_rope_kernel_attention_f32(*inputs, out.data_ptr(), pointer(state), pointer(den), *tail,
-                                                     *_rope_arguments(rope))
+                                                     *_rope_arguments(rope), _strides(out))
     elif causal:
         status = _lib().lm_causal_kernel_attention_f32(*inputs, pointer(init), out.data_ptr(), pointer(den), *tail,
-                                                       power, pointer(scale))
+                                                       power, pointer(scale), _strides(out))
     else:
         status = _lib().lm_kernel_attention_f32(*inputs, pointer(init), out.data_ptr(), pointer(state), pointer(den),
-                                                *tail, power, pointer(scale))
+                                                *tail, power, pointer(scale), _strides(out))
     _check(status)
     return out, state, den
 
@@ -324,22 +347,23 @@ class _KernelAttention(torch.autograd.Function):
         # The scales' gradient is summed from the rows whose input gradients the kernels write: those of q and k.
         partial = q.new_zeros(threads, *scale.shape) if need_scale else None
         need_q, need_k = need_q or need_scale, need_k or need_scale
-        grads = (output(q, b, h, n_q, d) if need_q else None, output(k, b, h, n_k, d) if need_k else None,
-                 output(v, b, h, n_k, dv) if need_v else None,
+        grads = (rows_like(q, b, h, n_q, d) if need_q else None, rows_like(k, b, h, n_k, d) if need_k else None,
+                 rows_like(v, b, h, n_k, dv) if need_v else None,
                  q.new_empty(b, h, features, dv + 1) if need_init else None)
-        grad_out = grad_out.contiguous()  # held in a name: a temporary's memory would be freed before the call
+        grad_out = _rows_readable(grad_out)  # held in a name: a temporary's memory would be freed before the call
+        strides = _strides(out, grad_out, *grads[:3])
         pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), pointer(mask))
         if ctx.rope:
             sizes = _sizes(q, k, v, True, _feature_rows(ctx.feature_map, d, rope))
             status = _lib().lm_rope_kernel_attention_backward_f32(
                 *pointers, state.data_ptr(), den.data_ptr(), out.data_ptr(), grad_out.data_ptr(),
                 *map(pointer, grads[:3]), *sizes, _map_code(ctx.feature_map), torch.get_num_threads(),
-                *_rope_arguments(rope))
+                *_rope_arguments(rope), strides)
             _check(status)
             return (*grads, None, None, None, None, None, None, None)
         tail = (out.data_ptr(), grad_out.data_ptr(), *map(pointer, grads),
                 *_sizes(q, k, v, ctx.causal, features), _map_code(ctx.feature_map), threads, ctx.power,
-                pointer(scale), pointer(partial))
+                pointer(scale), pointer(partial), strides)
         if ctx.causal:
             status = _lib().lm_causal_kernel_attention_backward_f32(*pointers, pointer(init), den.data_ptr(), *tail)
         else:

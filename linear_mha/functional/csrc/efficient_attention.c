@@ -67,14 +67,15 @@ int lm_efficient_attention_f32(const float *q, const float *k, const float *v, c
     if (status == 0) {
         const struct key_rows keys = {k, v, mask, h, d, dv, width, 0, nk, ksb, ksh, ksn, vsb, vsh, vsn, top};
         key_maxima(&keys, bh, threads, top);
-        status = accumulate_states(bh, nk, d, width, dv + 1, 0, threads, key_source, &keys, state);
+        status = accumulate_states(bh, nk, d, width, dv + 1, 0, threads, key_source, &keys, state, 0);
     }
     if (status == 0) {
         normalise_state(state, bh, d, dv, width, inv_sum_out);
         if (state_out)
             for (long row = 0; row < (long)bh * d; row++)
                 memcpy(state_out + row * dv, state + row * width, sizeof(float) * dv);
-        const struct query_outputs queries = {q, state, out, NULL, h, d, dv, width, nq, qsb, qsh, qsn, 2};
+        const struct query_outputs queries = {q, state, out, NULL, h, d, dv, width, nq, qsb, qsh, qsn, 2, NULL, NULL,
+                                              rows_from(NULL, 0, h, nq, dv)};
         status = for_each_block(bh, nq, threads, (long)ROWS * (d + width), query_block, &queries);
     }
     if (!top_out) free(top);
@@ -174,7 +175,8 @@ int lm_efficient_attention_backward_f32(const float *q, const float *k, const fl
     if (!failed) {
         transpose_states(state, dv, bh, d, dv - 1, width, dp, state_t);
         const struct efficient_queries queries = {q, grad, state_t, grad_q, h, d, dp, dv, width, nq, qsb, qsh, qsn};
-        failed = accumulate_states(bh, nq, d, width, dv, 0, threads, efficient_query_source, &queries, acc) != 0;
+        failed = accumulate_states(bh, nq, d, width, dv, 0, threads, efficient_query_source, &queries, acc,
+                                   0) != 0;
     }
     if (!failed && (grad_k || grad_v)) {
         for (long row = 0; row < (long)bh * d; row++) {

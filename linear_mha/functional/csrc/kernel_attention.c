@@ -22,14 +22,15 @@ static int noncausal_attention(const float *q, const float *k, const float *v, c
                                float *out, float *state_out, float *den_out, int b, int h, long nq, long nk, int d,
                                int dv, long qsb, long qsh, long qsn, long ksb, long ksh, long ksn, long vsb, long vsh,
                                long vsn, int map, int threads, const struct rope_tables *rope,
-                               const struct map_settings *ms) {
+                               const struct map_settings *ms, struct rows_at out_at) {
     const int bh = b * h, nvec = (dv + 1 + W - 1) / W, dvp = nvec * W;
     threads = threads_for(threads);
     const long state_size = (long)d * dvp;
     float *states = malloc(sizeof(float) * bh * state_size);
     if (!states) return -1;
     const struct key_rows keys = {k, v, mask, h, d, dv, dvp, map, nk, ksb, ksh, ksn, vsb, vsh, vsn, NULL, rope, ms};
-    if (accumulate_states(bh, nk, d, dvp, dv + 1, rope ? d / 2 : 0, threads, key_source, &keys, states) != 0) {
+    if (accumulate_states(bh, nk, d, dvp, dv + 1, rope ? d / 2 : 0, threads, key_source, &keys, states,
+                          0) != 0) {
         free(states);
         return -1;
     }
@@ -41,24 +42,27 @@ static int noncausal_attention(const float *q, const float *k, const float *v, c
                 for (int c = 0; c <= dv; c++) row[c] += init[((long)g * d + f) * (dv + 1) + c];
             if (state_out) memcpy(state_out + ((long)g * d + f) * (dv + 1), row, sizeof(float) * (dv + 1));
         }
-    const struct query_outputs queries = {q, states, out, den_out, h, d, dv, dvp, nq, qsb, qsh, qsn, map, rope, ms};
+    const struct query_outputs queries = {q, states, out, den_out, h, d, dv, dvp, nq, qsb, qsh, qsn, map, rope, ms,
+                                          out_at};
     const int status = for_each_block(bh, nq, threads, (long)ROWS * (d + dvp), query_block, &queries);
     free(states);
     return status;
 }
 
 /* Non-causal attention. q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv); mask (B, S) bytes, nonzero = ignore,
- * or NULL; init (B, H, D, Dv + 1) contiguous state of extra keys, or NULL; out (B, H, L, Dv) contiguous.
+ * or NULL; init (B, H, D, Dv + 1) contiguous state of extra keys, or NULL; out (B, H, L, Dv), its strides over
+ * (B, H, L) in out_strides (3 longs; NULL: contiguous), its rows contiguous.
  * For autograd, state_out (B, H, D, Dv + 1) receives the state and den_out (B, H, L) the normalisers (zeros
  * replaced by 1); either may be NULL. power and scale ((H, D) contiguous, or NULL): the focused map's settings
  * (map 6); for map 7 scale holds the program of a user's elementwise map (program_from); ignored by the others. */
 int lm_kernel_attention_f32(const float *q, const float *k, const float *v, const uint8_t *mask, const float *init,
                             float *out, float *state_out, float *den_out, int b, int h, long nq, long nk, int d,
                             int dv, long qsb, long qsh, long qsn, long ksb, long ksh, long ksn, long vsb, long vsh,
-                            long vsn, int map, int threads, float power, const float *scale) {
+                            long vsn, int map, int threads, float power, const float *scale,
+                            const long *out_strides) {
     const struct map_settings ms = settings_of(map, power, scale, NULL, h);
     return noncausal_attention(q, k, v, mask, init, out, state_out, den_out, b, h, nq, nk, d, dv, qsb, qsh, qsn, ksb,
-                               ksh, ksn, vsb, vsh, vsn, map, threads, NULL, &ms);
+                               ksh, ksn, vsb, vsh, vsn, map, threads, NULL, &ms, rows_from(out_strides, 0, h, nq, dv));
 }
 
 /* The same with 2-D rotary position (struct rope_tables in kernel_attention.h): self-attention over n = nq = nk
@@ -67,10 +71,11 @@ int lm_kernel_attention_f32(const float *q, const float *k, const float *v, cons
 int lm_rope_kernel_attention_f32(const float *q, const float *k, const float *v, const uint8_t *mask, float *out,
                                  float *state_out, float *den_out, int b, int h, long n, int d, int dv, long qsb,
                                  long qsh, long qsn, long ksb, long ksh, long ksn, long vsb, long vsh, long vsn,
-                                 int map, int threads, const float *cos, const float *sin, int rotated) {
+                                 int map, int threads, const float *cos, const float *sin, int rotated,
+                                 const long *out_strides) {
     const struct rope_tables rope = {cos, sin, rotated};
     return noncausal_attention(q, k, v, mask, NULL, out, state_out, den_out, b, h, n, n, d, dv, qsb, qsh, qsn, ksb,
-                               ksh, ksn, vsb, vsh, vsn, map, threads, &rope, NULL);
+                               ksh, ksn, vsb, vsh, vsn, map, threads, &rope, NULL, rows_from(out_strides, 0, h, n, dv));
 }
 
 /* One recurrent decoding step for B*H = bh heads: q, k (bh, D), v (bh, Dv), state and new_state (bh, D,
@@ -145,6 +150,7 @@ struct causal_forward {
     float *out, *den_out;
     int dvp, ldt;
     long parts;
+    struct rows_at out_at;
 };
 
 static void causal_part(const void *ctx, int item, float *scratch) {
@@ -169,7 +175,7 @@ static void causal_part(const void *ctx, int item, float *scratch) {
         lower_scores(rows, d, phi_q, d, k_t, ldt, scores);
         gemm_cols(LOWER_K, rows, dv + 1, rows, scores, ldt, 1, v1, dvp, num_den, dvp);
         gemm_cols(FULL, d, dv + 1, rows, phi_k, 1, d, v1, dvp, state, dvp);
-        normalise_rows(num_den, rows, dvp, dv, c->out + ((long)g * n + i0) * dv);
+        normalise_rows(num_den, rows, dvp, dv, c->out + row_offset(c->out_at, c->in.h, g, i0), c->out_at.n);
         if (c->den_out) store_normalisers(num_den, rows, dvp, dv, c->den_out + (long)g * n + i0);
     }
 }
@@ -177,7 +183,8 @@ static void causal_part(const void *ctx, int item, float *scratch) {
 int lm_causal_kernel_attention_f32(const float *q, const float *k, const float *v, const uint8_t *mask,
                                    const float *init, float *out, float *den_out, int b, int h, long n, int d,
                                    int dv, long qsb, long qsh, long qsn, long ksb, long ksh, long ksn, long vsb,
-                                   long vsh, long vsn, int map, int threads, float power, const float *scale) {
+                                   long vsh, long vsn, int map, int threads, float power, const float *scale,
+                                   const long *out_strides) {
     const int bh = b * h, dvp = (dv + 1 + W - 1) / W * W, ldt = (ROWS + W - 1) / W * W;
     const struct map_settings ms = settings_of(map, power, scale, NULL, h);
     threads = threads_for(threads);
@@ -186,16 +193,17 @@ int lm_causal_kernel_attention_f32(const float *q, const float *k, const float *
     if (parts > 1) {
         starts = malloc(sizeof(float) * bh * parts * d * dvp);
         const struct key_rows keys = {k, v, mask, h, d, dv, dvp, map, n, ksb, ksh, ksn, vsb, vsh, vsn, NULL, NULL, &ms};
-        if (!starts || partial_states(bh, n, parts, d, dvp, dv + 1, 0, threads, key_source, &keys, starts) != 0 ||
+        if (!starts || partial_states(bh, n, parts, d, dvp, dv + 1, 0, threads, key_source, &keys, starts, 0) != 0 ||
             scan_parts(starts, init, bh, parts, d, dv, dvp, 0) != 0) {
             free(starts);
             return -1;
         }
     }
     const struct causal_forward forward = {{q, k, v, mask, h, d, dv, map, n, qsb, qsh, qsn, ksb, ksh, ksn, vsb, vsh,
-                                            vsn, &ms}, init, starts, out, den_out, dvp, ldt, parts};
+                                            vsn, &ms}, init, starts, out, den_out, dvp, ldt, parts,
+                                           rows_from(out_strides, 0, h, n, dv)};
     const long scratch = (long)ROWS * (2 * d + ldt + 2 * dvp) + (long)d * (ldt + dvp);
-    const int status = for_each_task((int)(bh * parts), threads, scratch, causal_part, &forward, 1);
+    const int status = for_each_task((int)(bh * parts), threads, scratch, causal_part, &forward, 0);
     free(starts);
     return status;
 }

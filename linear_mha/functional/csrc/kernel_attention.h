@@ -81,10 +81,33 @@ static inline void map_input_grad(float *dst, float *g_phi, const float *phi, co
     focused_input_grad(dst, g_phi, src, d, &ms->focused, head, ds);
 }
 
-/* out[r][c] = num_den[r][c] / num_den[r][dv] for rows of width dvp. A zero normaliser means every visible key
- * is masked (or phi(q) = 0): the numerator is 0 too and the output is defined as 0. */
-static inline void normalise_rows(const float *num_den, int rows, int dvp, int dv, float *out) {
-    for (int r = 0; r < rows; r++, num_den += dvp, out += dv) {
+/* Element strides over (batch, head, position) of a tensor of rows, each row contiguous: the outputs and the
+ * gradients are read and written where the caller laid them out, e.g. (B, N, H, d) in memory for a module whose
+ * heads are views of one projection, so that it need not copy them into (B, H, N, d) and back. */
+struct rows_at {
+    long b, h, n;
+};
+
+/* Offset of row j of head g (of h heads per batch entry). */
+static inline long row_offset(struct rows_at at, int h, int g, long j) {
+    return (long)(g / h) * at.b + (long)(g % h) * at.h + j * at.n;
+}
+
+/* Layout i of the strides an entry point was given (3 per tensor: batch, head, position), or, with none given,
+ * that of a contiguous (B, H, n, width) tensor. */
+static inline struct rows_at rows_from(const long *strides, int i, int h, long n, int width) {
+    if (strides) {
+        const struct rows_at at = {strides[3 * i], strides[3 * i + 1], strides[3 * i + 2]};
+        return at;
+    }
+    const struct rows_at at = {(long)h * n * width, n * width, width};
+    return at;
+}
+
+/* out[r][c] = num_den[r][c] / num_den[r][dv] for rows of width dvp (out's rows ld_out apart). A zero normaliser
+ * means every visible key is masked (or phi(q) = 0): the numerator is 0 too and the output is defined as 0. */
+static inline void normalise_rows(const float *num_den, int rows, int dvp, int dv, float *out, long ld_out) {
+    for (int r = 0; r < rows; r++, num_den += dvp, out += ld_out) {
         const float inv = 1.0f / (num_den[dv] == 0.0f ? 1.0f : num_den[dv]);
         int c = 0;
         for (; c + W <= dv; c += W) store(out + c, load(num_den + c) * splat(inv));
@@ -202,13 +225,33 @@ static inline long parts_for(int bh, long n, int tasks, long min_rows) {
     return parts < 1 ? 1 : parts;
 }
 
+/* Item (head g, part p) of partial_states: the part's rows from source summed into its d x width slot. */
+static inline void sum_part(long item, long n, long parts, int d, int width, int cols, int split, row_source source,
+                            const void *ctx, float *a, float *b, float *scratch, float *partial) {
+    const int g = (int)(item / parts);
+    const long part = item % parts, z = n * (part + 1) / parts;
+    float *state = partial + item * (long)d * width;
+    for (long j = n * part / parts; j < z;) {
+        const int rows = source(ctx, g, j, z, &j, a, b, scratch);
+        if (split) {
+            gemm_cols(FULL, split, cols - 1, rows, a, 1, d, b, width, state, width);
+            column_product(FULL, d - split, rows, a + split, 1, d, b + cols - 1, width,
+                           state + (long)split * width + cols - 1, width);
+        } else {
+            gemm_cols(FULL, d, cols, rows, a, 1, d, b, width, state, width); /* A = a^T */
+        }
+    }
+}
+
 /* partial[g * parts + p] (d x width) = sum of a_row^T b_row over part p of head g's n rows (rows n p / parts up
  * to n (p + 1) / parts), for bh heads; width is a whole number of vectors, of which the first cols carry values
  * (the rest of b's rows are zero, and of the sums' rows are left zero). split > 0 (rope's [R phi, phi] rows):
  * only the sums rope keeps are made, rows < split over the cols - 1 value columns and the rest over the last
- * column alone, half the products; entries beside them may hold anything (split_state zeroes them). */
+ * column alone, half the products; entries beside them may hold anything (split_state zeroes them). fixed_order:
+ * each thread takes the same items on every call, for a source that adds parameter gradients into per-thread sums
+ * (the backward's queries); else a thread takes the next item free. */
 static inline int partial_states(int bh, long n, long parts, int d, int width, int cols, int split, int threads,
-                                 row_source source, const void *ctx, float *partial) {
+                                 row_source source, const void *ctx, float *partial, int fixed_order) {
     const long size = (long)d * width;
     memset(partial, 0, sizeof(float) * bh * parts * size);
     int failed = 0;
@@ -222,21 +265,14 @@ static inline int partial_states(int bh, long n, long parts, int d, int width, i
         }
 #pragma omp barrier
         if (!failed) {
-#pragma omp for schedule(static) /* fixed: the backward's sources add parameter gradients per thread */
-            for (long item = 0; item < bh * parts; item++) {
-                const int g = (int)(item / parts);
-                const long part = item % parts, z = n * (part + 1) / parts;
-                float *state = partial + item * size;
-                for (long j = n * part / parts; j < z;) {
-                    const int rows = source(ctx, g, j, z, &j, a, b, scratch);
-                    if (split) {
-                        gemm_cols(FULL, split, cols - 1, rows, a, 1, d, b, width, state, width);
-                        column_product(FULL, d - split, rows, a + split, 1, d, b + cols - 1, width,
-                                       state + (long)split * width + cols - 1, width);
-                    } else {
-                        gemm_cols(FULL, d, cols, rows, a, 1, d, b, width, state, width); /* A = a^T */
-                    }
-                }
+            if (fixed_order) {
+#pragma omp for schedule(static)
+                for (long item = 0; item < bh * parts; item++)
+                    sum_part(item, n, parts, d, width, cols, split, source, ctx, a, b, scratch, partial);
+            } else {
+#pragma omp for schedule(dynamic, 1)
+                for (long item = 0; item < bh * parts; item++)
+                    sum_part(item, n, parts, d, width, cols, split, source, ctx, a, b, scratch, partial);
             }
         }
         free(a);
@@ -247,13 +283,14 @@ static inline int partial_states(int bh, long n, long parts, int d, int width, i
 }
 
 /* states[g] (d x width) = sum over the rows of head g of a_row^T b_row, for bh heads of n rows each. With fewer
- * heads than threads a head's rows are split into parts summed afterwards. */
+ * heads than threads a head's rows are split into parts summed afterwards. fixed_order as partial_states'. */
 static inline int accumulate_states(int bh, long n, int d, int width, int cols, int split, int threads,
-                                    row_source source, const void *ctx, float *states) {
+                                    row_source source, const void *ctx, float *states, int fixed_order) {
     const long parts = parts_for(bh, n, 2 * threads, 256), size = (long)d * width;
-    if (parts == 1) return partial_states(bh, n, 1, d, width, cols, split, threads, source, ctx, states);
+    if (parts == 1) return partial_states(bh, n, 1, d, width, cols, split, threads, source, ctx, states, fixed_order);
     float *partial = malloc(sizeof(float) * bh * parts * size);
-    int failed = !partial || partial_states(bh, n, parts, d, width, cols, split, threads, source, ctx, partial) != 0;
+    int failed = !partial ||
+                 partial_states(bh, n, parts, d, width, cols, split, threads, source, ctx, partial, fixed_order) != 0;
     if (!failed)
         for (int g = 0; g < bh; g++) {
             float *state = states + (long)g * size;
@@ -407,6 +444,7 @@ struct query_outputs {
     int map;
     const struct rope_tables *rope; /* or NULL */
     const struct map_settings *ms;  /* or NULL */
+    struct rows_at out_at;
 };
 
 static inline void query_block(const void *ctx, int g, long i0, int rows, float *scratch) {
@@ -431,13 +469,14 @@ static inline void query_block(const void *ctx, int g, long i0, int rows, float 
     } else {
         gemm_cols(FULL, rows, c->dv + 1, c->d, phi, c->d, 1, state, c->width, num_den, c->width);
     }
-    float *out = c->out + ((long)g * c->n + i0) * c->dv, *den = c->den_out ? c->den_out + (long)g * c->n + i0 : NULL;
-    normalise_rows(num_den, rows, c->width, c->dv, out);
+    float *out = c->out + row_offset(c->out_at, c->h, g, i0);
+    float *den = c->den_out ? c->den_out + (long)g * c->n + i0 : NULL;
+    normalise_rows(num_den, rows, c->width, c->dv, out, c->out_at.n);
     if (den) store_normalisers(num_den, rows, c->width, c->dv, den);
     if (c->rope) /* a zero normaliser: output 0, and a stored 0 tells the backward to send no gradient */
         for (int r = 0; r < rows; r++)
             if (num_den[r * c->width + c->dv] == 0.0f) {
-                memset(out + (long)r * c->dv, 0, sizeof(float) * c->dv);
+                memset(out + r * c->out_at.n, 0, sizeof(float) * c->dv);
                 if (den) den[r] = 0.0f;
             }
 }
@@ -484,12 +523,12 @@ static inline void lower_scores(int rows, int k, const float *a, int lda, const 
         for (int c = r + 1; c < rows; c++) scores[r * ldt + c] = 0.0f;
 }
 
-/* The gradient of the rows [num, den] from that of out = num / den: [g / den, -(g . out) / den], padded with
- * zeros to width. grad, out are (rows x dv), den holds the rows' normalisers (zeros already replaced by 1, except
- * where rope's forward gave a query 0: that row is 0). */
-static inline void gradient_rows(const float *grad, const float *out, const float *den, int rows, int dv, int width,
-                                 float *r_rows) {
-    for (int r = 0; r < rows; r++, grad += dv, out += dv) {
+/* The gradient of the rows [num, den] from that of out = num / den: [g / den, -(g . out) / den], padded with zeros
+ * to width. grad, out are rows of dv, ld_grad and ld_out apart; den holds the rows' normalisers (zeros already
+ * replaced by 1, except where rope's forward gave a query 0: that row is 0). */
+static inline void gradient_rows(const float *grad, long ld_grad, const float *out, long ld_out, const float *den,
+                                 int rows, int dv, int width, float *r_rows) {
+    for (int r = 0; r < rows; r++, grad += ld_grad, out += ld_out) {
         float dot = 0.0f, *row = r_rows + r * width;
         if (den[r] == 0.0f) { /* stored only by rope's forward: a query given 0, whatever its gradient */
             memset(row, 0, sizeof(float) * width);

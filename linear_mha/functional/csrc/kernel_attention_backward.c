@@ -30,6 +30,7 @@ struct query_rows {
     long n, qsb, qsh, qsn;
     const struct rope_tables *rope; /* or NULL */
     const struct map_settings *ms;  /* or NULL */
+    struct rows_at grad_at, out_at, grad_q_at;
 };
 
 /* Rows phi(q_i), r_i for the accumulation of G; as a side effect writes d q_i = (r_i [S, z]^T) * phi'(q_i). */
@@ -37,8 +38,9 @@ static int query_source(const void *ctx, int g, long j, long z, long *next, floa
     const struct query_rows *c = ctx;
     const int bi = g / c->h, hi = g % c->h;
     const int rows = (int)(z - j < ROWS ? z - j : ROWS);
-    const long i = (long)g * c->n + j;
-    gradient_rows(c->grad + i * c->dv, c->out + i * c->dv, c->den + i, rows, c->dv, c->width, b);
+    gradient_rows(c->grad + row_offset(c->grad_at, c->h, g, j), c->grad_at.n,
+                  c->out + row_offset(c->out_at, c->h, g, j), c->out_at.n, c->den + (long)g * c->n + j, rows, c->dv,
+                  c->width, b);
     for (int r = 0; r < rows; r++)
         row_features(a + r * c->d, c->q + bi * c->qsb + hi * c->qsh + (j + r) * c->qsn, c->d, c->map, c->ms, hi,
                      c->rope, j + r);
@@ -47,9 +49,8 @@ static int query_source(const void *ctx, int g, long j, long z, long *next, floa
         memset(scratch, 0, sizeof(float) * rows * c->dp);
         if (c->rope) split_state_product(rows, c->d, c->dv, b, c->width, state_t, c->dp, scratch);
         else gemm_acc(rows, c->dp / W, c->dv + 1, b, c->width, 1, state_t, c->dp, scratch, c->dp);
-        const int d_in = row_inputs(c->d, c->map, c->ms, c->rope);
         for (int r = 0; r < rows; r++)
-            row_input_grad(c->grad_q + ((long)g * c->n + j + r) * d_in, scratch + r * c->dp, a + r * c->d,
+            row_input_grad(c->grad_q + row_offset(c->grad_q_at, c->h, g, j + r), scratch + r * c->dp, a + r * c->d,
                            c->q + bi * c->qsb + hi * c->qsh + (j + r) * c->qsn, c->d, c->map, c->ms, hi, c->rope,
                            j + r);
     }
@@ -67,6 +68,7 @@ struct key_grads {
     long n, ksb, ksh, ksn, vsb, vsh, vsn;
     const struct rope_tables *rope; /* or NULL */
     const struct map_settings *ms;  /* or NULL */
+    struct rows_at grad_k_at, grad_v_at;
 };
 
 static void key_block(const void *ctx, int g, long j0, int rows, float *scratch) {
@@ -93,18 +95,20 @@ static void key_block(const void *ctx, int g, long j0, int rows, float *scratch)
         gemm_cols(FULL, rows, dv, d, phi, d, 1, acc, width, g_v1, width);
     }
     for (int r = 0; r < rows; r++) {
-        const long j = j0 + r, o = (long)g * c->n + j;
+        const long j = j0 + r;
         const int masked = c->mask && c->mask[bi * c->n + j];
         if (c->grad_k) {
             const int d_in = row_inputs(d, c->map, c->ms, c->rope);
-            if (masked) memset(c->grad_k + o * d_in, 0, sizeof(float) * d_in);
-            else row_input_grad(c->grad_k + o * d_in, g_phi + r * dp, phi + r * d,
+            float *dk = c->grad_k + row_offset(c->grad_k_at, c->h, g, j);
+            if (masked) memset(dk, 0, sizeof(float) * d_in);
+            else row_input_grad(dk, g_phi + r * dp, phi + r * d,
                                 c->k + bi * c->ksb + hi * c->ksh + j * c->ksn, d, c->map, c->ms,
                                 key_head(c->map, c->ms, hi), c->rope, j);
         }
         if (c->grad_v) {
-            if (masked) memset(c->grad_v + o * dv, 0, sizeof(float) * dv);
-            else memcpy(c->grad_v + o * dv, g_v1 + r * width, sizeof(float) * dv);
+            float *dvr = c->grad_v + row_offset(c->grad_v_at, c->h, g, j);
+            if (masked) memset(dvr, 0, sizeof(float) * dv);
+            else memcpy(dvr, g_v1 + r * width, sizeof(float) * dv);
         }
     }
 }
@@ -113,8 +117,10 @@ static int noncausal_backward(const float *q, const float *k, const float *v, co
                               const float *den, const float *out, const float *grad, float *grad_q, float *grad_k,
                               float *grad_v, float *grad_state, int b, int h, long nq, long nk, int d, int dv, long qsb,
                               long qsh, long qsn, long ksb, long ksh, long ksn, long vsb, long vsh, long vsn, int map,
-                              int threads, const struct rope_tables *rope, const struct map_settings *ms) {
+                              int threads, const struct rope_tables *rope, const struct map_settings *ms,
+                              const long *strides) {
     const int bh = b * h, width = (dv + 1 + W - 1) / W * W, dp = (d + W - 1) / W * W;
+    const int d_in = row_inputs(d, map, ms, rope);
     threads = threads_for(threads);
     float *state_t = malloc(sizeof(float) * bh * width * dp), *acc = malloc(sizeof(float) * bh * d * width);
     float *acc_t = malloc(sizeof(float) * bh * width * dp);
@@ -122,9 +128,10 @@ static int noncausal_backward(const float *q, const float *k, const float *v, co
     if (!failed) {
         transpose_states(state, dv + 1, bh, d, dv, width, dp, state_t);
         const struct query_rows queries = {q, grad, out, den, state_t, grad_q, h, d, dp, dv, width, map, nq,
-                                           qsb, qsh, qsn, rope, ms};
+                                           qsb, qsh, qsn, rope, ms, rows_from(strides, 1, h, nq, dv),
+                                           rows_from(strides, 0, h, nq, dv), rows_from(strides, 2, h, nq, d_in)};
         failed = accumulate_states(bh, nq, d, width, dv + 1, rope ? d / 2 : 0, threads, query_source, &queries,
-                                   acc) != 0;
+                                   acc, 1) != 0; /* its rows add parameter gradients into per-thread sums */
     }
     if (!failed && rope) split_state(acc, bh, d, width, dv); /* the state's entries rope holds at zero get none */
     if (!failed && grad_state)
@@ -132,7 +139,8 @@ static int noncausal_backward(const float *q, const float *k, const float *v, co
     if (!failed && (grad_k || grad_v)) {
         transpose_states(acc, width, bh, d, dv, width, dp, acc_t);
         const struct key_grads keys = {k, v, mask, acc, acc_t, grad_k, grad_v, h, d, dp, dv, width, map, nk,
-                                       ksb, ksh, ksn, vsb, vsh, vsn, rope, ms};
+                                       ksb, ksh, ksn, vsb, vsh, vsn, rope, ms, rows_from(strides, 3, h, nk, d_in),
+                                       rows_from(strides, 4, h, nk, dv)};
         failed = for_each_block(bh, nk, threads, (long)ROWS * (d + 2 * width + dp), key_block, &keys) != 0;
     }
     free(state_t);
@@ -141,25 +149,27 @@ static int noncausal_backward(const float *q, const float *k, const float *v, co
     return failed ? -1 : 0;
 }
 
-/* q, k, v, mask, strides, sizes and map as the forward; state (B, H, D, Dv + 1) and den (B, H, L) from it, out
- * (B, H, L, Dv) its output and grad (B, H, L, Dv) the incoming gradient, all contiguous. Writes grad_q
- * (B, H, L, D), grad_k (B, H, S, D), grad_v (B, H, S, Dv) and grad_state (B, H, D, Dv + 1), each contiguous
- * and each skipped when NULL. power, scale: the focused map's, as the forward; grad_scale (threads, H, D), zeroed
- * by the caller, receives the scales' gradient in one slice per thread (NULL: not wanted; it is summed only from
- * the rows whose grad_q or grad_k is written, so a caller wanting it asks for both). */
+/* q, k, v, mask, strides, sizes and map as the forward; state (B, H, D, Dv + 1) and den (B, H, L) from it,
+ * contiguous; out (B, H, L, Dv) its output and grad (B, H, L, Dv) the incoming gradient. Writes grad_q (B, H, L,
+ * D), grad_k (B, H, S, D), grad_v (B, H, S, Dv) (each skipped when NULL) and grad_state (B, H, D, Dv + 1,
+ * contiguous, or NULL). strides: 3 longs (over B, H, position) for each of out, grad, grad_q, grad_k and grad_v in
+ * that order, their rows contiguous (NULL: all contiguous). power, scale: the focused map's, as the forward;
+ * grad_scale (threads, H, D), zeroed by the caller, receives the scales' gradient in one slice per thread (NULL:
+ * not wanted; it is summed only from the rows whose grad_q or grad_k is written, so a caller wanting it asks for
+ * both). */
 int lm_kernel_attention_backward_f32(const float *q, const float *k, const float *v, const uint8_t *mask,
                                      const float *state, const float *den, const float *out, const float *grad,
                                      float *grad_q, float *grad_k, float *grad_v, float *grad_state, int b, int h,
                                      long nq, long nk, int d, int dv, long qsb, long qsh, long qsn, long ksb,
                                      long ksh, long ksn, long vsb, long vsh, long vsn, int map, int threads,
-                                     float power, const float *scale, float *grad_scale) {
+                                     float power, const float *scale, float *grad_scale, const long *strides) {
     struct map_settings ms = settings_of(map, power, scale, grad_scale, h);
     struct hedgehog_grads hedgehog;
     if (map == HEDGEHOG && hedgehog_grads_start(&ms.hedgehog, &hedgehog, threads_for(threads), grad_scale != NULL))
         return -1;
     const int status = noncausal_backward(q, k, v, mask, state, den, out, grad, grad_q, grad_k, grad_v, grad_state, b,
                                           h, nq, nk, d, dv, qsb, qsh, qsn, ksb, ksh, ksn, vsb, vsh, vsn, map, threads,
-                                          NULL, &ms);
+                                          NULL, &ms, strides);
     if (map == HEDGEHOG) hedgehog_grads_finish(&ms.hedgehog, grad_scale);
     return status;
 }
@@ -171,23 +181,12 @@ int lm_rope_kernel_attention_backward_f32(const float *q, const float *k, const 
                                           float *grad_q, float *grad_k, float *grad_v, int b, int h, long n, int d,
                                           int dv, long qsb, long qsh, long qsn, long ksb, long ksh, long ksn,
                                           long vsb, long vsh, long vsn, int map, int threads, const float *cos,
-                                          const float *sin, int rotated) {
+                                          const float *sin, int rotated, const long *strides) {
     const struct rope_tables rope = {cos, sin, rotated};
     return noncausal_backward(q, k, v, mask, state, den, out, grad, grad_q, grad_k, grad_v, NULL, b, h, n, n, d, dv,
-                              qsb, qsh, qsn, ksb, ksh, ksn, vsb, vsh, vsn, map, threads, &rope, NULL);
+                              qsb, qsh, qsn, ksb, ksh, ksn, vsb, vsh, vsn, map, threads, &rope, NULL, strides);
 }
 
-/* A chunk as both causal passes need it: load_chunk's features (row stride dp), values and phi(k)^T, the
- * values transposed into v1_t (width x ldt) and the gradient rows of [num, den]. */
-static void load_gradient_chunk(const struct causal_inputs *in, int g, long i0, int rows, const float *grad,
-                                const float *out, const float *den, int width, int dp, int ldt, float *phi_q,
-                                float *phi_k, float *v1, float *k_t, float *v1_t, float *r_rows) {
-    const long o = (long)g * in->n + i0;
-    load_chunk(in, g, i0, rows, phi_q, phi_k, dp, v1, width, k_t, ldt);
-    gradient_rows(grad + o * in->dv, out + o * in->dv, den + o, rows, in->dv, width, r_rows);
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < width; c++) v1_t[c * ldt + r] = v1[r * width + c];
-}
 
 /* Gradients of causal attention (lm_causal_kernel_attention_f32). Per chunk c, with S_c the state before it,
  * M_c = tril(phi(Q_c) phi(K_c)^T), R_c the gradient rows of [num, den]_c and dM_c = tril(R_c [V_c, 1]^T):
@@ -205,7 +204,22 @@ struct causal_backward {
     long parts;
     /* With parts > 1, each part's state S at its start and gradient G at its end (bh x parts x d x width). */
     const float *starts, *ends;
+    struct rows_at out_at, grad_at, grad_q_at, grad_k_at, grad_v_at;
 };
+
+/* A chunk as both causal passes need it: load_chunk's features (row stride dp), values and phi(k)^T, the
+ * values transposed into v1_t (width x ldt) and the gradient rows of [num, den]. */
+static void load_gradient_chunk(const struct causal_backward *c, int g, long i0, int rows, float *phi_q, float *phi_k,
+                                float *v1, float *k_t, float *v1_t, float *r_rows) {
+    const struct causal_inputs *in = &c->in;
+    const int width = c->width, ldt = c->ldt;
+    load_chunk(in, g, i0, rows, phi_q, phi_k, c->dp, v1, width, k_t, ldt);
+    gradient_rows(c->grad + row_offset(c->grad_at, in->h, g, i0), c->grad_at.n,
+                  c->out + row_offset(c->out_at, in->h, g, i0), c->out_at.n, c->den + (long)g * in->n + i0, rows,
+                  in->dv, width, r_rows);
+    for (int r = 0; r < rows; r++)
+        for (int e = 0; e < width; e++) v1_t[e * ldt + r] = v1[r * width + e];
+}
 
 static void causal_part_backward(const void *ctx, int item, float *scratch) {
     const struct causal_backward *c = ctx;
@@ -225,15 +239,13 @@ static void causal_part_backward(const void *ctx, int item, float *scratch) {
         else memset(acc_t, 0, sizeof(float) * width * dp);
         for (long i0 = a; i0 < z; i0 += ROWS) {
             const int rows = (int)(z - i0 < ROWS ? z - i0 : ROWS);
-            const long o = (long)g * n + i0;
-            load_gradient_chunk(&c->in, g, i0, rows, c->grad, c->out, c->den, width, dp, ldt, phi_q, phi_k, v1, k_t,
-                                v1_t, r_rows);
+            load_gradient_chunk(c, g, i0, rows, phi_q, phi_k, v1, k_t, v1_t, r_rows);
             memset(g_phi, 0, sizeof(float) * rows * dp);
             gemm_acc(rows, dp / W, dv + 1, r_rows, width, 1, acc_t, dp, g_phi, dp);
             lower_scores(rows, dv + 1, r_rows, width, v1_t, ldt, d_scores);
             gemm_shaped(LOWER_K, rows, dp / W, rows, d_scores, ldt, 1, phi_k, dp, g_phi, dp);
             for (int r = 0; r < rows; r++)
-                map_input_grad(c->grad_q + (o + r) * d_in, g_phi + r * dp, phi_q + r * dp,
+                map_input_grad(c->grad_q + row_offset(c->grad_q_at, c->in.h, g, i0 + r), g_phi + r * dp, phi_q + r * dp,
                                c->in.q + bi * c->in.qsb + hi * c->in.qsh + (i0 + r) * c->in.qsn, d, map, c->in.ms, hi);
             gemm_acc(dv + 1, dp / W, rows, v1, 1, width, phi_k, dp, acc_t, dp); /* S^T += V1^T phi(K) */
         }
@@ -244,9 +256,7 @@ static void causal_part_backward(const void *ctx, int item, float *scratch) {
     else memset(acc, 0, sizeof(float) * d * width);
     for (long i0 = last; i0 >= a; i0 -= ROWS) {
         const int rows = (int)(z - i0 < ROWS ? z - i0 : ROWS);
-        const long o = (long)g * n + i0;
-        load_gradient_chunk(&c->in, g, i0, rows, c->grad, c->out, c->den, width, dp, ldt, phi_q, phi_k, v1, k_t, v1_t,
-                            r_rows);
+        load_gradient_chunk(c, g, i0, rows, phi_q, phi_k, v1, k_t, v1_t, r_rows);
         lower_scores(rows, d, phi_q, dp, k_t, ldt, scores);
         lower_scores(rows, dv + 1, r_rows, width, v1_t, ldt, d_scores);
         transpose_states(acc, width, 1, d, width - 1, width, dp, acc_t);
@@ -259,14 +269,16 @@ static void causal_part_backward(const void *ctx, int item, float *scratch) {
         for (int r = 0; r < rows; r++) {
             const int masked = c->in.mask && c->in.mask[bi * n + i0 + r];
             if (c->grad_k) {
-                if (masked) memset(c->grad_k + (o + r) * d_in, 0, sizeof(float) * d_in);
-                else map_input_grad(c->grad_k + (o + r) * d_in, g_phi + r * dp, phi_k + r * dp,
+                float *dk = c->grad_k + row_offset(c->grad_k_at, c->in.h, g, i0 + r);
+                if (masked) memset(dk, 0, sizeof(float) * d_in);
+                else map_input_grad(dk, g_phi + r * dp, phi_k + r * dp,
                                     c->in.k + bi * c->in.ksb + hi * c->in.ksh + (i0 + r) * c->in.ksn, d, map, c->in.ms,
                                     key_head(map, c->in.ms, hi));
             }
             if (c->grad_v) {
-                if (masked) memset(c->grad_v + (o + r) * dv, 0, sizeof(float) * dv);
-                else memcpy(c->grad_v + (o + r) * dv, g_v1 + r * width, sizeof(float) * dv);
+                float *dvr = c->grad_v + row_offset(c->grad_v_at, c->in.h, g, i0 + r);
+                if (masked) memset(dvr, 0, sizeof(float) * dv);
+                else memcpy(dvr, g_v1 + r * width, sizeof(float) * dv);
             }
         }
         gemm_cols(FULL, d, dv + 1, rows, phi_q, 1, dp, r_rows, width, acc, width);     /* G += phi(Q)^T R */
@@ -282,10 +294,11 @@ int lm_causal_kernel_attention_backward_f32(const float *q, const float *k, cons
                                             float *grad_state, int b, int h, long n, int d, int dv, long qsb,
                                             long qsh, long qsn, long ksb, long ksh, long ksn, long vsb, long vsh,
                                             long vsn, int map, int threads, float power, const float *scale,
-                                            float *grad_scale) {
+                                            float *grad_scale, const long *strides) {
     const int bh = b * h, width = (dv + 1 + W - 1) / W * W, dp = (d + W - 1) / W * W;
     struct map_settings ms = settings_of(map, power, scale, grad_scale, h);
-    const int ldt = (ROWS + W - 1) / W * W;
+    const int ldt = (ROWS + W - 1) / W * W, d_in = map_inputs(d, map, &ms);
+    const struct rows_at out_at = rows_from(strides, 0, h, n, dv), grad_at = rows_from(strides, 1, h, n, dv);
     threads = threads_for(threads);
     struct hedgehog_grads hedgehog;
     if (map == HEDGEHOG && hedgehog_grads_start(&ms.hedgehog, &hedgehog, threads, grad_scale != NULL)) return -1;
@@ -299,11 +312,11 @@ int lm_causal_kernel_attention_backward_f32(const float *q, const float *k, cons
         const struct key_rows keys = {k, v, mask, h, d, dv, width, map, n, ksb, ksh, ksn, vsb, vsh, vsn, NULL, NULL,
                                       &ms};
         const struct query_rows queries = {q, grad, out, den, NULL, NULL, h, d, dp, dv, width, map, n, qsb, qsh, qsn,
-                                           NULL, &ms};
+                                           NULL, &ms, grad_at, out_at, {0, 0, 0}};
         if (!starts || !ends ||
-            partial_states(bh, n, parts, d, width, dv + 1, 0, threads, key_source, &keys, starts) != 0 ||
+            partial_states(bh, n, parts, d, width, dv + 1, 0, threads, key_source, &keys, starts, 0) != 0 ||
             scan_parts(starts, init, bh, parts, d, dv, width, 0) != 0 ||
-            partial_states(bh, n, parts, d, width, dv + 1, 0, threads, query_source, &queries, ends) != 0 ||
+            partial_states(bh, n, parts, d, width, dv + 1, 0, threads, query_source, &queries, ends, 0) != 0 ||
             scan_parts(ends, NULL, bh, parts, d, dv, width, 1) != 0) {
             free(starts);
             free(ends);
@@ -313,7 +326,9 @@ int lm_causal_kernel_attention_backward_f32(const float *q, const float *k, cons
     }
     const struct causal_backward backward = {{q, k, v, mask, h, d, dv, map, n, qsb, qsh, qsn, ksb, ksh, ksn, vsb,
                                               vsh, vsn, &ms}, init, den, out, grad, grad_q, grad_k, grad_v, grad_state,
-                                             width, dp, ldt, parts, starts, ends};
+                                             width, dp, ldt, parts, starts, ends, out_at, grad_at,
+                                             rows_from(strides, 2, h, n, d_in), rows_from(strides, 3, h, n, d_in),
+                                             rows_from(strides, 4, h, n, dv)};
     const long scratch = (long)ROWS * (3 * dp + 3 * width + 2 * ldt) + (long)d * (ldt + width) +
                          (long)width * (ldt + dp);
     const int status = for_each_task((int)(bh * parts), threads, scratch, causal_part_backward, &backward, 1);
