@@ -1,0 +1,205 @@
+/* The CPU kernels' work split over threads (OpenMP): per-head sums of row products over parts of a sequence,
+ * blocks of rows, and tasks that walk a stretch of a sequence in order. Plain C; the arithmetic is simd.h's. */
+#ifndef LINEAR_MHA_TASKS_H
+#define LINEAR_MHA_TASKS_H
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#include "simd.h"
+
+static inline int thread_slot(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+static inline int threads_for(int requested) { return requested > 0 ? requested : 1; }
+
+/* Tasks for work split into rows of equal cost (the row maps): a few per thread, as threads may not be equal; at
+ * most one per row. Task t of tasks handles rows [*a, *z). */
+static inline int row_tasks(long rows, int threads) {
+    const long tasks = 4L * threads_for(threads);
+    return (int)(tasks < rows ? tasks : rows > 0 ? rows : 1);
+}
+
+static inline void task_range(long rows, int tasks, int t, long *a, long *z) {
+    *a = rows * t / tasks;
+    *z = rows * (t + 1) / tasks;
+}
+
+/* Fills a (rows x d) and b (rows x width) with the rows of head g from position j onwards (at most ROWS,
+ * stopping before z); returns how many rows it wrote and sets *next to the first position not consumed.
+ * scratch holds ROWS x (d + width) floats of thread-local space. */
+typedef int (*row_source)(const void *ctx, int g, long j, long z, long *next, float *a, float *b, float *scratch);
+
+/* How many parts to cut each head's n rows into so that bh * parts tasks make at least `tasks` of them; a part
+ * of fewer than min_rows rows is not worth a task. */
+static inline long parts_for(int bh, long n, int tasks, long min_rows) {
+    long parts = bh >= tasks ? 1 : (tasks + bh - 1) / bh;
+    if (parts > n / min_rows) parts = n / min_rows;
+    return parts < 1 ? 1 : parts;
+}
+
+/* Item (head g, part p) of partial_states: the part's rows from source summed into its d x width slot. */
+static inline void sum_part(long item, long n, long parts, int d, int width, int cols, int split, row_source source,
+                            const void *ctx, float *a, float *b, float *scratch, float *partial) {
+    const int g = (int)(item / parts);
+    const long part = item % parts, z = n * (part + 1) / parts;
+    float *state = partial + item * (long)d * width;
+    for (long j = n * part / parts; j < z;) {
+        const int rows = source(ctx, g, j, z, &j, a, b, scratch);
+        if (split) {
+            gemm_cols(FULL, split, cols - 1, rows, a, 1, d, b, width, state, width);
+            column_product(FULL, d - split, rows, a + split, 1, d, b + cols - 1, width,
+                           state + (long)split * width + cols - 1, width);
+        } else {
+            gemm_cols(FULL, d, cols, rows, a, 1, d, b, width, state, width); /* A = a^T */
+        }
+    }
+}
+
+/* partial[g * parts + p] (d x width) = sum of a_row^T b_row over part p of head g's n rows (rows n p / parts up
+ * to n (p + 1) / parts), for bh heads; width is a whole number of vectors, of which the first cols carry values
+ * (the rest of b's rows are zero, and of the sums' rows are left zero). split > 0 (rope's [R phi, phi] rows):
+ * only the sums rope keeps are made, rows < split over the cols - 1 value columns and the rest over the last
+ * column alone, half the products; entries beside them may hold anything (split_state zeroes them). fixed_order:
+ * each thread takes the same items on every call, for a source that adds parameter gradients into per-thread sums
+ * (the backward's queries); else a thread takes the next item free. */
+static inline int partial_states(int bh, long n, long parts, int d, int width, int cols, int split, int threads,
+                                 row_source source, const void *ctx, float *partial, int fixed_order) {
+    const long size = (long)d * width;
+    memset(partial, 0, sizeof(float) * bh * parts * size);
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *a = malloc(sizeof(float) * ROWS * d), *b = calloc((size_t)ROWS * width, sizeof(float));
+        float *scratch = malloc(sizeof(float) * ROWS * (d + width));
+        if (!a || !b || !scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+            if (fixed_order) {
+#pragma omp for schedule(static)
+                for (long item = 0; item < bh * parts; item++)
+                    sum_part(item, n, parts, d, width, cols, split, source, ctx, a, b, scratch, partial);
+            } else {
+#pragma omp for schedule(dynamic, 1)
+                for (long item = 0; item < bh * parts; item++)
+                    sum_part(item, n, parts, d, width, cols, split, source, ctx, a, b, scratch, partial);
+            }
+        }
+        free(a);
+        free(b);
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}
+
+/* states[g] (d x width) = sum over the rows of head g of a_row^T b_row, for bh heads of n rows each. With fewer
+ * heads than threads a head's rows are split into parts summed afterwards. fixed_order as partial_states'. */
+static inline int accumulate_states(int bh, long n, int d, int width, int cols, int split, int threads,
+                                    row_source source, const void *ctx, float *states, int fixed_order) {
+    const long parts = parts_for(bh, n, 2 * threads, 256), size = (long)d * width;
+    if (parts == 1) return partial_states(bh, n, 1, d, width, cols, split, threads, source, ctx, states, fixed_order);
+    float *partial = malloc(sizeof(float) * bh * parts * size);
+    int failed = !partial ||
+                 partial_states(bh, n, parts, d, width, cols, split, threads, source, ctx, partial, fixed_order) != 0;
+    if (!failed)
+        for (int g = 0; g < bh; g++) {
+            float *state = states + (long)g * size;
+            memcpy(state, partial + (long)g * parts * size, sizeof(float) * size);
+            for (long part = 1; part < parts; part++)
+                for (long e = 0; e < size; e++) state[e] += partial[((long)g * parts + part) * size + e];
+        }
+    free(partial);
+    return failed ? -1 : 0;
+}
+
+/* Turns each head's per-part sums (bh x parts matrices of d x width) into the running sum before each part, in
+ * place: an exclusive scan from the first part (starting from init, (bh, d, dv + 1), or zero) or, with
+ * reverse, from the last (starting from zero). */
+static inline int scan_parts(float *sums, const float *init, int bh, long parts, int d, int dv, int width,
+                             int reverse) {
+    const long size = (long)d * width;
+    float *running = malloc(sizeof(float) * size), *own = malloc(sizeof(float) * size);
+    for (int g = 0; running && own && g < bh; g++) {
+        memset(running, 0, sizeof(float) * size);
+        if (init && !reverse)
+            for (int f = 0; f < d; f++)
+                memcpy(running + f * width, init + ((long)g * d + f) * (dv + 1), sizeof(float) * (dv + 1));
+        for (long i = 0; i < parts; i++) {
+            float *slot = sums + ((long)g * parts + (reverse ? parts - 1 - i : i)) * size;
+            memcpy(own, slot, sizeof(float) * size);
+            memcpy(slot, running, sizeof(float) * size);
+            for (long e = 0; e < size; e++) running[e] += own[e];
+        }
+    }
+    const int status = running && own ? 0 : -1;
+    free(running);
+    free(own);
+    return status;
+}
+
+/* Calls block(ctx, g, i0, rows, scratch) for every block of up to ROWS positions i0.. of every one of bh heads of
+ * n positions, the blocks spread over the threads; scratch is scratch_floats floats of thread-local space.
+ * Returns -1 when that space could not be allocated. */
+typedef void (*block_fn)(const void *ctx, int g, long i0, int rows, float *scratch);
+
+static inline int for_each_block(int bh, long n, int threads, long scratch_floats, block_fn block, const void *ctx) {
+    const long row_blocks = (n + ROWS - 1) / ROWS;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *scratch = malloc(sizeof(float) * (scratch_floats > 0 ? scratch_floats : 1));
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+#pragma omp for schedule(static)
+            for (long item = 0; item < bh * row_blocks; item++) {
+                const long i0 = (item % row_blocks) * ROWS;
+                block(ctx, (int)(item / row_blocks), i0, (int)(n - i0 < ROWS ? n - i0 : ROWS), scratch);
+            }
+        }
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}
+
+/* Calls task(ctx, i, scratch) for i = 0 .. tasks - 1, one task at a time per thread (a task runs along its stretch
+ * of a sequence in order); scratch is scratch_floats zero-initialised floats of thread-local space, reused from
+ * task to task. fixed_order: each thread takes the same tasks on every call (tasks that add a map's parameter
+ * gradients into per-thread sums then give the same sums run after run); else a thread takes the next task free.
+ * Returns -1 when that space could not be allocated. */
+typedef void (*task_fn)(const void *ctx, int i, float *scratch);
+
+static inline int for_each_task(int tasks, int threads, long scratch_floats, task_fn task, const void *ctx,
+                                int fixed_order) {
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        float *scratch = calloc((size_t)(scratch_floats > 0 ? scratch_floats : 1), sizeof(float));
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed && fixed_order) {
+#pragma omp for schedule(static)
+            for (int i = 0; i < tasks; i++) task(ctx, i, scratch);
+        } else if (!failed) {
+#pragma omp for schedule(dynamic, 1)
+            for (int i = 0; i < tasks; i++) task(ctx, i, scratch);
+        }
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}
+
+#endif
