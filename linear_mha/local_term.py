@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from . import masks
-from .functional._common import compiling, fixed_graph, functorch_active
+from .functional._common import compiling, fixed_graph, functorch_active, needs_grad
 from .functional.grid_conv import token_grid_conv
 from .token_grid import NO_GRID, TokenGrid, resolve_token_grid
 
@@ -58,7 +58,6 @@ def add_local_term(module: nn.Module, out: Tensor, v: Tensor, key_padding_mask: 
     # For a module's values the convolution's output is (B, S, H, d) in memory, and the sum keeps that layout (local
     # comes first), so merging the heads after it is a view. Without autograd the sum goes into that fresh output
     # itself; with it, in place on a view would cost autograd a copy of the whole tensor backward.
-    recorded = torch.is_grad_enabled() and (local.requires_grad or out.requires_grad)
-    if recorded or compiling() or functorch_active() or local.shape != out.shape:  # vmap may batch out alone
+    if needs_grad(local, out) or compiling() or functorch_active():  # vmap may batch out alone
         return local + out
     return local.add_(out)

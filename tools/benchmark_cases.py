@@ -18,7 +18,7 @@ from torch import nn
 
 import linear_mha.functional as LF
 from linear_mha import LinearMultiheadAttention, TokenGrid, method_class
-from linear_mha.attend import attend_heads
+from linear_mha.attend import attend_heads, needs_token_grid
 from linear_mha.registry import create_method, method_presets
 
 from . import measure as M
@@ -62,8 +62,7 @@ def _module(mode, **options):
         m = LinearMultiheadAttention(c["H"] * c["d"], c["H"], batch_first=True, mode=mode, **options,
                                      **case_options(mode, c))
         m = m.to(device=device, dtype=dtype)
-        # methods over an image's tokens, and the local term, which convolves the values over their grid
-        grid = {"token_grid": square_grid(c["N"])} if m.method.needs_grid or m.dwc_weight is not None else {}
+        grid = {"token_grid": square_grid(c["N"])} if needs_token_grid(m) else {}  # image methods, the local term
         return (lambda x: m(x, x, x, is_causal=c["causal"], **grid)[0]), [m]
     return build
 

@@ -262,7 +262,7 @@ def _strides(*tensors: Optional[Tensor]):
     return (ctypes.c_long * len(values))(*values)
 
 
-def _rows_readable(t: Tensor) -> Tensor:
+def rows_readable(t: Tensor) -> Tensor:
     """t, or a copy of it, with contiguous rows (its last dimension), as the compiled code reads tensors."""
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -350,7 +350,7 @@ class _KernelAttention(torch.autograd.Function):
         grads = (rows_like(q, b, h, n_q, d) if need_q else None, rows_like(k, b, h, n_k, d) if need_k else None,
                  rows_like(v, b, h, n_k, dv) if need_v else None,
                  q.new_empty(b, h, features, dv + 1) if need_init else None)
-        grad_out = _rows_readable(grad_out)  # held in a name: a temporary's memory would be freed before the call
+        grad_out = rows_readable(grad_out)  # held in a name: a temporary's memory would be freed before the call
         strides = _strides(out, grad_out, *grads[:3])
         pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), pointer(mask))
         if ctx.rope:

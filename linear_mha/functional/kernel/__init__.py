@@ -121,14 +121,10 @@ def feature_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, *, causal: bool =
         check_chunk_size(chunk_size)
     if backend.features_backend(phi_q, phi_k, v, initial_state).backend == backend.NATIVE_FEATURES:
         check_state(initial_state, phi_q.shape[-1], v)
-        return native.kernel_attention(_last_dim_contiguous(phi_q), _last_dim_contiguous(phi_k), v, None,
+        return native.kernel_attention(native.rows_readable(phi_q), native.rows_readable(phi_k), v, None,
                                        initial_state=initial_state, causal=causal)
     return composed_attention(phi_q, phi_k, v, causal=causal, initial_state=initial_state, chunk_size=chunk_size,
                               reuse_keys=reuse_keys)
-
-
-def _last_dim_contiguous(t: Tensor) -> Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def compiled_features(phi_q: Tensor, phi_k: Tensor, feature_map) -> Tuple[Tensor, Tensor]:
@@ -140,7 +136,7 @@ def compiled_features(phi_q: Tensor, phi_k: Tensor, feature_map) -> Tuple[Tensor
         name = getattr(feature_map, "__name__", feature_map)
         raise ValueError(f"feature_map {name!r} must map (..., D) rows to (..., F) features alike for queries and keys;"
                          f" it gave {tuple(phi_q.shape)} and {tuple(phi_k.shape)}")
-    return tuple(_last_dim_contiguous(phi.to(torch.float32)) for phi in (phi_q, phi_k))
+    return tuple(native.rows_readable(phi.to(torch.float32)) for phi in (phi_q, phi_k))
 
 
 def check_state(initial_state, features, v):
