@@ -12,6 +12,7 @@ program. Anything else (a learnable module, a row reduction, a branch on the dat
 x - c, c - x, x * c, x / c, -x, softplus (beta 1), sigmoid; at most MAX_STEPS of them. A kept program that reads a
 user's module or calls a helper function is checked against its callable again on every call, on the same probe.
 """
+import functools
 import math
 import operator
 import types
@@ -141,11 +142,19 @@ def read_program(fn: Callable[[Tensor], Tensor]) -> Tuple[Optional[List[Step]], 
     return (steps, None) if _reproduces(fn, steps) else (None, "its program does not reproduce it on a probe")
 
 
+def _make_probe() -> Tensor:
+    with torch.inference_mode(False):  # made at import, maybe inside inference mode, used anywhere after
+        g = torch.Generator().manual_seed(0)
+        return torch.cat([torch.linspace(-6, 6, 121, dtype=torch.float64),
+                          torch.randn(71, dtype=torch.float64, generator=g)]).reshape(2, 2, 3, 16)
+
+
+_PROBE = _make_probe()  # made once: a program is checked against its callable on many calls (program_map)
+
+
 def _reproduces(fn, steps: List[Step]) -> bool:
     """Whether the steps give fn's values (shape included) on a float64 probe of values from -6 to 6."""
-    g = torch.Generator().manual_seed(0)
-    probe = torch.cat([torch.linspace(-6, 6, 121, dtype=torch.float64),
-                       torch.randn(71, dtype=torch.float64, generator=g)]).reshape(2, 2, 3, 16)
+    probe = _PROBE
     try:
         with torch.no_grad():
             expected = fn(probe.clone())
@@ -167,9 +176,7 @@ class ProgramMap:
     def __init__(self, fn: Callable[[Tensor], Tensor], steps: List[Step]):
         self.fn, self.steps = fn, steps
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
-        layout = [float(len(steps))] + [float(x) for step in steps for x in step]
-        with torch.inference_mode(False):  # made once, maybe in inference, then saved by a backward
-            self._layout = torch.tensor(layout, dtype=torch.float32)
+        self._layout = _layout(tuple(steps))
 
     def __call__(self, x: Tensor) -> Tensor:
         return self.fn(x)
@@ -183,6 +190,14 @@ class ProgramMap:
     def compiled_settings(self, q: Tensor) -> Tuple[float, Tensor]:
         """(power, data) as the entry points take them: no power; data the program [steps, op, c, op, c, ...]."""
         return 0.0, self._layout
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout(steps: Tuple[Step, ...]) -> Tensor:
+    """The steps as the kernels read them, [steps, op, c, op, c, ...] float32: one tensor per program, not per call
+    (a method's map is a new ProgramMap on every call). Never written to, so safely shared."""
+    with torch.inference_mode(False):  # made once, maybe in inference, then saved by a backward
+        return torch.tensor([float(len(steps))] + [float(x) for step in steps for x in step], dtype=torch.float32)
 
 
 _read = {}  # key (below) -> ProgramMap or the reason there is none: a lambda made anew per call is read once
@@ -221,14 +236,23 @@ def _key(fn):
     return key if _hashable(key) else None
 
 
-def why_not_program(fn) -> Optional[str]:
-    """Why the callable fn cannot run inside the kernels as a program of steps, or None."""
-    if isinstance(program_map(fn), ProgramMap):
-        return None
+def _why_not_candidate(fn) -> Optional[str]:
+    """Why fn is not even looked at as a program (a graph or transform is recording, or it is not a plain callable),
+    or None."""
     if compiling() or functorch_active():
         return "inside torch.compile, torch.export, torch.jit.trace or a torch.func transform"
     if isinstance(fn, str) or not callable(fn) or hasattr(fn, "compiled_map") or isinstance(fn, torch.nn.Module):
         return "it is a named map, a map with settings of its own, or a module"
+    return None
+
+
+def why_not_program(fn) -> Optional[str]:
+    """Why the callable fn cannot run inside the kernels as a program of steps, or None."""
+    why = _why_not_candidate(fn)
+    if why is not None:
+        return why
+    if isinstance(program_map(fn), ProgramMap):
+        return None
     key = _key(fn)
     if key is None:
         return ("it is not a plain function or builtin whose program can be kept: a callable object, or a function "
@@ -253,8 +277,7 @@ def program_map(feature_map):
     """feature_map as a ``ProgramMap`` when it is a function the kernels can run as steps; otherwise unchanged (a
     named map, a map with its own settings, a module, a callable whose program cannot be read or kept). A function
     is read once per key (``_key``), so a lambda made anew on every call is traced only the first time."""
-    if isinstance(feature_map, str) or not callable(feature_map) or hasattr(feature_map, "compiled_map") \
-            or isinstance(feature_map, torch.nn.Module) or compiling() or functorch_active():
+    if _why_not_candidate(feature_map) is not None:
         return feature_map
     key = _key(feature_map)
     if key is None:
