@@ -79,6 +79,17 @@ static inline void row_times_matrix(float *y, const float *x, int k, const float
     }
 }
 
+/* dz (m) from g (2m), the gradient of phi = [s, u] = double_softmax(z): dz = s (g1 - s.g1) - u (g2 - u.g2), g1 and
+ * g2 the halves of g. */
+static inline void double_softmax_grad(float *dz, const float *g, const float *phi, int m) {
+    const float *s = phi, *u = phi + m;
+    const float sg = dot_product(s, g, m), ug = dot_product(u, g + m, m);
+    int f = 0;
+    for (; f + W <= m; f += W)
+        store(dz + f, load(s + f) * (load(g + f) - splat(sg)) - load(u + f) * (load(g + m + f) - splat(ug)));
+    for (; f < m; f++) dz[f] = s[f] * (g[f] - sg) - u[f] * (g[m + f] - ug);
+}
+
 /* What a backward pass holds for the maps' gradients: each head's W transposed (dx = W dz as a row times W^T),
  * and per thread the sums d W and d b over its rows. A row's x and dz wait in the thread's block until ROWS rows
  * of one head are there, which are then added to d W as one product X^T dZ: a rank-1 update per row would read
@@ -182,18 +193,12 @@ static inline void hedgehog_features(float *phi, const float *x, const struct he
 
 /* dx (d) from g (2m), the gradient of the row's features phi (as hedgehog_features made them from x), in a
  * backward (c->grads set); with sums asked for, the row's x and dz wait in thread t's block for d W (x^T dz) and
- * d b (dz). With s, u the two softmaxes and g1, g2 the halves of g: dz = s (g1 - s.g1) - u (g2 - u.g2),
- * dx = W dz. */
+ * d b (dz); dx = W dz. */
 static inline void hedgehog_input_grad(float *dx, const float *g, const float *phi, const float *x,
                                        const struct hedgehog_map *c, int head, int t) {
     const int m = c->m;
     float dz[HEDGEHOG_MAX_M];
-    const float *s = phi, *u = phi + m;
-    const float sg = dot_product(s, g, m), ug = dot_product(u, g + m, m);
-    int f = 0;
-    for (; f + W <= m; f += W)
-        store(dz + f, load(s + f) * (load(g + f) - splat(sg)) - load(u + f) * (load(g + m + f) - splat(ug)));
-    for (; f < m; f++) dz[f] = s[f] * (g[f] - sg) - u[f] * (g[m + f] - ug);
+    double_softmax_grad(dz, g, phi, m);
     struct hedgehog_grads *grads = c->grads;
     row_times_matrix(dx, dz, m, grads->wt + (long)head * m * c->d, c->d, NULL);
     if (!grads->threads) return;

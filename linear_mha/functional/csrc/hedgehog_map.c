@@ -32,7 +32,7 @@ static void forward_task(const void *ctx, int t, float *scratch) {
     for (long row = a; row < z; row++) hedgehog_row(c, row, scratch, c->out + row * 2 * c->m);
 }
 
-/* With s, u the two softmaxes and g1, g2 the gradients of their halves: dz = s (g1 - s.g1) - u (g2 - u.g2). */
+/* dz of each row (double_softmax_grad), and its share of d b. */
 static void backward_task(const void *ctx, int t, float *scratch) {
     const struct hedgehog_rows *c = ctx;
     const int m = c->m;
@@ -41,23 +41,11 @@ static void backward_task(const void *ctx, int t, float *scratch) {
     task_range(c->rows, c->tasks, t, &a, &z);
     for (long row = a; row < z; row++) {
         hedgehog_row(c, row, zb, phi);
-        const float *g = c->grad + row * 2 * m, *s = phi, *u = phi + m;
-        float sg = 0.0f, ug = 0.0f;
-        for (int f = 0; f < m; f++) {
-            sg += s[f] * g[f];
-            ug += u[f] * g[m + f];
-        }
-        float *dz = c->grad_z + row * m, *dbh = db ? db + (row / c->n % c->h) * m : NULL;
-        int f = 0;
-        for (; f + W <= m; f += W) {
-            const vf sv = load(s + f), uv = load(u + f);
-            const vf dv = sv * (load(g + f) - splat(sg)) - uv * (load(g + m + f) - splat(ug));
-            store(dz + f, dv);
-            if (dbh) store(dbh + f, load(dbh + f) + dv);
-        }
-        for (; f < m; f++) {
-            dz[f] = s[f] * (g[f] - sg) - u[f] * (g[m + f] - ug);
-            if (dbh) dbh[f] += dz[f];
+        float *dz = c->grad_z + row * m;
+        double_softmax_grad(dz, c->grad + row * 2 * m, phi, m);
+        if (db) {
+            float *dbh = db + (row / c->n % c->h) * m;
+            for (int f = 0; f < m; f++) dbh[f] += dz[f];
         }
     }
 }

@@ -49,8 +49,9 @@ static int query_source(const void *ctx, int g, long j, long z, long *next, floa
         memset(scratch, 0, sizeof(float) * rows * c->dp);
         if (c->rope) split_state_product(rows, c->d, c->dv, b, c->width, state_t, c->dp, scratch);
         else gemm_acc(rows, c->dp / W, c->dv + 1, b, c->width, 1, state_t, c->dp, scratch, c->dp);
+        float *dq = c->grad_q + row_offset(c->grad_q_at, c->h, g, j);
         for (int r = 0; r < rows; r++)
-            row_input_grad(c->grad_q + row_offset(c->grad_q_at, c->h, g, j + r), scratch + r * c->dp, a + r * c->d,
+            row_input_grad(dq + r * c->grad_q_at.n, scratch + r * c->dp, a + r * c->d,
                            c->q + bi * c->qsb + hi * c->qsh + (j + r) * c->qsn, c->d, c->map, c->ms, hi, c->rope,
                            j + r);
     }
@@ -94,19 +95,21 @@ static void key_block(const void *ctx, int g, long j0, int rows, float *scratch)
         gemm_acc(rows, dp / W, dv + 1, v1, width, 1, acc_t, dp, g_phi, dp);
         gemm_cols(FULL, rows, dv, d, phi, d, 1, acc, width, g_v1, width);
     }
+    const int d_in = row_inputs(d, c->map, c->ms, c->rope);
+    float *dk0 = c->grad_k ? c->grad_k + row_offset(c->grad_k_at, c->h, g, j0) : NULL;
+    float *dv0 = c->grad_v ? c->grad_v + row_offset(c->grad_v_at, c->h, g, j0) : NULL;
     for (int r = 0; r < rows; r++) {
         const long j = j0 + r;
         const int masked = c->mask && c->mask[bi * c->n + j];
-        if (c->grad_k) {
-            const int d_in = row_inputs(d, c->map, c->ms, c->rope);
-            float *dk = c->grad_k + row_offset(c->grad_k_at, c->h, g, j);
+        if (dk0) {
+            float *dk = dk0 + r * c->grad_k_at.n;
             if (masked) memset(dk, 0, sizeof(float) * d_in);
             else row_input_grad(dk, g_phi + r * dp, phi + r * d,
                                 c->k + bi * c->ksb + hi * c->ksh + j * c->ksn, d, c->map, c->ms,
                                 key_head(c->map, c->ms, hi), c->rope, j);
         }
-        if (c->grad_v) {
-            float *dvr = c->grad_v + row_offset(c->grad_v_at, c->h, g, j);
+        if (dv0) {
+            float *dvr = dv0 + r * c->grad_v_at.n;
             if (masked) memset(dvr, 0, sizeof(float) * dv);
             else memcpy(dvr, g_v1 + r * width, sizeof(float) * dv);
         }
@@ -131,7 +134,7 @@ static int noncausal_backward(const float *q, const float *k, const float *v, co
                                            qsb, qsh, qsn, rope, ms, rows_from(strides, 1, h, nq, dv),
                                            rows_from(strides, 0, h, nq, dv), rows_from(strides, 2, h, nq, d_in)};
         failed = accumulate_states(bh, nq, d, width, dv + 1, rope ? d / 2 : 0, threads, query_source, &queries,
-                                   acc, 1) != 0; /* its rows add parameter gradients into per-thread sums */
+                                   acc, ms && ms->grad_scale) != 0; /* rows that add parameter gradients per thread */
     }
     if (!failed && rope) split_state(acc, bh, d, width, dv); /* the state's entries rope holds at zero get none */
     if (!failed && grad_state)
@@ -244,8 +247,9 @@ static void causal_part_backward(const void *ctx, int item, float *scratch) {
             gemm_acc(rows, dp / W, dv + 1, r_rows, width, 1, acc_t, dp, g_phi, dp);
             lower_scores(rows, dv + 1, r_rows, width, v1_t, ldt, d_scores);
             gemm_shaped(LOWER_K, rows, dp / W, rows, d_scores, ldt, 1, phi_k, dp, g_phi, dp);
+            float *dq = c->grad_q + row_offset(c->grad_q_at, c->in.h, g, i0);
             for (int r = 0; r < rows; r++)
-                map_input_grad(c->grad_q + row_offset(c->grad_q_at, c->in.h, g, i0 + r), g_phi + r * dp, phi_q + r * dp,
+                map_input_grad(dq + r * c->grad_q_at.n, g_phi + r * dp, phi_q + r * dp,
                                c->in.q + bi * c->in.qsb + hi * c->in.qsh + (i0 + r) * c->in.qsn, d, map, c->in.ms, hi);
             gemm_acc(dv + 1, dp / W, rows, v1, 1, width, phi_k, dp, acc_t, dp); /* S^T += V1^T phi(K) */
         }
@@ -266,17 +270,19 @@ static void causal_part_backward(const void *ctx, int item, float *scratch) {
         memset(g_phi, 0, sizeof(float) * rows * dp);
         gemm_acc(rows, dp / W, rows, d_scores, 1, ldt, phi_q, dp, g_phi, dp);        /* dM^T phi(Q) */
         gemm_acc(rows, dp / W, dv + 1, v1, width, 1, acc_t, dp, g_phi, dp);            /* V1 G^T */
+        float *dk0 = c->grad_k ? c->grad_k + row_offset(c->grad_k_at, c->in.h, g, i0) : NULL;
+        float *dv0 = c->grad_v ? c->grad_v + row_offset(c->grad_v_at, c->in.h, g, i0) : NULL;
         for (int r = 0; r < rows; r++) {
             const int masked = c->in.mask && c->in.mask[bi * n + i0 + r];
-            if (c->grad_k) {
-                float *dk = c->grad_k + row_offset(c->grad_k_at, c->in.h, g, i0 + r);
+            if (dk0) {
+                float *dk = dk0 + r * c->grad_k_at.n;
                 if (masked) memset(dk, 0, sizeof(float) * d_in);
                 else map_input_grad(dk, g_phi + r * dp, phi_k + r * dp,
                                     c->in.k + bi * c->in.ksb + hi * c->in.ksh + (i0 + r) * c->in.ksn, d, map, c->in.ms,
                                     key_head(map, c->in.ms, hi));
             }
-            if (c->grad_v) {
-                float *dvr = c->grad_v + row_offset(c->grad_v_at, c->in.h, g, i0 + r);
+            if (dv0) {
+                float *dvr = dv0 + r * c->grad_v_at.n;
                 if (masked) memset(dvr, 0, sizeof(float) * dv);
                 else memcpy(dvr, g_v1 + r * width, sizeof(float) * dv);
             }
@@ -331,7 +337,8 @@ int lm_causal_kernel_attention_backward_f32(const float *q, const float *k, cons
                                              rows_from(strides, 4, h, n, dv)};
     const long scratch = (long)ROWS * (3 * dp + 3 * width + 2 * ldt) + (long)d * (ldt + width) +
                          (long)width * (ldt + dp);
-    const int status = for_each_task((int)(bh * parts), threads, scratch, causal_part_backward, &backward, 1);
+    const int status = for_each_task((int)(bh * parts), threads, scratch, causal_part_backward, &backward,
+                                     grad_scale != NULL); /* a fixed order for parameter gradients summed per thread */
     if (map == HEDGEHOG) hedgehog_grads_finish(&ms.hedgehog, grad_scale);
     free(starts);
     free(ends);
