@@ -237,7 +237,7 @@ def key_sums(k_ptr, v_ptr, mask_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, s_ptr, z_pt
         plain, rotated, second = _features(k_base, ksn, rows, S, keep, p_ptr, w, bias, h, power, cos_ptr, sin_ptr,
                                            dcols, fcols, D, F, M, OFF, R, MAP, HAS_PARAM, PRECISION)
         # a padded key's value may hold anything, NaN included: 0 * NaN = NaN
-        v = tl.where(keep[:, None], _load(v_base, vsn, rows, S, c, DV), 0.0)
+        v = _inputs(v_base, vsn, rows, S, keep, c, DV)
         acc += tl.dot(tl.trans(rotated), v, input_precision=PRECISION)
         acc_z += tl.sum(plain, axis=0)
         if MAP == HEDGEHOG:
@@ -394,7 +394,7 @@ def key_grads(k_ptr, v_ptr, mask_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, gs_ptr, gz
         keep = inside
         if HAS_MASK:
             keep = keep & (tl.load(mask_ptr + b * S + rows, mask=inside, other=1) == 0)
-        v = tl.where(keep[:, None], _load(v_base, vsn, rows, S, c, DV), 0.0)
+        v = _inputs(v_base, vsn, rows, S, keep, c, DV)
         plain, rotated, second = _features(k_base, ksn, rows, S, keep, p_ptr, w, bias, h, power, cos_ptr, sin_ptr,
                                            dcols, fcols, D, F, M, OFF, R, MAP, HAS_PARAM, PRECISION)
         dv = tl.dot(rotated, gs, input_precision=PRECISION)
