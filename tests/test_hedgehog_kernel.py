@@ -119,3 +119,21 @@ def test_parameter_gradients_are_the_same_run_after_run(causal):
         runs.append([p.grad for p in params])
     for run in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(run, runs[0]))
+
+
+@needs_native
+def test_the_maps_settings_are_float32_whatever_the_default_dtype():
+    """HedgehogMap packs d, m and a missing bias with factory functions: under torch.set_default_dtype(float64)
+    they came out float64, the packed settings with them, and the kernels read float64 bytes as float32 (NaN)."""
+    q, k, v, maps, _, _, _ = inputs(seed=8)
+    q_map, k_map = (maps[0], None), (maps[2], None)
+    ref = LF.hedgehog(q.double(), k.double(), v.double(), (q_map[0].double(), None), (k_map[0].double(), None))
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with torch.no_grad():
+            assert backend.hedgehog_backend(q, k, v, q_map, k_map, causal=False).backend == backend.NATIVE
+            out = LF.hedgehog(q, k, v, q_map, k_map)
+    finally:
+        torch.set_default_dtype(previous)
+    assert relative_error(out, ref) < 2e-6

@@ -60,10 +60,12 @@ class HedgehogMap:
     def compiled_settings(self, q: Tensor) -> Tuple[float, Tensor]:
         (w_q, b_q), (w_k, b_k) = self.q_map, self.k_map
         h, d, m = w_q.shape
-        parts = [torch.tensor([float(d), float(m)])]
+        # float32 whatever torch's default dtype, on the CPU where the compiled code runs (its weights are checked so)
+        parts = [torch.tensor([float(d), float(m)], dtype=torch.float32)]
         parts += [w.to(torch.float32).reshape(-1) for w in (w_q, w_k)]
-        parts += [torch.zeros(h * m) if b is None else b.to(torch.float32).reshape(-1) for b in (b_q, b_k)]
-        return 0.0, torch.cat([p.to(q.device) for p in parts])
+        parts += [torch.zeros(h * m, dtype=torch.float32) if b is None else b.to(torch.float32).reshape(-1)
+                  for b in (b_q, b_k)]
+        return 0.0, torch.cat(parts)
 
 
 @outside_autocast
