@@ -58,6 +58,28 @@ def test_the_kernels_under_the_interpreter():
     assert passed and int(passed.group(1)) >= 20 and "failed" not in summary, summary  # the kernels' tests all ran
 
 
+@pytest.mark.skipif(INTERPRETED, reason="the interpreter's functions are not JITFunctions; the suite's process checks")
+def test_the_kernels_read_no_plain_module_globals():
+    """Compiled, a @triton.jit function may read a module global only if it is a tl.constexpr (or a function or
+    module); the interpreter reads a plain int as well, so the tests below cannot see it. A plain global made every
+    map fail to compile on an H100 while all of them passed here."""
+    triton = pytest.importorskip("triton")
+    import ast
+    import types
+
+    import triton.language as tl
+    from linear_mha.functional import triton_jit
+    allowed = (tl.constexpr, triton.runtime.JITFunction, types.ModuleType)
+    module_globals = vars(triton_jit)
+    kernels = {name: fn for name, fn in module_globals.items() if isinstance(fn, triton.runtime.JITFunction)}
+    assert len(kernels) >= 10
+    plain = sorted({f"{name} reads {node.id}" for name, fn in kernels.items()
+                    for node in ast.walk(ast.parse(textwrap.dedent(fn.src)))
+                    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in module_globals
+                    and not isinstance(module_globals[node.id], allowed)})
+    assert not plain, plain
+
+
 def relative_error(got, ref):
     got, ref = got.detach(), ref.detach()
     return float((got.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
@@ -168,10 +190,12 @@ def test_the_gpu_benchmark_checks_exactness_and_writes_its_table(tmp_path):
 
 @inside
 def test_a_map_not_yet_run_on_a_gpu_waits_for_all(monkeypatch):
-    """taylor's kernel has run only under the interpreter: off the interpreter the chooser takes it only with
-    LINEAR_MHA_TRITON=all (set_enabled(True, all_maps=True)), and says so."""
+    """A map whose kernel has run only under the interpreter (here taylor, focused and hedgehog, as they were before
+    the H100 run): off the interpreter the chooser takes it only with LINEAR_MHA_TRITON=all
+    (set_enabled(True, all_maps=True)), and says so."""
     q, k, v, _ = inputs(seed=6)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(triton_kernel, "GPU_CHECKED", ("elu", "relu"))
     previous = triton_kernel.set_enabled(True)
     try:
         for ask in (lambda: triton_kernel.why_not(q, k, v, "taylor", None),

@@ -12,9 +12,10 @@ because a register tile cannot be permuted in place.
 import triton
 import triton.language as tl
 
-ELU, RELU, TAYLOR, FOCUSED, HEDGEHOG = 0, 1, 2, 3, 4  # triton_kernel.MAPS
-TAYLOR_EPS = 1e-12  # F.normalize's
-RELU_EPS = 1e-6     # focused.RELU_EPS
+# Globals a compiled @triton.jit reads must be tl.constexpr (the interpreter reads plain ones too)
+ELU, RELU, TAYLOR, FOCUSED, HEDGEHOG = (tl.constexpr(code) for code in range(5))  # triton_kernel.MAPS
+TAYLOR_EPS = tl.constexpr(1e-12)  # F.normalize's
+RELU_EPS = tl.constexpr(1e-6)     # focused.RELU_EPS
 
 
 @triton.jit
