@@ -10,8 +10,8 @@
     fla                ``fla_causal.py``: causal elu/relu kernel attention on bfloat16 CUDA tensors through
                        flash-linear-attention's Triton kernel, when fla-core is installed and the path is enabled
     triton             ``triton_kernel.py``: non-causal kernel attention in fused Triton kernels, forward and backward,
-                       on CUDA: elu/relu (LINEAR_MHA_TRITON=0 switches them off); =all adds the maps run only under
-                       Triton's interpreter so far: taylor, focused, hedgehog's learned maps, rotary position
+                       on CUDA: elu, relu, taylor, focused, hedgehog's learned maps, rotary position
+                       (LINEAR_MHA_TRITON=0 switches them off; =all adds maps not yet run on a GPU)
     fused_causal       ``kernel/fused.py``: causal elu/relu kernel attention as one autograd Function, the feature
                        map and the division done block by block in reused buffers
     blocked_inference  ``kernel/fused.py``: non-causal elu/relu inference without autograd, a block of positions at a

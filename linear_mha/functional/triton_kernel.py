@@ -10,9 +10,10 @@ r_i the gradient of [num_i, den_i]), then the keys (d k, d v from G).
 
 Written for CUDA; the tests run them on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``).
 ``backend.kernel_backend`` sends non-causal elu/relu calls on CUDA here (``LINEAR_MHA_TRITON=0`` or
-``set_enabled(False)`` switches that off): on an H100 they ran 5.8x the PyTorch path's speed forward and 19-23x
-SDPA's at N = 16k in bfloat16 (docs/cuda.md). taylor's kernel has run only under the interpreter: CUDA calls take
-it with ``LINEAR_MHA_TRITON=all``.
+``set_enabled(False)`` switches that off): on an H100 they ran 5.4-5.8x the PyTorch path's speed forward and
+19-23x SDPA's at N = 16k in bfloat16 (docs/cuda.md). taylor, focused and hedgehog's maps and rotary position take
+them too (2-9x their PyTorch path's speed there); a map added to MAPS waits for ``LINEAR_MHA_TRITON=all`` until it
+has run on a GPU (GPU_CHECKED).
 """
 import contextlib
 import importlib.util
@@ -33,9 +34,9 @@ def cdiv(a: int, b: int) -> int:
 
 
 MAPS = {"elu": 0, "relu": 1, "taylor": 2, "focused": 3, "hedgehog": 4}  # triton_jit's codes
-# Maps whose kernels have run on a GPU (docs/cuda.md); the others have run under the interpreter only, and are
-# taken on CUDA with LINEAR_MHA_TRITON=all until they have.
-GPU_CHECKED = ("elu", "relu")
+# Maps whose kernels have run on a GPU against float64 (docs/cuda.md: an H100, taylor with rotary position too); a
+# map added to MAPS runs under the interpreter only until it has, and is taken on CUDA with LINEAR_MHA_TRITON=all.
+GPU_CHECKED = ("elu", "relu", "taylor", "focused", "hedgehog")
 _setting = os.environ.get("LINEAR_MHA_TRITON", "1")
 _enabled, _all_maps = _setting != "0", _setting == "all"
 
@@ -145,13 +146,21 @@ def _kernels():
 BLOCK = None  # positions per tile; None: _rows_per_tile's choice (the benchmark sets it to compare)
 
 
-def _rows_per_tile(dtype: torch.dtype) -> int:
-    """Positions per tile. Measured on an H100 (docs/cuda.md): half inputs run fastest with 64 (0.84 ms against 1.39
-    with 16 at N = 16k), float32's exact products with 16 (1.6 ms against 17 with 64, whose tiles spill). tl.dot
-    needs at least 16; the interpreter (tests) runs 16, the smallest."""
+def _rows_per_tile(dtype: torch.dtype, name: str = "elu", rotated: bool = False, backward: bool = False) -> int:
+    """Positions per tile, measured on an H100 at N = 16k (docs/cuda.md). Half inputs: 64 (elu's forward 1.01 ms
+    against 1.16 with 32 and 1.39 with 16), but 32 with rotary position (64 asks for more shared memory than an H100
+    has) and for taylor, focused and hedgehog when a backward follows (forward + backward 8.2 against 10.3 ms for
+    taylor, 7.2 / 8.4 focused, 8.5 / 10.1 hedgehog). float32's exact products: 16 (1.6 ms against 17 with 64, whose
+    tiles spill). tl.dot needs at least 16; the interpreter (tests) runs 16, the smallest."""
     if BLOCK is not None:
         return BLOCK
-    return 64 if dtype != torch.float32 and not interpreted() else 16
+    if dtype == torch.float32 or interpreted():
+        return 16
+    return 32 if rotated or (backward and name not in ("elu", "relu")) else 64
+
+
+def _backward_follows(*tensors: Optional[Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _precision(dtype: torch.dtype, device: torch.device) -> str:
@@ -332,11 +341,12 @@ def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_map, key_padding_m
     features = d + 1 if name == "taylor" else d
     cos, sin = (None, None) if rope_tables is None else (t.to(q.device, torch.float32).contiguous()
                                                          for t in rope_tables)
-    st = _Setting(name, d, v.shape[-1], features, features, 0 if cos is None else cos.shape[-1],
-                  float(getattr(feature_map, "focusing_factor", 0.0)), _rows_per_tile(q.dtype))
     scale = None
     if name == "focused":
         _, scale = feature_map.compiled_settings(q)  # (H, d) float32 or None
+    rows = _rows_per_tile(q.dtype, name, cos is not None, _backward_follows(q, k, v, scale, initial_state))
+    st = _Setting(name, d, v.shape[-1], features, features, 0 if cos is None else cos.shape[-1],
+                  float(getattr(feature_map, "focusing_factor", 0.0)), rows)
     return _TritonAttention.apply(st, q, k, v, mask, scale, None, scale, None, initial_state, cos, sin)
 
 
@@ -347,6 +357,7 @@ def hedgehog_attention(q: Tensor, k: Tensor, v: Tensor, q_map, k_map, key_paddin
     (B, H, 2m, Dv + 1). Callers check ``why_not_hedgehog``."""
     q, k, v, mask = _prepared(q, k, v, key_padding_mask)
     m = q_map[0].shape[-1]
-    st = _Setting("hedgehog", q.shape[-1], v.shape[-1], 2 * m, m, 0, 0.0, _rows_per_tile(q.dtype))
+    rows = _rows_per_tile(q.dtype, "hedgehog", False, _backward_follows(q, k, v, *q_map, *k_map, initial_state))
+    st = _Setting("hedgehog", q.shape[-1], v.shape[-1], 2 * m, m, 0, 0.0, rows)
     params = [None if t is None else t.to(torch.float32).contiguous() for t in (*q_map, *k_map)]
     return _TritonAttention.apply(st, q, k, v, mask, *params, initial_state, None, None)
