@@ -1,3 +1,5 @@
+# The H100 run of docs/cuda.md "Every map on an H100": PYTHONPATH=. OUT=<dir> python3 this file (tile sizes forced;
+# the rotary-position exactness rows first). Raw rows land in /tmp/o.json, copied to triton_every_map_16k.json.
 import torch, json
 from tools import triton_bench as tb
 from linear_mha.functional import triton_kernel as tk
