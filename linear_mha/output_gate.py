@@ -11,7 +11,9 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from .functional import native_maps
 from .functional._common import compiling, functorch_active, needs_grad
+from .functional.backend import NATIVE, output_gate_backend
 from .registry import boolean
 
 OUTPUT_GATE_STATE = ("gate_weight", "gate_bias")
@@ -41,6 +43,8 @@ def apply_output_gate(module: nn.Module, out: Tensor, q: Tensor) -> Tensor:
     weight, bias = weight.to(q.dtype), module.gate_bias.to(q.dtype)
     if compiling() or functorch_active():  # graphs and torch.func transforms see the formula as plain ops
         return out * (2.0 * torch.sigmoid(q @ weight + bias)).to(out.dtype)
+    if output_gate_backend(out, q, weight, bias).backend == NATIVE:
+        return native_maps.output_gate(out, q, weight, bias)
     if needs_grad(out, q, weight, bias):
         return _OutputGate.apply(out, q, weight, bias)
     return _gated(out, q, weight, bias)

@@ -8,6 +8,7 @@ from torch import nn
 import linear_mha
 import modes
 from linear_mha import LinearMultiheadAttention, patch
+from linear_mha.functional import backend, native, native_maps
 
 E, H = 8, 2
 
@@ -168,3 +169,101 @@ def test_the_gate_function_gives_each_input_its_gradient_alone():
         got = torch.autograd.grad(_OutputGate.apply(out, q, w, b), leaves[wanted], grad)[0]
         want = torch.autograd.grad(out * 2 * torch.sigmoid(q @ w + b), leaves[wanted], grad)[0]
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+needs_native = pytest.mark.skipif(not native.available(), reason="the compiled CPU code is unavailable")
+
+
+def module_like(b, h, n, width, g, scale=1.0):
+    """(B, H, N, width) float32 heads laid out (B, N, H, width) in memory, as a module's projections give them."""
+    return (torch.randn(b, n, h, width, generator=g) * scale).transpose(1, 2)
+
+
+def relative_error(got, ref):
+    return float((got.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+@needs_native
+@pytest.mark.parametrize("sizes", [(2, 3, 37, 7, 5), (3, 6, 20, 16, 32), (2, 2, 53, 20, 33)], ids=str)
+@pytest.mark.parametrize("wanted", ["all", "out", "q", "weight", "bias"])
+def test_the_compiled_gate_matches_float64_with_each_gradient(sizes, wanted):
+    """float32 CPU tensors take the compiled gate (csrc/output_gate.c), the gate made a block of rows at a time:
+    output and every wanted gradient within float32 rounding of the float64 formula, the others None, at sizes
+    that are no whole number of vectors or blocks, and with tasks that span heads (d W and d b summed per head)."""
+    b, h, n, d, dv = sizes
+    g = torch.Generator().manual_seed(sum(sizes))
+    tensors = [module_like(b, h, n, dv, g), module_like(b, h, n, d, g), torch.randn(h, d, dv, generator=g) * 0.4,
+               torch.randn(h, 1, dv, generator=g) * 0.5]
+    grad = torch.randn(b, h, n, dv, generator=g)
+    names = ["out", "q", "weight", "bias"]
+    assert backend.output_gate_backend(*tensors).backend == backend.NATIVE
+    leaves = [t.detach().requires_grad_(wanted in ("all", name)) for t, name in zip(tensors, names)]
+    res = native_maps.output_gate(*leaves)
+    assert "CompiledOutputGate" in type(res.grad_fn).__name__ and res.stride() == tensors[0].stride()
+    res.backward(grad)
+    ref_leaves = [t.detach().double().requires_grad_() for t in tensors]
+    out, q, w, bias = ref_leaves
+    ref = out * 2 * torch.sigmoid(q @ w + bias)
+    ref.backward(grad.double())
+    assert relative_error(res, ref) < 1e-6
+    for leaf, ref_leaf, name in zip(leaves, ref_leaves, names):
+        if wanted in ("all", name):
+            assert relative_error(leaf.grad, ref_leaf.grad) < 2e-6, name
+        else:
+            assert leaf.grad is None, name
+    with torch.no_grad():
+        assert torch.equal(native_maps.output_gate(*tensors), res.detach())
+
+
+@needs_native
+def test_the_compiled_gate_saturates_to_zero_and_two_and_keeps_a_nan_in_its_row():
+    g = torch.Generator().manual_seed(1)
+    out, q = module_like(1, 2, 50, 16, g), module_like(1, 2, 50, 8, g, scale=100.0)  # |z| up to hundreds
+    w, bias = torch.randn(2, 8, 16, generator=g), torch.zeros(2, 1, 16)
+    q[0, 1, 7, 3] = float("nan")
+    leaves = [t.clone().requires_grad_() for t in (out, q, w, bias)]
+    res = native_maps.output_gate(*leaves)
+    res.backward(torch.ones_like(res))
+    z = q.double() @ w.double()
+    gate = 2 * torch.sigmoid(z)
+    nan_row = torch.zeros(1, 2, 50, 1, dtype=torch.bool)
+    nan_row[0, 1, 7] = True
+    assert torch.isnan(res.detach()).eq(nan_row.expand_as(res)).all()  # NaN stays in its row, and only there
+    # z of this size carries float32 rounding of ~1e-5 of |z|: a looser tolerance than the test above
+    want = (out.double() * gate).float().masked_fill(nan_row, 0)
+    torch.testing.assert_close(res.detach().masked_fill(nan_row, 0), want, rtol=1e-4, atol=1e-4)
+    assert (z.abs() > 90).double().mean() > 0.5  # most logits beyond float32 exp's range, and no inf or NaN came
+    assert torch.isfinite(leaves[0].grad.masked_fill(nan_row, 0)).all()
+
+
+@needs_native
+def test_the_compiled_gate_parameter_gradients_are_the_same_run_after_run():
+    """d W and d b are summed per task, not per thread: the same bits on every call whichever thread ran what."""
+    g = torch.Generator().manual_seed(2)
+    tensors = [module_like(2, 4, 300, 16, g), module_like(2, 4, 300, 16, g), torch.randn(4, 16, 16, generator=g),
+               torch.randn(4, 1, 16, generator=g)]
+    grad = torch.randn(2, 4, 300, 16, generator=g)
+    runs = []
+    for _ in range(5):
+        leaves = [t.detach().requires_grad_() for t in tensors]
+        native_maps.output_gate(*leaves).backward(grad)
+        runs.append([leaf.grad for leaf in leaves])
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(run, runs[0]))
+
+
+@needs_native
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_float32_module_takes_the_compiled_gate_and_agrees_with_float64(causal, monkeypatch):
+    calls = []
+    compiled = native_maps.output_gate
+    monkeypatch.setattr(native_maps, "output_gate", lambda *a: calls.append(1) or compiled(*a))
+    m64 = gated_module("kernel")
+    m32 = gated_module("kernel").float()
+    x = torch.randn(2, 40, E, dtype=torch.float64)
+    for m, x_ in ((m64, x.requires_grad_()), (m32, x.detach().float().requires_grad_())):
+        out, _ = m(x_, x_, x_, is_causal=causal)
+        out.sum().backward()
+    assert calls  # float64 took the composed Function, float32 the compiled one
+    assert relative_error(m32.gate_weight.grad, m64.gate_weight.grad) < 1e-5
+    assert relative_error(m32.in_proj_weight.grad, m64.in_proj_weight.grad) < 1e-5

@@ -253,6 +253,16 @@ def hedgehog_map_backend(z: Tensor, bias: Optional[Tensor]) -> Choice:
     return Choice(COMPOSED, f"not native because {why_not_native}")
 
 
+def output_gate_backend(out: Tensor, q: Tensor, weight: Tensor, bias: Tensor) -> Choice:
+    """The backend ``output_gate.apply_output_gate`` runs: the compiled gate (``native_maps.output_gate``) for
+    float32 CPU tensors, or PyTorch ops."""
+    why_not_native = native.why_not(out, q, weight, bias)
+    if why_not_native is None:
+        return Choice(NATIVE, "float32 CPU tensors: the gate made a block of rows at a time in compiled code and "
+                              "never stored, forward and backward")
+    return Choice(COMPOSED, f"not native because {why_not_native}")
+
+
 def product_backend(phi_q: Tensor, phi_k: Tensor, v: Tensor, initial_state: Optional[Tensor] = None) -> Choice:
     """The backend ``functional.causal_linear_product`` runs for features made already."""
     if functorch_active():

@@ -82,6 +82,9 @@ def _declare(library: ctypes.CDLL) -> None:
     library.lm_hedgehog_map_f32.argtypes = [p] * 3 + [i, i, l, i, i]
     library.lm_hedgehog_map_backward_f32.argtypes = [p] * 5 + [i, i, l, i, i]
     library.lm_hedgehog_map_tasks.argtypes = [i, i, l, i]
+    library.lm_output_gate_f32.argtypes = [p] * 5 + [i, i, l, i, i, s, i]
+    library.lm_output_gate_backward_f32.argtypes = [p] * 9 + [i, i, l, i, i, s, i]
+    library.lm_output_gate_tasks.argtypes = [i, i, l, i]
     library.lm_prefault.argtypes = [p, l, i]
     for fn in (library.lm_kernel_attention_f32, library.lm_kernel_attention_backward_f32,
                library.lm_causal_kernel_attention_f32, library.lm_causal_kernel_attention_backward_f32,
@@ -89,7 +92,8 @@ def _declare(library: ctypes.CDLL) -> None:
                library.lm_kernel_step_f32, library.lm_efficient_attention_f32,
                library.lm_efficient_attention_backward_f32, library.lm_focused_map_f32,
                library.lm_focused_map_backward_f32, library.lm_focused_map_tasks, library.lm_hedgehog_map_f32,
-               library.lm_hedgehog_map_backward_f32, library.lm_hedgehog_map_tasks, library.lm_prefault):
+               library.lm_hedgehog_map_backward_f32, library.lm_hedgehog_map_tasks, library.lm_output_gate_f32,
+               library.lm_output_gate_backward_f32, library.lm_output_gate_tasks, library.lm_prefault):
         fn.restype = ctypes.c_int
 
 
@@ -256,7 +260,7 @@ def rows_like(t: Tensor, b: int, h: int, n: int, width: int) -> Tensor:
     return output(t, b, h, n, width)
 
 
-def _strides(*tensors: Optional[Tensor]):
+def row_strides(*tensors: Optional[Tensor]):
     """The (B, H, position) strides of each tensor, 0s for None, as the entry points' ``strides`` take them."""
     values = [stride for t in tensors for stride in (t.stride()[:3] if t is not None else (0, 0, 0))]
     return (ctypes.c_long * len(values))(*values)
@@ -312,13 +316,13 @@ def _forward(q, k, v, mask, init, feature_map, causal, keep, rope=None, scale=No
     inputs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), pointer(mask))
     if rope is not None:
         status = _lib().lm_rope_kernel_attention_f32(*inputs, out.data_ptr(), pointer(state), pointer(den), *tail,
-                                                     *_rope_arguments(rope), _strides(out))
+                                                     *_rope_arguments(rope), row_strides(out))
     elif causal:
         status = _lib().lm_causal_kernel_attention_f32(*inputs, pointer(init), out.data_ptr(), pointer(den), *tail,
-                                                       power, pointer(scale), _strides(out))
+                                                       power, pointer(scale), row_strides(out))
     else:
         status = _lib().lm_kernel_attention_f32(*inputs, pointer(init), out.data_ptr(), pointer(state), pointer(den),
-                                                *tail, power, pointer(scale), _strides(out))
+                                                *tail, power, pointer(scale), row_strides(out))
     _check(status)
     return out, state, den
 
@@ -351,7 +355,7 @@ class _KernelAttention(torch.autograd.Function):
                  rows_like(v, b, h, n_k, dv) if need_v else None,
                  q.new_empty(b, h, features, dv + 1) if need_init else None)
         grad_out = rows_readable(grad_out)  # held in a name: a temporary's memory would be freed before the call
-        strides = _strides(out, grad_out, *grads[:3])
+        strides = row_strides(out, grad_out, *grads[:3])
         pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), pointer(mask))
         if ctx.rope:
             sizes = _sizes(q, k, v, True, _feature_rows(ctx.feature_map, d, rope))

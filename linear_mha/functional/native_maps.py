@@ -1,7 +1,8 @@
-"""Feature maps of a whole row in the compiled CPU code (csrc/focused_map.c, csrc/hedgehog_map.c): one pass that
-reads a row and writes its features, forward and backward, instead of a chain of elementwise PyTorch ops whose
-fresh N-sized outputs page-fault. Loaded and declared with the attention kernels by ``native.py``;
-``backend.focused_map_backend`` / ``backend.hedgehog_map_backend`` decide which calls come here."""
+"""Row passes beside attention in the compiled CPU code: the focused and hedgehog feature maps (csrc/focused_map.c,
+csrc/hedgehog_map.c) and the modules' output gate (csrc/output_gate.c). Each reads a row and writes its result,
+forward and backward, instead of a chain of PyTorch ops whose fresh N-sized outputs page-fault. Loaded and declared
+with the attention kernels by ``native.py``; ``backend.focused_map_backend``, ``backend.hedgehog_map_backend`` and
+``backend.output_gate_backend`` decide which calls come here."""
 from typing import Optional
 
 import torch
@@ -100,3 +101,54 @@ class _HedgehogMap(torch.autograd.Function):
         native.call("lm_hedgehog_map_backward_f32", z.data_ptr(), native.pointer(bias), grad_out.data_ptr(),
              grad_z.data_ptr(), native.pointer(partial), *z.shape, torch.get_num_threads())
         return grad_z, None if partial is None else partial.sum(0)
+
+
+def output_gate(out: Tensor, q: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    """out (B, H, L, Dv) * 2 sigmoid(q W + b) per head (``output_gate.py``): q (B, H, L, D), weight (H, D, Dv), bias
+    (H, 1, Dv), q and out with contiguous rows, any other strides. The gate is made a block of rows at a time and
+    never stored; differentiable in all four through the compiled backward, which recomputes it. Returns a tensor
+    laid out as out is (``native.rows_like``). Callers check ``backend.output_gate_backend``."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (out, q, weight, bias)):
+        return _CompiledOutputGate.apply(out, q, weight, bias)
+    return _gate_forward(out, q, weight.contiguous(), bias.contiguous())
+
+
+def _gate_sizes(out, q):
+    b, h, n, dv = out.shape
+    return b, h, n, q.shape[-1], dv
+
+
+def _gate_forward(out, q, weight, bias):
+    res = native.rows_like(out, *out.shape)
+    native.call("lm_output_gate_f32", q.data_ptr(), weight.data_ptr(), bias.data_ptr(), out.data_ptr(), res.data_ptr(),
+                *_gate_sizes(out, q), native.row_strides(q, out, res), torch.get_num_threads())
+    return res
+
+
+class _CompiledOutputGate(torch.autograd.Function):
+    """The compiled gate with its compiled backward; d W and d b are summed per task, then over tasks here."""
+
+    @staticmethod
+    def forward(ctx, out, q, weight, bias):
+        weight, bias = weight.contiguous(), bias.contiguous()
+        ctx.save_for_backward(out, q, weight, bias)
+        return _gate_forward(out, q, weight, bias)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        out, q, weight, bias = ctx.saved_tensors
+        wanted = ctx.needs_input_grad
+        grad = native.rows_readable(grad)
+        grad_out = native.rows_like(out, *out.shape) if wanted[0] else None
+        grad_q = native.rows_like(q, *q.shape) if wanted[1] else None
+        b, h, n, d, dv = _gate_sizes(out, q)
+        tasks = native.count("lm_output_gate_tasks", b, h, n, torch.get_num_threads())
+        grad_w = weight.new_zeros(tasks, h, d, dv) if wanted[2] else None
+        grad_b = bias.new_zeros(tasks, h, 1, dv) if wanted[3] else None
+        native.call("lm_output_gate_backward_f32", q.data_ptr(), weight.data_ptr(), bias.data_ptr(), out.data_ptr(),
+                    grad.data_ptr(), native.pointer(grad_out), native.pointer(grad_q), native.pointer(grad_w),
+                    native.pointer(grad_b), b, h, n, d, dv, native.row_strides(q, out, grad, grad_out, grad_q),
+                    torch.get_num_threads())
+        return (grad_out, grad_q, None if grad_w is None else grad_w.sum(0),
+                None if grad_b is None else grad_b.sum(0))
