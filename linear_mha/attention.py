@@ -222,7 +222,7 @@ class LinearMultiheadAttention(AttentionAdapter, nn.Module):
                                     attn_mask=mask, is_causal=is_causal, extra_keys=extra_keys,
                                     need_weights=need_weights, dropout_p=self.dropout if self.training else 0.0,
                                     token_grid=token_grid)
-        out = apply_output_gate(self, add_local_term(self, out, v, kpm, mask, is_causal, token_grid), q)
+        out = apply_output_gate(self, add_local_term(self, out, v, kpm, mask, is_causal, token_grid), q, inplace=True)
         out = self.out_proj(out.transpose(1, 2).reshape(layout["batch"], layout["tgt_len"], self.embed_dim))
         if weights is not None and average_attn_weights:
             weights = weights.mean(dim=1)

@@ -35,8 +35,10 @@ def install_output_gate(module: nn.Module, num_heads: int, head_dim: int, value_
     module.gate_bias = nn.Parameter(torch.zeros(num_heads, 1, value_dim, **factory_kwargs))
 
 
-def apply_output_gate(module: nn.Module, out: Tensor, q: Tensor) -> Tensor:
-    """out (B, H, L, d_v) gated by the queries q (B, H, L, d) of the same call (a no-op without a gate)."""
+def apply_output_gate(module: nn.Module, out: Tensor, q: Tensor, inplace: bool = False) -> Tensor:
+    """out (B, H, L, d_v) gated by the queries q (B, H, L, d) of the same call (a no-op without a gate).
+    ``inplace``: out is the caller's own fresh intermediate, which the compiled gate may write over without
+    autograd."""
     weight: Optional[Tensor] = getattr(module, "gate_weight", None)
     if weight is None:
         return out
@@ -44,7 +46,7 @@ def apply_output_gate(module: nn.Module, out: Tensor, q: Tensor) -> Tensor:
     if compiling() or functorch_active():  # graphs and torch.func transforms see the formula as plain ops
         return out * (2.0 * torch.sigmoid(q @ weight + bias)).to(out.dtype)
     if output_gate_backend(out, q, weight, bias).backend == NATIVE:
-        return native_maps.output_gate(out, q, weight, bias)
+        return native_maps.output_gate(out, q, weight, bias, inplace=inplace)
     if needs_grad(out, q, weight, bias):
         return _OutputGate.apply(out, q, weight, bias)
     return _gated(out, q, weight, bias)

@@ -213,6 +213,8 @@ def test_the_compiled_gate_matches_float64_with_each_gradient(sizes, wanted):
             assert leaf.grad is None, name
     with torch.no_grad():
         assert torch.equal(native_maps.output_gate(*tensors), res.detach())
+        own = tensors[0].clone()
+        assert native_maps.output_gate(own, *tensors[1:], inplace=True) is own and torch.equal(own, res.detach())
 
 
 @needs_native
@@ -257,13 +259,19 @@ def test_the_compiled_gate_parameter_gradients_are_the_same_run_after_run():
 def test_a_float32_module_takes_the_compiled_gate_and_agrees_with_float64(causal, monkeypatch):
     calls = []
     compiled = native_maps.output_gate
-    monkeypatch.setattr(native_maps, "output_gate", lambda *a: calls.append(1) or compiled(*a))
+    monkeypatch.setattr(native_maps, "output_gate", lambda *a, **kw: calls.append(kw) or compiled(*a, **kw))
     m64 = gated_module("kernel")
     m32 = gated_module("kernel").float()
     x = torch.randn(2, 40, E, dtype=torch.float64)
+    outputs = []
     for m, x_ in ((m64, x.requires_grad_()), (m32, x.detach().float().requires_grad_())):
         out, _ = m(x_, x_, x_, is_causal=causal)
         out.sum().backward()
-    assert calls  # float64 took the composed Function, float32 the compiled one
+        outputs.append(out.detach())
+    assert len(calls) == 1  # float64 took the composed Function, float32 the compiled one
+    with torch.no_grad():  # written over the module's own heads
+        inference, _ = m32(x.float(), x.float(), x.float(), is_causal=causal)
+    assert calls[-1] == {"inplace": True}
+    assert relative_error(inference, outputs[0]) < 1e-6 and relative_error(outputs[1], outputs[0]) < 1e-6
     assert relative_error(m32.gate_weight.grad, m64.gate_weight.grad) < 1e-5
     assert relative_error(m32.in_proj_weight.grad, m64.in_proj_weight.grad) < 1e-5

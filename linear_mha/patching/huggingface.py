@@ -215,7 +215,7 @@ class LinearHFAttention(AttentionAdapter, nn.Module):
         grid = resolve_token_grid(self, None)
         out, _ = attend_heads(self.method, self.method.state(self), q, k, v, key_padding_mask=masked, is_causal=causal,
                               dropout_p=dropout, token_grid=grid)
-        out = apply_output_gate(self, add_local_term(self, out, v, masked, None, causal, grid), q)
+        out = apply_output_gate(self, add_local_term(self, out, v, masked, None, causal, grid), q, inplace=True)
         return out[:, :, S - L:] if causal else out
 
     def _decode(self, layer, q, k, v, masked, causal):

@@ -158,7 +158,7 @@ class LinearTimmAttention(AttentionAdapter, nn.Module):
         out, _ = attend_heads(self.method, self.method.state(self), q, k, v, key_padding_mask=kpm, attn_mask=mask,
                               is_causal=is_causal, dropout_p=self.attn_drop.p if self.training else 0.0,
                               token_grid=grid)
-        out = apply_output_gate(self, add_local_term(self, out, v, kpm, mask, is_causal, grid), q)
+        out = apply_output_gate(self, add_local_term(self, out, v, kpm, mask, is_causal, grid), q, inplace=True)
         out = self.norm(out.transpose(1, 2).reshape(B, N, self.attn_dim))
         if gate is not None:
             out = out * gate
