@@ -79,13 +79,14 @@ class _OutputGate(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad):
         out, q, weight, bias = ctx.saved_tensors
-        gate = _gate(q, weight, bias)  # s = 2·sigmoid(z)
+        z = torch.matmul(q, weight).add_(bias)
+        gate = torch.sigmoid(z).mul_(2.0)  # s = 2·sigmoid(z)
         grad_out = (grad * gate.to(grad.dtype)) if ctx.needs_input_grad[0] else None
         if not any(ctx.needs_input_grad[1:]):
             return grad_out, None, None, None
-        # d z = grad ⊙ out ⊙ (s - s² / 2), since d s / d z = 2·sigmoid(z)(1 - sigmoid(z)); made over s, which is
-        # not needed after it: each fresh N-sized tensor costs more in page faults than its arithmetic
-        grad_z = gate.addcmul_(gate, gate, value=-0.5).mul_(grad.to(gate.dtype)).mul_(out.to(gate.dtype))
+        # d z = grad ⊙ out ⊙ 2·sigmoid(z)·sigmoid(-z), made over s, which is not needed after it (each fresh N-sized
+        # tensor costs more in page faults than its arithmetic). Not s - s²/2: that cancels as the gate saturates.
+        grad_z = gate.mul_(z.neg_().sigmoid_()).mul_(grad.to(gate.dtype)).mul_(out.to(gate.dtype))
         grad_q = torch.matmul(grad_z, weight.transpose(-1, -2)) if ctx.needs_input_grad[1] else None
         grad_weight = torch.matmul(q.transpose(-1, -2), grad_z).sum_to_size(weight.shape) \
             if ctx.needs_input_grad[2] else None

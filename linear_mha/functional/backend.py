@@ -253,14 +253,31 @@ def hedgehog_map_backend(z: Tensor, bias: Optional[Tensor]) -> Choice:
     return Choice(COMPOSED, f"not native because {why_not_native}")
 
 
-def output_gate_backend(out: Tensor, q: Tensor, weight: Tensor, bias: Tensor) -> Choice:
+def why_not_gate_shapes(out: Tensor, q: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Optional[str]:
+    """Why these are not the shapes the compiled gate reads (the composed formula broadcasts), or None."""
+    if out.dim() != 4 or q.dim() != 4 or q.shape[:3] != out.shape[:3]:
+        return f"out {tuple(out.shape)} and q {tuple(q.shape)} are not (B, H, L, Dv) and (B, H, L, D)"
+    h, d, dv = out.shape[1], q.shape[-1], out.shape[-1]
+    if weight.shape != (h, d, dv) or (bias is not None and bias.shape != (h, 1, dv)):
+        return (f"the gate's weight {tuple(weight.shape)} and bias {None if bias is None else tuple(bias.shape)} are "
+                f"not ({h}, {d}, {dv}) and ({h}, 1, {dv})")
+    return None
+
+
+def output_gate_backend(out: Tensor, q: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Choice:
     """The backend ``output_gate.apply_output_gate`` runs: the compiled gate (``native_maps.output_gate``) for
-    float32 CPU tensors, or PyTorch ops."""
-    why_not_native = native.why_not(out, q, weight, bias)
-    if why_not_native is None:
+    float32 CPU tensors of its shapes, or PyTorch ops. The weight and bias may have any strides (they are small and
+    copied when they need to be)."""
+    why_not = why_not_gate_shapes(out, q, weight, bias)
+    if why_not is None:
+        why_not = next((f"the gate's {name} is {t.dtype} on {t.device}" for name, t in (("weight", weight),
+                        ("bias", bias)) if t is not None and (t.dtype != torch.float32 or not t.is_cpu)), None)
+    if why_not is None and native.why_not(out, q) is not None:
+        why_not = f"not native because {native.why_not(out, q)}"
+    if why_not is None:
         return Choice(NATIVE, "float32 CPU tensors: the gate made a block of rows at a time in compiled code and "
                               "never stored, forward and backward")
-    return Choice(COMPOSED, f"not native because {why_not_native}")
+    return Choice(COMPOSED, why_not)
 
 
 def product_backend(phi_q: Tensor, phi_k: Tensor, v: Tensor, initial_state: Optional[Tensor] = None) -> Choice:

@@ -66,7 +66,7 @@ def enabled() -> bool:
 def _declare(library: ctypes.CDLL) -> None:
     p, i, l = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
     f = ctypes.c_float
-    s = ctypes.POINTER(ctypes.c_long)  # strides over (B, H, position) of the outputs and gradients (_strides)
+    s = ctypes.POINTER(ctypes.c_long)  # strides over (B, H, position) of the outputs and gradients (row_strides)
     library.lm_kernel_attention_f32.argtypes = [p] * 8 + [i, i, l, l, i, i] + [l] * 9 + [i, i, f, p, s]
     library.lm_kernel_attention_backward_f32.argtypes = [p] * 12 + [i, i, l, l, i, i] + [l] * 9 + [i, i, f, p, p, s]
     library.lm_causal_kernel_attention_f32.argtypes = [p] * 7 + [i, i, l, i, i] + [l] * 9 + [i, i, f, p, s]

@@ -10,6 +10,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import native
+from ._common import needs_grad
 
 
 def _partial_sums(tasks_entry: str, x: Tensor, shape, wanted: bool) -> Optional[Tensor]:
@@ -103,15 +104,21 @@ class _HedgehogMap(torch.autograd.Function):
         return grad_z, None if partial is None else partial.sum(0)
 
 
-def output_gate(out: Tensor, q: Tensor, weight: Tensor, bias: Tensor, inplace: bool = False) -> Tensor:
+def output_gate(out: Tensor, q: Tensor, weight: Tensor, bias: Optional[Tensor], inplace: bool = False) -> Tensor:
     """out (B, H, L, Dv) * 2 sigmoid(q W + b) per head (``output_gate.py``): q (B, H, L, D), weight (H, D, Dv), bias
-    (H, 1, Dv), q and out with contiguous rows, any other strides. The gate is made a block of rows at a time and
-    never stored; differentiable in all four through the compiled backward, which recomputes it. Returns a tensor
-    laid out as out is (``native.rows_like``), or, with ``inplace`` and no gradient wanted, out itself, written
-    over: a fresh N-sized output's page faults cost 40% of the gate. Callers check ``backend.output_gate_backend``."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (out, q, weight, bias)):
+    (H, 1, Dv) or None, q and out with contiguous rows, any other strides. The gate is made a block of rows at a time
+    and never stored; differentiable in all four through the compiled backward, which recomputes it. Returns a
+    tensor laid out as out is (``native.rows_like``), or, with ``inplace`` and no gradient wanted, out itself, written
+    over (unless its rows share memory, as an expanded tensor's do): a fresh N-sized output's page faults cost 40% of
+    the gate. Callers check ``backend.output_gate_backend``."""
+    if needs_grad(out, q, weight, bias):
         return _CompiledOutputGate.apply(out, q, weight, bias)
-    return _gate_forward(out, q, weight.contiguous(), bias.contiguous(), out if inplace else None)
+    shared = any(stride == 0 and size > 1 for stride, size in zip(out.stride(), out.shape))
+    return _gate_forward(out, q, *_gate_parameters(weight, bias), out if inplace and not shared else None)
+
+
+def _gate_parameters(weight, bias):
+    return weight.contiguous(), None if bias is None else bias.contiguous()
 
 
 def _gate_sizes(out, q):
@@ -121,8 +128,8 @@ def _gate_sizes(out, q):
 
 def _gate_forward(out, q, weight, bias, res=None):
     res = native.rows_like(out, *out.shape) if res is None else res
-    native.call("lm_output_gate_f32", q.data_ptr(), weight.data_ptr(), bias.data_ptr(), out.data_ptr(), res.data_ptr(),
-                *_gate_sizes(out, q), native.row_strides(q, out, res), torch.get_num_threads())
+    native.call("lm_output_gate_f32", q.data_ptr(), weight.data_ptr(), native.pointer(bias), out.data_ptr(),
+                res.data_ptr(), *_gate_sizes(out, q), native.row_strides(q, out, res), torch.get_num_threads())
     return res
 
 
@@ -131,7 +138,7 @@ class _CompiledOutputGate(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out, q, weight, bias):
-        weight, bias = weight.contiguous(), bias.contiguous()
+        weight, bias = _gate_parameters(weight, bias)
         ctx.save_for_backward(out, q, weight, bias)
         return _gate_forward(out, q, weight, bias)
 
@@ -143,13 +150,12 @@ class _CompiledOutputGate(torch.autograd.Function):
         grad = native.rows_readable(grad)
         grad_out = native.rows_like(out, *out.shape) if wanted[0] else None
         grad_q = native.rows_like(q, *q.shape) if wanted[1] else None
-        b, h, n, d, dv = _gate_sizes(out, q)
-        tasks = native.count("lm_output_gate_tasks", b, h, n, torch.get_num_threads())
-        grad_w = weight.new_zeros(tasks, h, d, dv) if wanted[2] else None
-        grad_b = bias.new_zeros(tasks, h, 1, dv) if wanted[3] else None
-        native.call("lm_output_gate_backward_f32", q.data_ptr(), weight.data_ptr(), bias.data_ptr(), out.data_ptr(),
-                    grad.data_ptr(), native.pointer(grad_out), native.pointer(grad_q), native.pointer(grad_w),
-                    native.pointer(grad_b), b, h, n, d, dv, native.row_strides(q, out, grad, grad_out, grad_q),
-                    torch.get_num_threads())
+        grad_w = _partial_sums("lm_output_gate_tasks", out, weight.shape, wanted[2])
+        grad_b = _partial_sums("lm_output_gate_tasks", out, () if bias is None else bias.shape,
+                               bias is not None and wanted[3])
+        native.call("lm_output_gate_backward_f32", q.data_ptr(), weight.data_ptr(), native.pointer(bias),
+                    out.data_ptr(), grad.data_ptr(), native.pointer(grad_out), native.pointer(grad_q),
+                    native.pointer(grad_w), native.pointer(grad_b), *_gate_sizes(out, q),
+                    native.row_strides(q, out, grad, grad_out, grad_q), torch.get_num_threads())
         return (grad_out, grad_q, None if grad_w is None else grad_w.sum(0),
                 None if grad_b is None else grad_b.sum(0))

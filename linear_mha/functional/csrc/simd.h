@@ -22,6 +22,8 @@ typedef float vf __attribute__((vector_size(4 * W)));
 typedef int32_t vi __attribute__((vector_size(4 * W)));
 typedef float vf_u __attribute__((vector_size(4 * W), aligned(4)));
 
+/* n rounded up to whole vectors. */
+static inline int whole_vectors(int n) { return (n + W - 1) / W * W; }
 static inline vf load(const float *p) { return *(const vf_u *)p; }
 static inline void store(float *p, vf x) { *(vf_u *)p = x; }
 /* A broadcast written lane by lane: for (vf){0} + s GCC 12 left extra zeroing instructions in the GEMM tiles, which
