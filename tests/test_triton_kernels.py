@@ -70,13 +70,12 @@ def test_the_kernels_read_no_plain_module_globals():
     import triton.language as tl
     from linear_mha.functional import triton_jit
     allowed = (tl.constexpr, triton.runtime.JITFunction, types.ModuleType)
-    module_globals = vars(triton_jit)
-    kernels = {name: fn for name, fn in module_globals.items() if isinstance(fn, triton.runtime.JITFunction)}
+    kernels = {name: fn for name, fn in vars(triton_jit).items() if isinstance(fn, triton.runtime.JITFunction)}
     assert len(kernels) >= 10
     plain = sorted({f"{name} reads {node.id}" for name, fn in kernels.items()
                     for node in ast.walk(ast.parse(textwrap.dedent(fn.src)))
-                    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in module_globals
-                    and not isinstance(module_globals[node.id], allowed)})
+                    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in fn.fn.__globals__
+                    and not isinstance(fn.fn.__globals__[node.id], allowed)})
     assert not plain, plain
 
 
@@ -206,6 +205,18 @@ def test_a_map_not_yet_run_on_a_gpu_waits_for_all(monkeypatch):
         assert "CUDA" in triton_kernel.why_not(q, k, v, "taylor", None)  # CPU tensors: only the device is left
     finally:
         triton_kernel.set_enabled(previous, all_maps=os.environ.get("LINEAR_MHA_TRITON") == "all")
+
+
+def test_maps_beyond_elu_are_taken_by_default_only_where_they_ran_on_a_gpu():
+    """taylor, focused and hedgehog hold more tiles than elu: compiled for sm_90 at head size 64 they ask for up to
+    188,416 bytes of shared memory, more than an A100 has, so the chooser takes them by default only at the widths
+    and on the GPUs where they ran (an H100 at 64); elu and relu everywhere, as before."""
+    h100, a100 = 232448, 166912
+    for name in ("taylor", "focused", "hedgehog"):
+        assert triton_kernel.outside_checked(name, 64, h100) is None
+        assert "LINEAR_MHA_TRITON=all" in triton_kernel.outside_checked(name, 128, h100)
+        assert "166912 bytes" in triton_kernel.outside_checked(name, 64, a100)
+    assert triton_kernel.outside_checked("elu", 128, a100) is None
 
 
 def compare(fn, tensors, grad, tolerance=1e-5):

@@ -6,8 +6,8 @@
 # 2. tools.benchmark's CUDA grid in bfloat16 and float32 (resumable: run it again to finish an interrupted grid);
 # 3. tools.triton_bench: the fused Triton kernels' exactness (every map) and times against the PyTorch path, SDPA and
 #    SDPA's flash kernel;
-# 4. tools.detr_step: a DETR-R50 DC5 training step at 800 x 1333, softmax against linear encoders, then again with
-#    LINEAR_MHA_TRITON=all so that the recommended taylor + DWC + rope encoder takes the Triton kernels too.
+# 4. tools.detr_step: a DETR-R50 DC5 training step at 800 x 1333, softmax against linear encoders, the recommended
+#    taylor + DWC + rope encoder among them (its attention in the Triton kernels).
 # Every result lands in OUTPUT_DIR: pytest.log, bench_*.json / .png / .log, triton_bench.json, detr_step*.json.
 # Failing tests do not stop the measurements; the last line says whether the tests passed. $PYTHON picks the
 # interpreter (python).
@@ -28,6 +28,6 @@ done
 "$py" -m tools.triton_bench --methods elu taylor focused hedgehog taylor_rope --json "$out/triton_bench.json" 2>&1 \
     | tee "$out/triton_bench.log"
 "$py" -m tools.detr_step --device cuda --dc5 --batch 2 --json "$out/detr_step.json"
-LINEAR_MHA_TRITON=all "$py" -m tools.detr_step --device cuda --dc5 --batch 2 \
-    --variants softmax kernel taylor-dwc3:rope=True --json "$out/detr_step_triton_all.json"
+"$py" -m tools.detr_step --device cuda --dc5 --batch 2 --variants softmax kernel taylor-dwc3:rope=True \
+    --json "$out/detr_step_recommended.json"
 echo "results in $out; tests $tests"

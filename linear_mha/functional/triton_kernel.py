@@ -1,4 +1,5 @@
-"""Fused Triton kernels for non-causal kernel attention with the elu, relu or taylor map, forward and backward:
+"""Fused Triton kernels for non-causal kernel attention with the elu, relu, taylor or focused map or hedgehog's
+learned maps (rotary position optional), forward and backward:
 
     out_i = phi(q_i) S / phi(q_i) z,   S = sum_j phi(k_j) v_j^T,   z = sum_j phi(k_j)   (masked keys left out)
 
@@ -16,6 +17,7 @@ them too (2-9x their PyTorch path's speed there); a map added to MAPS waits for 
 has run on a GPU (GPU_CHECKED).
 """
 import contextlib
+import functools
 import importlib.util
 import os
 from typing import NamedTuple, Optional, Tuple
@@ -37,6 +39,13 @@ MAPS = {"elu": 0, "relu": 1, "taylor": 2, "focused": 3, "hedgehog": 4}  # triton
 # Maps whose kernels have run on a GPU against float64 (docs/cuda.md: an H100, taylor with rotary position too); a
 # map added to MAPS runs under the interpreter only until it has, and is taken on CUDA with LINEAR_MHA_TRITON=all.
 GPU_CHECKED = ("elu", "relu", "taylor", "focused", "hedgehog")
+# Where the maps beyond elu/relu are taken by default: head sizes (and hedgehog's features) up to CHECKED_WIDTH on a
+# GPU with at least CHECKED_SHARED_MEMORY bytes of shared memory per block, as the H100 run had. Their kernels hold
+# more tiles than elu's: compiled for sm_90 at head size 64 they ask for up to 188,416 bytes (taylor + rope's key
+# gradients with 32-row tiles), more than an A100 (166,912) or a consumer card (about 101 KB) has, and at 128 more
+# than an H100 has; there they fail to launch, so they are left to LINEAR_MHA_TRITON=all.
+CHECKED_WIDTH = 64
+CHECKED_SHARED_MEMORY = 232448
 _setting = os.environ.get("LINEAR_MHA_TRITON", "1")
 _enabled, _all_maps = _setting != "0", _setting == "all"
 
@@ -112,15 +121,22 @@ def why_not_hedgehog(q: Tensor, k: Tensor, v: Tensor, q_map, k_map,
         return why_not_pair
     if q_map[0].shape[-1] > 128:
         return "hedgehog maps of more than 128 features"
-    return _why_not_tensors("hedgehog", q, k, v, initial_state)
+    return _why_not_tensors("hedgehog", q, k, v, initial_state, q_map[0].shape[-1])
 
 
-def _why_not_tensors(name: str, q: Tensor, k: Tensor, v: Tensor, initial_state: Optional[Tensor]) -> Optional[str]:
+def _why_not_tensors(name: str, q: Tensor, k: Tensor, v: Tensor, initial_state: Optional[Tensor],
+                     width: Optional[int] = None) -> Optional[str]:
+    """width: the features per map tile when not the head size (hedgehog's m)."""
     if not HAS_TRITON:
         return "triton is not installed"
-    if name not in GPU_CHECKED and not (_all_maps or interpreted()):
-        return (f"feature_map {name!r}: its Triton kernel has run only under Triton's interpreter so far "
-                f"(LINEAR_MHA_TRITON=all takes it)")
+    if not (_all_maps or interpreted()):
+        if name not in GPU_CHECKED:
+            return (f"feature_map {name!r}: its Triton kernel has run only under Triton's interpreter so far "
+                    f"(LINEAR_MHA_TRITON=all takes it)")
+        if q.is_cuda:
+            why_not_here = outside_checked(name, max(q.shape[-1], v.shape[-1], width or 0), _shared_memory(q.device))
+            if why_not_here is not None:
+                return why_not_here
     if initial_state is not None and initial_state.device != q.device:
         return f"the initial_state is on {initial_state.device}, the inputs on {q.device}"
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
@@ -136,6 +152,23 @@ def _why_not_tensors(name: str, q: Tensor, k: Tensor, v: Tensor, initial_state: 
     return None
 
 
+def outside_checked(name: str, widest: int, shared_memory: int) -> Optional[str]:
+    """Why a map's kernels are not taken by default at this width (the widest of the head sizes and hedgehog's
+    features) on a GPU with this much shared memory per block (CHECKED_WIDTH, CHECKED_SHARED_MEMORY), or None."""
+    if name in ("elu", "relu") or (widest <= CHECKED_WIDTH and shared_memory >= CHECKED_SHARED_MEMORY):
+        return None
+    return (f"feature_map {name!r}: its Triton kernels have run on GPUs with {CHECKED_SHARED_MEMORY} bytes of shared "
+            f"memory per block at head sizes up to {CHECKED_WIDTH}; wider ones or smaller GPUs may lack the memory "
+            f"(here {widest} wide, {shared_memory} bytes; LINEAR_MHA_TRITON=all takes it)")
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_memory(device: torch.device) -> int:
+    """Shared memory per block a kernel can ask for on this CUDA device (0 where torch does not say)."""
+    properties = torch.cuda.get_device_properties(device)
+    return int(getattr(properties, "shared_memory_per_block_optin", 0))
+
+
 def _kernels():
     """triton_jit.py, imported on first use so that triton itself is imported only when the kernels run. Whether they
     run compiled or interpreted is fixed when triton is first imported in the process (TRITON_INTERPRET then)."""
@@ -148,10 +181,11 @@ BLOCK = None  # positions per tile; None: _rows_per_tile's choice (the benchmark
 
 def _rows_per_tile(dtype: torch.dtype, name: str = "elu", rotated: bool = False, backward: bool = False) -> int:
     """Positions per tile, measured on an H100 at N = 16k (docs/cuda.md). Half inputs: 64 (elu's forward 1.01 ms
-    against 1.16 with 32 and 1.39 with 16), but 32 with rotary position (64 asks for more shared memory than an H100
-    has) and for taylor, focused and hedgehog when a backward follows (forward + backward 8.2 against 10.3 ms for
-    taylor, 7.2 / 8.4 focused, 8.5 / 10.1 hedgehog). float32's exact products: 16 (1.6 ms against 17 with 64, whose
-    tiles spill). tl.dot needs at least 16; the interpreter (tests) runs 16, the smallest."""
+    against 1.16 with 32; in an earlier run 0.84 against 1.39 with 16), but 32 with rotary position (at head size 64,
+    64 rows ask for more shared memory than an H100 has) and for taylor, focused and hedgehog when a backward follows
+    (forward + backward 8.2 against 10.3 ms for taylor, 7.2 / 8.4 focused, 8.5 / 10.1 hedgehog). float32's exact
+    products: 16 (1.6 ms against 17 with 64, whose tiles spill). tl.dot needs at least 16; the interpreter (tests)
+    runs 16, the smallest."""
     if BLOCK is not None:
         return BLOCK
     if dtype == torch.float32 or interpreted():
