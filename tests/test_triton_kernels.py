@@ -207,16 +207,21 @@ def test_a_map_not_yet_run_on_a_gpu_waits_for_all(monkeypatch):
         triton_kernel.set_enabled(previous, all_maps=os.environ.get("LINEAR_MHA_TRITON") == "all")
 
 
-def test_maps_beyond_elu_are_taken_by_default_only_where_they_ran_on_a_gpu():
-    """taylor, focused and hedgehog hold more tiles than elu: compiled for sm_90 at head size 64 they ask for up to
-    188,416 bytes of shared memory, more than an A100 has, so the chooser takes them by default only at the widths
-    and on the GPUs where they ran (an H100 at 64); elu and relu everywhere, as before."""
+def test_the_kernels_are_taken_by_default_only_where_their_shared_memory_fits():
+    """A kernel asking for more shared memory than the GPU has fails to launch: the chooser takes the kernels by
+    default only where they fit (compiled offline for sm_90): taylor, focused and hedgehog ask for up to 188,416
+    bytes at head size 64, more than an A100 has, so only there on an H100, as they ran; elu and relu at 64
+    anywhere and at 128 with an H100's memory."""
     h100, a100 = 232448, 166912
     for name in ("taylor", "focused", "hedgehog"):
         assert triton_kernel.outside_checked(name, 64, h100) is None
         assert "LINEAR_MHA_TRITON=all" in triton_kernel.outside_checked(name, 128, h100)
         assert "166912 bytes" in triton_kernel.outside_checked(name, 64, a100)
-    assert triton_kernel.outside_checked("elu", 128, a100) is None
+    for name in ("elu", "relu"):  # 65,536 bytes at 64 (any GPU), 196,608 at 128, more than an H100 has at 256
+        assert triton_kernel.outside_checked(name, 64, 101376) is None
+        assert triton_kernel.outside_checked(name, 128, h100) is None
+        assert "166912 bytes" in triton_kernel.outside_checked(name, 128, a100)
+        assert "LINEAR_MHA_TRITON=all" in triton_kernel.outside_checked(name, 256, h100)
 
 
 def compare(fn, tensors, grad, tolerance=1e-5):

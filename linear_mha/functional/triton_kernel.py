@@ -39,11 +39,12 @@ MAPS = {"elu": 0, "relu": 1, "taylor": 2, "focused": 3, "hedgehog": 4}  # triton
 # Maps whose kernels have run on a GPU against float64 (docs/cuda.md: an H100, taylor with rotary position too); a
 # map added to MAPS runs under the interpreter only until it has, and is taken on CUDA with LINEAR_MHA_TRITON=all.
 GPU_CHECKED = ("elu", "relu", "taylor", "focused", "hedgehog")
-# Where the maps beyond elu/relu are taken by default: head sizes (and hedgehog's features) up to CHECKED_WIDTH on a
-# GPU with at least CHECKED_SHARED_MEMORY bytes of shared memory per block, as the H100 run had. Their kernels hold
-# more tiles than elu's: compiled for sm_90 at head size 64 they ask for up to 188,416 bytes (taylor + rope's key
-# gradients with 32-row tiles), more than an A100 (166,912) or a consumer card (about 101 KB) has, and at 128 more
-# than an H100 has; there they fail to launch, so they are left to LINEAR_MHA_TRITON=all.
+# Where the kernels are taken by default, from the shared memory they ask for (compiled offline for sm_90) against
+# what a GPU has per block (an H100 232,448 bytes, an A100 166,912, consumer cards about 101 KB): a kernel that
+# asks for more fails to launch. elu/relu: up to 65,536 bytes at head size 64, taken on any GPU; 196,608 at 128,
+# taken with an H100's memory; at 256 more than an H100 has. The other maps hold more tiles: up to 188,416 bytes
+# at head size 64 (taylor + rope's key gradients), so they are taken at head sizes (and hedgehog features) up to
+# 64 with an H100's memory, as they ran. Everything else is left to LINEAR_MHA_TRITON=all.
 CHECKED_WIDTH = 64
 CHECKED_SHARED_MEMORY = 232448
 _setting = os.environ.get("LINEAR_MHA_TRITON", "1")
@@ -154,12 +155,18 @@ def _why_not_tensors(name: str, q: Tensor, k: Tensor, v: Tensor, initial_state: 
 
 def outside_checked(name: str, widest: int, shared_memory: int) -> Optional[str]:
     """Why a map's kernels are not taken by default at this width (the widest of the head sizes and hedgehog's
-    features) on a GPU with this much shared memory per block (CHECKED_WIDTH, CHECKED_SHARED_MEMORY), or None."""
-    if name in ("elu", "relu") or (widest <= CHECKED_WIDTH and shared_memory >= CHECKED_SHARED_MEMORY):
-        return None
-    return (f"feature_map {name!r}: its Triton kernels have run on GPUs with {CHECKED_SHARED_MEMORY} bytes of shared "
-            f"memory per block at head sizes up to {CHECKED_WIDTH}; wider ones or smaller GPUs may lack the memory "
-            f"(here {widest} wide, {shared_memory} bytes; LINEAR_MHA_TRITON=all takes it)")
+    features) on a GPU with this much shared memory per block (see CHECKED_WIDTH), or None."""
+    large = shared_memory >= CHECKED_SHARED_MEMORY
+    if name in ("elu", "relu"):
+        if widest <= CHECKED_WIDTH or (widest <= 2 * CHECKED_WIDTH and large):
+            return None
+        where = f"head sizes up to {CHECKED_WIDTH}, or {2 * CHECKED_WIDTH} with {CHECKED_SHARED_MEMORY} bytes"
+    else:
+        if widest <= CHECKED_WIDTH and large:
+            return None
+        where = f"head sizes up to {CHECKED_WIDTH} with {CHECKED_SHARED_MEMORY} bytes"
+    return (f"feature_map {name!r}: its Triton kernels fit in a GPU's shared memory per block at {where}; here "
+            f"{widest} wide with {shared_memory} bytes, where they may not launch (LINEAR_MHA_TRITON=all takes it)")
 
 
 @functools.lru_cache(maxsize=None)
