@@ -33,9 +33,10 @@ import torch
 from torch import Tensor
 
 from . import fla_causal, native, triton_kernel
-from ._common import compiling, compute_dtype, fixed_graph, functorch_active, needs_grad, why_not_fused_map_pair
+from ._common import compiling, compute_dtype, fixed_graph, functorch_active, needs_grad
 from .elementwise_program import program_map
 from .feature_maps import IN_PLACE_FEATURE_MAPS
+from .hedgehog_map import HedgehogMap
 
 NATIVE, NATIVE_FEATURES, FLA, TRITON, FUSED_CAUSAL, BLOCKED, CHUNKED, COMPOSED = (
     "native", "native_features", "fla", "triton", "fused_causal", "blocked_inference", "chunked", "composed")
@@ -182,7 +183,7 @@ def hedgehog_backend(q: Tensor, k: Tensor, v: Tensor, q_map, k_map, *, causal: b
                               "Triton kernels (LINEAR_MHA_TRITON=0 switches them off)")
     why_not_triton = "it is switched off" if why_not_triton is None else why_not_triton
     why_not_native = native.why_not(q, k, v, initial_state, dtype=compute_dtype(q.dtype))
-    why_not_maps = _why_not_compiled_hedgehog(q_map, k_map, window)
+    why_not_maps = "a sliding window" if window else HedgehogMap(q_map, k_map).why_not_compiled(q)
     if why_not_native is None and why_not_maps is None:
         return Choice(NATIVE, f"float32 CPU tensors: the maps' projections and double softmaxes, the products and the "
                               f"division in the compiled code, forward and backward; not triton because "
@@ -192,18 +193,6 @@ def hedgehog_backend(q: Tensor, k: Tensor, v: Tensor, q_map, k_map, *, causal: b
                                        f"compiled code; the maps not inside it because {why_not_maps}; not triton "
                                        f"because {why_not_triton}")
     return Choice(COMPOSED, f"not triton because {why_not_triton}; not native because {why_not_native}")
-
-
-def _why_not_compiled_hedgehog(q_map, k_map, window: bool) -> Optional[str]:
-    """Why the compiled kernels cannot compute these hedgehog maps in their row loaders, or None."""
-    if window:
-        return "a sliding window"
-    weights = [t for pair in (q_map, k_map) for t in pair if t is not None]
-    if any(not t.is_cpu for t in weights):
-        return f"the maps' weights are on {sorted({str(t.device) for t in weights})}"
-    if q_map[0].shape[-1] > native.HEDGEHOG_MAX_M:
-        return f"maps of {q_map[0].shape[-1]} features per softmax, above {native.HEDGEHOG_MAX_M}"
-    return why_not_fused_map_pair(q_map, k_map)
 
 
 def features_backend(phi_q: Tensor, phi_k: Tensor, v: Tensor, initial_state: Optional[Tensor] = None) -> Choice:

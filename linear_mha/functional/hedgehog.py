@@ -13,12 +13,12 @@ import torch
 from torch import Tensor
 
 from . import backend, native, native_maps, triton_kernel
+from .hedgehog_map import HedgehogMap, Map
 from ._common import check_qkv, compute_dtype, drop_keys, mask_keys, outside_autocast
 from .kernel import check_state, check_chunk_size
 from .kernel import feature_attention
 from .sliding_window import sliding_window_linear
 
-Map = Tuple[Tensor, Optional[Tensor]]  # (weight (H, d, m), bias (H, m) or None)
 
 
 def _check_weight(x: Tensor, weight: Tensor) -> None:
@@ -38,34 +38,6 @@ def hedgehog_features(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) 
     if bias is not None:
         z = z + bias[None, :, None, :]
     return torch.cat([torch.softmax(z, dim=-1), torch.softmax(-z, dim=-1)], dim=-1)
-
-
-class HedgehogMap:
-    """The query and key maps as the compiled kernels take them (map 8, csrc/hedgehog.h): their projections and
-    double softmaxes run inside the kernels' row loaders, forward and backward, and no feature tensor is made. The
-    settings are one float32 array, [d, m, W_q, W_k, b_q, b_k] (W (H, d, m), b (H, m), zeros for a missing bias),
-    made from the maps by differentiable ops, so the gradients the kernels sum into its layout reach W and b."""
-
-    compiled_map = "hedgehog"
-
-    def __init__(self, q_map: Map, k_map: Map):
-        self.q_map, self.k_map = q_map, k_map
-
-    def feature_count(self, d: int) -> int:
-        return 2 * self.q_map[0].shape[-1]
-
-    def why_not_compiled(self, q: Tensor) -> Optional[str]:
-        return None
-
-    def compiled_settings(self, q: Tensor) -> Tuple[float, Tensor]:
-        (w_q, b_q), (w_k, b_k) = self.q_map, self.k_map
-        h, d, m = w_q.shape
-        # float32 whatever torch's default dtype, on the CPU where the compiled code runs (its weights are checked so)
-        parts = [torch.tensor([float(d), float(m)], dtype=torch.float32)]
-        parts += [w.to(torch.float32).reshape(-1) for w in (w_q, w_k)]
-        parts += [torch.zeros(h * m, dtype=torch.float32) if b is None else b.to(torch.float32).reshape(-1)
-                  for b in (b_q, b_k)]
-        return 0.0, torch.cat(parts)
 
 
 @outside_autocast

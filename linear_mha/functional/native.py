@@ -4,7 +4,7 @@ Kernel attention with an elementwise map spends most of its CPU time in elementw
 tensors, not in its two GEMMs; the C functions fuse those passes into the GEMMs (see kernel_attention.c). They
 cover float32 CPU tensors: kernel attention with elu/relu/taylor/taylor2 maps, the focused map (its scales'
 gradient too), a user's elementwise map read as a program of steps (``elementwise_program.py``), hedgehog's learned
-maps (``hedgehog.HedgehogMap``, their weights' gradients too), or features made already (non-causal and causal, with gradients; elu/relu also the recurrent
+maps (``hedgehog_map.HedgehogMap``, their weights' gradients too), or features made already (non-causal and causal, with gradients; elu/relu also the recurrent
 decoding step), Efficient Attention (with gradients), and the focused and hedgehog feature maps on their own
 (with gradients, through ``native_maps.py``). Everything
 else (other dtypes, accelerators) stays in PyTorch, and so does everything when the compiled code is unavailable;
@@ -37,7 +37,7 @@ FEATURES_GIVEN = 3  # the C code's map for features made already (any map, made 
 # per-head scales), and a user's elementwise map read as a program of steps (an elementwise_program.ProgramMap).
 FOCUSED = 6
 PROGRAM = 7
-HEDGEHOG = 8  # hedgehog's learned maps (a hedgehog.HedgehogMap): 2m features from d inputs, projections included
+HEDGEHOG = 8  # hedgehog's learned maps (a hedgehog_map.HedgehogMap): 2m features from d inputs, projections included
 HEDGEHOG_MAX_M = 256  # csrc/hedgehog.h's HEDGEHOG_MAX_M
 SETTINGS_MAPS = {"focused": FOCUSED, "program": PROGRAM, "hedgehog": HEDGEHOG}
 
