@@ -204,19 +204,20 @@ def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_map,
                              f"features made already (feature_map None), as grid_rope_kernel does")
         (power, scale), feature_map = feature_map.compiled_settings(q), feature_map.compiled_map
     if rope_tables is not None:
-        features = feature_count(feature_map, q.shape[-1])
+        map_features = feature_count(feature_map, q.shape[-1])
         rotated = rope_tables[0].shape[-1]
         if causal or initial_state is not None or q.shape[2] != k.shape[2] or rope_tables[0].shape[0] != q.shape[2] \
-                or rotated % 4 or rotated > features:
+                or rotated % 4 or rotated > map_features:
             raise ValueError(f"rope_tables need non-causal self-attention without an initial state and (L, R) tables "
-                             f"for L positions, R a multiple of 4 up to the {features} features; got L={q.shape[2]}, "
+                             f"for L positions, R a multiple of 4 up to the {map_features} features; got "
+                             f"L={q.shape[2]}, "
                              f"S={k.shape[2]}, tables {tuple(rope_tables[0].shape)}, causal={causal}")
+    features = own_features or _feature_rows(feature_map, q.shape[-1], rope_tables)  # per row of the C code
     mask = None if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
     init = None if initial_state is None else initial_state.contiguous()
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, init, scale)):
-        return _KernelAttention.apply(q, k, v, init, mask, feature_map, causal, rope_tables, scale, power,
-                                      own_features)
-    return _forward(q, k, v, mask, init, feature_map, causal, False, rope_tables, scale, power, own_features)[0]
+        return _KernelAttention.apply(q, k, v, init, mask, feature_map, causal, rope_tables, scale, power, features)
+    return _forward(q, k, v, mask, init, feature_map, causal, False, rope_tables, scale, power, features)[0]
 
 
 def call(entry: str, *args) -> None:
@@ -304,11 +305,11 @@ def _rope_arguments(rope):
     return cos.data_ptr(), sin.data_ptr(), cos.shape[-1]
 
 
-def _forward(q, k, v, mask, init, feature_map, causal, keep, rope=None, scale=None, power=0.0, features=None):
-    """(out, state, den): the state (B, H, D, Dv + 1, non-causal only) and the normalisers den (B, H, L) are
-    returned for the backward when ``keep``, else None. ``features``: per position, for a map that says its own."""
+def _forward(q, k, v, mask, init, feature_map, causal, keep, rope, scale, power, features):
+    """(out, state, den): the state (B, H, F, Dv + 1, non-causal only) and the normalisers den (B, H, L) are
+    returned for the backward when ``keep``, else None. ``features``: F, per row of the C code (kernel_attention's)."""
     b, h, n_q, d = q.shape
-    dv, features = v.shape[-1], features or _feature_rows(feature_map, d, rope)
+    dv = v.shape[-1]
     out = rows_like(q, b, h, n_q, dv)
     den = output(q, b, h, n_q) if keep else None
     state = q.new_empty(b, h, features, dv + 1) if keep and not causal else None
@@ -346,7 +347,7 @@ class _KernelAttention(torch.autograd.Function):
         need_q, need_k, need_v, need_init = ctx.needs_input_grad[:4]
         need_scale = scale is not None and ctx.needs_input_grad[8]
         b, h, n_q, d = q.shape
-        n_k, dv, features = k.shape[2], v.shape[-1], ctx.features or feature_count(ctx.feature_map, d)
+        n_k, dv, features = k.shape[2], v.shape[-1], ctx.features
         threads = torch.get_num_threads()
         # The scales' gradient is summed from the rows whose input gradients the kernels write: those of q and k.
         partial = q.new_zeros(threads, *scale.shape) if need_scale else None
@@ -358,7 +359,7 @@ class _KernelAttention(torch.autograd.Function):
         strides = row_strides(out, grad_out, *grads[:3])
         pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), pointer(mask))
         if ctx.rope:
-            sizes = _sizes(q, k, v, True, _feature_rows(ctx.feature_map, d, rope))
+            sizes = _sizes(q, k, v, True, features)
             status = _lib().lm_rope_kernel_attention_backward_f32(
                 *pointers, state.data_ptr(), den.data_ptr(), out.data_ptr(), grad_out.data_ptr(),
                 *map(pointer, grads[:3]), *sizes, _map_code(ctx.feature_map), torch.get_num_threads(),
