@@ -142,10 +142,16 @@ static void backward_task(const void *ctx, int t, float *scratch) {
     if (params && head >= 0) flush_head(c, t, head, dw, db);
 }
 
-/* The task count (from the sizes and threads), W padded into (H, d, dvp) and, for a backward, W^T into
- * (H, dv, dp); -1 when they could not be allocated. */
-static int describe(struct gate_rows *c, const float *w, int b, int h, long n, int d, int dv, int threads,
-                    int transposed) {
+/* The inputs both passes read (q, b, out and their layouts: strides 0 and 1), the task count (from the sizes and
+ * threads), W padded into (H, d, dvp) and, for a backward, W^T into (H, dv, dp); -1 when they could not be
+ * allocated. */
+static int describe(struct gate_rows *c, const float *q, const float *w, const float *bias, const float *out, int b,
+                    int h, long n, int d, int dv, const long *strides, int threads, int transposed) {
+    c->q = q;
+    c->bias = bias;
+    c->out = out;
+    c->q_at = rows_from(strides, 0, h, n, d);
+    c->out_at = rows_from(strides, 1, h, n, dv);
     c->h = h;
     c->d = d;
     c->dv = dv;
@@ -184,13 +190,8 @@ int lm_output_gate_tasks(int b, int h, long n, int threads) {
 int lm_output_gate_f32(const float *q, const float *w, const float *bias, const float *out, float *res, int b, int h,
                        long n, int d, int dv, const long *strides, int threads) {
     struct gate_rows c = {0};
-    if (describe(&c, w, b, h, n, d, dv, threads, 0)) return finish(&c, -1);
-    c.q = q;
-    c.bias = bias;
-    c.out = out;
+    if (describe(&c, q, w, bias, out, b, h, n, d, dv, strides, threads, 0)) return finish(&c, -1);
     c.res = res;
-    c.q_at = rows_from(strides, 0, h, n, d);
-    c.out_at = rows_from(strides, 1, h, n, dv);
     c.res_at = rows_from(strides, 2, h, n, dv);
     return finish(&c, for_each_task(c.tasks, threads_for(threads), (long)ROWS * c.dvp, forward_task, &c, 0));
 }
@@ -201,17 +202,12 @@ int lm_output_gate_backward_f32(const float *q, const float *w, const float *bia
                                 const float *grad, float *grad_out, float *grad_q, float *grad_w, float *grad_b,
                                 int b, int h, long n, int d, int dv, const long *strides, int threads) {
     struct gate_rows c = {0};
-    if (describe(&c, w, b, h, n, d, dv, threads, grad_q != NULL)) return finish(&c, -1);
-    c.q = q;
-    c.bias = bias;
-    c.out = out;
+    if (describe(&c, q, w, bias, out, b, h, n, d, dv, strides, threads, grad_q != NULL)) return finish(&c, -1);
     c.grad = grad;
     c.grad_out = grad_out;
     c.grad_q = grad_q;
     c.grad_w = grad_w;
     c.grad_b = grad_b;
-    c.q_at = rows_from(strides, 0, h, n, d);
-    c.out_at = rows_from(strides, 1, h, n, dv);
     c.grad_at = rows_from(strides, 2, h, n, dv);
     c.grad_out_at = rows_from(strides, 3, h, n, dv);
     c.grad_q_at = rows_from(strides, 4, h, n, d);
