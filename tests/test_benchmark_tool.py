@@ -404,3 +404,20 @@ def test_the_cuda_run_says_it_needs_a_gpu_before_doing_anything(tmp_path):
                           env=dict(os.environ, PYTHON=sys.executable))
     assert proc.returncode != 0 and "no CUDA device" in proc.stderr
     assert not (tmp_path / "out").exists()  # nothing was run or written
+
+
+def test_module_profile_gives_each_variant_its_own_ops(tmp_path, capsys):
+    """tools.module_profile: one column per variant, the gate's own ops only in the gated one, the dwc variant's
+    convolution only in its own, a table and a JSON file; an unknown option is refused by name."""
+    from tools import module_profile
+    out = tmp_path / "profile.json"
+    columns = module_profile.main(["--n", "64", "--variants", "kernel", "kernel+gate", "taylor+dwc3", "--steps", "1",
+                                   "--json", str(out)])
+    gate_ops = [k for k in columns["kernel+gate"] if "OutputGate" in k and columns["kernel+gate"][k] > 0]
+    assert gate_ops and not any(columns["kernel"].get(k, 0) for k in gate_ops)
+    assert columns["taylor+dwc3"].get("aten::convolution_backward", 0) > 0
+    assert not columns["kernel"].get("aten::convolution_backward", 0)
+    assert json.loads(out.read_text())["ms_per_step"].keys() == columns.keys()
+    assert "| op | kernel | kernel+gate | taylor+dwc3 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="unknown option 'fast'"):
+        module_profile.main(["--n", "64", "--variants", "kernel+fast"])
