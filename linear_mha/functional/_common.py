@@ -107,6 +107,12 @@ def append_ones(v: Tensor) -> Tensor:
     return F.pad(v, (0, 1), value=1.0)  # one op, where cat needs a ones tensor first (decoding counts ops)
 
 
+def shares_memory_across_elements(t: Tensor) -> bool:
+    """Whether some of t's elements are one memory location (an expanded tensor's are): writing it in place would
+    write them more than once."""
+    return any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape))
+
+
 def needs_grad(*tensors: Optional[Tensor]) -> bool:
     """Whether autograd will record an op on these tensors (None entries are ignored)."""
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)

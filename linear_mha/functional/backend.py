@@ -261,8 +261,9 @@ def output_gate_backend(out: Tensor, q: Tensor, weight: Tensor, bias: Optional[T
     if why_not is None:
         why_not = next((f"the gate's {name} is {t.dtype} on {t.device}" for name, t in (("weight", weight),
                         ("bias", bias)) if t is not None and (t.dtype != torch.float32 or not t.is_cpu)), None)
-    if why_not is None and native.why_not(out, q) is not None:
-        why_not = f"not native because {native.why_not(out, q)}"
+    if why_not is None:
+        why_not_native = native.why_not(out, q)
+        why_not = None if why_not_native is None else f"not native because {why_not_native}"
     if why_not is None:
         return Choice(NATIVE, "float32 CPU tensors: the gate made a block of rows at a time in compiled code and "
                               "never stored, forward and backward")

@@ -10,7 +10,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import native
-from ._common import needs_grad
+from ._common import needs_grad, shares_memory_across_elements
 
 
 def _partial_sums(tasks_entry: str, x: Tensor, shape, wanted: bool) -> Optional[Tensor]:
@@ -113,8 +113,8 @@ def output_gate(out: Tensor, q: Tensor, weight: Tensor, bias: Optional[Tensor], 
     the gate. Callers check ``backend.output_gate_backend``."""
     if needs_grad(out, q, weight, bias):
         return _CompiledOutputGate.apply(out, q, weight, bias)
-    shared = any(stride == 0 and size > 1 for stride, size in zip(out.stride(), out.shape))
-    return _gate_forward(out, q, *_gate_parameters(weight, bias), out if inplace and not shared else None)
+    in_place = inplace and not shares_memory_across_elements(out)
+    return _gate_forward(out, q, *_gate_parameters(weight, bias), out if in_place else None)
 
 
 def _gate_parameters(weight, bias):

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ._common import compiling, functorch_active, why_not_fused_map_pair
+from ._common import compiling, functorch_active, needs_grad, why_not_fused_map_pair
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None  # imported only when the kernels are first used
 
@@ -198,10 +198,6 @@ def _rows_per_tile(dtype: torch.dtype, name: str = "elu", rotated: bool = False,
     if dtype == torch.float32 or interpreted():
         return 16
     return 32 if rotated or (backward and name not in ("elu", "relu")) else 64
-
-
-def _backward_follows(*tensors: Optional[Tensor]) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _precision(dtype: torch.dtype, device: torch.device) -> str:
@@ -385,7 +381,7 @@ def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_map, key_padding_m
     scale = None
     if name == "focused":
         _, scale = feature_map.compiled_settings(q)  # (H, d) float32 or None
-    rows = _rows_per_tile(q.dtype, name, cos is not None, _backward_follows(q, k, v, scale, initial_state))
+    rows = _rows_per_tile(q.dtype, name, cos is not None, needs_grad(q, k, v, scale, initial_state))
     st = _Setting(name, d, v.shape[-1], features, features, 0 if cos is None else cos.shape[-1],
                   float(getattr(feature_map, "focusing_factor", 0.0)), rows)
     return _TritonAttention.apply(st, q, k, v, mask, scale, None, scale, None, initial_state, cos, sin)
@@ -398,7 +394,7 @@ def hedgehog_attention(q: Tensor, k: Tensor, v: Tensor, q_map, k_map, key_paddin
     (B, H, 2m, Dv + 1). Callers check ``why_not_hedgehog``."""
     q, k, v, mask = _prepared(q, k, v, key_padding_mask)
     m = q_map[0].shape[-1]
-    rows = _rows_per_tile(q.dtype, "hedgehog", False, _backward_follows(q, k, v, *q_map, *k_map, initial_state))
+    rows = _rows_per_tile(q.dtype, "hedgehog", False, needs_grad(q, k, v, *q_map, *k_map, initial_state))
     st = _Setting("hedgehog", q.shape[-1], v.shape[-1], 2 * m, m, 0, 0.0, rows)
     params = [None if t is None else t.to(torch.float32).contiguous() for t in (*q_map, *k_map)]
     return _TritonAttention.apply(st, q, k, v, mask, *params, initial_state, None, None)

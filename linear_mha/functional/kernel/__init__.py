@@ -25,7 +25,7 @@ from torch import Tensor
 
 from .. import backend, fla_causal, native, triton_kernel
 from .._common import (append_ones, check_qkv, compute_dtype, drop_keys, mask_keys, outside_autocast,
-                       split_normalise)
+                       shares_memory_across_elements, split_normalise)
 from ..elementwise_program import program_map
 from ..feature_maps import FeatureMap, apply_feature_map, elementwise_feature_map
 from .chunked import (CHUNK_SIZE, causal_linear_product, causal_linear_state, causal_linear_step, check_chunk_size,
@@ -191,7 +191,7 @@ def kernel_step(
     if inplace and state is not None and state.requires_grad and torch.is_grad_enabled():
         raise ValueError("kernel_step(inplace=True) overwrites the state, which autograd cannot differentiate "
                          "through; pass inplace=False when gradients are needed")
-    if inplace and state is not None and any(st == 0 and n > 1 for st, n in zip(state.stride(), state.shape)):
+    if inplace and state is not None and shares_memory_across_elements(state):
         raise ValueError("kernel_step(inplace=True) would write through a broadcast (expanded) state, whose elements "
                          "share memory; pass state.clone() (or inplace=False)")
     if backend.step_backend(q, k, v, state, feature_map).backend == backend.NATIVE:
