@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import linear_mha.functional as LF
+from linear_mha.functional import native
 
 from tools import benchmark
 from tools import benchmark_cases, benchmark_flops
@@ -219,6 +220,12 @@ def test_resume_skips_finished_cases(quick_run, monkeypatch):
     with pytest.raises(SystemExit, match="threads"):
         benchmark.main(["--quick", "--threads", "2", "--json", str(path), "--resume"])
     saved = json.loads(path.read_text())
+    kept = saved["meta"]["output_cache_mib"]
+    saved["meta"]["output_cache_mib"] = kept + 1.0  # nor times with another output cache (its faults differ)
+    path.write_text(json.dumps(saved))
+    with pytest.raises(SystemExit, match="LINEAR_MHA_OUTPUT_CACHE_MIB"):
+        benchmark.main([a for a in argv if a not in ("--png", str(out / "r.png"))] + ["--resume"])
+    saved["meta"]["output_cache_mib"] = kept
     saved["meta"]["allocator"] = "libtcmalloc_minimal.so.4"  # times under another allocator must not mix in
     path.write_text(json.dumps(saved))
     with pytest.raises(SystemExit, match="allocator"):
@@ -366,6 +373,16 @@ def test_fresh_process_memory_sees_a_known_allocation(keep_freed, monkeypatch):
     assert "error" not in mem, mem
     assert 150 * measure.MIB <= mem["extra_bytes"] <= 260 * measure.MIB, mem
     assert measure.peak_extra_memory({"builder": "measure:no_such_case"})["error"].startswith("memory child failed")
+
+
+def test_fresh_process_memory_sees_an_output_the_kernels_cache_keeps():
+    """The warm-up's freed output stays in the compiled code's cache: unless the child empties it, the measured
+    call reuses it and the block's memory is counted in the baseline, not as the call's."""
+    if not native.available():
+        pytest.skip(f"kernels not built: {native.build_error()}")
+    mem = measure.peak_extra_memory({"builder": "tools.measure:allocation_case", "kwargs": {"mib": 64, "cached": True}})
+    assert "error" not in mem, mem
+    assert 48 * measure.MIB <= mem["extra_bytes"] <= 100 * measure.MIB, mem
 
 
 def test_largest_output_counts_each_row_up_to_its_own_cap():

@@ -26,8 +26,9 @@ kernel_elu in float64: the check that the peer computes the same function. Peak 
 N >= --slope-min-n (the two largest N when fewer). The recurrent decode step (kernel_step, elu) is timed at
 several context lengths, with a new state per step and in place. The header says whether linear_mha's compiled
 CPU code ran (--no-native turns it off) and which CPU allocator the process has (a preloaded tcmalloc,
-glibc's settings, or --keep-freed-memory; at long N it moves CPU times a good deal, README "CPU: the memory
-allocator"); --resume refuses to mix either.
+glibc's settings, or --keep-freed-memory; at long N it moves CPU times a good deal, docs/cpu_allocator.md) and
+how much of its own freed outputs the compiled code keeps (LINEAR_MHA_OUTPUT_CACHE_MIB); --resume refuses to mix
+any of them.
 """
 import argparse
 import importlib
@@ -44,7 +45,7 @@ import torch
 
 from integrations.checkpoint_io import write_text_atomic
 from integrations.console import HelpFormatter
-from linear_mha.functional import fla_causal, native
+from linear_mha.functional import fla_causal, native, output_cache
 
 from . import cpu_allocator
 from . import measure as M
@@ -270,14 +271,22 @@ def parse_args(argv=None):
     return a
 
 
+def output_cache_mib(device: str) -> float:
+    """The MiB of freed outputs the compiled code keeps (0: off, or not the CPU's compiled code)."""
+    return output_cache.limit() / 2 ** 20 if device == "cpu" and native.available() else 0.0
+
+
 def load_previous(a, meta):
     if not (a.resume and a.json is not None and a.json.exists()):
         return {}
     old = json.loads(a.json.read_text())
-    for field in ("device", "dtype", "threads", "proj_k", "native_kernels"):
-        if old["meta"].get(field, False if field == "native_kernels" else None) != meta[field]:
+    absent = dict(native_kernels=False, output_cache_mib=0.0)  # files from before a field was recorded
+    for field in ("device", "dtype", "threads", "proj_k", "native_kernels", "output_cache_mib"):
+        if old["meta"].get(field, absent.get(field)) != meta[field]:
+            how = {"output_cache_mib": "set LINEAR_MHA_OUTPUT_CACHE_MIB as it was",
+                   "native_kernels": "pass --no-native as it was"}.get(field, f"pass the same --{field}")
             raise SystemExit(f"--resume: {a.json} was written with {field}={old['meta'].get(field)!r}, this run has "
-                             f"{meta[field]!r}; pass the same --{field} or write to a new --json")
+                             f"{meta[field]!r}; {how} or write to a new --json")
     if meta["device"] == "cpu":
         recorded = old["meta"].get("allocator", NOT_RECORDED)
         if recorded == NOT_RECORDED:  # a file from before allocators were recorded: its rows stay unlabelled
@@ -306,6 +315,7 @@ def main(argv=None):
     peers = available_peers(a.device)
     meta = dict(torch=torch.__version__, device=a.device, dtype=a.dtype, threads=threads, cpu=M.cpu_name(),
                 native_kernels=a.device == "cpu" and native.available(), allocator=allocator,
+                output_cache_mib=output_cache_mib(a.device),
                 fla_dispatch=fla_causal.enabled(),  # causal bfloat16 kernel_elu through fla (LINEAR_MHA_FLA=1)
                 cpu_count=os.cpu_count(), heads=a.heads, proj_k=a.proj_k, chunk_size=chunk_size(),
                 sdpa_max_n=a.sdpa_max_n, weights_max_n=a.weights_max_n, err_max_n=a.err_max_n, peers=peers,
@@ -321,12 +331,14 @@ def main(argv=None):
                   decode=old.get("decode", []))
     print(f"torch {meta['torch']} | {a.device} {meta.get('gpu', meta['cpu'])} | {a.dtype} | {threads} threads | "
           f"matmul peak {meta['matmul_peak_gflops']:.1f} GFLOP/s | compiled CPU code: "
-          f"{'on' if meta['native_kernels'] else 'off'} | allocator: {meta['allocator']} | peers: {peers}", flush=True)
+          f"{'on' if meta['native_kernels'] else 'off'} | allocator: {meta['allocator']} | output cache: "
+          f"{meta['output_cache_mib']:.0f} MiB | peers: {peers}", flush=True)
     if (a.device == "cpu" and meta["allocator"] == "glibc malloc (defaults)"
             and largest_output_bytes(a, dtype) >= 32 * 2 ** 20):
         print("note: glibc's default malloc maps every block of 32 MiB or more afresh, so long outputs are "
-              "page-faulted in on each call; README, 'CPU: the memory allocator', measures what tcmalloc or a "
-              "glibc setting (--keep-freed-memory) gains", flush=True)
+              "page-faulted in on each call; the compiled code keeps its own outputs between calls (output cache, "
+              "docs/cpu_allocator.md), torch's are not kept; tcmalloc or a glibc setting (--keep-freed-memory) "
+              "keeps every block", flush=True)
     by_key = {r["key"]: r for r in result["records"]}
     groups, beyond, not_run = plan(a, peers)
     result["not_run"] = not_run

@@ -77,7 +77,7 @@ def print_table(result):
     print(f"\n{meta['device']} {meta.get('gpu', meta['cpu'])}, {meta['dtype']}, {meta['threads']} threads, "
           f"matmul peak {meta['matmul_peak_gflops']:.1f} GFLOP/s, H={meta['heads']}, causal chunk "
           f"{meta['chunk_size']}, compiled CPU code {'on' if meta.get('native_kernels') else 'off'}, allocator "
-          f"{meta.get('allocator', NOT_RECORDED)}; "
+          f"{meta.get('allocator', NOT_RECORDED)}, output cache {meta.get('output_cache_mib', 0):.0f} MiB; "
           f"* = extrapolated x4 per doubling, ~ = ratio against an extrapolated time")
     print("| level | B | d | mask | pass | method | N | ms | min ms | GFLOP/s | % peak | GB/s | rel err | x SDPA "
           "| extra MiB |")

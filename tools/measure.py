@@ -13,7 +13,8 @@ baseline, resets the kernel's high-water mark (``/proc/self/clear_refs``), runs 
 ``VmHWM - baseline``: the extra memory of one call, with the inputs (and anything the case keeps between calls)
 in the baseline. glibc is told to serve every allocation above 64 KiB with mmap, so freed tensors go back to the
 system at once and a cached free block cannot absorb the second call's allocations unseen; for the same reason
-the child drops the parent's allocator settings (tools/cpu_allocator.py), and a child that still finds a
+the child drops the parent's allocator settings (tools/cpu_allocator.py) and empties linear_mha's cache of
+the compiled code's outputs (linear_mha/functional/output_cache.py) after the warm-up, and a child that still finds a
 replacement malloc library in itself (one in /etc/ld.so.preload, say) reports an error instead of a number.
 Where clear_refs is not writable the child falls back to ``ru_maxrss`` (which then also covers the input build:
 an upper bound).
@@ -37,6 +38,7 @@ from typing import Callable, Dict, Iterable, Optional, Sequence
 import torch
 
 from integrations.console import HelpFormatter
+from linear_mha.functional import native, output_cache
 from . import cpu_allocator
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -196,6 +198,9 @@ def measure_in_this_process(spec: dict) -> dict:
     run = load_builder(spec)(**spec.get("kwargs", {}))
     run()
     gc.collect()
+    cache = sys.modules.get("linear_mha.functional.output_cache")
+    if cache is not None:  # the warm-up's freed outputs, kept for reuse, would absorb the measured call's unseen
+        cache.empty()
     baseline = _status_bytes("VmRSS")
     if _reset_high_water_mark():
         run()
@@ -269,13 +274,17 @@ def cuda_peak_mib(device) -> float:
     return torch.cuda.max_memory_allocated(device) / MIB if torch.device(device).type == "cuda" else float("nan")
 
 
-def allocation_case(mib: float = 200.0) -> Callable[[], object]:
+def allocation_case(mib: float = 200.0, cached: bool = False) -> Callable[[], object]:
     """A case with a known answer: each call fills ``mib`` MiB and frees it. Used to check the memory
-    measurement itself (tests, and the benchmark's calibration line)."""
+    measurement itself (tests, and the benchmark's calibration line). ``cached``: the block comes from the cache
+    of the compiled code's outputs, which keeps it when it is freed, as the kernels' outputs are kept."""
     numel = int(mib * MIB) // 4
+    if cached and not native.available():  # the cache comes with the compiled code
+        raise RuntimeError(f"cached=True needs linear_mha's compiled code: {native.build_error()}")
 
     def run():
-        block = torch.ones(numel, dtype=torch.float32)
+        block = output_cache.take(torch.float32, (numel,)) if cached else None
+        block = torch.ones(numel, dtype=torch.float32) if block is None else block.fill_(1.0)
         return float(block[-1])
     return run
 

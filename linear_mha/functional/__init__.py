@@ -17,10 +17,11 @@
     backend    which implementation runs a call (compiled CPU code, fla, fused causal, blocked, chunked, composed)
                and why: asked once per call
     native     the compiled CPU code (``native_build`` compiles and caches it)
+    output_cache  the compiled code's large outputs, kept between calls: its limit, stats and ``empty()``
 """
 import warnings
 
-from . import backend, native  # noqa: F401  (public submodules)
+from . import backend, native, output_cache  # noqa: F401  (public submodules)
 from ._common import append_ones, drop_keys, split_normalise
 from .agent import agent_attention, pool_agents
 from .block_local import block_local_attention

@@ -10,6 +10,7 @@ decoding step), Efficient Attention (with gradients), and the focused and hedgeh
 else (other dtypes, accelerators) stays in PyTorch, and so does everything when the compiled code is unavailable;
 ``backend.py`` decides which calls come here.
 
+Large outputs and input gradients come from ``output_cache.py``, which keeps them between calls.
 ``native_build.py`` compiles and caches the library on first use. ``LINEAR_MHA_NATIVE=0`` (or
 ``set_enabled(False)``) turns it off; ``available()`` says whether it is in use, ``build_error()`` why
 not.
@@ -24,7 +25,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from . import native_build
+from . import native_build, output_cache
 from ._common import compiling, functorch_active
 
 MAPS = {"elu": 0, "relu": 1}  # the elementwise feature maps the C code computes, the decoding step included
@@ -95,6 +96,7 @@ def _declare(library: ctypes.CDLL) -> None:
                library.lm_hedgehog_map_backward_f32, library.lm_hedgehog_map_tasks, library.lm_output_gate_f32,
                library.lm_output_gate_backward_f32, library.lm_output_gate_tasks, library.lm_prefault):
         fn.restype = ctypes.c_int
+    output_cache.attach(library)
 
 
 def _load():
@@ -241,11 +243,13 @@ prefault_outputs = True  # False: let the kernels' writes fault fresh outputs in
 
 
 def output(like: Tensor, *shape: int) -> Tensor:
-    """An uninitialised contiguous tensor for the compiled code to write, its pages faulted in at once when it is
-    fresh memory of at least PREFAULT_BYTES: the page-by-page faults of a fresh output cost a quarter of the elu
-    forward at N = 16k under glibc's default allocator, and faulting them in at once saves part of that
-    (csrc/prefault.c)."""
-    out = like.new_empty(shape)
+    """An uninitialised contiguous tensor for the compiled code to write: a block kept from an earlier call when it
+    is large (output_cache.py), else a new one, its pages faulted in at once when it is fresh memory of at least
+    PREFAULT_BYTES: the page-by-page faults of a fresh output cost a quarter of the elu forward at N = 16k under
+    glibc's default allocator, and faulting them in at once saves part of that (csrc/prefault.c)."""
+    out = output_cache.take(like.dtype, shape)
+    if out is None:
+        out = like.new_empty(shape)
     if prefault_outputs and out.numel() * out.element_size() >= PREFAULT_BYTES:
         _lib().lm_prefault(out.data_ptr(), out.numel() * out.element_size(), torch.get_num_threads())
     return out

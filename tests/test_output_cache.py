@@ -1,0 +1,170 @@
+"""The compiled kernels' large outputs are kept between calls (csrc/output_cache.c, output_cache.py): a block comes
+back only when torch frees its last view, what is kept stays under the limit (the longest unused given back
+first), and the kernels' results do not depend on what a reused block held before."""
+import pytest
+import torch
+
+import linear_mha.functional as LF
+from linear_mha.functional import native, output_cache
+from linear_mha.functional.focused import FocusedMap
+
+needs_native = pytest.mark.skipif(not native.available(), reason=f"kernels not built: {native.build_error()}")
+MIB = 1 << 20
+
+
+@pytest.fixture
+def cache():
+    """An empty cache with room for 64 MiB, the setting restored afterwards."""
+    previous = output_cache.set_limit(64 * MIB)
+    output_cache.empty()
+    yield output_cache
+    output_cache.set_limit(previous)
+
+
+def block(mib: float) -> torch.Tensor:
+    out = output_cache.take(torch.float32, (int(mib * MIB) // 4,))
+    assert out is not None, "the cache handed out nothing"
+    return out
+
+
+@needs_native
+def test_a_freed_block_is_served_again(cache):
+    first = block(2)
+    address = first.data_ptr()
+    before = cache.stats()
+    del first
+    assert cache.stats()["kept_bytes"] == 2 * MIB
+    again = block(2)
+    assert again.data_ptr() == address
+    assert cache.stats()["hits"] == before["hits"] + 1 and cache.stats()["kept_bytes"] == 0
+
+
+@needs_native
+def test_a_block_still_seen_through_a_view_is_not_reused(cache):
+    """The block must wait for its storage to die, not for the tensor that was handed out."""
+    out = block(2)
+    out.fill_(7.0)
+    view = out[:10]
+    address = out.data_ptr()
+    del out
+    assert cache.stats()["kept_bytes"] == 0
+    other = block(2)
+    assert other.data_ptr() != address
+    other.fill_(-1.0)
+    assert torch.equal(view, torch.full((10,), 7.0))
+    del view
+    assert cache.stats()["kept_bytes"] == 2 * MIB
+
+
+@needs_native
+def test_the_limit_gives_back_the_longest_unused_first(cache):
+    cache.set_limit(5 * MIB)
+    blocks = [block(2) for _ in range(3)]
+    addresses = [b.data_ptr() for b in blocks]
+    for _ in range(3):
+        blocks.pop(0)  # freed oldest first: the first one freed is the one given back
+    assert cache.stats()["kept_bytes"] == 4 * MIB
+    hits = cache.stats()["hits"]
+    held = [block(2), block(2)]
+    assert {t.data_ptr() for t in held} == set(addresses[1:])
+    assert cache.stats()["hits"] == hits + 2
+    del held
+    big = block(6)  # larger than the limit: given back to the system when freed, and it pushes nothing out
+    del big
+    assert cache.stats()["kept_bytes"] == 4 * MIB
+
+
+@needs_native
+def test_a_block_serves_requests_up_to_an_eighth_smaller(cache):
+    address = block(8).data_ptr()  # freed at once
+    misses = cache.stats()["misses"]
+    too_small = block(4)  # would pin twice its size
+    too_big = block(9)
+    assert cache.stats()["misses"] == misses + 2
+    del too_small, too_big
+    near = block(7.5)
+    assert near.data_ptr() == address and near.numel() * 4 == int(7.5 * MIB)
+
+
+@needs_native
+def test_a_limit_of_zero_turns_the_cache_off_and_empties_it(cache):
+    kept = block(2)
+    del kept
+    assert cache.stats()["kept_bytes"] == 2 * MIB
+    cache.set_limit(0)
+    assert cache.stats()["kept_bytes"] == 0
+    assert cache.take(torch.float32, (MIB,)) is None
+    out = native.output(torch.empty(1), 1, MIB)  # the compiled code's outputs are then allocated as usual
+    assert out.shape == (1, MIB) and out.untyped_storage().resizable()
+
+
+@needs_native
+def test_small_outputs_are_not_cached(cache):
+    assert output_cache.take(torch.float32, (output_cache.MIN_BYTES // 4 - 1,)) is None
+
+
+def test_a_bad_limit_names_the_setting(monkeypatch):
+    monkeypatch.setenv("LINEAR_MHA_OUTPUT_CACHE_MIB", "lots")
+    with pytest.raises(ValueError, match="LINEAR_MHA_OUTPUT_CACHE_MIB='lots'"):
+        output_cache._default_limit()
+    monkeypatch.setenv("LINEAR_MHA_OUTPUT_CACHE_MIB", "-1")
+    with pytest.raises(ValueError, match="negative"):
+        output_cache._default_limit()
+    monkeypatch.setenv("LINEAR_MHA_OUTPUT_CACHE_MIB", "1.5")
+    assert output_cache._default_limit() == int(1.5 * MIB)
+    with pytest.raises(ValueError, match="nbytes"):
+        output_cache.set_limit(-5)
+
+
+def _poison(cache, shapes):
+    """Fill blocks of these shapes with NaN and hand them back, so the next outputs of those sizes reuse them."""
+    held = [cache.take(torch.float32, shape) for shape in shapes]
+    for t in held:
+        t.fill_(float("nan"))
+    return len(held)
+
+
+@needs_native
+@pytest.mark.parametrize("method", ["elu", "causal", "masked", "efficient", "focused"])
+def test_results_do_not_depend_on_what_a_reused_block_held(cache, method):
+    """A kernel that leaves part of its output or gradients unwritten reads as zeros on fresh pages and would pass
+    every other test; here every output and gradient block was full of NaN before."""
+    g = torch.Generator().manual_seed(0)
+    shape = (1, 2, 2100, 64)  # 1.03 MiB per tensor: above output_cache.MIN_BYTES
+    q, k, v, grad = (torch.randn(*shape, generator=g) for _ in range(4))
+    mask = torch.zeros(1, shape[2], dtype=torch.bool)
+    mask[0, -300:] = True
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        if method == "efficient":
+            out = LF.efficient_attention(*leaves)
+        elif method == "focused":
+            out = LF.kernel(*leaves, feature_map=FocusedMap(3.0, torch.full((2, 1, 64), 0.7)))
+        else:
+            out = LF.kernel(*leaves, feature_map="elu", causal=method == "causal",
+                            key_padding_mask=mask if method == "masked" else None)
+        return [out.detach().clone(), *(t.clone() for t in torch.autograd.grad(out, leaves, grad))]
+
+    reference = run()
+    _poison(cache, [shape] * 8)
+    hits = cache.stats()["hits"]
+    again = run()
+    assert cache.stats()["hits"] >= hits + 4, "the second run did not reuse the poisoned blocks"
+    for a, b in zip(reference, again):
+        assert torch.isfinite(b).all()
+        assert torch.equal(a, b)
+
+
+@needs_native
+def test_cached_outputs_behave_as_tensors(cache, tmp_path):
+    """What users do with an attention output or gradient: autograd, saving, numpy, in-place arithmetic."""
+    q, k, v = (torch.randn(1, 2, 2100, 64, requires_grad=True) for _ in range(3))
+    out = LF.kernel(q, k, v, feature_map="elu")
+    assert cache.stats()["misses"] >= 1
+    out.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+    q.grad.mul_(0.5)
+    torch.save(out.detach(), tmp_path / "out.pt")
+    assert torch.equal(torch.load(tmp_path / "out.pt"), out.detach())
+    assert out.detach().numpy().shape == (1, 2, 2100, 64)
