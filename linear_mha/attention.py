@@ -24,6 +24,7 @@ from .output_gate import apply_output_gate
 from .registry import DEFAULT_MODE, create_method
 from .token_grid import TokenGrid, resolve_token_grid
 from .functional._common import autocast_active, compiling
+from .functional.packed_heads import split_heads
 from .torch_models import TORCH_MHA
 
 
@@ -302,7 +303,6 @@ class LinearMultiheadAttention(AttentionAdapter, nn.Module):
 
         q, k, v = self._in_projection(query, key, value, same_qkv, same_kv)
         H, d = self.num_heads, self.head_dim
-        q, k, v = (t.reshape(B, t.shape[1], H, d).transpose(1, 2) for t in (q, k, v))
         extra_k, extra_v = [], []
         if self.bias_k is not None:
             extra_k.append(self.bias_k.reshape(1, H, 1, d).expand(B, H, 1, d).to(k.dtype))
@@ -337,20 +337,24 @@ class LinearMultiheadAttention(AttentionAdapter, nn.Module):
         return (key if query_is_key else query), key, value
 
     def _in_projection(self, query, key, value, same_qkv, same_kv):
-        E = self.embed_dim
+        """q, k, v projected and split into heads: (B, H, L or S, d) each. One projection split into several
+        (split_heads) hands the compiled backward's side-by-side gradients back without a copy."""
+        E, H = self.embed_dim, self.num_heads
         b = self.in_proj_bias
         bq, bk, bv = (None, None, None) if b is None else (b[:E], b[E:2 * E], b[2 * E:])
+
+        def heads(t):
+            return t.reshape(t.shape[0], t.shape[1], H, self.head_dim).transpose(1, 2)
         if not self._qkv_same_embed_dim:
-            return (F.linear(query, self.q_proj_weight, bq), F.linear(key, self.k_proj_weight, bk),
-                    F.linear(value, self.v_proj_weight, bv))
+            return (heads(F.linear(query, self.q_proj_weight, bq)), heads(F.linear(key, self.k_proj_weight, bk)),
+                    heads(F.linear(value, self.v_proj_weight, bv)))
         w = self.in_proj_weight
         if same_qkv:  # self-attention: one GEMM for all three
-            return F.linear(query, w, b).chunk(3, dim=-1)
-        q = F.linear(query, w[:E], bq)
+            return split_heads(F.linear(query, w, b), 3, H)
+        q = heads(F.linear(query, w[:E], bq))
         if same_kv:
-            k, v = F.linear(key, w[E:], None if b is None else b[E:]).chunk(2, dim=-1)
-            return q, k, v
-        return q, F.linear(key, w[E:2 * E], bk), F.linear(value, w[2 * E:], bv)
+            return (q, *split_heads(F.linear(key, w[E:], None if b is None else b[E:]), 2, H))
+        return q, heads(F.linear(key, w[E:2 * E], bk)), heads(F.linear(value, w[2 * E:], bv))
 
     def _forward_nested(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal):
         """nn.TransformerEncoder built with enable_nested_tensor=True hands its layers NestedTensors in inference.

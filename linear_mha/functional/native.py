@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from . import native_build, output_cache
+from . import native_build, output_cache, packed_heads
 from ._common import compiling, functorch_active
 
 MAPS = {"elu": 0, "relu": 1}  # the elementwise feature maps the C code computes, the decoding step included
@@ -332,6 +332,18 @@ def _forward(q, k, v, mask, init, feature_map, causal, keep, rope, scale, power,
     return out, state, den
 
 
+def _input_grads(q: Tensor, k: Tensor, v: Tensor, need_q: bool, need_k: bool, need_v: bool):
+    """Fresh tensors for the gradients of q, k, v (None where not needed), laid out as their inputs: side by side in
+    one tensor where the inputs are one projection's split (packed_heads), whose backward then needs no copy."""
+    (b, h, n_q, d), n_k, dv = q.shape, k.shape[2], v.shape[-1]
+    if need_q and need_k and need_v and n_q == n_k and dv == d and packed_heads.is_split((q, k, v)):
+        return packed_heads.packed_outputs(q, 3, b, h, n_q, d, output)
+    grad_q = rows_like(q, b, h, n_q, d) if need_q else None
+    if need_k and need_v and dv == d and packed_heads.is_split((k, v)):
+        return (grad_q, *packed_heads.packed_outputs(k, 2, b, h, n_k, d, output))
+    return grad_q, rows_like(k, b, h, n_k, d) if need_k else None, rows_like(v, b, h, n_k, dv) if need_v else None
+
+
 class _KernelAttention(torch.autograd.Function):
     """Kernel attention with the compiled backward (kernel_attention_backward.c), which recomputes the features
     and keeps only the output, the normalisers and, non-causal, the (B, H, D, Dv + 1) state."""
@@ -350,14 +362,12 @@ class _KernelAttention(torch.autograd.Function):
         q, k, v, init, mask, out, state, den, scale, *rope = ctx.saved_tensors
         need_q, need_k, need_v, need_init = ctx.needs_input_grad[:4]
         need_scale = scale is not None and ctx.needs_input_grad[8]
-        b, h, n_q, d = q.shape
-        n_k, dv, features = k.shape[2], v.shape[-1], ctx.features
+        b, h, dv, features = q.shape[0], q.shape[1], v.shape[-1], ctx.features
         threads = torch.get_num_threads()
         # The scales' gradient is summed from the rows whose input gradients the kernels write: those of q and k.
         partial = q.new_zeros(threads, *scale.shape) if need_scale else None
         need_q, need_k = need_q or need_scale, need_k or need_scale
-        grads = (rows_like(q, b, h, n_q, d) if need_q else None, rows_like(k, b, h, n_k, d) if need_k else None,
-                 rows_like(v, b, h, n_k, dv) if need_v else None,
+        grads = (*_input_grads(q, k, v, need_q, need_k, need_v),
                  q.new_empty(b, h, features, dv + 1) if need_init else None)
         grad_out = rows_readable(grad_out)  # held in a name: a temporary's memory would be freed before the call
         strides = row_strides(out, grad_out, *grads[:3])

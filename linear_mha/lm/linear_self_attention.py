@@ -10,6 +10,7 @@ from typing import Optional
 from torch import nn
 
 from ..attend import attend_heads, step_heads
+from ..functional.packed_heads import split_heads
 from ..registry import create_method
 from .padding import padding_from_keep
 
@@ -33,6 +34,10 @@ class LinearSelfAttention(nn.Module):
 
     def _split(self, t, n_heads):
         t = t.reshape(*t.shape[:-1], n_heads, self.dim_head).transpose(-2, -3)
+        return self._shared(t, n_heads)
+
+    def _shared(self, t, n_heads):
+        """One key/value head shared by every query head (n_heads 1) seen as heads copies, without a copy."""
         return t.expand(t.shape[0], self.heads, *t.shape[2:]) if n_heads == 1 else t
 
     def forward(self, x, input_mask=None):
@@ -40,7 +45,7 @@ class LinearSelfAttention(nn.Module):
         b, n, _ = x.shape
         padding = padding_from_keep("input_mask", input_mask, (b, n))
         q = self._split(self.to_q(x), self.heads)
-        k, v = (self._split(t, self.kv_heads) for t in self.to_kv(x).chunk(2, dim=-1))
+        k, v = (self._shared(t, self.kv_heads) for t in split_heads(self.to_kv(x), 2, self.kv_heads))
         self.method.before_forward(self)
         out, _ = attend_heads(self.method, self.method.state(self), q, k, v, key_padding_mask=padding,
                               is_causal=self.causal, dropout_p=self.dropout if self.training else 0.0)

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from .. import masks
 from ..adapters import AttentionAdapter, UnknownLength, register_adapter
 from ..attend import attend_heads
+from ..functional.packed_heads import split_heads
 from ..local_term import add_local_term
 from ..output_gate import apply_output_gate
 from ..registry import DEFAULT_MODE, create_method
@@ -150,7 +151,7 @@ class LinearTimmAttention(AttentionAdapter, nn.Module):
         self.method.before_forward(self)
         B, N, _ = x.shape
         gate = self.gate(x).sigmoid() if self.gate is not None else None
-        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k, v = split_heads(self.qkv(x), 3, self.num_heads)  # (B, H, N, d) each
         q, k = self.q_norm(q), self.k_norm(k)
         kpm, mask = (None, None) if attn_mask is None else _timm_mask_to_nn(attn_mask, B, self.num_heads, N,
                                                                            self.method)

@@ -1,0 +1,85 @@
+"""q, k and v split from one projection, with their gradients gathered back without a copy.
+
+A module projects its input once into (B, N, P·H·d) for P = 3 (q, k, v) or 2 (k, v) and splits that into P
+tensors of (B, H, N, d). Through torch's own ``chunk`` the backward of the split concatenates the P gradients into
+a new (B, N, P·H·d) tensor: about 5% of a compiled method's forward + backward at N = 16k (docs/benchmarks.md,
+"Where a module's time goes"). ``split_heads`` makes the same views, and its backward hands the projection the
+gradients' own memory when they already lie side by side as the projection's output does. The compiled backward
+writes them so (``packed_outputs``) whenever its q, k, v are such a split; other backwards' gradients are gathered
+as before.
+"""
+from typing import Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from ._common import compiling, functorch_active
+
+
+def split_heads(packed: Tensor, parts: int, heads: int) -> Tuple[Tensor, ...]:
+    """packed (B, N, parts·heads·d) -> parts tensors of (B, heads, N, d), views of packed. Differentiable; the
+    backward returns the gradients' own memory where they are views of one (B, N, parts, heads, d) tensor."""
+    if packed.dim() != 3 or packed.shape[-1] % (parts * heads):
+        raise ValueError(f"packed must be (B, N, {parts}·heads·d) with heads={heads}; got {tuple(packed.shape)}")
+    if torch.is_grad_enabled() and packed.requires_grad and not (compiling() or functorch_active()):
+        return _SplitHeads.apply(packed, parts, heads)
+    return _views(packed, parts, heads)
+
+
+def _views(packed: Tensor, parts: int, heads: int) -> Tuple[Tensor, ...]:
+    split = packed.unflatten(-1, (parts, heads, packed.shape[-1] // (parts * heads)))  # (B, N, P, H, d)
+    return tuple(split.select(2, i).transpose(1, 2) for i in range(parts))
+
+
+def gathered(grads: Sequence[Optional[Tensor]]) -> Optional[Tensor]:
+    """The (B, N, P·H·d) tensor whose split the grads ((B, H, N, d) each) are, without a copy, or None if they are
+    not views of one such tensor (missing, another layout, other memory)."""
+    first = grads[0]
+    if any(g is None for g in grads) or first.dim() != 4:
+        return None
+    b, h, n, d = first.shape
+    sb, sh, sn, sd = first.stride()
+    if sd != 1 or (h > 1 and sh != d) or (n > 1 and sn < len(grads) * h * d):  # rows of the whole must not overlap
+        return None
+    size = first.element_size()
+    for i, g in enumerate(grads):
+        if (g.shape != first.shape or g.stride() != first.stride() or g.dtype != first.dtype
+                or g.device != first.device or g.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or g.data_ptr() != first.data_ptr() + i * h * d * size):
+            return None
+    return first.as_strided((b, n, len(grads) * h * d), (sb, sn, 1))
+
+
+def packed_outputs(like: Tensor, parts: int, b: int, h: int, n: int, d: int, new) -> Tuple[Tensor, ...]:
+    """parts fresh (B, H, N, d) tensors, views of one (B, N, parts, H, d) made by ``new(*shape)``, so that
+    ``gathered`` finds them side by side."""
+    whole = new(like, b, n, parts, h, d)
+    return tuple(whole.select(2, i).transpose(1, 2) for i in range(parts))
+
+
+def is_split(tensors: Sequence[Tensor]) -> bool:
+    """Whether these (B, H, N, d) tensors are the views ``split_heads`` makes of one projection: their gradients
+    are then worth writing side by side (``packed_outputs``)."""
+    first = tensors[0]
+    if first.dim() != 4 or first.stride(-1) != 1 or first.stride(1) != first.shape[-1]:
+        return False
+    step = first.shape[1] * first.shape[-1] * first.element_size()
+    return all(t.shape == first.shape and t.stride() == first.stride() and t.dtype == first.dtype
+               and t.data_ptr() == first.data_ptr() + i * step for i, t in enumerate(tensors))
+
+
+class _SplitHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, packed, parts, heads):
+        ctx.shape, ctx.parts, ctx.heads = packed.shape, parts, heads
+        return _views(packed, parts, heads)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        whole = gathered(grads)
+        if whole is None:
+            b, n, width = ctx.shape
+            like = next(g for g in grads if g is not None)
+            filled = [g if g is not None else like.new_zeros(like.shape) for g in grads]
+            whole = torch.stack([g.transpose(1, 2) for g in filled], dim=2).reshape(b, n, width)
+        return whole, None, None
