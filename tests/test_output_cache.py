@@ -1,12 +1,18 @@
 """The compiled kernels' large outputs are kept between calls (csrc/output_cache.c, output_cache.py): a block comes
 back only when torch frees its last view, what is kept stays under the limit (the longest unused given back
 first), and the kernels' results do not depend on what a reused block held before."""
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
 import linear_mha.functional as LF
 from linear_mha.functional import native, output_cache
 from linear_mha.functional.focused import FocusedMap
+from linear_mha.functional.packed_heads import split_heads
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"kernels not built: {native.build_error()}")
 MIB = 1 << 20
@@ -116,6 +122,48 @@ def test_a_bad_limit_names_the_setting(monkeypatch):
         output_cache.set_limit(-5)
 
 
+def _run_fresh(code: str, **env) -> subprocess.CompletedProcess:
+    """code in a new Python whose environment has these settings (None: left out)."""
+    merged = {**os.environ, **env}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300,
+                          env={key: value for key, value in merged.items() if value is not None})
+
+
+@needs_native
+def test_a_fresh_process_keeps_freed_outputs_under_the_default_limit():
+    """The limit reaches the C side on the first request, even when it was read before (here by stats())."""
+    proc = _run_fresh("""
+        import torch
+        import linear_mha.functional as LF
+        from linear_mha.functional import output_cache
+        assert 0 < output_cache.stats()["limit_bytes"] <= output_cache.DEFAULT_LIMIT
+        q = torch.randn(1, 2, 4100, 64)
+        out = LF.kernel(q, q, q, feature_map="elu")
+        size = out.numel() * 4
+        del out
+        print(output_cache.stats()["kept_bytes"] == size)
+    """, LINEAR_MHA_OUTPUT_CACHE_MIB=None)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "True"
+
+
+@needs_native
+def test_a_bad_limit_is_an_error_of_the_call_not_of_the_build():
+    proc = _run_fresh("""
+        import torch
+        import linear_mha.functional as LF
+        from linear_mha.functional import native
+        assert native.available(), native.build_error()
+        q = torch.randn(1, 2, 4100, 64)
+        try:
+            LF.kernel(q, q, q, feature_map="elu")
+        except ValueError as exc:
+            print(exc)
+    """, LINEAR_MHA_OUTPUT_CACHE_MIB="lots")
+    assert proc.returncode == 0, proc.stderr
+    assert "LINEAR_MHA_OUTPUT_CACHE_MIB='lots'" in proc.stdout
+
+
 def _poison(cache, shapes):
     """Fill blocks of these shapes with NaN and hand them back, so the next outputs of those sizes reuse them."""
     held = [cache.take(torch.float32, shape) for shape in shapes]
@@ -125,7 +173,7 @@ def _poison(cache, shapes):
 
 
 @needs_native
-@pytest.mark.parametrize("method", ["elu", "causal", "masked", "efficient", "focused"])
+@pytest.mark.parametrize("method", ["elu", "causal", "masked", "efficient", "focused", "split"])
 def test_results_do_not_depend_on_what_a_reused_block_held(cache, method):
     """A kernel that leaves part of its output or gradients unwritten reads as zeros on fresh pages and would pass
     every other test; here every output and gradient block was full of NaN before."""
@@ -139,6 +187,10 @@ def test_results_do_not_depend_on_what_a_reused_block_held(cache, method):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         if method == "efficient":
             out = LF.efficient_attention(*leaves)
+        elif method == "split":  # one projection's q, k, v: their gradients written side by side (packed_heads)
+            packed = torch.cat([t.detach().transpose(1, 2).reshape(1, shape[2], -1) for t in (q, k, v)], -1)
+            leaves = [packed.requires_grad_()]
+            out = LF.kernel(*split_heads(packed, 3, 2), feature_map="elu")
         elif method == "focused":
             out = LF.kernel(*leaves, feature_map=FocusedMap(3.0, torch.full((2, 1, 64), 0.7)))
         else:
@@ -147,10 +199,11 @@ def test_results_do_not_depend_on_what_a_reused_block_held(cache, method):
         return [out.detach().clone(), *(t.clone() for t in torch.autograd.grad(out, leaves, grad))]
 
     reference = run()
-    _poison(cache, [shape] * 8)
+    _poison(cache, [shape] * 8 + [(1, shape[2], 3, 2, 64)] * 2)  # and the blocks of gradients side by side
     hits = cache.stats()["hits"]
     again = run()
-    assert cache.stats()["hits"] >= hits + 4, "the second run did not reuse the poisoned blocks"
+    blocks = 2 if method == "split" else 4  # the output and the gradients' block, or the output and three
+    assert cache.stats()["hits"] >= hits + blocks, "the second run did not reuse the poisoned blocks"
     for a, b in zip(reference, again):
         assert torch.isfinite(b).all()
         assert torch.equal(a, b)

@@ -6,10 +6,12 @@ call at N = 16k pays for the OS faulting in and zeroing its output's pages again
 ordinary CPU tensor to every caller, and its memory comes back to the cache only when torch frees the last view of
 it, so nothing that can still be read is ever reused. It changes nothing about the process's allocator.
 
-What it keeps is bounded: free blocks up to ``limit()`` bytes (``LINEAR_MHA_OUTPUT_CACHE_MIB``, default an eighth
-of the machine's memory; 0 turns the cache off), the longest unused given back first. ``empty()`` gives every
-free block back, as ``torch.cuda.empty_cache`` does on the GPU; ``stats()`` says what is kept and how often a
-request was served from it.
+What it keeps is bounded: free blocks up to ``limit()`` bytes (``LINEAR_MHA_OUTPUT_CACHE_MIB``; by default 1 GiB,
+or an eighth of the memory the process may use where that is less; 0 turns the cache off), the longest unused
+given back first. ``empty()`` gives every free block back, as ``torch.cuda.empty_cache`` does on the GPU;
+``stats()`` says what is kept and how often a request was served from it. Each process (a DDP rank, a forked
+worker) has its own. One difference from torch's own tensors: the storage of an output made here cannot be resized
+(``out.resize_`` to a larger size raises); turn the cache off where code does that.
 """
 import ctypes
 import os
@@ -21,17 +23,19 @@ from torch import Tensor
 MIN_BYTES = 1 << 20  # smaller outputs come from glibc's heap, reused already; caching them would only pin memory
 _CAPSULE_NAME = b"dltensor"  # must outlive every capsule made with it: a module constant does
 
-_capsule_new = ctypes.pythonapi.PyCapsule_New
-_capsule_new.restype = ctypes.py_object
-_capsule_new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+# A prototype of our own: setting argtypes on ctypes.pythonapi.PyCapsule_New would change it for the whole process.
+_capsule_new = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)(
+    ("PyCapsule_New", ctypes.pythonapi))
+DEFAULT_LIMIT = 1 << 30
 
 _library: Optional[ctypes.CDLL] = None
 _limit: Optional[int] = None  # None until asked for or set: then LINEAR_MHA_OUTPUT_CACHE_MIB or the default
+_applied = False  # whether the C side holds _limit (it starts at 0, keeping nothing)
 
 
 def _default_limit() -> int:
     setting = os.environ.get("LINEAR_MHA_OUTPUT_CACHE_MIB")
-    if setting is not None:
+    if setting:  # set and not empty
         try:
             mib = float(setting)
         except ValueError:
@@ -40,27 +44,47 @@ def _default_limit() -> int:
         if mib < 0:
             raise ValueError(f"LINEAR_MHA_OUTPUT_CACHE_MIB={setting!r} is negative; give 0 to turn the cache off")
         return int(mib * (1 << 20))
+    memory = _usable_memory()
+    return DEFAULT_LIMIT if memory is None else min(DEFAULT_LIMIT, memory // 8)
+
+
+def _usable_memory() -> Optional[int]:
+    """The bytes this process may use: the machine's memory, or a container's (cgroup) limit where lower."""
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8
-    except (AttributeError, ValueError, OSError):  # no sysconf (Windows): a fixed gibibyte
-        return 1 << 30
+        found = [os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")]
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows)
+        found = []
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                found.append(int(f.read().strip()))
+        except (OSError, ValueError):  # absent, or "max" (no limit)
+            pass
+    return min(found) if found else None
 
 
 def attach(library: ctypes.CDLL) -> None:
-    """Declares the cache's entry points of the freshly loaded kernels' library and sets its limit."""
+    """Declares the cache's entry points of the freshly loaded kernels' library. Its limit is applied on the first
+    request (``take``), so that a bad LINEAR_MHA_OUTPUT_CACHE_MIB is an error of that call, not of the build."""
     global _library
     p, l = ctypes.c_void_p, ctypes.c_long
     library.lm_cache_take.argtypes, library.lm_cache_take.restype = [l], p
+    library.lm_cache_give_back.argtypes, library.lm_cache_give_back.restype = [p], None
     library.lm_cache_set_limit.argtypes, library.lm_cache_set_limit.restype = [l], None
     library.lm_cache_stats.argtypes, library.lm_cache_stats.restype = [ctypes.POINTER(l)], None
-    library.lm_cache_set_limit(limit())
     _library = library
 
 
 def take(dtype: torch.dtype, shape) -> Optional[Tensor]:
     """An uninitialised contiguous CPU tensor from the cache, or None where the cache is off, unsupported or the
     tensor too small to be worth it (the caller then allocates as usual)."""
-    if _library is None or not _limit:
+    if _library is None:
+        return None
+    global _applied
+    if not _applied:  # the first request: the setting is read and handed to the C side
+        _library.lm_cache_set_limit(limit())
+        _applied = True
+    if not _limit:
         return None
     size = 1
     for extent in shape:
@@ -72,7 +96,11 @@ def take(dtype: torch.dtype, shape) -> Optional[Tensor]:
     if not handle:
         return None
     # torch takes the capsule over and calls the block's deleter, which returns it here, when the storage dies.
-    memory = torch.utils.dlpack.from_dlpack(_capsule_new(handle, _CAPSULE_NAME, None))
+    try:
+        memory = torch.utils.dlpack.from_dlpack(_capsule_new(handle, _CAPSULE_NAME, None))
+    except BaseException:  # never taken over (an interrupt, an unexpected torch): the block comes back at once
+        _library.lm_cache_give_back(handle)
+        raise
     return memory.view(dtype).view(shape)
 
 
@@ -97,13 +125,14 @@ def limit() -> int:
 def set_limit(nbytes: int) -> int:
     """Keep at most ``nbytes`` of freed outputs from now on (0 turns the cache off and gives back what it holds);
     returns the previous limit."""
-    global _limit
+    global _limit, _applied
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
         raise ValueError(f"nbytes={nbytes!r}: give the bytes of freed outputs to keep as an int, or 0 to turn the "
                          f"cache off")
     previous, _limit = limit(), nbytes
     if _library is not None:
         _library.lm_cache_set_limit(nbytes)
+        _applied = True
     return previous
 
 

@@ -19,8 +19,13 @@
 #include <pthread.h>
 #define CACHE_SUPPORTED 1
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_once_t fork_handler_once = PTHREAD_ONCE_INIT;
 #define LOCK() pthread_mutex_lock(&lock)
 #define UNLOCK() pthread_mutex_unlock(&lock)
+/* A child forked while another thread held the lock (freeing a tensor) would wait on it forever. The child's
+ * blocks are its own copies, so it keeps them under a fresh lock. */
+static void fresh_lock_in_child(void) { pthread_mutex_init(&lock, NULL); }
+static void register_fork_handler(void) { pthread_atfork(NULL, NULL, fresh_lock_in_child); }
 #else
 #define CACHE_SUPPORTED 0
 #define LOCK()
@@ -93,7 +98,9 @@ static void bring_back(DLManagedTensor *managed) {
 /* A DLManagedTensor of `bytes` uint8 on the CPU, from a free block or freshly allocated; NULL if memory ran out or
  * the platform has no cache (the caller then allocates as usual). */
 void *lm_cache_take(long bytes) {
-    if (!CACHE_SUPPORTED || bytes <= 0) return NULL;
+#if CACHE_SUPPORTED
+    if (bytes <= 0) return NULL;
+    pthread_once(&fork_handler_once, register_fork_handler);
     block *found = NULL;
     LOCK();
     block **best = NULL;
@@ -132,6 +139,15 @@ void *lm_cache_take(long bytes) {
     found->managed.manager_ctx = found;
     found->managed.deleter = bring_back;
     return &found->managed;
+#else
+    (void)bytes;
+    return NULL;
+#endif
+}
+
+/* Return a block that torch never took over (the caller failed between lm_cache_take and from_dlpack). */
+void lm_cache_give_back(void *handle) {
+    if (handle) bring_back((DLManagedTensor *)handle);
 }
 
 /* Keep at most `bytes` of free blocks from now on (0: keep none), giving back what is over. */
@@ -152,4 +168,3 @@ void lm_cache_stats(long *stats) {
     UNLOCK();
 }
 
-int lm_cache_supported(void) { return CACHE_SUPPORTED; }
