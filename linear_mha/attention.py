@@ -301,7 +301,7 @@ class LinearMultiheadAttention(AttentionAdapter, nn.Module):
         if kpm is not None and not self.method.any_mask:
             query, key, value = self._zero_padding(query, key, value, kpm, query_is_key, same_kv)
 
-        q, k, v = self._in_projection(query, key, value, same_qkv, same_kv)
+        q, k, v = self._in_projection(query, key, value, same_qkv, same_kv, query_is_key)
         H, d = self.num_heads, self.head_dim
         extra_k, extra_v = [], []
         if self.bias_k is not None:
@@ -336,9 +336,10 @@ class LinearMultiheadAttention(AttentionAdapter, nn.Module):
         value = key if same_kv else value.masked_fill(rows, 0.0)
         return (key if query_is_key else query), key, value
 
-    def _in_projection(self, query, key, value, same_qkv, same_kv):
-        """q, k, v projected and split into heads: (B, H, L or S, d) each. One projection split into several
-        (split_heads) hands the compiled backward's side-by-side gradients back without a copy."""
+    def _in_projection(self, query, key, value, same_qkv, same_kv, query_is_key):
+        """q, k, v projected and split into heads: (B, H, L or S, d) each. Inputs that are one tensor share one
+        projection (DETR's encoder: query is key), split into several (split_heads), which hands the compiled
+        backward's side-by-side gradients back without a copy."""
         E, H = self.embed_dim, self.num_heads
         b = self.in_proj_bias
         bq, bk, bv = (None, None, None) if b is None else (b[:E], b[E:2 * E], b[2 * E:])
@@ -351,6 +352,9 @@ class LinearMultiheadAttention(AttentionAdapter, nn.Module):
         w = self.in_proj_weight
         if same_qkv:  # self-attention: one GEMM for all three
             return split_heads(F.linear(query, w, b), 3, H)
+        if query_is_key:  # positions added to queries and keys, not to values (DETR)
+            q, k = split_heads(F.linear(query, w[:2 * E], None if b is None else b[:2 * E]), 2, H)
+            return q, k, heads(F.linear(value, w[2 * E:], bv))
         q = heads(F.linear(query, w[:E], bq))
         if same_kv:
             return (q, *split_heads(F.linear(key, w[E:], None if b is None else b[E:]), 2, H))

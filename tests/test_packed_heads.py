@@ -52,13 +52,14 @@ def test_gathered_takes_only_views_of_one_tensor_side_by_side():
 
 
 @needs_native
-@pytest.mark.parametrize("parts", [2, 3])
-def test_the_compiled_backward_writes_the_split_gradients_side_by_side(parts):
+@pytest.mark.parametrize("split_of", ["qkv", "kv", "qk"])
+def test_the_compiled_backward_writes_the_split_gradients_side_by_side(split_of):
     """The gradients reaching the split must be views of one tensor (else the projection gets a copy), with the
-    same numbers as through torch's chunk."""
+    same numbers as through torch's chunk. "qk": DETR's encoder, whose queries and keys share their input."""
     g = torch.Generator().manual_seed(4)
+    parts = len(split_of)
     packed = torch.randn(1, 300, parts * 4 * 16, generator=g)
-    q = torch.randn(1, 4, 300, 16, generator=g)
+    other = torch.randn(1, 4, 300, 16, generator=g)
     grad = torch.randn(1, 4, 300, 16, generator=g)
     runs = []
     for split in (packed_heads.split_heads, chunked):
@@ -67,8 +68,8 @@ def test_the_compiled_backward_writes_the_split_gradients_side_by_side(parts):
         seen = []
         for v in views:
             v.register_hook(seen.append)
-        query = views[0] if parts == 3 else q
-        out = LF.kernel(query, views[-2], views[-1], feature_map="elu")
+        named = dict(zip(split_of, views))
+        out = LF.kernel(named.get("q", other), named["k"], named.get("v", other), feature_map="elu")
         assert "Kernel" in type(out.grad_fn).__name__
         out.backward(grad)
         runs.append((leaf.grad, seen))
@@ -79,17 +80,49 @@ def test_the_compiled_backward_writes_the_split_gradients_side_by_side(parts):
 
 
 @needs_native
-def test_a_module_step_matches_float64_through_the_split():
+@pytest.mark.parametrize("inputs", ["x, x, x", "x, x, y", "x, y, y"])
+def test_a_module_step_matches_float64_through_the_split(inputs):
+    """Self-attention, DETR's encoder (query is key, the value apart) and k, v of one input."""
     torch.manual_seed(0)
     m = LinearMultiheadAttention(64, 4, mode="kernel")
-    x = torch.randn(50, 2, 64)
+    x, y = torch.randn(50, 2, 64), torch.randn(50, 2, 64)
     grads = []
     for dtype in (torch.float32, torch.float64):
         mm = m.to(dtype)
-        xx = x.to(dtype).detach().requires_grad_()
-        out, _ = mm(xx, xx, xx)
+        leaves = {"x": x.to(dtype).detach().requires_grad_(), "y": y.to(dtype).detach().requires_grad_()}
+        out, _ = mm(*(leaves[name] for name in inputs.split(", ")))
         out.square().sum().backward()
-        grads.append((xx.grad.clone(), mm.in_proj_weight.grad.clone(), mm.in_proj_bias.grad.clone()))
+        grads.append((leaves["x"].grad.clone(), leaves["y"].grad, mm.in_proj_weight.grad.clone(),
+                      mm.in_proj_bias.grad.clone()))
         mm.zero_grad()
     for a, b in zip(*grads):
-        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6)
+        if a is not None or b is not None:
+            torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6)
+
+
+def test_second_order_gradients_through_the_split():
+    """Gradients that are themselves differentiated (create_graph) and happen to lie side by side, as stacking
+    the heads back makes them: every part's history must survive the split's backward."""
+    packed = torch.randn(1, 4, 3 * 2 * 3, dtype=torch.float64, requires_grad=True)
+
+    def stacked_squares(p):
+        q, k, v = packed_heads.split_heads(p, 3, 2)
+        return torch.stack([t.transpose(1, 2) for t in (q, k, v)], 2) ** 2
+    assert torch.autograd.gradcheck(stacked_squares, (packed,))
+    assert torch.autograd.gradgradcheck(stacked_squares, (packed,))
+
+
+def test_forward_mode_gradients_of_a_module_through_the_split():
+    """torch.func.jvp / forward_ad on a module whose q, k, v come from one projection (PyTorch ops path)."""
+    import torch.autograd.forward_ad as fwAD
+    torch.manual_seed(0)
+    m = LinearMultiheadAttention(16, 2, mode="taylor").double()
+    x, tangent = torch.randn(5, 1, 16, dtype=torch.float64), torch.randn(5, 1, 16, dtype=torch.float64)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x, tangent)
+        got = fwAD.unpack_dual(m(dual, dual, dual)[0]).tangent
+    eps = 1e-6
+    with torch.no_grad():
+        plus, minus = x + eps * tangent, x - eps * tangent
+        want = (m(plus, plus, plus)[0] - m(minus, minus, minus)[0]) / (2 * eps)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)

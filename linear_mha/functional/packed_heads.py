@@ -75,8 +75,15 @@ class _SplitHeads(torch.autograd.Function):
         return _views(packed, parts, heads)
 
     @staticmethod
+    def jvp(ctx, packed_tangent, *_):  # forward-mode AD: the tangents split as the values are
+        return _views(packed_tangent, ctx.parts, ctx.heads)
+
+    @staticmethod
     def backward(ctx, *grads):
-        whole = gathered(grads)
+        # A gradient that is itself differentiated (create_graph) must keep every part's history: as_strided on
+        # the first part would drop the others', so then the parts are stacked.
+        keeps_history = torch.is_grad_enabled() and any(g is not None and g.requires_grad for g in grads)
+        whole = None if keeps_history else gathered(grads)
         if whole is None:
             b, n, width = ctx.shape
             like = next(g for g in grads if g is not None)
