@@ -1,6 +1,6 @@
 """q, k and v split from one projection, with their gradients gathered back without a copy.
 
-A module projects its input once into (B, N, P·H·d) for P = 3 (q, k, v) or 2 (k, v) and splits that into P
+A module projects its input once into (B, N, P·H·d) for P = 3 (q, k, v) or 2 (k, v; or q, k) and splits it into P
 tensors of (B, H, N, d). Through torch's own ``chunk`` the backward of the split concatenates the P gradients into
 a new (B, N, P·H·d) tensor: about 5% of a compiled method's forward + backward at N = 16k (docs/benchmarks.md,
 "Where a module's time goes"). ``split_heads`` makes the same views, and its backward hands the projection the
