@@ -744,6 +744,9 @@ LAYOUT_CASES = {
     "hedgehog": lambda q, k, v: LF.hedgehog(q, k, v, (torch.eye(8).expand(4, 8, 8), None),
                                             (0.5 * torch.eye(8).expand(4, 8, 8), None)),
     "rope": lambda q, k, v: LF.grid_rope.grid_rope_kernel(q, k, v, "taylor", (5, 8, 1)),
+    "efficient": lambda q, k, v: LF.efficient_attention(q, k, v),
+    "efficient_padding_v_contiguous": lambda q, k, v: LF.efficient_attention(
+        q, k, v.contiguous(), key_padding_mask=torch.arange(q.shape[2]).expand(q.shape[0], -1) >= 37),
 }
 
 

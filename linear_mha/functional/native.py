@@ -75,8 +75,8 @@ def _declare(library: ctypes.CDLL) -> None:
     library.lm_rope_kernel_attention_f32.argtypes = [p] * 7 + [i, i, l, i, i] + [l] * 9 + [i, i, p, p, i, s]
     library.lm_rope_kernel_attention_backward_f32.argtypes = [p] * 11 + [i, i, l, i, i] + [l] * 9 + [i, i, p, p, i, s]
     library.lm_kernel_step_f32.argtypes = [p] * 6 + [i, i, i, i]
-    library.lm_efficient_attention_f32.argtypes = [p] * 8 + [i, i, l, l, i, i] + [l] * 9 + [i]
-    library.lm_efficient_attention_backward_f32.argtypes = [p] * 11 + [i, i, l, l, i, i] + [l] * 9 + [i]
+    library.lm_efficient_attention_f32.argtypes = [p] * 8 + [i, i, l, l, i, i] + [l] * 9 + [i, s]
+    library.lm_efficient_attention_backward_f32.argtypes = [p] * 11 + [i, i, l, l, i, i] + [l] * 9 + [i, s]
     library.lm_focused_map_f32.argtypes = [p] * 3 + [i, i, l, i, l, l, l, f, i]
     library.lm_focused_map_backward_f32.argtypes = [p] * 5 + [i, i, l, i, l, l, l, f, i]
     library.lm_focused_map_tasks.argtypes = [i, i, l, i]
@@ -410,11 +410,11 @@ def _efficient_forward(q, k, v, mask, keep):
     """(out, state (B, H, D, Dv), key maxima m and inverse sums 1 / l (B, H, D)); all but out only when keep."""
     b, h, n_q, d = q.shape
     dv = v.shape[-1]
-    out = output(q, b, h, n_q, dv)
+    out = rows_like(q, b, h, n_q, dv)
     saved = (q.new_empty(b, h, d, dv), q.new_empty(b, h, d), q.new_empty(b, h, d)) if keep else (None,) * 3
     _check(_lib().lm_efficient_attention_f32(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), pointer(mask), out.data_ptr(), *map(pointer, saved),
-        *_sizes(q, k, v, False), torch.get_num_threads()))
+        *_sizes(q, k, v, False), torch.get_num_threads(), row_strides(out)))
     return (out, *saved)
 
 
@@ -433,13 +433,12 @@ class _EfficientAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, mask, state, top, inv_sum = ctx.saved_tensors
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
-        grads = (output(q, *q.shape) if need_q else None, output(k, *k.shape) if need_k else None,
-                 output(v, *v.shape) if need_v else None)
-        grad_out = grad_out.contiguous()  # held in a name: a temporary's memory would be freed before the call
+        grads = _input_grads(q, k, v, need_q, need_k, need_v)
+        grad_out = rows_readable(grad_out)  # held in a name: a temporary's memory would be freed before the call
         _check(_lib().lm_efficient_attention_backward_f32(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), pointer(mask), state.data_ptr(), top.data_ptr(),
             inv_sum.data_ptr(), grad_out.data_ptr(), *map(pointer, grads), *_sizes(q, k, v, False),
-            torch.get_num_threads()))
+            torch.get_num_threads(), row_strides(grad_out, *grads)))
         return (*grads, None)
 
 

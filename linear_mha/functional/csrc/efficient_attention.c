@@ -53,12 +53,12 @@ static void normalise_state(float *state, int bh, int d, int dv, int width, floa
 
 /* Non-causal Efficient Attention: q (B, H, L, D), k (B, H, S, D), v (B, H, S, Dv) by element strides over
  * (B, H, position) with a contiguous last dimension; mask (B, S) bytes, nonzero = ignore, or NULL; out
- * (B, H, L, Dv) contiguous. For autograd, state_out (B, H, D, Dv) receives S, top_out and inv_sum_out (B, H, D)
- * m and 1 / l; each may be NULL. */
+ * (B, H, L, Dv), its strides over (B, H, L) in out_strides (3 longs; NULL: contiguous), its rows contiguous. For
+ * autograd, state_out (B, H, D, Dv) receives S, top_out and inv_sum_out (B, H, D) m and 1 / l; each may be NULL. */
 int lm_efficient_attention_f32(const float *q, const float *k, const float *v, const uint8_t *mask, float *out,
                                float *state_out, float *top_out, float *inv_sum_out, int b, int h, long nq, long nk,
                                int d, int dv, long qsb, long qsh, long qsn, long ksb, long ksh, long ksn, long vsb,
-                               long vsh, long vsn, int threads) {
+                               long vsh, long vsn, int threads, const long *out_strides) {
     const int bh = b * h, width = (dv + 1 + W - 1) / W * W;
     threads = threads_for(threads);
     float *top = top_out ? top_out : malloc(sizeof(float) * bh * d);
@@ -75,7 +75,7 @@ int lm_efficient_attention_f32(const float *q, const float *k, const float *v, c
             for (long row = 0; row < (long)bh * d; row++)
                 memcpy(state_out + row * dv, state + row * width, sizeof(float) * dv);
         const struct query_outputs queries = {q, state, out, NULL, h, d, dv, width, nq, qsb, qsh, qsn, 2, NULL, NULL,
-                                              rows_from(NULL, 0, h, nq, dv)};
+                                              rows_from(out_strides, 0, h, nq, dv)};
         status = for_each_block(bh, nq, threads, (long)ROWS * (d + width), query_block, &queries);
     }
     if (!top_out) free(top);
@@ -90,6 +90,7 @@ struct efficient_queries {
     float *grad_q;
     int h, d, dp, dv, width;
     long n, qsb, qsh, qsn;
+    struct rows_at grad_at, grad_q_at;
 };
 
 static int efficient_query_source(const void *ctx, int g, long j, long z, long *next, float *a, float *b,
@@ -100,7 +101,7 @@ static int efficient_query_source(const void *ctx, int g, long j, long z, long *
     for (int r = 0; r < rows; r++) {
         features(a + r * d, c->q + bi * c->qsb + hi * c->qsh + (j + r) * c->qsn, d, 2);
         float *row = b + r * width;
-        memcpy(row, c->grad + ((long)g * c->n + j + r) * c->dv, sizeof(float) * c->dv);
+        memcpy(row, c->grad + row_offset(c->grad_at, c->h, g, j + r), sizeof(float) * c->dv);
         memset(row + c->dv, 0, sizeof(float) * (width - c->dv));
     }
     if (c->grad_q) {
@@ -111,7 +112,7 @@ static int efficient_query_source(const void *ctx, int g, long j, long z, long *
             float *dq = scratch + r * dp, dot = 0.0f;
             for (int f = 0; f < d; f++) dot += dq[f] * p[f];
             for (int f = 0; f < d; f++) dq[f] = p[f] * (dq[f] - dot);
-            memcpy(c->grad_q + ((long)g * c->n + j + r) * d, dq, sizeof(float) * d);
+            memcpy(c->grad_q + row_offset(c->grad_q_at, c->h, g, j + r), dq, sizeof(float) * d);
         }
     }
     *next = j + rows;
@@ -124,6 +125,7 @@ struct efficient_key_grads {
     const float *inv_sum, *acc, *acc_t, *dots;
     float *grad_k, *grad_v;
     int dp;
+    struct rows_at grad_k_at, grad_v_at;
 };
 
 static void efficient_key_block(const void *ctx, int g, long j0, int rows, float *scratch) {
@@ -145,28 +147,30 @@ static void efficient_key_block(const void *ctx, int g, long j0, int rows, float
     gemm_acc(rows, width / W, d, w, d, 1, c->acc + (long)g * d * width, width, g_v, width);     /* W dS */
     gemm_acc(rows, dp / W, width, v1, width, 1, c->acc_t + (long)g * width * dp, dp, g_k, dp); /* V dS^T */
     for (int r = 0; r < rows; r++) {
-        const long o = (long)g * in->n + j0 + r;
         const int masked = in->mask && in->mask[bi * in->n + j0 + r];
         if (c->grad_k) {
             float *gk = g_k + r * dp;
             for (int f = 0; f < d; f++) gk[f] = masked ? 0.0f : w[r * d + f] * (gk[f] - dots[f]);
-            memcpy(c->grad_k + o * d, gk, sizeof(float) * d);
+            memcpy(c->grad_k + row_offset(c->grad_k_at, in->h, g, j0 + r), gk, sizeof(float) * d);
         }
         if (c->grad_v) {
-            if (masked) memset(c->grad_v + o * dv, 0, sizeof(float) * dv);
-            else memcpy(c->grad_v + o * dv, g_v + r * width, sizeof(float) * dv);
+            float *gv = c->grad_v + row_offset(c->grad_v_at, in->h, g, j0 + r);
+            if (masked) memset(gv, 0, sizeof(float) * dv);
+            else memcpy(gv, g_v + r * width, sizeof(float) * dv);
         }
     }
 }
 
 /* Gradients: q, k, v, mask, sizes and strides as the forward; state (B, H, D, Dv), top and inv_sum (B, H, D) from
- * it; grad (B, H, L, Dv) contiguous. Writes grad_q (B, H, L, D), grad_k (B, H, S, D), grad_v (B, H, S, Dv),
- * each contiguous and skipped when NULL. */
+ * it; grad (B, H, L, Dv). Writes grad_q (B, H, L, D), grad_k (B, H, S, D), grad_v (B, H, S, Dv), each skipped when
+ * NULL. strides: the (B, H, position) strides of grad, grad_q, grad_k, grad_v (12 longs; NULL: all contiguous),
+ * every row contiguous. */
 int lm_efficient_attention_backward_f32(const float *q, const float *k, const float *v, const uint8_t *mask,
                                         const float *state, const float *top, const float *inv_sum,
                                         const float *grad, float *grad_q, float *grad_k, float *grad_v, int b,
                                         int h, long nq, long nk, int d, int dv, long qsb, long qsh, long qsn,
-                                        long ksb, long ksh, long ksn, long vsb, long vsh, long vsn, int threads) {
+                                        long ksb, long ksh, long ksn, long vsb, long vsh, long vsn, int threads,
+                                        const long *strides) {
     const int bh = b * h, width = (dv + W - 1) / W * W, dp = (d + W - 1) / W * W;
     threads = threads_for(threads);
     float *state_t = malloc(sizeof(float) * bh * width * dp), *acc = malloc(sizeof(float) * bh * d * width);
@@ -174,7 +178,8 @@ int lm_efficient_attention_backward_f32(const float *q, const float *k, const fl
     int failed = !state_t || !acc || !acc_t || !dots;
     if (!failed) {
         transpose_states(state, dv, bh, d, dv - 1, width, dp, state_t);
-        const struct efficient_queries queries = {q, grad, state_t, grad_q, h, d, dp, dv, width, nq, qsb, qsh, qsn};
+        const struct efficient_queries queries = {q, grad, state_t, grad_q, h, d, dp, dv, width, nq, qsb, qsh, qsn,
+                                                  rows_from(strides, 0, h, nq, dv), rows_from(strides, 1, h, nq, d)};
         failed = accumulate_states(bh, nq, d, width, dv, 0, threads, efficient_query_source, &queries, acc,
                                    0) != 0;
     }
@@ -186,7 +191,8 @@ int lm_efficient_attention_backward_f32(const float *q, const float *k, const fl
         }
         transpose_states(acc, width, bh, d, dv - 1, width, dp, acc_t);
         const struct efficient_key_grads keys = {{k, v, mask, h, d, dv, width, 0, nk, ksb, ksh, ksn, vsb, vsh, vsn, top},
-                                                 inv_sum, acc, acc_t, dots, grad_k, grad_v, dp};
+                                                 inv_sum, acc, acc_t, dots, grad_k, grad_v, dp,
+                                                 rows_from(strides, 2, h, nk, d), rows_from(strides, 3, h, nk, dv)};
         failed = for_each_block(bh, nk, threads, (long)ROWS * (d + 2 * width + dp), efficient_key_block, &keys) != 0;
     }
     free(state_t);
