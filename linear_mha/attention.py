@@ -11,7 +11,6 @@ import inspect
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
@@ -25,6 +24,7 @@ from .registry import DEFAULT_MODE, create_method
 from .token_grid import TokenGrid, resolve_token_grid
 from .functional._common import autocast_active, compiling
 from .functional.packed_heads import split_heads
+from .functional.projection import project
 from .torch_models import TORCH_MHA
 
 
@@ -347,18 +347,18 @@ class LinearMultiheadAttention(AttentionAdapter, nn.Module):
         def heads(t):
             return t.reshape(t.shape[0], t.shape[1], H, self.head_dim).transpose(1, 2)
         if not self._qkv_same_embed_dim:
-            return (heads(F.linear(query, self.q_proj_weight, bq)), heads(F.linear(key, self.k_proj_weight, bk)),
-                    heads(F.linear(value, self.v_proj_weight, bv)))
+            return (heads(project(query, self.q_proj_weight, bq)), heads(project(key, self.k_proj_weight, bk)),
+                    heads(project(value, self.v_proj_weight, bv)))
         w = self.in_proj_weight
         if same_qkv:  # self-attention: one GEMM for all three
-            return split_heads(F.linear(query, w, b), 3, H)
+            return split_heads(project(query, w, b), 3, H)
         if query_is_key:  # positions added to queries and keys, not to values (DETR)
-            q, k = split_heads(F.linear(query, w[:2 * E], None if b is None else b[:2 * E]), 2, H)
-            return q, k, heads(F.linear(value, w[2 * E:], bv))
-        q = heads(F.linear(query, w[:E], bq))
+            q, k = split_heads(project(query, w[:2 * E], None if b is None else b[:2 * E]), 2, H)
+            return q, k, heads(project(value, w[2 * E:], bv))
+        q = heads(project(query, w[:E], bq))
         if same_kv:
-            return (q, *split_heads(F.linear(key, w[E:], None if b is None else b[E:]), 2, H))
-        return q, heads(F.linear(key, w[E:2 * E], bk)), heads(F.linear(value, w[2 * E:], bv))
+            return (q, *split_heads(project(key, w[E:], None if b is None else b[E:]), 2, H))
+        return q, heads(project(key, w[E:2 * E], bk)), heads(project(value, w[2 * E:], bv))
 
     def _forward_nested(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal):
         """nn.TransformerEncoder built with enable_nested_tensor=True hands its layers NestedTensors in inference.

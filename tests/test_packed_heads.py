@@ -52,8 +52,8 @@ def test_gathered_takes_only_views_of_one_tensor_side_by_side():
 
 
 @needs_native
-@pytest.mark.parametrize("split_of", ["qkv", "kv", "qk"])
-def test_the_compiled_backward_writes_the_split_gradients_side_by_side(split_of):
+@pytest.mark.parametrize("split_of,method", [("qkv", "elu"), ("kv", "elu"), ("qk", "elu"), ("qkv", "efficient")])
+def test_the_compiled_backward_writes_the_split_gradients_side_by_side(split_of, method):
     """The gradients reaching the split must be views of one tensor (else the projection gets a copy), with the
     same numbers as through torch's chunk. "qk": DETR's encoder, whose queries and keys share their input."""
     g = torch.Generator().manual_seed(4)
@@ -69,8 +69,13 @@ def test_the_compiled_backward_writes_the_split_gradients_side_by_side(split_of)
         for v in views:
             v.register_hook(seen.append)
         named = dict(zip(split_of, views))
-        out = LF.kernel(named.get("q", other), named["k"], named.get("v", other), feature_map="elu")
-        assert "Kernel" in type(out.grad_fn).__name__
+        inputs = named.get("q", other), named["k"], named.get("v", other)
+        if method == "efficient":
+            out = LF.efficient_attention(*inputs)
+            assert "Efficient" in type(out.grad_fn).__name__
+        else:
+            out = LF.kernel(*inputs, feature_map="elu")
+            assert "Kernel" in type(out.grad_fn).__name__
         out.backward(grad)
         runs.append((leaf.grad, seen))
     (got, seen), (want, _) = runs

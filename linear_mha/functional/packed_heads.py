@@ -51,9 +51,14 @@ def gathered(grads: Sequence[Optional[Tensor]]) -> Optional[Tensor]:
 
 
 def packed_outputs(like: Tensor, parts: int, b: int, h: int, n: int, d: int, new) -> Tuple[Tensor, ...]:
-    """parts fresh (B, H, N, d) tensors, views of one (B, N, parts, H, d) made by ``new(*shape)``, so that
-    ``gathered`` finds them side by side."""
-    whole = new(like, b, n, parts, h, d)
+    """parts fresh (B, H, N, d) tensors, views of one (B, N, parts, H, d) made by ``new(like, *shape)``, so that
+    ``gathered`` finds them side by side. Laid out as like's projection: positions outermost when like's batch
+    entries lie within its positions (a (L, B, E) input seen batch-major), so the projection's backward reads the
+    block as one matrix."""
+    if b > 1 and n > 1 and like.stride(0) < like.stride(2):
+        whole = new(like, n, b, parts, h, d).transpose(0, 1)
+    else:
+        whole = new(like, b, n, parts, h, d)
     return tuple(whole.select(2, i).transpose(1, 2) for i in range(parts))
 
 
