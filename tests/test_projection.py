@@ -40,9 +40,10 @@ def test_matches_f_linear_with_gradients(swapped, bias):
 
 
 @needs_native
-def test_second_order_gradients_match_f_linear():
+@pytest.mark.parametrize("swapped", [False, True])
+def test_second_order_gradients_match_f_linear(swapped):
     """create_graph: the backward must stay differentiable (no out= products then)."""
-    x, weight, b = _inputs(False, True)
+    x, weight, b = _inputs(swapped, True)
     results = []
     for fn in (project, F.linear):
         xx, ww = x.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -64,3 +65,21 @@ def test_f_linear_where_no_block_serves():
         assert project(x, weight, b).dtype == torch.bfloat16  # autocast casts as it does for F.linear
     after = output_cache.stats()
     assert (after["hits"], after["misses"]) == (before["hits"], before["misses"])
+
+
+@needs_native
+def test_a_frozen_weight_keeps_no_input_and_the_output_takes_in_place_ops():
+    """As F.linear: with the weight frozen (adapter fine-tuning) the input is not kept for the backward; and the
+    output may be changed in place (a view made inside a custom Function may not)."""
+    x, weight, b = _inputs(True, True)
+    x.requires_grad_()
+    out = project(x, weight, b)
+    assert "Projection" in type(out.grad_fn).__name__
+    assert all(t is None or t.data_ptr() != x.data_ptr() for t in out.grad_fn.saved_tensors)
+    out.mul_(2.0)
+    out.sum().backward()
+    xx = x.detach().clone().requires_grad_()
+    want = F.linear(xx, weight, b)
+    want.mul_(2.0)
+    want.sum().backward()
+    torch.testing.assert_close(x.grad, xx.grad, rtol=1e-5, atol=1e-5)

@@ -46,11 +46,15 @@ def _kept(rows: int, cols: int, like: Tensor) -> Tensor:
     return like.new_empty(rows, cols) if out is None else out
 
 
-def _shaped(matrix: Tensor, like: Tensor, swapped: bool) -> Tensor:
-    """The (rows, C) matrix back in like's shape and layout, a view."""
+def _shaped(matrix: Tensor, shape, swapped: bool) -> Tensor:
+    """The (rows, C) matrix back in an input's shape (its last size replaced) and layout, as a tensor of its own
+    over the same memory, not a view: a view made inside a custom Function may not be changed in place, and
+    F.linear's output may."""
     if swapped:
-        return matrix.view(like.shape[1], like.shape[0], -1).transpose(0, 1)
-    return matrix.view(*like.shape[:-1], -1)
+        view = matrix.view(shape[1], shape[0], -1).transpose(0, 1)
+    else:
+        view = matrix.view(*shape[:-1], -1)
+    return matrix.new_empty(0).set_(matrix.untyped_storage(), view.storage_offset(), view.shape, view.stride())
 
 
 class _Projection(torch.autograd.Function):
@@ -63,27 +67,30 @@ class _Projection(torch.autograd.Function):
             torch.mm(x2, weight.t(), out=out)
         else:
             torch.addmm(bias, x2, weight.t(), out=out)
-        ctx.swapped = swapped
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return _shaped(out, x, swapped)
+        ctx.swapped, ctx.shape, ctx.has_bias = swapped, x.shape, bias is not None
+        need_x, need_w, _ = ctx.needs_input_grad
+        # As F.linear: x is kept only for the weight's gradient, the weight only for x's (a frozen weight, as in
+        # adapter fine-tuning, must not hold every layer's input until the backward).
+        ctx.save_for_backward(x if need_w else None, weight if need_x else None)
+        return _shaped(out, x.shape, swapped)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        swapped = ctx.swapped
+        swapped, shape = ctx.swapped, ctx.shape
         need_x, need_w, need_b = ctx.needs_input_grad
         if torch.is_grad_enabled():  # create_graph: differentiable ops, no out=
-            g2, x2 = _matrix(grad, swapped), _matrix(x, swapped)
-            return ((_shaped(g2 @ weight, x, swapped) if need_x else None),
-                    (g2.t() @ x2 if need_w else None),
+            g2 = _matrix(grad, swapped)
+            grad_x = (g2 @ weight).view(shape[1], shape[0], -1).transpose(0, 1) if need_x and swapped else \
+                (g2 @ weight).view(*shape[:-1], -1) if need_x else None
+            return (grad_x, (g2.t() @ _matrix(x, swapped) if need_w else None),
                     (g2.sum(0) if need_b and ctx.has_bias else None))
         g2 = _matrix(grad, swapped)  # a view when grad lies as the output did, else one copy
         grad_x = None
         if need_x:
             grad_x = _kept(g2.shape[0], weight.shape[1], g2)
             torch.mm(g2, weight, out=grad_x)
-            grad_x = _shaped(grad_x, x, swapped)
+            grad_x = _shaped(grad_x, shape, swapped)
         grad_w = g2.t() @ _matrix(x, swapped) if need_w else None
         grad_b = g2.sum(0) if need_b and ctx.has_bias else None
         return grad_x, grad_w, grad_b
