@@ -78,20 +78,15 @@ def attach(library: ctypes.CDLL) -> None:
 def take(dtype: torch.dtype, shape) -> Optional[Tensor]:
     """An uninitialised contiguous CPU tensor from the cache, or None where the cache is off, unsupported or the
     tensor too small to be worth it (the caller then allocates as usual)."""
-    if _library is None:
+    nbytes = dtype.itemsize
+    for extent in shape:
+        nbytes *= extent
+    if not serves(nbytes):
         return None
     global _applied
     if not _applied:  # the first request: the setting is read and handed to the C side
         _library.lm_cache_set_limit(limit())
         _applied = True
-    if not _limit:
-        return None
-    size = 1
-    for extent in shape:
-        size *= extent
-    nbytes = size * torch.empty((), dtype=dtype).element_size()
-    if nbytes < MIN_BYTES:
-        return None
     handle = _library.lm_cache_take(nbytes)
     if not handle:
         return None
@@ -102,6 +97,11 @@ def take(dtype: torch.dtype, shape) -> Optional[Tensor]:
         _library.lm_cache_give_back(handle)
         raise
     return memory.view(dtype).view(shape)
+
+
+def serves(nbytes: int) -> bool:
+    """Whether a request of nbytes would come from the cache: it is loaded and on, and the block large enough."""
+    return _library is not None and nbytes >= MIN_BYTES and limit() > 0
 
 
 def stats() -> Dict[str, int]:

@@ -20,8 +20,7 @@ def project(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     """x (..., in) -> (..., out) = x weight^T + bias, as ``F.linear``."""
     if _rows(x) is None or autocast_active(x.device) or native.why_not(x, weight, bias) is not None:
         return F.linear(x, weight, bias)
-    if output_cache.limit() == 0 or x.numel() // x.shape[-1] * weight.shape[0] * x.element_size() \
-            < output_cache.MIN_BYTES:
+    if not output_cache.serves(x.numel() // x.shape[-1] * weight.shape[0] * x.element_size()):
         return F.linear(x, weight, bias)
     return _Projection.apply(x, weight, bias)
 
@@ -46,14 +45,17 @@ def _kept(rows: int, cols: int, like: Tensor) -> Tensor:
     return like.new_empty(rows, cols) if out is None else out
 
 
-def _shaped(matrix: Tensor, shape, swapped: bool) -> Tensor:
-    """The (rows, C) matrix back in an input's shape (its last size replaced) and layout, as a tensor of its own
-    over the same memory, not a view: a view made inside a custom Function may not be changed in place, and
-    F.linear's output may."""
+def _shaped_view(matrix: Tensor, shape, swapped: bool) -> Tensor:
+    """The (rows, C) matrix back in an input's shape (its last size replaced) and layout, a view."""
     if swapped:
-        view = matrix.view(shape[1], shape[0], -1).transpose(0, 1)
-    else:
-        view = matrix.view(*shape[:-1], -1)
+        return matrix.view(shape[1], shape[0], -1).transpose(0, 1)
+    return matrix.view(*shape[:-1], -1)
+
+
+def _shaped(matrix: Tensor, shape, swapped: bool) -> Tensor:
+    """``_shaped_view`` as a tensor of its own over the same memory, not a view: a view made inside a custom
+    Function may not be changed in place, and F.linear's output may."""
+    view = _shaped_view(matrix, shape, swapped)
     return matrix.new_empty(0).set_(matrix.untyped_storage(), view.storage_offset(), view.shape, view.stride())
 
 
@@ -81,8 +83,7 @@ class _Projection(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad
         if torch.is_grad_enabled():  # create_graph: differentiable ops, no out=
             g2 = _matrix(grad, swapped)
-            grad_x = (g2 @ weight).view(shape[1], shape[0], -1).transpose(0, 1) if need_x and swapped else \
-                (g2 @ weight).view(*shape[:-1], -1) if need_x else None
+            grad_x = _shaped_view(g2 @ weight, shape, swapped) if need_x else None
             return (grad_x, (g2.t() @ _matrix(x, swapped) if need_w else None),
                     (g2.sum(0) if need_b and ctx.has_bias else None))
         g2 = _matrix(grad, swapped)  # a view when grad lies as the output did, else one copy
