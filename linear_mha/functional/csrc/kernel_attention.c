@@ -18,6 +18,8 @@
  */
 #include "kernel_attention.h"
 
+long lm_stream_bytes = 16L << 20;
+
 static int noncausal_attention(const float *q, const float *k, const float *v, const uint8_t *mask, const float *init,
                                float *out, float *state_out, float *den_out, int b, int h, long nq, long nk, int d,
                                int dv, long qsb, long qsh, long qsn, long ksb, long ksh, long ksn, long vsb, long vsh,
@@ -43,7 +45,7 @@ static int noncausal_attention(const float *q, const float *k, const float *v, c
             if (state_out) memcpy(state_out + ((long)g * d + f) * (dv + 1), row, sizeof(float) * (dv + 1));
         }
     const struct query_outputs queries = {q, states, out, den_out, h, d, dv, dvp, nq, qsb, qsh, qsn, map, rope, ms,
-                                          out_at};
+                                          out_at, streamed((long)bh * nq * dv)};
     const int status = for_each_block(bh, nq, threads, (long)ROWS * (d + dvp), query_block, &queries);
     free(states);
     return status;
@@ -151,6 +153,7 @@ struct causal_forward {
     int dvp, ldt;
     long parts;
     struct rows_at out_at;
+    int stream; /* streaming stores for out */
 };
 
 static void causal_part(const void *ctx, int item, float *scratch) {
@@ -175,7 +178,8 @@ static void causal_part(const void *ctx, int item, float *scratch) {
         lower_scores(rows, d, phi_q, d, k_t, ldt, scores);
         gemm_cols(LOWER_K, rows, dv + 1, rows, scores, ldt, 1, v1, dvp, num_den, dvp);
         gemm_cols(FULL, d, dv + 1, rows, phi_k, 1, d, v1, dvp, state, dvp);
-        normalise_rows(num_den, rows, dvp, dv, c->out + row_offset(c->out_at, c->in.h, g, i0), c->out_at.n);
+        normalise_rows(num_den, rows, dvp, dv, c->out + row_offset(c->out_at, c->in.h, g, i0), c->out_at.n,
+                       c->stream);
         if (c->den_out) store_normalisers(num_den, rows, dvp, dv, c->den_out + (long)g * n + i0);
     }
 }
@@ -201,7 +205,7 @@ int lm_causal_kernel_attention_f32(const float *q, const float *k, const float *
     }
     const struct causal_forward forward = {{q, k, v, mask, h, d, dv, map, n, qsb, qsh, qsn, ksb, ksh, ksn, vsb, vsh,
                                             vsn, &ms}, init, starts, out, den_out, dvp, ldt, parts,
-                                           rows_from(out_strides, 0, h, n, dv)};
+                                           rows_from(out_strides, 0, h, n, dv), streamed((long)bh * n * dv)};
     const long scratch = (long)ROWS * (2 * d + ldt + 2 * dvp) + (long)d * (ldt + dvp);
     const int status = for_each_task((int)(bh * parts), threads, scratch, causal_part, &forward, 0);
     free(starts);

@@ -93,12 +93,22 @@ static inline struct rows_at rows_from(const long *strides, int i, int h, long n
     return at;
 }
 
-/* out[r][c] = num_den[r][c] / num_den[r][dv] for rows of width dvp (out's rows ld_out apart). A zero normaliser
- * means every visible key is masked (or phi(q) = 0): the numerator is 0 too and the output is defined as 0. */
-static inline void normalise_rows(const float *num_den, int rows, int dvp, int dv, float *out, long ld_out) {
+/* Outputs of at least lm_stream_bytes bytes (16 MiB; kernel_attention.c) are written with streaming stores
+ * (store_stream): far larger than the caches, they would only push out the inputs, and their lines need not be
+ * read before being written. Tests lower it to reach those stores at small sizes. */
+extern long lm_stream_bytes;
+static inline int streamed(long floats) { return floats >= lm_stream_bytes / (long)sizeof(float); }
+
+/* out[r][c] = num_den[r][c] / num_den[r][dv] for rows of width dvp (out's rows ld_out apart), with streaming
+ * stores where `stream` is set and a row starts on a whole vector. A zero normaliser means every visible key is
+ * masked (or phi(q) = 0): the numerator is 0 too and the output is defined as 0. */
+static inline void normalise_rows(const float *num_den, int rows, int dvp, int dv, float *out, long ld_out,
+                                  int stream) {
     for (int r = 0; r < rows; r++, num_den += dvp, out += ld_out) {
         const float inv = 1.0f / (num_den[dv] == 0.0f ? 1.0f : num_den[dv]);
         int c = 0;
+        if (stream && vector_aligned(out))
+            for (; c + W <= dv; c += W) store_stream(out + c, load(num_den + c) * splat(inv));
         for (; c + W <= dv; c += W) store(out + c, load(num_den + c) * splat(inv));
         for (; c < dv; c++) out[c] = num_den[c] * inv;
     }
@@ -187,14 +197,6 @@ static inline void transpose_states(const float *src, long src_ld, int bh, int d
             for (int c = 0; c <= dv; c++) dst[((long)g * width + c) * dp + f] = src[((long)g * d + f) * src_ld + c];
 }
 
-/* Asks for rows [j, z) of a head (stride apart, `floats` floats each) to be brought into the cache ahead of the
- * row loaders: the hardware prefetchers stop at each 4 KiB page, which a head's rows of 64 floats cross every 16
- * rows, so without this the loaders wait on memory at every page. */
-static inline void prefetch_rows(const float *base, long j, long z, long stride, int floats) {
-    for (; j < z; j++)
-        for (int e = 0; e < floats; e += 16) __builtin_prefetch(base + j * stride + e, 0, 2);
-}
-
 struct key_rows {
     const float *k, *v;
     const uint8_t *mask;
@@ -219,9 +221,9 @@ static inline int key_source(const void *ctx, int g, long j, long z, long *next,
     int rows = 0;
     (void)scratch;
     const long ahead = z < j + 2 * ROWS ? z : j + 2 * ROWS; /* the next block's rows */
-    prefetch_rows(c->k + bi * c->ksb + hi * c->ksh, j + ROWS, ahead, c->ksn,
+    ahead_rows(c->k + bi * c->ksb + hi * c->ksh, j + ROWS, ahead, c->ksn,
                   c->shift ? c->d : row_inputs(c->d, c->map, c->ms, c->rope));
-    prefetch_rows(c->v + bi * c->vsb + hi * c->vsh, j + ROWS, ahead, c->vsn, c->dv);
+    ahead_rows(c->v + bi * c->vsb + hi * c->vsh, j + ROWS, ahead, c->vsn, c->dv);
     for (; j < z && rows < ROWS; j++) {
         if (c->mask && c->mask[bi * c->n + j]) continue;
         const float *kr = c->k + bi * c->ksb + hi * c->ksh + j * c->ksn;
@@ -247,18 +249,32 @@ struct query_outputs {
     const struct rope_tables *rope; /* or NULL */
     const struct map_settings *ms;  /* or NULL */
     struct rows_at out_at;
+    int stream; /* streaming stores for out */
 };
 
 static inline void query_block(const void *ctx, int g, long i0, int rows, float *scratch) {
     const struct query_outputs *c = ctx;
     const int bi = g / c->h, hi = g % c->h;
     float *phi = scratch, *num_den = scratch + ROWS * c->d;
-    prefetch_rows(c->q + bi * c->qsb + hi * c->qsh, i0 + rows, c->n < i0 + rows + ROWS ? c->n : i0 + rows + ROWS,
+    ahead_rows(c->q + bi * c->qsb + hi * c->qsh, i0 + rows, c->n < i0 + rows + ROWS ? c->n : i0 + rows + ROWS,
                   c->qsn, row_inputs(c->d, c->map, c->ms, c->rope));
     for (int r = 0; r < rows; r++)
         row_features(phi + r * c->d, c->q + bi * c->qsb + hi * c->qsh + (i0 + r) * c->qsn, c->d, c->map, c->ms, hi,
                      c->rope, i0 + r);
     const float *state = c->states + (long)g * c->d * c->width;
+    float *out = c->out + row_offset(c->out_at, c->h, g, i0);
+    float *den = c->den_out ? c->den_out + (long)g * c->n + i0 : NULL;
+    if (!c->rope && c->dv % W == 0) { /* the normalisers first, then the numerators divided as they are written */
+        float inv[ROWS] = {0.0f};
+        column_product(FULL, rows, c->d, phi, c->d, 1, state + c->dv, c->width, inv, 1);
+        for (int r = 0; r < rows; r++) {
+            if (inv[r] == 0.0f) inv[r] = 1.0f; /* every visible key masked, or phi(q) = 0: out is 0 */
+            if (den) den[r] = inv[r];
+            inv[r] = 1.0f / inv[r];
+        }
+        gemm_scaled(rows, c->dv / W, c->d, phi, c->d, 1, state, c->width, inv, out, c->out_at.n, c->stream);
+        return;
+    }
     memset(num_den, 0, sizeof(float) * rows * c->width);
     if (c->rope) { /* half the product: rotated features on the numerator's rows, the normaliser from the plain half */
         const int f = c->d / 2;
@@ -271,9 +287,7 @@ static inline void query_block(const void *ctx, int g, long i0, int rows, float 
     } else {
         gemm_cols(FULL, rows, c->dv + 1, c->d, phi, c->d, 1, state, c->width, num_den, c->width);
     }
-    float *out = c->out + row_offset(c->out_at, c->h, g, i0);
-    float *den = c->den_out ? c->den_out + (long)g * c->n + i0 : NULL;
-    normalise_rows(num_den, rows, c->width, c->dv, out, c->out_at.n);
+    normalise_rows(num_den, rows, c->width, c->dv, out, c->out_at.n, c->stream);
     if (den) store_normalisers(num_den, rows, c->width, c->dv, den);
     if (c->rope) /* a zero normaliser: output 0, and a stored 0 tells the backward to send no gradient */
         for (int r = 0; r < rows; r++)

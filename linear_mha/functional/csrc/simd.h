@@ -7,15 +7,20 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include "ahead.h"
 
 /* Vector width in floats: 16 (one AVX-512 register) where the compiler targets AVX-512, else 8 (AVX2). Every
  * loop below is written for any W; the GEMM's tile (TILE_V vectors wide) fills the register file of either. */
 #ifdef __AVX512F__
+#include <immintrin.h>
 #define W 16
 #define TILE_V 4 /* 6 x 4 accumulators + 4 loads + a broadcast of the 32 registers */
 #else
 #define W 8
 #define TILE_V 2 /* 6 x 2 accumulators + 2 loads + a broadcast of the 16 registers */
+#endif
+#ifndef AHEAD_RATE
+#define AHEAD_RATE(k) ((k) / 2) /* lines asked for per 6-row tile group: measured best of k / 4 .. k */
 #endif
 #define ROWS 48 /* rows per cache-resident block, a multiple of the 6-row tile */
 typedef float vf __attribute__((vector_size(4 * W)));
@@ -26,6 +31,21 @@ typedef float vf_u __attribute__((vector_size(4 * W), aligned(4)));
 static inline int whole_vectors(int n) { return (n + W - 1) / W * W; }
 static inline vf load(const float *p) { return *(const vf_u *)p; }
 static inline void store(float *p, vf x) { *(vf_u *)p = x; }
+/* A store that bypasses the caches (p aligned to a whole vector), for outputs far larger than the caches: a plain
+ * store first reads the line it writes into, which doubles the traffic and holds a fill buffer the reads ahead
+ * (ahead.h) need. stream_fence() makes such stores visible to other threads; the kernels' task loops end with it. */
+#if W == 16
+static inline void store_stream(float *p, vf x) { _mm512_stream_ps(p, (__m512)x); }
+static inline void stream_fence(void) { _mm_sfence(); }
+#elif defined(__AVX__)
+#include <immintrin.h>
+static inline void store_stream(float *p, vf x) { _mm256_stream_ps(p, (__m256)x); }
+static inline void stream_fence(void) { _mm_sfence(); }
+#else
+static inline void store_stream(float *p, vf x) { store(p, x); }
+static inline void stream_fence(void) {}
+#endif
+static inline int vector_aligned(const float *p) { return ((uintptr_t)p & (sizeof(vf) - 1)) == 0; }
 /* A broadcast written lane by lane: for (vf){0} + s GCC 12 left extra zeroing instructions in the GEMM tiles, which
  * cost 9% of the elu forward at 8-float vectors and 6% at 16 (a loop over the lanes was 2.6x slower still). */
 #if W == 16
@@ -58,10 +78,29 @@ static inline float hmax(vf x) {
     return a > b ? a : b;
 }
 
-/* exp for x <= 0 (Cephes' expf scheme: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial in r, 2^n
- * through the exponent bits), about 1 ulp. n is rounded by adding 1.5 * 2^23, whose low mantissa bits then
- * hold n, which is cheaper than a float -> int -> float floor. Below -87.3 the result is 0, where float32
- * elu(x) + 1 has long rounded to 0 too. */
+/* exp for x <= 0 (Cephes' expf scheme: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial in r, times 2^n),
+ * about 1 ulp. Below -87.3 the result is 0, where float32 elu(x) + 1 has long rounded to 0 too (and a subnormal
+ * feature would cost a microcode assist in every product that reads it). With AVX-512, n is rounded and 2^n applied
+ * by one instruction each (vrndscaleps, vscalefps): 12 vector operations where the portable form below takes 19,
+ * and a row map's exp is a fifth of a kernel's work. Elsewhere n is rounded by adding 1.5 * 2^23, whose low mantissa
+ * bits then hold n, and 2^n is built in the exponent bits. The two give the same bits but where x log2(e) lies
+ * within rounding of a half-integer. */
+#ifdef __AVX512F__
+static inline vf exp_nonpositive(vf x) {
+    const __mmask16 kept = _mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(-87.3f), _CMP_NLT_UQ); /* NaN kept */
+    const vf fn = (vf)_mm512_roundscale_ps((__m512)(x * splat(1.44269504088896341f)),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const vf r = x - fn * splat(0.693359375f) - fn * splat(-2.12194440e-4f);
+    vf p = splat(1.9875691500e-4f);
+    p = p * r + splat(1.3981999507e-3f);
+    p = p * r + splat(8.3334519073e-3f);
+    p = p * r + splat(4.1665795894e-2f);
+    p = p * r + splat(1.6666665459e-1f);
+    p = p * r + splat(5.0000001201e-1f);
+    p = p * r * r + r + splat(1.0f);
+    return (vf)_mm512_maskz_scalef_ps(kept, (__m512)p, (__m512)fn);
+}
+#else
 static inline vf exp_nonpositive(vf x) {
     const vf magic = splat(12582912.0f); /* 1.5 * 2^23 */
     const vi tiny = x < splat(-87.3f);
@@ -80,6 +119,7 @@ static inline vf exp_nonpositive(vf x) {
     const vf scale = (vf)((n + 127) << 23);
     return vselect(tiny, splat(0.0f), p * scale);
 }
+#endif
 
 /* The natural log of positive normal x (Cephes' logf scheme: x = m 2^e with m in [sqrt(1/2), sqrt(2)), a degree-8
  * polynomial in m - 1), about 1 ulp. e becomes a float by the same magic-number trick as above. */
@@ -239,14 +279,17 @@ static inline void features(float *dst, const float *src, int d, int map) {
  * A(i, p) = a[i * ai + p * ap] (so one routine serves A and A^T) and B, C rows hold whole vectors.
  * A tile of R rows x V vectors keeps its R * V accumulators in registers; R and V are constants at every call
  * site, so the loops unroll fully. 6 x 2 (12 accumulators, 2 loads and 6 broadcasts per 12 FMAs) is the
- * shape that fills the 16 AVX2 registers; it measured 1.6-2x faster here than 4 x 3. */
+ * shape that fills the 16 AVX2 registers; it measured 1.6-2x faster here than 4 x 3.
+ * With scale (gemm_scaled), C is not read: the tile starts from zero and writes row r times scale[r], with
+ * streaming stores where stream is set and the row starts on a whole vector. */
 static inline __attribute__((always_inline)) void tile(const int R, const int V, int k, const float *a, long ai,
-                                                       long ap, const float *b, long ldb, float *c, long ldc) {
+                                                       long ap, const float *b, long ldb, float *c, long ldc,
+                                                       const float *scale, int stream) {
     vf acc[6][TILE_V], bv[TILE_V];
 #pragma GCC unroll 6
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
-        for (int v = 0; v < V; v++) acc[r][v] = load(c + r * ldc + v * W);
+        for (int v = 0; v < V; v++) acc[r][v] = scale ? splat(0.0f) : load(c + r * ldc + v * W);
     for (int p = 0; p < k; p++, b += ldb) {
         const float *ar = a + p * ap;
 #pragma GCC unroll 4
@@ -259,9 +302,16 @@ static inline __attribute__((always_inline)) void tile(const int R, const int V,
         }
     }
 #pragma GCC unroll 6
-    for (int r = 0; r < R; r++)
+    for (int r = 0; r < R; r++) {
+        float *cr = c + r * ldc;
+        if (scale && stream && vector_aligned(cr)) {
 #pragma GCC unroll 4
-        for (int v = 0; v < V; v++) store(c + r * ldc + v * W, acc[r][v]);
+            for (int v = 0; v < V; v++) store_stream(cr + v * W, acc[r][v] * splat(scale[r]));
+        } else {
+#pragma GCC unroll 4
+            for (int v = 0; v < V; v++) store(cr + v * W, scale ? acc[r][v] * splat(scale[r]) : acc[r][v]);
+        }
+    }
 }
 
 /* The lower-triangular variants skip the products a causal block never uses: with LOWER_K, rows i.. of the
@@ -273,23 +323,41 @@ enum { FULL = 0, LOWER_K = 1, LOWER_N = 2 };
     do {                                                                                                   \
         const int kk = shape == LOWER_K && i + R < k ? i + R : k;                                         \
         const int nn = shape == LOWER_N && (i + R + W - 1) / W < nv ? (i + R + W - 1) / W : nv;           \
-        const float *ar = a + i * ai;                                                                      \
+        const float *ar = a + i * ai, *sr = scale ? scale + i : NULL;                                      \
         float *cr = c + i * ldc;                                                                           \
         int v = 0;                                                                                         \
-        for (; v + TILE_V <= nn; v += TILE_V) tile(R, TILE_V, kk, ar, ai, ap, b + v * W, ldb, cr + v * W, ldc); \
+        for (; v + TILE_V <= nn; v += TILE_V)                                                              \
+            tile(R, TILE_V, kk, ar, ai, ap, b + v * W, ldb, cr + v * W, ldc, sr, stream);                  \
         if (TILE_V > 2 && v + 2 <= nn) {                                                                   \
-            tile(R, 2, kk, ar, ai, ap, b + v * W, ldb, cr + v * W, ldc);                                   \
+            tile(R, 2, kk, ar, ai, ap, b + v * W, ldb, cr + v * W, ldc, sr, stream);                       \
             v += 2;                                                                                        \
         }                                                                                                  \
-        if (v < nn) tile(R, 1, kk, ar, ai, ap, b + v * W, ldb, cr + v * W, ldc);                          \
+        if (v < nn) tile(R, 1, kk, ar, ai, ap, b + v * W, ldb, cr + v * W, ldc, sr, stream);               \
     } while (0)
 
-static inline void gemm_shaped(int shape, int m, int nv, int k, const float *a, long ai, long ap, const float *b, long ldb,
-                        float *c, long ldc) {
+/* Between its 6-row groups the GEMM asks for some of the lines the row loaders queued (ahead.h). */
+static inline __attribute__((always_inline)) void gemm_rows(int shape, int m, int nv, int k, const float *a, long ai,
+                                                            long ap, const float *b, long ldb, float *c, long ldc,
+                                                            const float *scale, int stream) {
     int i = 0;
-    for (; i + 6 <= m; i += 6) TILE_ROW(6);
+    for (; i + 6 <= m; i += 6) {
+        TILE_ROW(6);
+        ahead_some(AHEAD_RATE(k));
+    }
     for (; i + 3 <= m; i += 3) TILE_ROW(3);
     for (; i < m; i++) TILE_ROW(1);
+}
+
+static inline void gemm_shaped(int shape, int m, int nv, int k, const float *a, long ai, long ap, const float *b,
+                               long ldb, float *c, long ldc) {
+    gemm_rows(shape, m, nv, k, a, ai, ap, b, ldb, c, ldc, NULL, 0);
+}
+
+/* c[i][.] = scale[i] sum_p A(i, p) B[p][.]: the product written (not added) and each row scaled as it leaves the
+ * registers, e.g. divided by its normaliser; stream as in tile. */
+static inline void gemm_scaled(int m, int nv, int k, const float *a, long ai, long ap, const float *b, long ldb,
+                               const float *scale, float *c, long ldc, int stream) {
+    gemm_rows(FULL, m, nv, k, a, ai, ap, b, ldb, c, ldc, scale, stream);
 }
 
 static inline void gemm_acc(int m, int nv, int k, const float *a, long ai, long ap, const float *b, long ldb, float *c,

@@ -166,6 +166,7 @@ static inline int for_each_block(int bh, long n, int threads, long scratch_float
                 const long i0 = (item % row_blocks) * ROWS;
                 block(ctx, (int)(item / row_blocks), i0, (int)(n - i0 < ROWS ? n - i0 : ROWS), scratch);
             }
+            stream_fence();
         }
         free(scratch);
     }
@@ -197,6 +198,7 @@ static inline int for_each_task(int tasks, int threads, long scratch_floats, tas
 #pragma omp for schedule(dynamic, 1)
             for (int i = 0; i < tasks; i++) task(ctx, i, scratch);
         }
+        stream_fence();
         free(scratch);
     }
     return failed ? -1 : 0;
