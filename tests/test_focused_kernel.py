@@ -71,11 +71,15 @@ def test_focused_in_the_kernels_matches_float64(causal, power, with_scale, threa
     assert relative_error(out, ref) < 2e-6
     # q's gradient passes the map's derivative, which float32 rounds visibly: the bound is what PyTorch's own
     # float32 ops err on the same call (1e-4 on some of these inputs), with a floor; a wrong term errs by percents.
+    # Where that derivative is steep the error is rounding luck: on one causal input here an element whose
+    # reference is 1.1e-5 errs by 2.8e-4 (of the largest element) in PyTorch's float32, and in the kernels by
+    # 1.0e-4 to 2.8e-4 as the summation order of one dot product changes (1.9e-4 with that sum in float64). So
+    # q's floor is 5e-4, still twenty times below a wrong term.
     _, composed = run(q, *clean, mask, scale, grad, torch.float32, native_kernels=False, causal=causal,
                       focusing_factor=power)
     for name, a, c, r in zip("qkv", got[:3], composed[:3], expected[:3]):
         assert torch.isfinite(a).all(), name
-        assert relative_error(a, r) < max(2e-5, 2 * relative_error(c, r)), name
+        assert relative_error(a, r) < max(5e-4 if name == "q" else 2e-5, 2 * relative_error(c, r)), name
     for t in got[1:3]:  # masked keys get no gradient
         assert (t.masked_select(mask[:, None, :, None]) == 0).all()
     if with_scale:

@@ -114,6 +114,14 @@ static inline void normalise_rows(const float *num_den, int rows, int dvp, int d
     }
 }
 
+/* dst[0..n) = src[0..n), with streaming stores where `stream` is set and dst starts on a whole vector. */
+static inline void put_row(float *dst, const float *src, int n, int stream) {
+    int c = 0;
+    if (stream && vector_aligned(dst))
+        for (; c + W <= n; c += W) store_stream(dst + c, load(src + c));
+    memcpy(dst + c, src + c, sizeof(float) * (n - c));
+}
+
 /* The normalisers of rows of width dvp, zeros replaced by 1 as normalise_rows divides, for the backward. */
 static inline void store_normalisers(const float *num_den, int rows, int dvp, int dv, float *den) {
     for (int r = 0; r < rows; r++) den[r] = num_den[r * dvp + dv] == 0.0f ? 1.0f : num_den[r * dvp + dv];
@@ -221,6 +229,7 @@ static inline int key_source(const void *ctx, int g, long j, long z, long *next,
     int rows = 0;
     (void)scratch;
     const long ahead = z < j + 2 * ROWS ? z : j + 2 * ROWS; /* the next block's rows */
+    ahead_start(c->d / 6); /* over the GEMM that sums this block into the state */
     ahead_rows(c->k + bi * c->ksb + hi * c->ksh, j + ROWS, ahead, c->ksn,
                   c->shift ? c->d : row_inputs(c->d, c->map, c->ms, c->rope));
     ahead_rows(c->v + bi * c->vsb + hi * c->vsh, j + ROWS, ahead, c->vsn, c->dv);
@@ -256,6 +265,7 @@ static inline void query_block(const void *ctx, int g, long i0, int rows, float 
     const struct query_outputs *c = ctx;
     const int bi = g / c->h, hi = g % c->h;
     float *phi = scratch, *num_den = scratch + ROWS * c->d;
+    ahead_start(ROWS / 6); /* over this block's GEMM */
     ahead_rows(c->q + bi * c->qsb + hi * c->qsh, i0 + rows, c->n < i0 + rows + ROWS ? c->n : i0 + rows + ROWS,
                   c->qsn, row_inputs(c->d, c->map, c->ms, c->rope));
     for (int r = 0; r < rows; r++)
@@ -351,11 +361,18 @@ static inline void gradient_rows(const float *grad, long ld_grad, const float *o
             continue;
         }
         const float inv = 1.0f / den[r];
-        for (int e = 0; e < dv; e++) {
+        int e = 0;
+        vf dots = splat(0.0f); /* in vectors: a scalar sum must add its terms one after another */
+        for (; e + W <= dv; e += W) {
+            const vf gv = load(grad + e);
+            store(row + e, gv * splat(inv));
+            dots += gv * load(out + e);
+        }
+        for (; e < dv; e++) {
             row[e] = grad[e] * inv;
             dot += grad[e] * out[e];
         }
-        row[dv] = -dot * inv;
+        row[dv] = -(dot + hsum(dots)) * inv;
         memset(row + dv + 1, 0, sizeof(float) * (width - dv - 1));
     }
 }

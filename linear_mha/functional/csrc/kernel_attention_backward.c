@@ -31,13 +31,19 @@ struct query_rows {
     const struct rope_tables *rope; /* or NULL */
     const struct map_settings *ms;  /* or NULL */
     struct rows_at grad_at, out_at, grad_q_at;
+    int stream; /* streaming stores for grad_q */
 };
 
 /* Rows phi(q_i), r_i for the accumulation of G; as a side effect writes d q_i = (r_i [S, z]^T) * phi'(q_i). */
 static int query_source(const void *ctx, int g, long j, long z, long *next, float *a, float *b, float *scratch) {
     const struct query_rows *c = ctx;
     const int bi = g / c->h, hi = g % c->h;
-    const int rows = (int)(z - j < ROWS ? z - j : ROWS);
+    const int rows = (int)(z - j < ROWS ? z - j : ROWS), d_in = row_inputs(c->d, c->map, c->ms, c->rope);
+    const long ahead = z < j + rows + ROWS ? z : j + rows + ROWS; /* the next block's rows */
+    ahead_start(ROWS / 6 + c->d / 6); /* over the GEMMs of d q and of G */
+    ahead_rows(c->q + bi * c->qsb + hi * c->qsh, j + rows, ahead, c->qsn, d_in);
+    ahead_rows(c->grad + row_offset(c->grad_at, c->h, g, 0), j + rows, ahead, c->grad_at.n, c->dv);
+    ahead_rows(c->out + row_offset(c->out_at, c->h, g, 0), j + rows, ahead, c->out_at.n, c->dv);
     gradient_rows(c->grad + row_offset(c->grad_at, c->h, g, j), c->grad_at.n,
                   c->out + row_offset(c->out_at, c->h, g, j), c->out_at.n, c->den + (long)g * c->n + j, rows, c->dv,
                   c->width, b);
@@ -49,11 +55,13 @@ static int query_source(const void *ctx, int g, long j, long z, long *next, floa
         memset(scratch, 0, sizeof(float) * rows * c->dp);
         if (c->rope) split_state_product(rows, c->d, c->dv, b, c->width, state_t, c->dp, scratch);
         else gemm_acc(rows, c->dp / W, c->dv + 1, b, c->width, 1, state_t, c->dp, scratch, c->dp);
-        float *dq = c->grad_q + row_offset(c->grad_q_at, c->h, g, j);
-        for (int r = 0; r < rows; r++)
-            row_input_grad(dq + r * c->grad_q_at.n, scratch + r * c->dp, a + r * c->d,
-                           c->q + bi * c->qsb + hi * c->qsh + (j + r) * c->qsn, c->d, c->map, c->ms, hi, c->rope,
-                           j + r);
+        float *dq = c->grad_q + row_offset(c->grad_q_at, c->h, g, j), row[c->stream ? d_in : 1];
+        for (int r = 0; r < rows; r++) {
+            float *dst = c->stream ? row : dq + r * c->grad_q_at.n;
+            row_input_grad(dst, scratch + r * c->dp, a + r * c->d, c->q + bi * c->qsb + hi * c->qsh + (j + r) * c->qsn,
+                           c->d, c->map, c->ms, hi, c->rope, j + r);
+            if (c->stream) put_row(dq + r * c->grad_q_at.n, row, d_in, 1);
+        }
     }
     *next = j + rows;
     return rows;
@@ -70,12 +78,18 @@ struct key_grads {
     const struct rope_tables *rope; /* or NULL */
     const struct map_settings *ms;  /* or NULL */
     struct rows_at grad_k_at, grad_v_at;
+    int stream; /* streaming stores for grad_k and grad_v */
 };
 
 static void key_block(const void *ctx, int g, long j0, int rows, float *scratch) {
     const struct key_grads *c = ctx;
     const int bi = g / c->h, hi = g % c->h, d = c->d, dp = c->dp, dv = c->dv, width = c->width;
     float *phi = scratch, *v1 = phi + ROWS * d, *g_phi = v1 + ROWS * width, *g_v1 = g_phi + ROWS * dp;
+    const int d_in = row_inputs(d, c->map, c->ms, c->rope);
+    const long ahead = c->n < j0 + rows + ROWS ? c->n : j0 + rows + ROWS; /* the next block's rows */
+    ahead_start(2 * (ROWS / 6)); /* over the GEMMs of d phi(k) and d v */
+    ahead_rows(c->k + bi * c->ksb + hi * c->ksh, j0 + rows, ahead, c->ksn, d_in);
+    ahead_rows(c->v + bi * c->vsb + hi * c->vsh, j0 + rows, ahead, c->vsn, dv);
     for (int r = 0; r < rows; r++) {
         const long j = j0 + r;
         float *row = v1 + r * width;
@@ -95,23 +109,21 @@ static void key_block(const void *ctx, int g, long j0, int rows, float *scratch)
         gemm_acc(rows, dp / W, dv + 1, v1, width, 1, acc_t, dp, g_phi, dp);
         gemm_cols(FULL, rows, dv, d, phi, d, 1, acc, width, g_v1, width);
     }
-    const int d_in = row_inputs(d, c->map, c->ms, c->rope);
     float *dk0 = c->grad_k ? c->grad_k + row_offset(c->grad_k_at, c->h, g, j0) : NULL;
     float *dv0 = c->grad_v ? c->grad_v + row_offset(c->grad_v_at, c->h, g, j0) : NULL;
+    float row[d_in > dv ? d_in : dv];
     for (int r = 0; r < rows; r++) {
         const long j = j0 + r;
         const int masked = c->mask && c->mask[bi * c->n + j];
         if (dk0) {
-            float *dk = dk0 + r * c->grad_k_at.n;
-            if (masked) memset(dk, 0, sizeof(float) * d_in);
-            else row_input_grad(dk, g_phi + r * dp, phi + r * d,
-                                c->k + bi * c->ksb + hi * c->ksh + j * c->ksn, d, c->map, c->ms,
-                                key_head(c->map, c->ms, hi), c->rope, j);
+            if (masked) memset(row, 0, sizeof(float) * d_in);
+            else row_input_grad(row, g_phi + r * dp, phi + r * d, c->k + bi * c->ksb + hi * c->ksh + j * c->ksn, d,
+                                c->map, c->ms, key_head(c->map, c->ms, hi), c->rope, j);
+            put_row(dk0 + r * c->grad_k_at.n, row, d_in, c->stream);
         }
         if (dv0) {
-            float *dvr = dv0 + r * c->grad_v_at.n;
-            if (masked) memset(dvr, 0, sizeof(float) * dv);
-            else memcpy(dvr, g_v1 + r * width, sizeof(float) * dv);
+            if (masked) memset(row, 0, sizeof(float) * dv);
+            put_row(dv0 + r * c->grad_v_at.n, masked ? row : g_v1 + r * width, dv, c->stream);
         }
     }
 }
@@ -132,7 +144,8 @@ static int noncausal_backward(const float *q, const float *k, const float *v, co
         transpose_states(state, dv + 1, bh, d, dv, width, dp, state_t);
         const struct query_rows queries = {q, grad, out, den, state_t, grad_q, h, d, dp, dv, width, map, nq,
                                            qsb, qsh, qsn, rope, ms, rows_from(strides, 1, h, nq, dv),
-                                           rows_from(strides, 0, h, nq, dv), rows_from(strides, 2, h, nq, d_in)};
+                                           rows_from(strides, 0, h, nq, dv), rows_from(strides, 2, h, nq, d_in),
+                                           streamed((long)bh * nq * d_in)};
         failed = accumulate_states(bh, nq, d, width, dv + 1, rope ? d / 2 : 0, threads, query_source, &queries,
                                    acc, ms && ms->grad_scale) != 0; /* rows that add parameter gradients per thread */
     }
@@ -143,7 +156,7 @@ static int noncausal_backward(const float *q, const float *k, const float *v, co
         transpose_states(acc, width, bh, d, dv, width, dp, acc_t);
         const struct key_grads keys = {k, v, mask, acc, acc_t, grad_k, grad_v, h, d, dp, dv, width, map, nk,
                                        ksb, ksh, ksn, vsb, vsh, vsn, rope, ms, rows_from(strides, 3, h, nk, d_in),
-                                       rows_from(strides, 4, h, nk, dv)};
+                                       rows_from(strides, 4, h, nk, dv), streamed((long)bh * nk * d_in)};
         failed = for_each_block(bh, nk, threads, (long)ROWS * (d + 2 * width + dp), key_block, &keys) != 0;
     }
     free(state_t);
@@ -208,6 +221,7 @@ struct causal_backward {
     /* With parts > 1, each part's state S at its start and gradient G at its end (bh x parts x d x width). */
     const float *starts, *ends;
     struct rows_at out_at, grad_at, grad_q_at, grad_k_at, grad_v_at;
+    int stream; /* streaming stores for the input gradients */
 };
 
 /* A chunk as both causal passes need it: load_chunk's features (row stride dp), values and phi(k)^T, the
@@ -235,6 +249,7 @@ static void causal_part_backward(const void *ctx, int item, float *scratch) {
     float *d_scores = scores + ROWS * ldt, *g_phi = d_scores + ROWS * ldt, *g_v1 = g_phi + ROWS * dp;
     float *acc = g_v1 + ROWS * width, *acc_t = acc + d * width;
     const int bi = g / c->in.h, hi = g % c->in.h, d_in = map_inputs(d, map, c->in.ms);
+    float row[d_in > dv ? d_in : dv];
     /* Forward order: d q, with the state carried transposed (acc_t = S^T, width x dp). */
     if (c->grad_q) {
         if (c->starts) transpose_states(c->starts + (long)item * d * width, width, 1, d, dv, width, dp, acc_t);
@@ -248,9 +263,11 @@ static void causal_part_backward(const void *ctx, int item, float *scratch) {
             lower_scores(rows, dv + 1, r_rows, width, v1_t, ldt, d_scores);
             gemm_shaped(LOWER_K, rows, dp / W, rows, d_scores, ldt, 1, phi_k, dp, g_phi, dp);
             float *dq = c->grad_q + row_offset(c->grad_q_at, c->in.h, g, i0);
-            for (int r = 0; r < rows; r++)
-                map_input_grad(dq + r * c->grad_q_at.n, g_phi + r * dp, phi_q + r * dp,
+            for (int r = 0; r < rows; r++) {
+                map_input_grad(row, g_phi + r * dp, phi_q + r * dp,
                                c->in.q + bi * c->in.qsb + hi * c->in.qsh + (i0 + r) * c->in.qsn, d, map, c->in.ms, hi);
+                put_row(dq + r * c->grad_q_at.n, row, d_in, c->stream);
+            }
             gemm_acc(dv + 1, dp / W, rows, v1, 1, width, phi_k, dp, acc_t, dp); /* S^T += V1^T phi(K) */
         }
     }
@@ -275,16 +292,15 @@ static void causal_part_backward(const void *ctx, int item, float *scratch) {
         for (int r = 0; r < rows; r++) {
             const int masked = c->in.mask && c->in.mask[bi * n + i0 + r];
             if (dk0) {
-                float *dk = dk0 + r * c->grad_k_at.n;
-                if (masked) memset(dk, 0, sizeof(float) * d_in);
-                else map_input_grad(dk, g_phi + r * dp, phi_k + r * dp,
+                if (masked) memset(row, 0, sizeof(float) * d_in);
+                else map_input_grad(row, g_phi + r * dp, phi_k + r * dp,
                                     c->in.k + bi * c->in.ksb + hi * c->in.ksh + (i0 + r) * c->in.ksn, d, map, c->in.ms,
                                     key_head(map, c->in.ms, hi));
+                put_row(dk0 + r * c->grad_k_at.n, row, d_in, c->stream);
             }
             if (dv0) {
-                float *dvr = dv0 + r * c->grad_v_at.n;
-                if (masked) memset(dvr, 0, sizeof(float) * dv);
-                else memcpy(dvr, g_v1 + r * width, sizeof(float) * dv);
+                if (masked) memset(row, 0, sizeof(float) * dv);
+                put_row(dv0 + r * c->grad_v_at.n, masked ? row : g_v1 + r * width, dv, c->stream);
             }
         }
         gemm_cols(FULL, d, dv + 1, rows, phi_q, 1, dp, r_rows, width, acc, width);     /* G += phi(Q)^T R */
@@ -334,7 +350,7 @@ int lm_causal_kernel_attention_backward_f32(const float *q, const float *k, cons
                                               vsh, vsn, &ms}, init, den, out, grad, grad_q, grad_k, grad_v, grad_state,
                                              width, dp, ldt, parts, starts, ends, out_at, grad_at,
                                              rows_from(strides, 2, h, n, d_in), rows_from(strides, 3, h, n, d_in),
-                                             rows_from(strides, 4, h, n, dv)};
+                                             rows_from(strides, 4, h, n, dv), streamed((long)bh * n * d_in)};
     const long scratch = (long)ROWS * (3 * dp + 3 * width + 2 * ldt) + (long)d * (ldt + width) +
                          (long)width * (ldt + dp);
     const int status = for_each_task((int)(bh * parts), threads, scratch, causal_part_backward, &backward,

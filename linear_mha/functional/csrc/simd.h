@@ -19,9 +19,6 @@
 #define W 8
 #define TILE_V 2 /* 6 x 2 accumulators + 2 loads + a broadcast of the 16 registers */
 #endif
-#ifndef AHEAD_RATE
-#define AHEAD_RATE(k) ((k) / 2) /* lines asked for per 6-row tile group: measured best of k / 4 .. k */
-#endif
 #define ROWS 48 /* rows per cache-resident block, a multiple of the 6-row tile */
 typedef float vf __attribute__((vector_size(4 * W)));
 typedef int32_t vi __attribute__((vector_size(4 * W)));
@@ -342,7 +339,7 @@ static inline __attribute__((always_inline)) void gemm_rows(int shape, int m, in
     int i = 0;
     for (; i + 6 <= m; i += 6) {
         TILE_ROW(6);
-        ahead_some(AHEAD_RATE(k));
+        ahead_step();
     }
     for (; i + 3 <= m; i += 3) TILE_ROW(3);
     for (; i < m; i++) TILE_ROW(1);
