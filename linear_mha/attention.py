@@ -20,6 +20,7 @@ from .adapters import AttentionAdapter, register_adapter
 from .attend import attend_heads
 from .local_term import add_local_term
 from .output_gate import apply_output_gate
+from .plain_linear import call_linear
 from .registry import DEFAULT_MODE, create_method
 from .token_grid import TokenGrid, resolve_token_grid
 from .functional._common import autocast_active, compiling
@@ -224,7 +225,8 @@ class LinearMultiheadAttention(AttentionAdapter, nn.Module):
                                     need_weights=need_weights, dropout_p=self.dropout if self.training else 0.0,
                                     token_grid=token_grid)
         out = apply_output_gate(self, add_local_term(self, out, v, kpm, mask, is_causal, token_grid), q, inplace=True)
-        out = self.out_proj(out.transpose(1, 2).reshape(layout["batch"], layout["tgt_len"], self.embed_dim))
+        heads = out.transpose(1, 2).reshape(layout["batch"], layout["tgt_len"], self.embed_dim)
+        out = call_linear(self.out_proj, heads)  # the user's nn.Linear: hooks and wrappers see it called
         if weights is not None and average_attn_weights:
             weights = weights.mean(dim=1)
         if layout["unbatched"]:
