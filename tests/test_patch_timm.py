@@ -210,3 +210,17 @@ def test_unsupported_attention_is_reported_and_untouched():
                         "diff": "differential", "subclass": "exact class", "xca": "cross-covariance",
                         "cait_block.attn": "class token"}.items():
         assert words in reasons[name] and zoo.get_submodule(name) is before[name], name
+
+
+def test_hooks_on_timm_s_qkv_and_proj_still_fire():
+    """The adapter applies timm's qkv and proj Linears as their function (plain_linear.call_linear) unless something
+    relies on calling them: a hook on either must fire and act."""
+    model, _ = _build("vit")
+    patch(model, mode="kernel")
+    block = model.blocks[0].attn
+    seen = []
+    block.qkv.register_forward_hook(lambda mod, args, out: seen.append("qkv"))
+    block.proj.register_forward_pre_hook(lambda mod, args: (args[0] * 0,))
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    torch.testing.assert_close(block(x), block.proj.bias.expand(2, 5, 32).detach())
+    assert seen == ["qkv"]

@@ -16,6 +16,7 @@ from ..attend import attend_heads
 from ..functional.packed_heads import split_heads
 from ..local_term import add_local_term
 from ..output_gate import apply_output_gate
+from ..plain_linear import call_linear
 from ..registry import DEFAULT_MODE, create_method
 from ..token_grid import feature_map_grid, resolve_token_grid
 
@@ -151,7 +152,7 @@ class LinearTimmAttention(AttentionAdapter, nn.Module):
         self.method.before_forward(self)
         B, N, _ = x.shape
         gate = self.gate(x).sigmoid() if self.gate is not None else None
-        q, k, v = split_heads(self.qkv(x), 3, self.num_heads)  # (B, H, N, d) each
+        q, k, v = split_heads(call_linear(self.qkv, x), 3, self.num_heads)  # (B, H, N, d) each
         q, k = self.q_norm(q), self.k_norm(k)
         kpm, mask = (None, None) if attn_mask is None else _timm_mask_to_nn(attn_mask, B, self.num_heads, N,
                                                                            self.method)
@@ -163,4 +164,4 @@ class LinearTimmAttention(AttentionAdapter, nn.Module):
         out = self.norm(out.transpose(1, 2).reshape(B, N, self.attn_dim))
         if gate is not None:
             out = out * gate
-        return self.proj_drop(self.proj(out))
+        return self.proj_drop(call_linear(self.proj, out))
