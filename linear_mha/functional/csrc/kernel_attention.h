@@ -336,8 +336,8 @@ static inline void load_chunk(const struct causal_inputs *in, int g, long i0, in
             memcpy(vr, in->v + bi * in->vsb + hi * in->vsh + j * in->vsn, sizeof(float) * dv);
             vr[dv] = 1.0f;
         }
-        for (int f = 0; f < d; f++) k_t[f * ldt + r] = pk[f];
     }
+    transpose_rows(phi_k, ld, rows, d, k_t, ldt);
 }
 
 /* scores (rows x ldt) = tril(a b): a is (rows x k) with row stride lda, b is (k x ldt); entries above the

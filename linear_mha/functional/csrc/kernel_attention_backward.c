@@ -234,8 +234,7 @@ static void load_gradient_chunk(const struct causal_backward *c, int g, long i0,
     gradient_rows(c->grad + row_offset(c->grad_at, in->h, g, i0), c->grad_at.n,
                   c->out + row_offset(c->out_at, in->h, g, i0), c->out_at.n, c->den + (long)g * in->n + i0, rows,
                   in->dv, width, r_rows);
-    for (int r = 0; r < rows; r++)
-        for (int e = 0; e < width; e++) v1_t[e * ldt + r] = v1[r * width + e];
+    transpose_rows(v1, width, rows, width, v1_t, ldt);
 }
 
 static void causal_part_backward(const void *ctx, int item, float *scratch) {
