@@ -43,7 +43,8 @@ CASES = {
     "elu_causal": lambda q, k, v: LF.kernel(q, k, v, feature_map="elu", causal=True),
     "taylor_padding": lambda q, k, v: LF.kernel(
         q, k, v, feature_map="taylor", key_padding_mask=torch.arange(q.shape[2]).expand(q.shape[0], -1) >= 50),
-    "focused": lambda q, k, v: LF.focused(q, k, v),
+    "focused": lambda q, k, v: LF.focused(q, k, v, scale=torch.linspace(0.5, 2, 3 * q.shape[-1]).reshape(3, 1, -1)),
+    "efficient": lambda q, k, v: LF.efficient_attention(q, k, v),
     "rope": lambda q, k, v: LF.grid_rope.grid_rope_kernel(q, k, v, "taylor", (6, 10, 3)),
 }
 

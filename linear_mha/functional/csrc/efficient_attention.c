@@ -75,7 +75,7 @@ int lm_efficient_attention_f32(const float *q, const float *k, const float *v, c
             for (long row = 0; row < (long)bh * d; row++)
                 memcpy(state_out + row * dv, state + row * width, sizeof(float) * dv);
         const struct query_outputs queries = {q, state, out, NULL, h, d, dv, width, nq, qsb, qsh, qsn, 2, NULL, NULL,
-                                              rows_from(out_strides, 0, h, nq, dv)};
+                                              rows_from(out_strides, 0, h, nq, dv), streamed((long)bh * nq * dv)};
         status = for_each_block(bh, nq, threads, (long)ROWS * (d + width), query_block, &queries);
     }
     if (!top_out) free(top);
@@ -91,6 +91,7 @@ struct efficient_queries {
     int h, d, dp, dv, width;
     long n, qsb, qsh, qsn;
     struct rows_at grad_at, grad_q_at;
+    int stream; /* streaming stores for grad_q */
 };
 
 static int efficient_query_source(const void *ctx, int g, long j, long z, long *next, float *a, float *b,
@@ -98,6 +99,10 @@ static int efficient_query_source(const void *ctx, int g, long j, long z, long *
     const struct efficient_queries *c = ctx;
     const int bi = g / c->h, hi = g % c->h, d = c->d, dp = c->dp, width = c->width;
     const int rows = (int)(z - j < ROWS ? z - j : ROWS);
+    const long ahead = z < j + rows + ROWS ? z : j + rows + ROWS; /* the next block's rows */
+    ahead_start(ROWS / 6 + d / 6); /* over the GEMMs of d q and of dS */
+    ahead_rows(c->q + bi * c->qsb + hi * c->qsh, j + rows, ahead, c->qsn, d);
+    ahead_rows(c->grad + row_offset(c->grad_at, c->h, g, 0), j + rows, ahead, c->grad_at.n, c->dv);
     for (int r = 0; r < rows; r++) {
         features(a + r * d, c->q + bi * c->qsb + hi * c->qsh + (j + r) * c->qsn, d, 2);
         float *row = b + r * width;
@@ -109,10 +114,10 @@ static int efficient_query_source(const void *ctx, int g, long j, long z, long *
         gemm_acc(rows, dp / W, width, b, width, 1, c->state_t + (long)g * width * dp, dp, scratch, dp);
         for (int r = 0; r < rows; r++) {
             const float *p = a + r * d;
-            float *dq = scratch + r * dp, dot = 0.0f;
-            for (int f = 0; f < d; f++) dot += dq[f] * p[f];
+            float *dq = scratch + r * dp;
+            const float dot = dot_product(dq, p, d);
             for (int f = 0; f < d; f++) dq[f] = p[f] * (dq[f] - dot);
-            memcpy(c->grad_q + row_offset(c->grad_q_at, c->h, g, j + r), dq, sizeof(float) * d);
+            put_row(c->grad_q + row_offset(c->grad_q_at, c->h, g, j + r), dq, d, c->stream);
         }
     }
     *next = j + rows;
@@ -126,6 +131,7 @@ struct efficient_key_grads {
     float *grad_k, *grad_v;
     int dp;
     struct rows_at grad_k_at, grad_v_at;
+    int stream; /* streaming stores for grad_k and grad_v */
 };
 
 static void efficient_key_block(const void *ctx, int g, long j0, int rows, float *scratch) {
@@ -134,6 +140,10 @@ static void efficient_key_block(const void *ctx, int g, long j0, int rows, float
     const int bi = g / in->h, hi = g % in->h, d = in->d, dv = in->dv, width = in->width, dp = c->dp;
     const float *top = in->shift + (long)g * d, *inv = c->inv_sum + (long)g * d, *dots = c->dots + (long)g * d;
     float *w = scratch, *v1 = w + ROWS * d, *g_v = v1 + ROWS * width, *g_k = g_v + ROWS * width;
+    const long ahead = in->n < j0 + rows + ROWS ? in->n : j0 + rows + ROWS; /* the next block's rows */
+    ahead_start(2 * (ROWS / 6)); /* over the GEMMs of d v and d k */
+    ahead_rows(in->k + bi * in->ksb + hi * in->ksh, j0 + rows, ahead, in->ksn, d);
+    ahead_rows(in->v + bi * in->vsb + hi * in->vsh, j0 + rows, ahead, in->vsn, dv);
     for (int r = 0; r < rows; r++) {
         const long j = j0 + r;
         const float *kr = in->k + bi * in->ksb + hi * in->ksh + j * in->ksn;
@@ -151,12 +161,12 @@ static void efficient_key_block(const void *ctx, int g, long j0, int rows, float
         if (c->grad_k) {
             float *gk = g_k + r * dp;
             for (int f = 0; f < d; f++) gk[f] = masked ? 0.0f : w[r * d + f] * (gk[f] - dots[f]);
-            memcpy(c->grad_k + row_offset(c->grad_k_at, in->h, g, j0 + r), gk, sizeof(float) * d);
+            put_row(c->grad_k + row_offset(c->grad_k_at, in->h, g, j0 + r), gk, d, c->stream);
         }
         if (c->grad_v) {
-            float *gv = c->grad_v + row_offset(c->grad_v_at, in->h, g, j0 + r);
+            float *gv = g_v + r * width;
             if (masked) memset(gv, 0, sizeof(float) * dv);
-            else memcpy(gv, g_v + r * width, sizeof(float) * dv);
+            put_row(c->grad_v + row_offset(c->grad_v_at, in->h, g, j0 + r), gv, dv, c->stream);
         }
     }
 }
@@ -179,7 +189,8 @@ int lm_efficient_attention_backward_f32(const float *q, const float *k, const fl
     if (!failed) {
         transpose_states(state, dv, bh, d, dv - 1, width, dp, state_t);
         const struct efficient_queries queries = {q, grad, state_t, grad_q, h, d, dp, dv, width, nq, qsb, qsh, qsn,
-                                                  rows_from(strides, 0, h, nq, dv), rows_from(strides, 1, h, nq, d)};
+                                                  rows_from(strides, 0, h, nq, dv), rows_from(strides, 1, h, nq, d),
+                                                  streamed((long)bh * nq * d)};
         failed = accumulate_states(bh, nq, d, width, dv, 0, threads, efficient_query_source, &queries, acc,
                                    0) != 0;
     }
@@ -192,7 +203,8 @@ int lm_efficient_attention_backward_f32(const float *q, const float *k, const fl
         transpose_states(acc, width, bh, d, dv - 1, width, dp, acc_t);
         const struct efficient_key_grads keys = {{k, v, mask, h, d, dv, width, 0, nk, ksb, ksh, ksn, vsb, vsh, vsn, top},
                                                  inv_sum, acc, acc_t, dots, grad_k, grad_v, dp,
-                                                 rows_from(strides, 2, h, nk, d), rows_from(strides, 3, h, nk, dv)};
+                                                 rows_from(strides, 2, h, nk, d), rows_from(strides, 3, h, nk, dv),
+                                                 streamed((long)bh * nk * d)};
         failed = for_each_block(bh, nk, threads, (long)ROWS * (d + 2 * width + dp), efficient_key_block, &keys) != 0;
     }
     free(state_t);
