@@ -88,11 +88,41 @@ static inline float focused_row(const struct focused_map *c, const float *x, con
     return top;
 }
 
-/* phi (d) of the row x of head `head`. */
-static inline void focused_features(float *phi, const float *x, int d, const struct focused_map *c, int head) {
+/* What a row's gradient needs of its features' pass, for a caller that keeps it between the two (the backward's
+ * blocks): the row's maximum and norms, whose reductions are most of focused_row's work. */
+struct focused_kept {
+    float top, norm_u, norm_z;
+};
+
+/* y, u and z as focused_row makes them (the same operations, so the same bits), the row's maximum known. */
+static inline void focused_row_known(const struct focused_map *c, const float *x, const float *s, int d, float top,
+                                     float *y, float *u, float *z) {
+    const float inv_top = 1.0f / top;
+    int f = 0;
+    for (; f + W <= d; f += W) {
+        const vf xv = load(x + f), r = vselect(xv > splat(0.0f), xv, splat(0.0f)) + splat(FOCUSED_EPS);
+        const vf yv = s ? r / load(s + f) : r, uv = yv * splat(inv_top);
+        store(y + f, yv);
+        store(u + f, uv);
+        store(z + f, power_vec(uv, c));
+    }
+    for (; f < d; f++) {
+        y[f] = s ? relu_eps(x[f]) / s[f] : relu_eps(x[f]);
+        u[f] = y[f] * inv_top;
+        z[f] = power_of(u[f], c);
+    }
+}
+
+/* phi (d) of the row x of head `head`; its maximum and norms into kept unless NULL. */
+static inline void focused_features(float *phi, const float *x, int d, const struct focused_map *c, int head,
+                                    struct focused_kept *kept) {
     float y[d], u[d], norm_u, norm_z;
     const float top = focused_row(c, x, c->scale ? c->scale + (long)head * d : NULL, d, y, u, phi, &norm_u, &norm_z);
     scaled_copy(phi, phi, d, top * norm_u / norm_z);
+    if (kept) {
+        const struct focused_kept k = {top, norm_u, norm_z};
+        *kept = k;
+    }
 }
 
 /* The gradient dx (d) of the row x from g (d), that of its features; adds the row's share of the scales' gradient
@@ -100,10 +130,16 @@ static inline void focused_features(float *phi, const float *x, int d, const str
  * homogeneous of degree 1 in y): dy = u S / (A Z) + (A p u^(p-1) / Z) (g - S u^p / Z^2), then dx = dy / s where
  * x > 0 (else 0) and ds = -dy y / s. */
 static inline void focused_input_grad(float *dx, const float *g, const float *x, int d, const struct focused_map *c,
-                                      int head, float *ds) {
+                                      int head, float *ds, const struct focused_kept *kept) {
     float y[d], u[d], zp[d], norm_u, norm_z;
     const float *s = c->scale ? c->scale + (long)head * d : NULL;
-    focused_row(c, x, s, d, y, u, zp, &norm_u, &norm_z);
+    if (kept) { /* the features' pass made the reductions */
+        focused_row_known(c, x, s, d, kept->top, y, u, zp);
+        norm_u = kept->norm_u;
+        norm_z = kept->norm_z;
+    } else {
+        focused_row(c, x, s, d, y, u, zp, &norm_u, &norm_z);
+    }
     const float dot = dot_product(g, zp, d);
     const float radial = dot / (norm_u * norm_z), tangential = norm_u * c->power / norm_z;
     const float along = dot / (norm_z * norm_z);

@@ -31,7 +31,7 @@ static void forward_task(const void *ctx, int t, float *scratch) {
     for (long row = a; row < z; row++) {
         int hi;
         const float *x = input_row(c, row, &hi);
-        focused_features(c->out + row * c->d, x, c->d, &c->map, hi);
+        focused_features(c->out + row * c->d, x, c->d, &c->map, hi, NULL);
     }
 }
 
@@ -46,7 +46,8 @@ static void backward_task(const void *ctx, int t, float *scratch) {
     for (long row = a; row < z; row++) {
         int hi;
         const float *x = input_row(c, row, &hi);
-        focused_input_grad(c->grad_x + row * d, c->grad + row * d, x, d, &c->map, hi, ds ? ds + (long)hi * d : NULL);
+        focused_input_grad(c->grad_x + row * d, c->grad + row * d, x, d, &c->map, hi, ds ? ds + (long)hi * d : NULL,
+                           NULL);
     }
 }
 

@@ -43,9 +43,11 @@ static inline int key_head(int map, const struct map_settings *ms, int head) {
     return map == HEDGEHOG ? head + ms->h : head;
 }
 
-/* features() for every map, settings and the row's head included (ms may be NULL for maps without settings). */
-static inline void map_features(float *dst, const float *src, int d, int map, const struct map_settings *ms, int head) {
-    if (map == FOCUSED) focused_features(dst, src, d, &ms->focused, head);
+/* features() for every map, settings and the row's head included (ms may be NULL for maps without settings).
+ * kept (or NULL): what focused's gradient of the same row may reuse (focused_kept). */
+static inline void map_features(float *dst, const float *src, int d, int map, const struct map_settings *ms, int head,
+                                struct focused_kept *kept) {
+    if (map == FOCUSED) focused_features(dst, src, d, &ms->focused, head, kept);
     else if (map == PROGRAM) program_features(dst, src, d, &ms->program);
     else if (map == HEDGEHOG) hedgehog_features(dst, src, &ms->hedgehog, head);
     else features(dst, src, d, map);
@@ -53,7 +55,7 @@ static inline void map_features(float *dst, const float *src, int d, int map, co
 
 /* input_grad() for every map; a focused row also adds its share of the scales' gradient. */
 static inline void map_input_grad(float *dst, float *g_phi, const float *phi, const float *src, int d, int map,
-                                  const struct map_settings *ms, int head) {
+                                  const struct map_settings *ms, int head, const struct focused_kept *kept) {
     if (map == PROGRAM) {
         program_input_grad(dst, g_phi, src, d, &ms->program);
         return;
@@ -67,7 +69,7 @@ static inline void map_input_grad(float *dst, float *g_phi, const float *phi, co
         return;
     }
     float *ds = ms->grad_scale ? ms->grad_scale + ((long)thread_slot() * ms->h + head) * d : NULL;
-    focused_input_grad(dst, g_phi, src, d, &ms->focused, head, ds);
+    focused_input_grad(dst, g_phi, src, d, &ms->focused, head, ds, kept);
 }
 
 /* Element strides over (batch, head, position) of a tensor of rows, each row contiguous: the outputs and the
@@ -152,22 +154,23 @@ static inline void rotate_row(float *dst, const float *src, int f, const struct 
 
 /* The features of a row, d of them: phi, or with rope [R_pos phi, phi] (d = 2 f). */
 static inline void row_features(float *dst, const float *src, int d, int map, const struct map_settings *ms, int head,
-                                const struct rope_tables *rope, long pos) {
+                                const struct rope_tables *rope, long pos, struct focused_kept *kept) {
     if (!rope) {
-        map_features(dst, src, d, map, ms, head);
+        map_features(dst, src, d, map, ms, head, kept);
         return;
     }
     const int f = d / 2;
-    map_features(dst + f, src, f, map, ms, head);
+    map_features(dst + f, src, f, map, ms, head, kept);
     rotate_row(dst, dst + f, f, rope, pos);
 }
 
 /* The gradient of the input row src from g_phi, that of its d row_features phi (g_phi is overwritten): with rope
  * that of the plain features is g[f:] + R_pos^T g[:f], then the map's own derivative. */
 static inline void row_input_grad(float *dst, float *g_phi, const float *phi, const float *src, int d, int map,
-                                  const struct map_settings *ms, int head, const struct rope_tables *rope, long pos) {
+                                  const struct map_settings *ms, int head, const struct rope_tables *rope, long pos,
+                                  const struct focused_kept *row_kept) {
     if (!rope) {
-        map_input_grad(dst, g_phi, phi, src, d, map, ms, head);
+        map_input_grad(dst, g_phi, phi, src, d, map, ms, head, row_kept);
         return;
     }
     const int f = d / 2, half = rope->rotated / 2, kept = f - rope->rotated;
@@ -179,7 +182,7 @@ static inline void row_input_grad(float *dst, float *g_phi, const float *phi, co
         g[kept + m] += ga * c[m] + gb * s[half + m];
         g[kept + half + m] += gb * c[half + m] - ga * s[m];
     }
-    map_input_grad(dst, g, phi + f, src, f, map, ms, head);
+    map_input_grad(dst, g, phi + f, src, f, map, ms, head, row_kept);
 }
 
 /* Values per input row: the map's inputs for its features (d, or half of them with rope). */
@@ -237,7 +240,7 @@ static inline int key_source(const void *ctx, int g, long j, long z, long *next,
         if (c->mask && c->mask[bi * c->n + j]) continue;
         const float *kr = c->k + bi * c->ksb + hi * c->ksh + j * c->ksn;
         if (c->shift) shifted_exp(a + rows * c->d, kr, c->shift + (long)g * c->d, c->d);
-        else row_features(a + rows * c->d, kr, c->d, c->map, c->ms, key_head(c->map, c->ms, hi), c->rope, j);
+        else row_features(a + rows * c->d, kr, c->d, c->map, c->ms, key_head(c->map, c->ms, hi), c->rope, j, NULL);
         float *row = b + rows * c->width;
         memcpy(row, c->v + bi * c->vsb + hi * c->vsh + j * c->vsn, sizeof(float) * c->dv);
         row[c->dv] = 1.0f;
@@ -270,7 +273,7 @@ static inline void query_block(const void *ctx, int g, long i0, int rows, float 
                   c->qsn, row_inputs(c->d, c->map, c->ms, c->rope));
     for (int r = 0; r < rows; r++)
         row_features(phi + r * c->d, c->q + bi * c->qsb + hi * c->qsh + (i0 + r) * c->qsn, c->d, c->map, c->ms, hi,
-                     c->rope, i0 + r);
+                     c->rope, i0 + r, NULL);
     const float *state = c->states + (long)g * c->d * c->width;
     float *out = c->out + row_offset(c->out_at, c->h, g, i0);
     float *den = c->den_out ? c->den_out + (long)g * c->n + i0 : NULL;
@@ -326,13 +329,13 @@ static inline void load_chunk(const struct causal_inputs *in, int g, long i0, in
     for (int r = 0; r < rows; r++) {
         const long j = i0 + r;
         float *pk = phi_k + r * ld, *vr = v1 + r * width;
-        map_features(phi_q + r * ld, in->q + bi * in->qsb + hi * in->qsh + j * in->qsn, d, in->map, in->ms, hi);
+        map_features(phi_q + r * ld, in->q + bi * in->qsb + hi * in->qsh + j * in->qsn, d, in->map, in->ms, hi, NULL);
         if (in->mask && in->mask[bi * in->n + j]) {
             memset(pk, 0, sizeof(float) * d);
             memset(vr, 0, sizeof(float) * (dv + 1));
         } else {
             map_features(pk, in->k + bi * in->ksb + hi * in->ksh + j * in->ksn, d, in->map, in->ms,
-                         key_head(in->map, in->ms, hi));
+                         key_head(in->map, in->ms, hi), NULL);
             memcpy(vr, in->v + bi * in->vsb + hi * in->vsh + j * in->vsn, sizeof(float) * dv);
             vr[dv] = 1.0f;
         }

@@ -47,9 +47,10 @@ static int query_source(const void *ctx, int g, long j, long z, long *next, floa
     gradient_rows(c->grad + row_offset(c->grad_at, c->h, g, j), c->grad_at.n,
                   c->out + row_offset(c->out_at, c->h, g, j), c->out_at.n, c->den + (long)g * c->n + j, rows, c->dv,
                   c->width, b);
+    struct focused_kept kept[ROWS]; /* focused's row reductions, made once for the features and the gradient */
     for (int r = 0; r < rows; r++)
         row_features(a + r * c->d, c->q + bi * c->qsb + hi * c->qsh + (j + r) * c->qsn, c->d, c->map, c->ms, hi,
-                     c->rope, j + r);
+                     c->rope, j + r, kept + r);
     if (c->grad_q) {
         const float *state_t = c->state_t + (long)g * c->width * c->dp;
         memset(scratch, 0, sizeof(float) * rows * c->dp);
@@ -59,7 +60,7 @@ static int query_source(const void *ctx, int g, long j, long z, long *next, floa
         for (int r = 0; r < rows; r++) {
             float *dst = c->stream ? row : dq + r * c->grad_q_at.n;
             row_input_grad(dst, scratch + r * c->dp, a + r * c->d, c->q + bi * c->qsb + hi * c->qsh + (j + r) * c->qsn,
-                           c->d, c->map, c->ms, hi, c->rope, j + r);
+                           c->d, c->map, c->ms, hi, c->rope, j + r, kept + r);
             if (c->stream) put_row(dq + r * c->grad_q_at.n, row, d_in, 1);
         }
     }
@@ -90,11 +91,12 @@ static void key_block(const void *ctx, int g, long j0, int rows, float *scratch)
     ahead_start(2 * (ROWS / 6)); /* over the GEMMs of d phi(k) and d v */
     ahead_rows(c->k + bi * c->ksb + hi * c->ksh, j0 + rows, ahead, c->ksn, d_in);
     ahead_rows(c->v + bi * c->vsb + hi * c->vsh, j0 + rows, ahead, c->vsn, dv);
+    struct focused_kept kept[ROWS]; /* focused's row reductions, made once for the features and the gradient */
     for (int r = 0; r < rows; r++) {
         const long j = j0 + r;
         float *row = v1 + r * width;
         row_features(phi + r * d, c->k + bi * c->ksb + hi * c->ksh + j * c->ksn, d, c->map, c->ms,
-                     key_head(c->map, c->ms, hi), c->rope, j);
+                     key_head(c->map, c->ms, hi), c->rope, j, kept + r);
         memcpy(row, c->v + bi * c->vsb + hi * c->vsh + j * c->vsn, sizeof(float) * dv);
         row[dv] = 1.0f;
         memset(row + dv + 1, 0, sizeof(float) * (width - dv - 1));
@@ -118,7 +120,7 @@ static void key_block(const void *ctx, int g, long j0, int rows, float *scratch)
         if (dk0) {
             if (masked) memset(row, 0, sizeof(float) * d_in);
             else row_input_grad(row, g_phi + r * dp, phi + r * d, c->k + bi * c->ksb + hi * c->ksh + j * c->ksn, d,
-                                c->map, c->ms, key_head(c->map, c->ms, hi), c->rope, j);
+                                c->map, c->ms, key_head(c->map, c->ms, hi), c->rope, j, kept + r);
             put_row(dk0 + r * c->grad_k_at.n, row, d_in, c->stream);
         }
         if (dv0) {
@@ -264,7 +266,8 @@ static void causal_part_backward(const void *ctx, int item, float *scratch) {
             float *dq = c->grad_q + row_offset(c->grad_q_at, c->in.h, g, i0);
             for (int r = 0; r < rows; r++) {
                 map_input_grad(row, g_phi + r * dp, phi_q + r * dp,
-                               c->in.q + bi * c->in.qsb + hi * c->in.qsh + (i0 + r) * c->in.qsn, d, map, c->in.ms, hi);
+                               c->in.q + bi * c->in.qsb + hi * c->in.qsh + (i0 + r) * c->in.qsn, d, map, c->in.ms, hi,
+                               NULL);
                 put_row(dq + r * c->grad_q_at.n, row, d_in, c->stream);
             }
             gemm_acc(dv + 1, dp / W, rows, v1, 1, width, phi_k, dp, acc_t, dp); /* S^T += V1^T phi(K) */
@@ -294,7 +297,7 @@ static void causal_part_backward(const void *ctx, int item, float *scratch) {
                 if (masked) memset(row, 0, sizeof(float) * d_in);
                 else map_input_grad(row, g_phi + r * dp, phi_k + r * dp,
                                     c->in.k + bi * c->in.ksb + hi * c->in.ksh + (i0 + r) * c->in.ksn, d, map, c->in.ms,
-                                    key_head(map, c->in.ms, hi));
+                                    key_head(map, c->in.ms, hi), NULL);
                 put_row(dk0 + r * c->grad_k_at.n, row, d_in, c->stream);
             }
             if (dv0) {
