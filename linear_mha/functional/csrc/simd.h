@@ -75,19 +75,8 @@ static inline float hmax(vf x) {
     return a > b ? a : b;
 }
 
-/* exp for x <= 0 (Cephes' expf scheme: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial in r, times 2^n),
- * about 1 ulp. Below -87.3 the result is 0, where float32 elu(x) + 1 has long rounded to 0 too (and a subnormal
- * feature would cost a microcode assist in every product that reads it). With AVX-512, n is rounded and 2^n applied
- * by one instruction each (vrndscaleps, vscalefps): 12 vector operations where the portable form below takes 19,
- * and a row map's exp is a fifth of a kernel's work. Elsewhere n is rounded by adding 1.5 * 2^23, whose low mantissa
- * bits then hold n, and 2^n is built in the exponent bits. The two give the same bits but where x log2(e) lies
- * within rounding of a half-integer. */
-#ifdef __AVX512F__
-static inline vf exp_nonpositive(vf x) {
-    const __mmask16 kept = _mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(-87.3f), _CMP_NLT_UQ); /* NaN kept */
-    const vf fn = (vf)_mm512_roundscale_ps((__m512)(x * splat(1.44269504088896341f)),
-                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const vf r = x - fn * splat(0.693359375f) - fn * splat(-2.12194440e-4f);
+/* exp(r) for |r| <= ln2 / 2: Cephes' degree-6 polynomial. */
+static inline vf exp_reduced(vf r) {
     vf p = splat(1.9875691500e-4f);
     p = p * r + splat(1.3981999507e-3f);
     p = p * r + splat(8.3334519073e-3f);
@@ -95,7 +84,23 @@ static inline vf exp_nonpositive(vf x) {
     p = p * r + splat(1.6666665459e-1f);
     p = p * r + splat(5.0000001201e-1f);
     p = p * r * r + r + splat(1.0f);
-    return (vf)_mm512_maskz_scalef_ps(kept, (__m512)p, (__m512)fn);
+    return p;
+}
+
+/* exp for x <= 0 (Cephes' expf scheme: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 polynomial in r, times 2^n),
+ * about 1 ulp. Below -87.3 the result is 0, where float32 elu(x) + 1 has long rounded to 0 too (and a subnormal
+ * feature would cost a microcode assist in every product that reads it). With AVX-512, n is rounded and 2^n applied
+ * by one instruction each (vrndscaleps, vscalefps): 12 vector operations where the portable form below takes 19
+ * (with the elu map replaced by a copy, the elu forward takes 9.7 ms against 10.6 with inputs in cache). Elsewhere n
+ * is rounded by adding 1.5 * 2^23, whose low mantissa bits then hold n, and 2^n is built in the exponent bits. The
+ * two give the same bits but where x log2(e) lies within rounding of a half-integer. */
+#ifdef __AVX512F__
+static inline vf exp_nonpositive(vf x) {
+    const __mmask16 kept = _mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(-87.3f), _CMP_NLT_UQ); /* NaN kept */
+    const vf fn = (vf)_mm512_roundscale_ps((__m512)(x * splat(1.44269504088896341f)),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const vf r = x - fn * splat(0.693359375f) - fn * splat(-2.12194440e-4f);
+    return (vf)_mm512_maskz_scalef_ps(kept, (__m512)exp_reduced(r), (__m512)fn);
 }
 #else
 static inline vf exp_nonpositive(vf x) {
@@ -106,15 +111,8 @@ static inline vf exp_nonpositive(vf x) {
     const vf fn = shifted - magic;
     const vi n = (vi)shifted - (vi)magic;
     const vf r = x - fn * splat(0.693359375f) - fn * splat(-2.12194440e-4f);
-    vf p = splat(1.9875691500e-4f);
-    p = p * r + splat(1.3981999507e-3f);
-    p = p * r + splat(8.3334519073e-3f);
-    p = p * r + splat(4.1665795894e-2f);
-    p = p * r + splat(1.6666665459e-1f);
-    p = p * r + splat(5.0000001201e-1f);
-    p = p * r * r + r + splat(1.0f);
     const vf scale = (vf)((n + 127) << 23);
-    return vselect(tiny, splat(0.0f), p * scale);
+    return vselect(tiny, splat(0.0f), exp_reduced(r) * scale);
 }
 #endif
 
