@@ -91,6 +91,7 @@ static inline int partial_states(int bh, long n, long parts, int d, int width, i
                 for (long item = 0; item < bh * parts; item++)
                     sum_part(item, n, parts, d, width, cols, split, source, ctx, a, b, scratch, partial);
             }
+            stream_fence(); /* sources may write rows with streaming stores (the backward's d q) */
         }
         free(a);
         free(b);
