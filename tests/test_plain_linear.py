@@ -101,3 +101,14 @@ def test_a_subclass_or_a_parametrized_out_proj_runs_its_own_forward(projected):
 class _Doubled(nn.Module):
     def forward(self, weight):
         return 2 * weight
+
+
+def test_a_forward_replaced_on_the_instance_is_called(projected):
+    """accelerate's offloading sets forward on the module instance, not a torch hook."""
+    m = _module()
+    x = torch.randn(1, 3, E, dtype=torch.float64)
+    plain, _ = m(x, x, x, need_weights=False)
+    original = m.out_proj.forward
+    m.out_proj.forward = lambda t: original(t) + 100.0
+    torch.testing.assert_close(m(x, x, x, need_weights=False)[0], plain + 100.0)
+    assert len(projected) == 1  # only the first, plain call

@@ -92,6 +92,7 @@ static inline int partial_states(int bh, long n, long parts, int d, int width, i
                     sum_part(item, n, parts, d, width, cols, split, source, ctx, a, b, scratch, partial);
             }
             stream_fence(); /* sources may write rows with streaming stores (the backward's d q) */
+            ahead_start(0);  /* nothing queued outlives the call */
         }
         free(a);
         free(b);
@@ -168,6 +169,7 @@ static inline int for_each_block(int bh, long n, int threads, long scratch_float
                 block(ctx, (int)(item / row_blocks), i0, (int)(n - i0 < ROWS ? n - i0 : ROWS), scratch);
             }
             stream_fence();
+            ahead_start(0); /* nothing queued outlives the call */
         }
         free(scratch);
     }
@@ -200,6 +202,7 @@ static inline int for_each_task(int tasks, int threads, long scratch_floats, tas
             for (int i = 0; i < tasks; i++) task(ctx, i, scratch);
         }
         stream_fence();
+        ahead_start(0); /* nothing queued outlives the call */
         free(scratch);
     }
     return failed ? -1 : 0;
