@@ -8,8 +8,10 @@ import torch
 from torch import Tensor, nn
 
 from . import masks
+from .functional import native_maps
 from .functional._common import compiling, fixed_graph, functorch_active, needs_grad
-from .functional.grid_conv import token_grid_conv
+from .functional.backend import NATIVE, local_term_backend
+from .functional.grid_conv import check_grid_shapes, token_grid_conv
 from .token_grid import NO_GRID, TokenGrid, resolve_token_grid
 
 LOCAL_TERM_STATE = ("dwc_weight", "dwc_bias")
@@ -53,8 +55,13 @@ def add_local_term(module: nn.Module, out: Tensor, v: Tensor, key_padding_mask: 
         raise ValueError(f"dwc_kernel {NO_GRID}")
     if key_padding_mask is not None:
         key_padding_mask = masks.to_forbidden(key_padding_mask, "key_padding_mask", "with dwc_kernel")
-    local = token_grid_conv(v, module.dwc_weight, module.dwc_bias, grid.height, grid.width, grid.prefix,
-                            key_padding_mask).to(out.dtype)
+    weight, bias = module.dwc_weight, module.dwc_bias
+    if grid.height * grid.width > 0 and not (compiling() or functorch_active()) \
+            and local_term_backend(out, v, weight, bias).backend == NATIVE:
+        check_grid_shapes(v, weight, grid.height, grid.width, grid.prefix)
+        return native_maps.local_term(out, v, weight, bias, grid.height, grid.width, grid.prefix, key_padding_mask,
+                                      inplace=True)
+    local = token_grid_conv(v, weight, bias, grid.height, grid.width, grid.prefix, key_padding_mask).to(out.dtype)
     # For a module's values the convolution's output is (B, S, H, d) in memory, and the sum keeps that layout (local
     # comes first), so merging the heads after it is a view. Without autograd the sum goes into that fresh output
     # itself; with it, in place on a view would cost autograd a copy of the whole tensor backward.

@@ -432,8 +432,10 @@ def test_module_profile_gives_each_variant_its_own_ops(tmp_path, capsys):
                                    "--json", str(out)])
     gate_ops = [k for k in columns["kernel+gate"] if "OutputGate" in k and columns["kernel+gate"][k] > 0]
     assert gate_ops and not any(columns["kernel"].get(k, 0) for k in gate_ops)
-    assert columns["taylor+dwc3"].get("aten::convolution_backward", 0) > 0
-    assert not columns["kernel"].get("aten::convolution_backward", 0)
+    # the local term: the compiled Function on float32 CPU tensors, torch's convolution elsewhere
+    local_ops = [k for k in columns["taylor+dwc3"] if ("LocalTerm" in k or "convolution" in k)
+                 and columns["taylor+dwc3"][k] > 0]
+    assert local_ops and not any(columns["kernel"].get(k, 0) for k in local_ops)
     assert json.loads(out.read_text())["ms_per_step"].keys() == columns.keys()
     assert "| op | kernel | kernel+gate | taylor+dwc3 |" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="unknown option 'fast'"):

@@ -7,6 +7,7 @@ from torch import nn
 
 import linear_mha
 import linear_mha.functional as LF
+from linear_mha.functional import native_maps
 import modes
 from linear_mha import LinearMultiheadAttention, TokenGrid, patch, unpatch
 
@@ -185,16 +186,20 @@ def test_timm_vit_leaves_class_and_register_tokens_out():
     assert report.num_replaced == len(vit.blocks)
     attn = vit.blocks[0].attn
     seen = []
-    real = LF.token_grid_conv
+    composed, compiled = LF.token_grid_conv, native_maps.local_term
 
-    def spy(v, weight, bias, height, width, prefix, kpm=None):
+    def spy(v, weight, bias, height, width, prefix, kpm=None):  # torch's convolution
         seen.append((height, width, prefix, v.shape[2]))
-        return real(v, weight, bias, height, width, prefix, kpm)
-    linear_mha.local_term.token_grid_conv, saved = spy, linear_mha.local_term.token_grid_conv
+        return composed(v, weight, bias, height, width, prefix, kpm)
+
+    def compiled_spy(out, v, weight, bias, height, width, prefix, kpm, **kw):  # the compiled one (float32 CPU)
+        seen.append((height, width, prefix, v.shape[2]))
+        return compiled(out, v, weight, bias, height, width, prefix, kpm, **kw)
+    linear_mha.local_term.token_grid_conv, native_maps.local_term = spy, compiled_spy
     try:
         vit(torch.randn(2, 3, 64, 64))
     finally:
-        linear_mha.local_term.token_grid_conv = saved
+        linear_mha.local_term.token_grid_conv, native_maps.local_term = composed, compiled
     assert seen and all(s == (4, 4, 3, 19) for s in seen)  # 4 x 4 patches after the class + 2 register tokens
     assert attn.dwc_weight.shape == (192, 1, 3, 3)
 

@@ -270,6 +270,29 @@ def output_gate_backend(out: Tensor, q: Tensor, weight: Tensor, bias: Optional[T
     return Choice(COMPOSED, why_not)
 
 
+MAX_COMPILED_DWC_KERNEL = 15  # the compiled local term keeps a row pointer per tap on the stack
+
+
+def local_term_backend(out: Tensor, v: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Choice:
+    """The backend ``local_term.add_local_term`` runs: the compiled convolution-and-sum (``native_maps.local_term``)
+    for float32 CPU tensors, or torch's depthwise conv2d and an add."""
+    k = weight.shape[-1]
+    if out.shape != v.shape:
+        why_not = f"out {tuple(out.shape)} and v {tuple(v.shape)} differ"
+    elif k > MAX_COMPILED_DWC_KERNEL:
+        why_not = f"dwc_kernel {k} is above the compiled code's {MAX_COMPILED_DWC_KERNEL}"
+    else:
+        why_not = next((f"the local term's {name} is {t.dtype} on {t.device}" for name, t in (("weight", weight),
+                        ("bias", bias)) if t is not None and (t.dtype != torch.float32 or not t.is_cpu)), None)
+    if why_not is None:
+        why_not_native = native.why_not(out, v)
+        why_not = None if why_not_native is None else f"not native because {why_not_native}"
+    if why_not is None:
+        return Choice(NATIVE, "float32 CPU tensors: the convolution over the token grid and its sum with the output "
+                              "in one compiled pass, forward and backward")
+    return Choice(COMPOSED, why_not)
+
+
 def product_backend(phi_q: Tensor, phi_k: Tensor, v: Tensor, initial_state: Optional[Tensor] = None) -> Choice:
     """The backend ``functional.causal_linear_product`` runs for features made already."""
     if functorch_active():

@@ -13,11 +13,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
-def token_grid_conv(v: Tensor, weight: Tensor, bias: Optional[Tensor], height: int, width: int, prefix: int = 0,
-                    key_padding_mask: Optional[Tensor] = None) -> Tensor:
-    """v (B, H, S, d) with S = prefix + height * width -> (B, H, S, d): channel c = h * d + j of each grid token
-    convolved over its k x k neighbourhood with weight (H * d, 1, k, k) (odd k, zero padding) and bias (H * d,);
-    the prefix tokens' rows are zero. key_padding_mask: bool (B, S), True = masked."""
+def check_grid_shapes(v: Tensor, weight: Tensor, height: int, width: int, prefix: int) -> None:
+    """Raises ValueError unless the grid describes v's sequence and weight is (H * d, 1, k, k) with odd k."""
     b, h, s, d = v.shape
     k = weight.shape[-1]
     if s != prefix + height * width:
@@ -26,6 +23,16 @@ def token_grid_conv(v: Tensor, weight: Tensor, bias: Optional[Tensor], height: i
     if weight.shape != (h * d, 1, k, k) or k % 2 == 0:
         raise ValueError(f"weight must have shape (H * d, 1, k, k) = {(h * d, 1, k, k)} with odd k, got "
                          f"{tuple(weight.shape)}")
+
+
+def token_grid_conv(v: Tensor, weight: Tensor, bias: Optional[Tensor], height: int, width: int, prefix: int = 0,
+                    key_padding_mask: Optional[Tensor] = None) -> Tensor:
+    """v (B, H, S, d) with S = prefix + height * width -> (B, H, S, d): channel c = h * d + j of each grid token
+    convolved over its k x k neighbourhood with weight (H * d, 1, k, k) (odd k, zero padding) and bias (H * d,);
+    the prefix tokens' rows are zero. key_padding_mask: bool (B, S), True = masked."""
+    check_grid_shapes(v, weight, height, width, prefix)
+    b, h, s, d = v.shape
+    k = weight.shape[-1]
     # The convolution runs channels last, (B, height, width, H * d) seen as conv2d's (B, H * d, height, width): a
     # module's values are a view of its projection, already in that layout, where making them (B, H * d, height,
     # width) took a transposing copy slower than the convolution itself (72 ms against 11 at 16,384 tokens of 512).

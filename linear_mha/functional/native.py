@@ -86,6 +86,9 @@ def _declare(library: ctypes.CDLL) -> None:
     library.lm_output_gate_f32.argtypes = [p] * 5 + [i, i, l, i, i, s, i]
     library.lm_output_gate_backward_f32.argtypes = [p] * 9 + [i, i, l, i, i, s, i]
     library.lm_output_gate_tasks.argtypes = [i, i, l, i]
+    library.lm_grid_conv_f32.argtypes = [p] * 6 + [i, i, l, i, i, i, i, i, s, i]
+    library.lm_grid_conv_backward_f32.argtypes = [p] * 7 + [i, i, l, i, i, i, i, i, s, i]
+    library.lm_grid_conv_tasks.argtypes = [i, i, i]
     library.lm_prefault.argtypes = [p, l, i]
     for fn in (library.lm_kernel_attention_f32, library.lm_kernel_attention_backward_f32,
                library.lm_causal_kernel_attention_f32, library.lm_causal_kernel_attention_backward_f32,
@@ -94,7 +97,8 @@ def _declare(library: ctypes.CDLL) -> None:
                library.lm_efficient_attention_backward_f32, library.lm_focused_map_f32,
                library.lm_focused_map_backward_f32, library.lm_focused_map_tasks, library.lm_hedgehog_map_f32,
                library.lm_hedgehog_map_backward_f32, library.lm_hedgehog_map_tasks, library.lm_output_gate_f32,
-               library.lm_output_gate_backward_f32, library.lm_output_gate_tasks, library.lm_prefault):
+               library.lm_output_gate_backward_f32, library.lm_output_gate_tasks, library.lm_grid_conv_f32,
+               library.lm_grid_conv_backward_f32, library.lm_grid_conv_tasks, library.lm_prefault):
         fn.restype = ctypes.c_int
     output_cache.attach(library)
 

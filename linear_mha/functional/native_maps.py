@@ -1,8 +1,10 @@
 """Row passes beside attention in the compiled CPU code: the focused and hedgehog feature maps (csrc/focused_map.c,
-csrc/hedgehog_map.c) and the modules' output gate (csrc/output_gate.c). Each reads a row and writes its result,
-forward and backward, instead of a chain of PyTorch ops whose fresh N-sized outputs page-fault. Loaded and declared
-with the attention kernels by ``native.py``; ``backend.focused_map_backend``, ``backend.hedgehog_map_backend`` and
-``backend.output_gate_backend`` decide which calls come here."""
+csrc/hedgehog_map.c), the modules' output gate (csrc/output_gate.c) and local term (csrc/grid_conv.c). Each reads a
+row and writes its result, forward and backward, instead of a chain of PyTorch ops whose fresh N-sized outputs
+page-fault. Loaded and declared with the attention kernels by ``native.py``; ``backend.focused_map_backend``,
+``backend.hedgehog_map_backend``, ``backend.output_gate_backend`` and ``backend.local_term_backend`` decide which
+calls come here."""
+import math
 from typing import Optional
 
 import torch
@@ -159,3 +161,73 @@ class _CompiledOutputGate(torch.autograd.Function):
                     native.row_strides(q, out, grad, grad_out, grad_q), torch.get_num_threads())
         return (grad_out, grad_q, None if grad_w is None else grad_w.sum(0),
                 None if grad_b is None else grad_b.sum(0))
+
+
+def local_term(out: Tensor, v: Tensor, weight: Tensor, bias: Optional[Tensor], height: int, width: int, prefix: int,
+               key_padding_mask: Optional[Tensor], inplace: bool = False) -> Tensor:
+    """out + ``grid_conv.token_grid_conv(v, weight, bias, height, width, prefix, key_padding_mask)`` in one pass
+    (csrc/grid_conv.c): out and v (B, H, S, d) with contiguous rows, any other strides; weight (H * d, 1, k, k), bias
+    (H * d,) or None, key_padding_mask (B, S) bool, True = masked, or None. Differentiable in all four through the
+    compiled backward. Returns a tensor laid out as out is, or, with ``inplace`` and no gradient wanted, out itself,
+    written over (unless its rows share memory). Callers check ``backend.local_term_backend``."""
+    grid = (height, width, prefix)
+    mask = None if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
+    if needs_grad(out, v, weight, bias):
+        return _CompiledLocalTerm.apply(out, v, weight, bias, grid, mask)
+    in_place = inplace and not shares_memory_across_elements(out)
+    return _local_forward(out, v, _taps(weight, v.shape[1]), _plain(bias), grid, mask, out if in_place else None)
+
+
+def _taps(weight: Tensor, h: int) -> Tensor:
+    """The convolution's weight (H * d, 1, k, k) as the compiled code reads it: (H, k * k, d), a tap's channels in
+    a row."""
+    k = weight.shape[-1]
+    return weight.detach().reshape(h, -1, k * k).transpose(1, 2).contiguous()
+
+
+def _plain(bias: Optional[Tensor]) -> Optional[Tensor]:
+    return None if bias is None else bias.detach().contiguous()
+
+
+def _grid_sizes(v, taps, grid):
+    b, h, s, d = v.shape
+    return b, h, s, d, math.isqrt(taps.shape[1]), *grid
+
+
+def _local_forward(out, v, taps, bias, grid, mask, res=None):
+    res = native.rows_like(out, *out.shape) if res is None else res
+    native.call("lm_grid_conv_f32", v.data_ptr(), taps.data_ptr(), native.pointer(bias), native.pointer(mask),
+                out.data_ptr(), res.data_ptr(), *_grid_sizes(v, taps, grid), native.row_strides(v, out, res),
+                torch.get_num_threads())
+    return res
+
+
+class _CompiledLocalTerm(torch.autograd.Function):
+    """out + the local term with its compiled backward: d out is the incoming gradient itself; d weight and d bias
+    are summed per task, then over tasks here."""
+
+    @staticmethod
+    def forward(ctx, out, v, weight, bias, grid, mask):
+        taps = _taps(weight, v.shape[1])
+        ctx.save_for_backward(v, taps, mask)
+        ctx.grid, ctx.weight_shape = grid, weight.shape
+        return _local_forward(out, v, taps, _plain(bias), grid, mask)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        v, taps, mask = ctx.saved_tensors
+        wanted = ctx.needs_input_grad
+        grad = native.rows_readable(grad)
+        grad_v = native.rows_like(v, *v.shape) if wanted[1] else None
+        tasks = native.count("lm_grid_conv_tasks", v.shape[0], ctx.grid[0], torch.get_num_threads())
+        grad_w = v.new_zeros(tasks, *taps.shape) if wanted[2] else None
+        grad_b = v.new_zeros(tasks, v.shape[1] * v.shape[3]) if wanted[3] else None
+        if grad_v is not None or grad_w is not None or grad_b is not None:
+            native.call("lm_grid_conv_backward_f32", v.data_ptr(), taps.data_ptr(), native.pointer(mask),
+                        grad.data_ptr(), native.pointer(grad_v), native.pointer(grad_w), native.pointer(grad_b),
+                        *_grid_sizes(v, taps, ctx.grid), native.row_strides(v, grad, grad_v),
+                        torch.get_num_threads())
+        if grad_w is not None:  # (H, k k, d) back to the convolution's (H * d, 1, k, k)
+            grad_w = grad_w.sum(0).transpose(1, 2).reshape(ctx.weight_shape)
+        return (grad if wanted[0] else None, grad_v, grad_w, None if grad_b is None else grad_b.sum(0), None, None)

@@ -1,0 +1,126 @@
+"""The compiled local term (csrc/grid_conv.c): out + the depthwise convolution of the values over the token grid in
+one pass, and its backward. Checked against torch's convolution in float64 (itself checked against a naive loop in
+test_local_term.py) over kernel sizes, prefix tokens, padding, head widths that are not whole vectors and both
+layouts; masked and prefix positions get no local term and no gradient; the module takes it for float32 CPU."""
+import pytest
+import torch
+
+import linear_mha.functional as LF
+from linear_mha import LinearMultiheadAttention, TokenGrid
+from linear_mha.functional import backend, native, native_maps
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the compiled CPU code could not be built")
+
+
+def case(b=2, h=3, height=5, width=7, prefix=2, d=20, k=3, module_layout=True, masked=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    s = prefix + height * width
+    if module_layout:  # v a view of one (B, S, 3 H d) projection, out (B, S, H, d) in memory
+        v = torch.randn(b, s, 3 * h * d, generator=g)[..., 2 * h * d:].view(b, s, h, d).transpose(1, 2)
+        out = torch.randn(b, s, h, d, generator=g).transpose(1, 2)
+    else:
+        v, out = torch.randn(b, h, s, d, generator=g), torch.randn(b, h, s, d, generator=g)
+    weight, bias = torch.randn(h * d, 1, k, k, generator=g), torch.randn(h * d, generator=g)
+    mask = None
+    if masked:
+        mask = torch.zeros(b, s, dtype=torch.bool)
+        mask[0, -4:] = True  # trailing padding
+        mask[-1, prefix + width + 1] = True  # a position inside the grid
+        v = v.masked_fill(mask[:, None, :, None], 1e4)  # garbage where masked: must reach nothing
+    return out, v, weight, bias, (height, width, prefix), mask
+
+
+def reference(out, v, weight, bias, grid, mask):
+    return out + LF.token_grid_conv(v, weight, bias, *grid, mask)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("prefix", [0, 2])
+@pytest.mark.parametrize("d", [20, 64])
+@pytest.mark.parametrize("module_layout", [True, False])
+def test_output_and_gradients_match_the_float64_convolution(k, prefix, d, module_layout):
+    out, v, weight, bias, grid, mask = case(prefix=prefix, d=d, k=k, module_layout=module_layout)
+    inputs = [t.detach().requires_grad_() for t in (out, v, weight, bias)]
+    wide = [t.detach().double().requires_grad_() for t in (out, v, weight, bias)]
+    got = native_maps.local_term(*inputs, *grid, mask)
+    want = reference(*wide, grid, mask)
+    assert got.stride() == out.stride()  # laid out as attention's output, so merging the heads stays a view
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    grad = torch.randn(got.shape, generator=torch.Generator().manual_seed(5))
+    got.backward(grad)
+    want.backward(grad.double())
+    for name, a, b in zip(("out", "v", "weight", "bias"), inputs, wide):
+        scale = b.grad.abs().max().item()
+        torch.testing.assert_close(a.grad.double(), b.grad, rtol=1e-5, atol=1e-5 * scale, msg=name)
+    if mask is not None:  # padded keys: no gradient, and their garbage (1e4) reached no output above
+        assert inputs[1].grad.transpose(1, 2)[mask].abs().max() == 0
+    assert torch.all(inputs[1].grad[:, :, :prefix] == 0)  # prefix tokens: no local term
+
+
+def test_prefix_rows_keep_the_output_and_inplace_writes_over_it():
+    out, v, weight, bias, grid, mask = case()
+    with torch.no_grad():
+        fresh = native_maps.local_term(out, v, weight, bias, *grid, mask)
+        torch.testing.assert_close(fresh[:, :, :2], out[:, :, :2], rtol=0, atol=0)
+        target = out.clone()
+        same = native_maps.local_term(target, v, weight, bias, *grid, mask, inplace=True)
+        assert same.data_ptr() == target.data_ptr()
+        torch.testing.assert_close(same, fresh, rtol=0, atol=0)
+        shared = out[:1].expand(2, -1, -1, -1)  # its rows share memory: never written over
+        before = shared.clone()
+        res = native_maps.local_term(shared, v, weight, bias, *grid, mask, inplace=True)
+        assert res.data_ptr() != shared.data_ptr() and torch.equal(shared, before)
+
+
+def test_only_the_wanted_gradients_are_made_and_they_repeat_bit_for_bit():
+    out, v, weight, bias, grid, mask = case(d=64)
+    runs = []
+    for _ in range(2):
+        w = weight.detach().requires_grad_()
+        native_maps.local_term(out, v, w, bias, *grid, mask).sum().backward()
+        runs.append(w.grad)
+    assert torch.equal(runs[0], runs[1])  # per-task partial sums: no race between threads
+    vv = v.detach().requires_grad_()
+    native_maps.local_term(out, vv, weight, bias, *grid, mask).sum().backward()
+    assert vv.grad is not None and weight.grad is None
+
+
+def test_the_module_takes_the_compiled_term_for_float32_and_matches_torchs():
+    torch.manual_seed(0)
+    m = LinearMultiheadAttention(48, 3, mode="kernel", dwc_kernel=3, batch_first=True)
+    with torch.no_grad():
+        m.dwc_weight.normal_()
+        m.dwc_bias.normal_()
+    x = torch.randn(2, 1 + 4 * 5, 48, requires_grad=True)
+    kpm = torch.zeros(2, 21, dtype=torch.bool)
+    kpm[1, -5:] = True
+    grid = TokenGrid(4, 5, prefix=1)
+    assert backend.local_term_backend(x.new_zeros(2, 3, 21, 16), x.new_zeros(2, 3, 21, 16), m.dwc_weight,
+                                      m.dwc_bias).backend == backend.NATIVE
+    calls = []
+    compiled = native_maps.local_term
+    native_maps.local_term = lambda *a, **kw: calls.append(1) or compiled(*a, **kw)
+    try:
+        got, _ = m(x, x, x, key_padding_mask=kpm, token_grid=grid)
+    finally:
+        native_maps.local_term = compiled
+    assert calls
+    got.sum().backward()
+    grads = [t.grad.clone() for t in (x, m.dwc_weight, m.dwc_bias, m.in_proj_weight)]
+    for t in (x, m.dwc_weight, m.dwc_bias, m.in_proj_weight):
+        t.grad = None
+    with backend.override(native_kernels=False):
+        want, _ = m(x, x, x, key_padding_mask=kpm, token_grid=grid)
+        want.sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads, (x.grad, m.dwc_weight.grad, m.dwc_bias.grad, m.in_proj_weight.grad)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_what_the_compiled_term_does_not_take_goes_to_torch_with_a_reason():
+    out, v, weight, bias, _, _ = case()
+    assert backend.local_term_backend(out, v, weight, bias).backend == backend.NATIVE
+    wide = torch.zeros(v.shape[1] * v.shape[3], 1, 17, 17)
+    assert "17" in backend.local_term_backend(out, v, wide, None).reason
+    assert "float64" in backend.local_term_backend(out.double(), v.double(), weight, bias).reason
+    assert "differ" in backend.local_term_backend(out[:, :, 1:], v, weight, bias).reason
