@@ -51,6 +51,63 @@ def test_gathered_takes_only_views_of_one_tensor_side_by_side():
     assert packed_heads.gathered([wider.select(2, i).transpose(1, 2) for i in (0, 1, 3)]) is None  # a gap
 
 
+@pytest.mark.parametrize("batch_major", [True, False])
+def test_a_part_summed_apart_is_written_into_the_block_the_others_lie_in(batch_major):
+    """Autograd sums two consumers' gradients of v (the local term's and attention's) into a new tensor: copied into
+    the block the other parts lie in, not every part gathered again; nothing outside that block is written."""
+    like = torch.zeros(2, 5, 3 * 4 * 6) if batch_major else torch.zeros(5, 2, 3 * 4 * 6).transpose(0, 1)
+    q, k, v = packed_heads.packed_outputs(like, 3, 2, 4, 5, 6, lambda t, *shape: torch.randn(shape))
+    summed = torch.randn(2, 4, 5, 6)
+    whole = packed_heads.filled_block([q, k, summed], 4)
+    assert whole is not None and whole.data_ptr() == q.data_ptr()
+    assert torch.equal(whole, torch.cat([t.transpose(1, 2).reshape(2, 5, 24) for t in (q, k, summed)], -1))
+    assert torch.equal(v, summed)  # its slot, written
+    whole = packed_heads.filled_block([None, q.clone(), v], 4)  # the block found from its last part
+    assert whole is not None and torch.all(whole[..., :24] == 0)
+    assert packed_heads.filled_block([q, v, k], 4) is None  # a part lying elsewhere in the block: refused
+    inside = torch.randn(2, 5, 3, 4, 6 + 1)[..., :6]  # a block inside a larger tensor: not one a backward made
+    parts = [inside.select(2, i).transpose(1, 2) for i in range(3)]
+    before = inside.clone()
+    assert packed_heads.filled_block([parts[0], parts[1], summed], 4) is None and torch.equal(inside, before)
+    longer = torch.randn(2 * 5 * 72 + 8)  # the block's layout, but its memory holds more than the block
+    parts = [longer[:720].view(2, 5, 3, 4, 6).select(2, i).transpose(1, 2) for i in range(3)]
+    before = longer.clone()
+    assert packed_heads.filled_block([parts[0], parts[1], summed], 4) is None and torch.equal(longer, before)
+    assert packed_heads.filled_block([torch.randn(2, 4, 5, 6), summed, None], 4) is None
+
+
+@needs_native
+@pytest.mark.parametrize("option", ["dwc_kernel", "output_gate"])
+def test_a_module_option_summing_into_one_part_keeps_the_block(option):
+    """The local term adds to v's gradient and the gate to q's: the projection still gets the compiled backward's
+    block, with the numbers of the float64 module."""
+    from linear_mha import TokenGrid
+    torch.manual_seed(0)
+    options = {option: 3 if option == "dwc_kernel" else True}
+    m = LinearMultiheadAttention(32, 2, mode="kernel", batch_first=True, **options)
+    with torch.no_grad():
+        for name in ("dwc_weight", "gate_weight"):
+            if getattr(m, name, None) is not None:
+                getattr(m, name).normal_(0, 0.3)
+    x = torch.randn(2, 20, 32)
+    found = []
+    fill = packed_heads.filled_block
+    packed_heads.filled_block = lambda *a: found.append(fill(*a)) or found[-1]
+    grads = []
+    try:
+        for dtype in (torch.float32, torch.float64):
+            mm = m.to(dtype)
+            leaf = x.to(dtype).detach().requires_grad_()
+            mm(leaf, leaf, leaf, token_grid=TokenGrid(4, 5))[0].square().sum().backward()
+            grads.append((leaf.grad, mm.in_proj_weight.grad.clone()))
+            mm.zero_grad()
+    finally:
+        packed_heads.filled_block = fill
+    assert found and found[0] is not None, "the summed part made the split gather every part again"
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+
+
 @needs_native
 @pytest.mark.parametrize("split_of,method", [("qkv", "elu"), ("kv", "elu"), ("qk", "elu"), ("qkv", "efficient")])
 def test_the_compiled_backward_writes_the_split_gradients_side_by_side(split_of, method):

@@ -50,6 +50,56 @@ def gathered(grads: Sequence[Optional[Tensor]]) -> Optional[Tensor]:
     return first.as_strided((b, n, len(grads) * h * d), (sb, sn, 1))
 
 
+def filled_block(grads: Sequence[Optional[Tensor]], heads: int) -> Optional[Tensor]:
+    """The (B, N, P·H·d) block that one of the grads is a view of, with every other part written into its place, or
+    None. A part reaches the split's backward as a new tensor when autograd has summed two consumers' gradients (the
+    local term's d v and attention's, the output gate's d q and attention's); copying it into the block costs one
+    part, gathering all of them again costs P. Only a block that a compiled backward made for these parts is
+    written: its storage holds exactly the block, and a part that lies elsewhere in it is refused. Its slot held
+    that backward's own term, already summed into the new tensor by autograd."""
+    parts = len(grads)
+    for i, g in enumerate(grads):
+        whole = _own_block(g, i, parts, heads)
+        if whole is None:
+            continue
+        slots = _views(whole, parts, heads)
+        storage = whole.untyped_storage().data_ptr()
+        moved = [j for j, (slot, part) in enumerate(zip(slots, grads)) if not _is_view(part, slot)]
+        if any(grads[j] is not None and (grads[j].untyped_storage().data_ptr() == storage
+                                         or grads[j].dtype != whole.dtype or grads[j].device != whole.device)
+               for j in moved):
+            return None
+        for j in moved:
+            if grads[j] is None:
+                slots[j].zero_()
+            else:
+                slots[j].copy_(grads[j])
+        return whole
+    return None
+
+
+def _own_block(g: Optional[Tensor], slot: int, parts: int, heads: int) -> Optional[Tensor]:
+    """The (B, N, parts·H·d) view of g's storage if that storage is exactly a block of parts (B, H, N, d) tensors
+    laid side by side (as ``packed_outputs`` makes them) and g is its part ``slot``, else None."""
+    if g is None or g.dim() != 4 or g.shape[1] != heads:
+        return None
+    b, h, n, d = g.shape
+    sb, sh, sn, sd = g.stride()
+    width = parts * h * d
+    start = g.storage_offset() - slot * h * d
+    if sd != 1 or (h > 1 and sh != d) or start != 0 or g.untyped_storage().nbytes() != b * n * width * g.element_size():
+        return None
+    if not ((n == 1 or sn == width) and (b == 1 or sb == n * width)) and \
+            not ((b == 1 or sb == width) and (n == 1 or sn == b * width)):  # (B, N, ...) or (N, B, ...) in memory
+        return None
+    return g.as_strided((b, n, width), (sb, sn, 1), 0)
+
+
+def _is_view(part: Optional[Tensor], slot: Tensor) -> bool:
+    return part is not None and part.data_ptr() == slot.data_ptr() and part.stride() == slot.stride() \
+        and part.shape == slot.shape and part.dtype == slot.dtype
+
+
 def packed_outputs(like: Tensor, parts: int, b: int, h: int, n: int, d: int, new) -> Tuple[Tensor, ...]:
     """parts fresh (B, H, N, d) tensors, views of one (B, N, parts, H, d) made by ``new(like, *shape)``, so that
     ``gathered`` finds them side by side. Laid out as like's projection: positions outermost when like's batch
@@ -89,6 +139,8 @@ class _SplitHeads(torch.autograd.Function):
         # the first part would drop the others', so then the parts are stacked.
         keeps_history = torch.is_grad_enabled() and any(g is not None and g.requires_grad for g in grads)
         whole = None if keeps_history else gathered(grads)
+        if whole is None and not keeps_history:
+            whole = filled_block(grads, ctx.heads)
         if whole is None:
             b, n, width = ctx.shape
             like = next(g for g in grads if g is not None)
