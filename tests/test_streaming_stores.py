@@ -2,14 +2,14 @@
 store_stream, above `lm_stream_bytes`, 16 MiB). They must give the same bits as plain stores, wherever the rows
 lie: here the threshold is lowered to 0 so that small tensors take those stores, in every layout and every path
 that writes rows (the fused normalised product, the divided rows of rope and of value widths that are no whole
-number of vectors, causal chunks, and the gradients)."""
+number of vectors, causal chunks, the local term, and the gradients)."""
 import ctypes
 
 import pytest
 import torch
 
 import linear_mha.functional as LF
-from linear_mha.functional import native
+from linear_mha.functional import native, native_maps
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"kernels not built: {native.build_error()}")
 
@@ -46,6 +46,10 @@ CASES = {
     "focused": lambda q, k, v: LF.focused(q, k, v, scale=torch.linspace(0.5, 2, 3 * q.shape[-1]).reshape(3, 1, -1)),
     "efficient": lambda q, k, v: LF.efficient_attention(q, k, v),
     "rope": lambda q, k, v: LF.grid_rope.grid_rope_kernel(q, k, v, "taylor", (6, 10, 3)),
+    # the modules' local term after attention (csrc/grid_conv.c)
+    "local_term": lambda q, k, v: native_maps.local_term(
+        LF.kernel(q, k, v, feature_map="elu"), v, torch.linspace(-0.5, 0.5, 3 * v.shape[-1] * 9).reshape(-1, 1, 3, 3),
+        torch.linspace(-1, 1, 3 * v.shape[-1]), 6, 10, 3, None),
 }
 
 
