@@ -56,8 +56,7 @@ def add_local_term(module: nn.Module, out: Tensor, v: Tensor, key_padding_mask: 
     if key_padding_mask is not None:
         key_padding_mask = masks.to_forbidden(key_padding_mask, "key_padding_mask", "with dwc_kernel")
     weight, bias = module.dwc_weight, module.dwc_bias
-    if grid.height * grid.width > 0 and not (compiling() or functorch_active()) \
-            and local_term_backend(out, v, weight, bias).backend == NATIVE:
+    if grid.height * grid.width > 0 and local_term_backend(out, v, weight, bias).backend == NATIVE:
         check_grid_shapes(v, weight, grid.height, grid.width, grid.prefix)
         return native_maps.local_term(out, v, weight, bias, grid.height, grid.width, grid.prefix, key_padding_mask,
                                       inplace=True)

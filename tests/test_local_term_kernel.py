@@ -70,6 +70,14 @@ def test_prefix_rows_keep_the_output_and_inplace_writes_over_it():
         before = shared.clone()
         res = native_maps.local_term(shared, v, weight, bias, *grid, mask, inplace=True)
         assert res.data_ptr() != shared.data_ptr() and torch.equal(shared, before)
+        one_mask = mask[:1]  # broadcast over the batch, as torch's masked_fill takes it
+        want = reference(out, v, weight, bias, grid, one_mask.expand_as(mask))
+        got = native_maps.local_term(out, v, weight, bias, *grid, one_mask)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+        values = v.clone()  # out is v itself: written over, it would feed later rows their own results
+        res = native_maps.local_term(values, values, weight, bias, *grid, None, inplace=True)
+        assert res.data_ptr() != values.data_ptr()
+        torch.testing.assert_close(res, reference(v, v, weight, bias, grid, None), rtol=1e-5, atol=1e-4)
 
 
 def test_only_the_wanted_gradients_are_made_and_they_repeat_bit_for_bit():

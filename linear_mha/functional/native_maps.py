@@ -169,12 +169,15 @@ def local_term(out: Tensor, v: Tensor, weight: Tensor, bias: Optional[Tensor], h
     (csrc/grid_conv.c): out and v (B, H, S, d) with contiguous rows, any other strides; weight (H * d, 1, k, k), bias
     (H * d,) or None, key_padding_mask (B, S) bool, True = masked, or None. Differentiable in all four through the
     compiled backward. Returns a tensor laid out as out is, or, with ``inplace`` and no gradient wanted, out itself,
-    written over (unless its rows share memory). Callers check ``backend.local_term_backend``."""
+    written over (unless its rows share memory, or out shares v's). Callers check ``backend.local_term_backend``."""
     grid = (height, width, prefix)
-    mask = None if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
+    b, _, s, _ = v.shape  # a mask broadcast over the batch, as torch's masked_fill takes it, is read per entry
+    mask = None if key_padding_mask is None else key_padding_mask.expand(b, s).to(torch.uint8).contiguous()
     if needs_grad(out, v, weight, bias):
         return _CompiledLocalTerm.apply(out, v, weight, bias, grid, mask)
-    in_place = inplace and not shares_memory_across_elements(out)
+    # Over out only when its rows are its own: the pass reads v's neighbouring rows after writing a row of out.
+    in_place = inplace and not shares_memory_across_elements(out) \
+        and out.untyped_storage().data_ptr() != v.untyped_storage().data_ptr()
     return _local_forward(out, v, _taps(weight, v.shape[1]), _plain(bias), grid, mask, out if in_place else None)
 
 
