@@ -80,7 +80,7 @@ def test_prefix_rows_keep_the_output_and_inplace_writes_over_it():
         torch.testing.assert_close(res, reference(v, v, weight, bias, grid, None), rtol=1e-5, atol=1e-4)
 
 
-def test_only_the_wanted_gradients_are_made_and_they_repeat_bit_for_bit():
+def test_gradients_repeat_bit_for_bit_and_do_not_depend_on_which_are_wanted():
     out, v, weight, bias, grid, mask = case(d=64)
     runs = []
     for _ in range(2):
@@ -88,9 +88,13 @@ def test_only_the_wanted_gradients_are_made_and_they_repeat_bit_for_bit():
         native_maps.local_term(out, v, w, bias, *grid, mask).sum().backward()
         runs.append(w.grad)
     assert torch.equal(runs[0], runs[1])  # per-task partial sums: no race between threads
-    vv = v.detach().requires_grad_()
-    native_maps.local_term(out, vv, weight, bias, *grid, mask).sum().backward()
-    assert vv.grad is not None and weight.grad is None
+    grads_v = []
+    for wanted in (True, False):  # d v alone (the compiled backward then sums no d w) must not change
+        vv, w = v.detach().requires_grad_(), weight.detach().requires_grad_(wanted)
+        native_maps.local_term(out, vv, w, bias, *grid, mask).sum().backward()
+        assert (w.grad is not None) == wanted
+        grads_v.append(vv.grad)
+    assert torch.equal(grads_v[0], grads_v[1])
 
 
 def test_the_module_takes_the_compiled_term_for_float32_and_matches_torchs():
@@ -132,3 +136,27 @@ def test_what_the_compiled_term_does_not_take_goes_to_torch_with_a_reason():
     assert "17" in backend.local_term_backend(out, v, wide, None).reason
     assert "float64" in backend.local_term_backend(out.double(), v.double(), weight, bias).reason
     assert "differ" in backend.local_term_backend(out[:, :, 1:], v, weight, bias).reason
+
+
+@pytest.mark.parametrize("mode", ["kernel", "softmax"])
+def test_forward_mode_tangents_take_the_path_that_carries_them(mode):
+    """torch.autograd.forward_ad through a frozen float32 module with the local term and the gate: the compiled code
+    reads raw memory and would drop the tangents (or keep the attention's alone), so those calls take PyTorch ops;
+    the tangent matches the float64 module's."""
+    import torch.autograd.forward_ad as fwAD
+    torch.manual_seed(0)
+    m = LinearMultiheadAttention(16, 2, mode=mode, dwc_kernel=3, output_gate=True, batch_first=True)
+    with torch.no_grad():
+        for p in (m.dwc_weight, m.dwc_bias, m.gate_weight):
+            p.normal_(0, 0.5)
+    m.requires_grad_(False)
+    x, tangent = torch.randn(2, 12, 16), torch.randn(2, 12, 16)
+    tangents = []
+    for dtype in (torch.float32, torch.float64):
+        mm = m.to(dtype)
+        with fwAD.dual_level():
+            dual = fwAD.make_dual(x.to(dtype), tangent.to(dtype))
+            out = mm(dual, dual, dual, token_grid=TokenGrid(3, 4))[0]
+            tangents.append(fwAD.unpack_dual(out).tangent)
+    assert tangents[0] is not None
+    torch.testing.assert_close(tangents[0].double(), tangents[1], rtol=1e-4, atol=1e-4)

@@ -56,24 +56,43 @@ def test_a_part_summed_apart_is_written_into_the_block_the_others_lie_in(batch_m
     """Autograd sums two consumers' gradients of v (the local term's and attention's) into a new tensor: copied into
     the block the other parts lie in, not every part gathered again; nothing outside that block is written."""
     like = torch.zeros(2, 5, 3 * 4 * 6) if batch_major else torch.zeros(5, 2, 3 * 4 * 6).transpose(0, 1)
-    q, k, v = packed_heads.packed_outputs(like, 3, 2, 4, 5, 6, lambda t, *shape: torch.randn(shape))
+    made = []
+    q, k, v = packed_heads.packed_outputs(like, 3, 2, 4, 5, 6, lambda t, *shape: made.append(torch.randn(shape))
+                                          or made[-1])
     summed = torch.randn(2, 4, 5, 6)
-    whole = packed_heads.filled_block([q, k, summed], 4)
+    assert packed_heads.filled_block([q, k, summed], 4, []) is None  # not a block made for this split
+    whole = packed_heads.filled_block([q, k, summed], 4, made)
     assert whole is not None and whole.data_ptr() == q.data_ptr()
     assert torch.equal(whole, torch.cat([t.transpose(1, 2).reshape(2, 5, 24) for t in (q, k, summed)], -1))
     assert torch.equal(v, summed)  # its slot, written
-    whole = packed_heads.filled_block([None, q.clone(), v], 4)  # the block found from its last part
+    whole = packed_heads.filled_block([None, q.clone(), v], 4, made)  # the block found from its last part
     assert whole is not None and torch.all(whole[..., :24] == 0)
-    assert packed_heads.filled_block([q, v, k], 4) is None  # a part lying elsewhere in the block: refused
+    assert packed_heads.filled_block([q, v, k], 4, made) is None  # a part lying elsewhere in the block: refused
     inside = torch.randn(2, 5, 3, 4, 6 + 1)[..., :6]  # a block inside a larger tensor: not one a backward made
     parts = [inside.select(2, i).transpose(1, 2) for i in range(3)]
     before = inside.clone()
-    assert packed_heads.filled_block([parts[0], parts[1], summed], 4) is None and torch.equal(inside, before)
+    assert packed_heads.filled_block([parts[0], parts[1], summed], 4, [inside]) is None and torch.equal(inside, before)
     longer = torch.randn(2 * 5 * 72 + 8)  # the block's layout, but its memory holds more than the block
     parts = [longer[:720].view(2, 5, 3, 4, 6).select(2, i).transpose(1, 2) for i in range(3)]
     before = longer.clone()
-    assert packed_heads.filled_block([parts[0], parts[1], summed], 4) is None and torch.equal(longer, before)
-    assert packed_heads.filled_block([torch.randn(2, 4, 5, 6), summed, None], 4) is None
+    block = longer[:720].view(2, 5, 3, 4, 6)
+    assert packed_heads.filled_block([parts[0], parts[1], summed], 4, [block]) is None and torch.equal(longer, before)
+    assert packed_heads.filled_block([torch.randn(2, 4, 5, 6), summed, None], 4, made) is None
+
+
+def test_a_callers_gradient_laid_out_as_a_block_is_never_written():
+    """An upstream gradient that happens to be a (B, N, 3, H, d) block, stacked from the split's parts, with one
+    part summed apart: the caller's tensor must stay as it was, and the gradient must be right."""
+    packed = torch.randn(2, 5, 3 * 2 * 4, requires_grad=True)
+    q, k, v = packed_heads.split_heads(packed, 3, 2)
+    stacked = torch.stack([t.transpose(1, 2) for t in (q, k, v)], 2)  # (B, N, 3, H, d)
+    upstream = torch.randn(stacked.shape)
+    kept = upstream.clone()
+    (grad,) = torch.autograd.grad([stacked, (v * 2).sum()], [packed], [upstream, torch.tensor(1.0)])
+    assert torch.equal(upstream, kept)
+    want = kept.clone()
+    want[:, :, 2] += 2
+    torch.testing.assert_close(grad, want.reshape(2, 5, 24))
 
 
 @needs_native

@@ -9,6 +9,7 @@ import functools
 from typing import Optional
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -49,6 +50,15 @@ def functorch_active() -> bool:
     """Whether a torch.func transform (vmap, grad, ...) is running: its wrapper tensors support neither out=
     nor raw data pointers, so the fast paths that use them give way to plain tensor ops."""
     return _functorch_active()
+
+
+def has_tangent(*tensors: Optional[Tensor]) -> bool:
+    """Whether any of these tensors carries a forward-mode AD tangent (torch.autograd.forward_ad's dual tensors):
+    code that reads raw data pointers would drop it, so such calls take plain tensor ops. Free outside a dual
+    level, where no tensor can carry one."""
+    if getattr(forward_ad, "_current_level", 0) < 0:
+        return False
+    return any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors)
 
 
 def compiling() -> bool:

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from . import fla_causal, native, triton_kernel
-from ._common import compiling, compute_dtype, fixed_graph, functorch_active, needs_grad
+from ._common import compiling, compute_dtype, fixed_graph, functorch_active, has_tangent, needs_grad
 from .elementwise_program import program_map
 from .feature_maps import IN_PLACE_FEATURE_MAPS
 from .hedgehog_map import HedgehogMap
@@ -138,13 +138,15 @@ def kernel_backend(q: Tensor, k: Tensor, v: Tensor, feature_map, *, causal: bool
     if causal:
         if functorch_active():
             return Choice(COMPOSED, "inside a torch.func transform, which custom autograd Functions do not support")
+        if has_tangent(q, k, v, initial_state):
+            return Choice(COMPOSED, "forward-mode AD tangents, which the fused causal Function does not carry")
         if compiling() and (needs_grad(q, k, v, initial_state) or fixed_graph()):
             return Choice(COMPOSED, "recorded into a graph (with gradients, or by torch.export / torch.jit.trace): "
                                     "the fused causal Function writes with out=, which exporters cannot read")
         return Choice(FUSED_CAUSAL, f"not native because {why_not_native}; not fla because {why_not_fla}")
-    if needs_grad(q, k, v, initial_state):
-        return Choice(COMPOSED, f"not native because {why_not_native}; gradients are needed, and the blocked path "
-                                f"has no backward")
+    if needs_grad(q, k, v, initial_state) or has_tangent(q, k, v, initial_state):
+        return Choice(COMPOSED, f"not native because {why_not_native}; gradients are needed (or forward-mode "
+                                f"tangents), and the blocked path has neither")
     if block_positions(q.device) is None:
         return Choice(COMPOSED, f"not native because {why_not_native}; work on {q.device.type} is one block")
     return Choice(BLOCKED, f"not native because {why_not_native}; inference, a block of positions at a time")
@@ -261,6 +263,8 @@ def output_gate_backend(out: Tensor, q: Tensor, weight: Tensor, bias: Optional[T
     if why_not is None:
         why_not = next((f"the gate's {name} is {t.dtype} on {t.device}" for name, t in (("weight", weight),
                         ("bias", bias)) if t is not None and (t.dtype != torch.float32 or not t.is_cpu)), None)
+    if why_not is None and has_tangent(weight, bias):
+        why_not = "the gate's parameters carry forward-mode AD tangents, which the compiled code drops"
     if why_not is None:
         why_not_native = native.why_not(out, q)
         why_not = None if why_not_native is None else f"not native because {why_not_native}"
@@ -284,6 +288,8 @@ def local_term_backend(out: Tensor, v: Tensor, weight: Tensor, bias: Optional[Te
     else:
         why_not = next((f"the local term's {name} is {t.dtype} on {t.device}" for name, t in (("weight", weight),
                         ("bias", bias)) if t is not None and (t.dtype != torch.float32 or not t.is_cpu)), None)
+    if why_not is None and has_tangent(weight, bias):
+        why_not = "the local term's parameters carry forward-mode AD tangents, which the compiled code drops"
     if why_not is None:
         why_not_native = native.why_not(out, v)
         why_not = None if why_not_native is None else f"not native because {why_not_native}"

@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from . import native_build, output_cache, packed_heads
-from ._common import compiling, functorch_active
+from ._common import compiling, functorch_active, has_tangent
 
 MAPS = {"elu": 0, "relu": 1}  # the elementwise feature maps the C code computes, the decoding step included
 # Maps of a whole row the C attention computes: taylor [1, x / |x|], one feature more than x, and taylor2
@@ -166,6 +166,8 @@ def why_not(*tensors: Optional[Tensor], dtype: Optional[torch.dtype] = None) -> 
             return "a tensor's last dimension is not contiguous"
         if t.numel() == 0:  # the compiled code splits work by batch x heads and by rows
             return "a tensor is empty"
+    if has_tangent(*tensors):
+        return "a tensor carries a forward-mode AD tangent (torch.autograd.forward_ad), which the compiled code drops"
     if compiling():
         return "inside torch.compile, torch.export or torch.jit.trace, which record PyTorch ops only"
     if functorch_active():

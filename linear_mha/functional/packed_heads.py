@@ -50,17 +50,19 @@ def gathered(grads: Sequence[Optional[Tensor]]) -> Optional[Tensor]:
     return first.as_strided((b, n, len(grads) * h * d), (sb, sn, 1))
 
 
-def filled_block(grads: Sequence[Optional[Tensor]], heads: int) -> Optional[Tensor]:
+def filled_block(grads: Sequence[Optional[Tensor]], heads: int, blocks: Sequence[Tensor]) -> Optional[Tensor]:
     """The (B, N, P·H·d) block that one of the grads is a view of, with every other part written into its place, or
     None. A part reaches the split's backward as a new tensor when autograd has summed two consumers' gradients (the
     local term's d v and attention's, the output gate's d q and attention's); copying it into the block costs one
-    part, gathering all of them again costs P. Only a block that a compiled backward made for these parts is
-    written: its storage holds exactly the block, and a part that lies elsewhere in it is refused. Its slot held
-    that backward's own term, already summed into the new tensor by autograd."""
+    part, gathering all of them again costs P. Only one of ``blocks`` is written, the blocks a compiled backward
+    made for this very split (``packed_outputs``): any other memory may be the caller's own gradient. A part that
+    lies elsewhere in the block is refused. The slot written held that backward's own term, which autograd has
+    already summed into the new tensor."""
     parts = len(grads)
     for i, g in enumerate(grads):
         whole = _own_block(g, i, parts, heads)
-        if whole is None:
+        if whole is None or not any(block.data_ptr() == whole.data_ptr() and block.numel() == whole.numel()
+                                    for block in blocks):
             continue
         slots = _views(whole, parts, heads)
         storage = whole.untyped_storage().data_ptr()
@@ -104,11 +106,15 @@ def packed_outputs(like: Tensor, parts: int, b: int, h: int, n: int, d: int, new
     """parts fresh (B, H, N, d) tensors, views of one (B, N, parts, H, d) made by ``new(like, *shape)``, so that
     ``gathered`` finds them side by side. Laid out as like's projection: positions outermost when like's batch
     entries lie within its positions (a (L, B, E) input seen batch-major), so the projection's backward reads the
-    block as one matrix."""
+    block as one matrix. When like is a part of ``split_heads``, the block is handed to that split's backward, the
+    only memory ``filled_block`` may write."""
     if b > 1 and n > 1 and like.stride(0) < like.stride(2):
         whole = new(like, n, b, parts, h, d).transpose(0, 1)
     else:
         whole = new(like, b, n, parts, h, d)
+    blocks = getattr(like.grad_fn, "packed_blocks", None)  # the split's backward node, i.e. its ctx
+    if isinstance(blocks, list):
+        blocks.append(whole)
     return tuple(whole.select(2, i).transpose(1, 2) for i in range(parts))
 
 
@@ -127,6 +133,7 @@ class _SplitHeads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, packed, parts, heads):
         ctx.shape, ctx.parts, ctx.heads = packed.shape, parts, heads
+        ctx.packed_blocks = []  # what compiled backwards write this split's gradients into (packed_outputs)
         return _views(packed, parts, heads)
 
     @staticmethod
@@ -138,9 +145,10 @@ class _SplitHeads(torch.autograd.Function):
         # A gradient that is itself differentiated (create_graph) must keep every part's history: as_strided on
         # the first part would drop the others', so then the parts are stacked.
         keeps_history = torch.is_grad_enabled() and any(g is not None and g.requires_grad for g in grads)
+        blocks, ctx.packed_blocks = ctx.packed_blocks, []
         whole = None if keeps_history else gathered(grads)
         if whole is None and not keeps_history:
-            whole = filled_block(grads, ctx.heads)
+            whole = filled_block(grads, ctx.heads, blocks)
         if whole is None:
             b, n, width = ctx.shape
             like = next(g for g in grads if g is not None)

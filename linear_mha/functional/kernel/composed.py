@@ -6,7 +6,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .._common import append_ones, compiling, functorch_active, needs_grad, normalise, safe_normaliser, split_normalise
+from .._common import (append_ones, compiling, functorch_active, has_tangent, needs_grad, normalise, safe_normaliser,
+                       split_normalise)
 from .chunked import causal_linear_product
 
 
@@ -34,7 +35,7 @@ def composed_attention(phi_q: Tensor, phi_k: Tensor, v: Tensor, *, causal: bool 
     # tensor for the named maps, used up by now) and divided in place. Fresh multi-megabyte outputs cost page
     # faults, not only bandwidth (docs/benchmarks.md, "Why the code is shaped as it is").
     reuse = reuse_keys and phi_k.shape == phi_q.shape[:-1] + v.shape[-1:] and not functorch_active() \
-        and not compiling()  # exporters cannot read out=
+        and not compiling() and not has_tangent(phi_q, phi_k, v)  # exporters and forward AD cannot use out=
     num = torch.matmul(phi_q, kv, out=phi_k) if reuse else torch.matmul(phi_q, kv)
     return num.div_(safe_normaliser(den))
 
