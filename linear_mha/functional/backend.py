@@ -255,19 +255,25 @@ def why_not_gate_shapes(out: Tensor, q: Tensor, weight: Tensor, bias: Optional[T
     return None
 
 
+def why_not_option_pass(option: str, weight: Tensor, bias: Optional[Tensor], *rows: Tensor) -> Optional[str]:
+    """Why a module option's compiled pass (the gate's, the local term's) cannot run, or None: its parameters
+    must be float32 CPU tensors without forward-mode tangents (any strides: they are small and copied when needed),
+    and the rows it reads must suit the compiled code (``native.why_not``)."""
+    why_not = next((f"{option}'s {name} is {t.dtype} on {t.device}" for name, t in (("weight", weight),
+                    ("bias", bias)) if t is not None and (t.dtype != torch.float32 or not t.is_cpu)), None)
+    if why_not is None and has_tangent(weight, bias):
+        why_not = f"{option}'s parameters carry forward-mode AD tangents, which the compiled code drops"
+    if why_not is None:
+        why_not_native = native.why_not(*rows)
+        why_not = None if why_not_native is None else f"not native because {why_not_native}"
+    return why_not
+
+
 def output_gate_backend(out: Tensor, q: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Choice:
     """The backend ``output_gate.apply_output_gate`` runs: the compiled gate (``native_maps.output_gate``) for
     float32 CPU tensors of its shapes, or PyTorch ops. The weight and bias may have any strides (they are small and
     copied when they need to be)."""
-    why_not = why_not_gate_shapes(out, q, weight, bias)
-    if why_not is None:
-        why_not = next((f"the gate's {name} is {t.dtype} on {t.device}" for name, t in (("weight", weight),
-                        ("bias", bias)) if t is not None and (t.dtype != torch.float32 or not t.is_cpu)), None)
-    if why_not is None and has_tangent(weight, bias):
-        why_not = "the gate's parameters carry forward-mode AD tangents, which the compiled code drops"
-    if why_not is None:
-        why_not_native = native.why_not(out, q)
-        why_not = None if why_not_native is None else f"not native because {why_not_native}"
+    why_not = why_not_gate_shapes(out, q, weight, bias) or why_not_option_pass("the gate", weight, bias, out, q)
     if why_not is None:
         return Choice(NATIVE, "float32 CPU tensors: the gate made a block of rows at a time in compiled code and "
                               "never stored, forward and backward")
@@ -286,13 +292,7 @@ def local_term_backend(out: Tensor, v: Tensor, weight: Tensor, bias: Optional[Te
     elif k > MAX_COMPILED_DWC_KERNEL:
         why_not = f"dwc_kernel {k} is above the compiled code's {MAX_COMPILED_DWC_KERNEL}"
     else:
-        why_not = next((f"the local term's {name} is {t.dtype} on {t.device}" for name, t in (("weight", weight),
-                        ("bias", bias)) if t is not None and (t.dtype != torch.float32 or not t.is_cpu)), None)
-    if why_not is None and has_tangent(weight, bias):
-        why_not = "the local term's parameters carry forward-mode AD tangents, which the compiled code drops"
-    if why_not is None:
-        why_not_native = native.why_not(out, v)
-        why_not = None if why_not_native is None else f"not native because {why_not_native}"
+        why_not = why_not_option_pass("the local term", weight, bias, out, v)
     if why_not is None:
         return Choice(NATIVE, "float32 CPU tensors: the convolution over the token grid and its sum with the output "
                               "in one compiled pass, forward and backward")
