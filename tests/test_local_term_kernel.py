@@ -160,3 +160,23 @@ def test_forward_mode_tangents_take_the_path_that_carries_them(mode):
             tangents.append(fwAD.unpack_dual(out).tangent)
     assert tangents[0] is not None
     torch.testing.assert_close(tangents[0].double(), tangents[1], rtol=1e-4, atol=1e-4)
+
+
+def test_tangents_on_the_parameters_and_vmap_inside_a_dual_level():
+    """A dual weight sends the local term and the gate to PyTorch ops; torch.func.vmap inside a dual level (whose
+    batched tensors cannot be asked for a tangent) still runs."""
+    import torch.autograd.forward_ad as fwAD
+    out, v, weight, bias, _, _ = case()
+    q = torch.randn(out.shape)
+    gate_w = torch.zeros(out.shape[1], out.shape[-1], out.shape[-1])
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(weight, torch.ones_like(weight))
+        assert "tangent" in backend.local_term_backend(out, v, dual, bias).reason
+        dual_gate = fwAD.make_dual(gate_w, torch.ones_like(gate_w))
+        assert "tangent" in backend.output_gate_backend(out, q, dual_gate, None).reason
+        assert backend.local_term_backend(out, v, weight, bias).backend == backend.NATIVE
+        m = LinearMultiheadAttention(16, 2, mode="kernel", dwc_kernel=3, batch_first=True).requires_grad_(False)
+        xs = torch.randn(3, 1, 12, 16)
+        got = torch.func.vmap(lambda x: m(x, x, x, token_grid=TokenGrid(3, 4))[0])(xs)
+    want = torch.stack([m(x, x, x, token_grid=TokenGrid(3, 4))[0] for x in xs])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

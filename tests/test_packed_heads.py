@@ -51,33 +51,56 @@ def test_gathered_takes_only_views_of_one_tensor_side_by_side():
     assert packed_heads.gathered([wider.select(2, i).transpose(1, 2) for i in (0, 1, 3)]) is None  # a gap
 
 
+def _handed_block(batch_major):
+    """A split's parts and the block a compiled backward would make for their gradients, handed to that split."""
+    packed = torch.zeros(2, 5, 72, requires_grad=True) if batch_major else \
+        torch.zeros(5, 2, 72).transpose(0, 1).requires_grad_()
+    q, k, v = packed_heads.split_heads(packed, 3, 4)
+    slots = packed_heads.packed_outputs(q, 3, 2, 4, 5, 6, lambda t, *shape: torch.randn(shape), (q, k, v))
+    return q.grad_fn.packed_blocks, slots
+
+
 @pytest.mark.parametrize("batch_major", [True, False])
 def test_a_part_summed_apart_is_written_into_the_block_the_others_lie_in(batch_major):
     """Autograd sums two consumers' gradients of v (the local term's and attention's) into a new tensor: copied into
-    the block the other parts lie in, not every part gathered again; nothing outside that block is written."""
-    like = torch.zeros(2, 5, 3 * 4 * 6) if batch_major else torch.zeros(5, 2, 3 * 4 * 6).transpose(0, 1)
-    made = []
-    q, k, v = packed_heads.packed_outputs(like, 3, 2, 4, 5, 6, lambda t, *shape: made.append(torch.randn(shape))
-                                          or made[-1])
+    the block the other parts lie in, not every part gathered again; nothing else is written."""
+    handed, (q, k, v) = _handed_block(batch_major)
     summed = torch.randn(2, 4, 5, 6)
-    assert packed_heads.filled_block([q, k, summed], 4, []) is None  # not a block made for this split
-    whole = packed_heads.filled_block([q, k, summed], 4, made)
+    assert packed_heads.filled_block([q, k, summed], 4, []) is None  # not a block handed to this split
+    assert packed_heads.filled_block([q, k, summed], 4, handed) is None  # its slot still seen (v): never written
+    del v  # as autograd drops the backward's own term once it has summed it
+    whole = packed_heads.filled_block([q, k, summed], 4, handed)
     assert whole is not None and whole.data_ptr() == q.data_ptr()
     assert torch.equal(whole, torch.cat([t.transpose(1, 2).reshape(2, 5, 24) for t in (q, k, summed)], -1))
-    assert torch.equal(v, summed)  # its slot, written
-    whole = packed_heads.filled_block([None, q.clone(), v], 4, made)  # the block found from its last part
-    assert whole is not None and torch.all(whole[..., :24] == 0)
-    assert packed_heads.filled_block([q, v, k], 4, made) is None  # a part lying elsewhere in the block: refused
+    handed_again, (q_again, k_again, v_again) = _handed_block(batch_major)
+    del q_again, v_again  # nothing sees those slots: only the part left out refuses the block
+    assert packed_heads.filled_block([None, k_again, summed], 4, handed_again) is None
+    assert packed_heads.filled_block([q, summed, k], 4, handed) is None  # a part lying elsewhere in the block
     inside = torch.randn(2, 5, 3, 4, 6 + 1)[..., :6]  # a block inside a larger tensor: not one a backward made
     parts = [inside.select(2, i).transpose(1, 2) for i in range(3)]
     before = inside.clone()
-    assert packed_heads.filled_block([parts[0], parts[1], summed], 4, [inside]) is None and torch.equal(inside, before)
+    entry = packed_heads.HandedBlock(parts[:2] + [torch.empty(0)])  # the third slot's view gone
+    assert packed_heads.filled_block([parts[0], parts[1], summed], 4, [entry]) is None and torch.equal(inside, before)
     longer = torch.randn(2 * 5 * 72 + 8)  # the block's layout, but its memory holds more than the block
-    parts = [longer[:720].view(2, 5, 3, 4, 6).select(2, i).transpose(1, 2) for i in range(3)]
-    before = longer.clone()
     block = longer[:720].view(2, 5, 3, 4, 6)
-    assert packed_heads.filled_block([parts[0], parts[1], summed], 4, [block]) is None and torch.equal(longer, before)
-    assert packed_heads.filled_block([torch.randn(2, 4, 5, 6), summed, None], 4, made) is None
+    parts = [block.select(2, i).transpose(1, 2) for i in range(3)]
+    before = longer.clone()
+    entry = packed_heads.HandedBlock(parts[:2] + [torch.empty(0)])
+    assert packed_heads.filled_block([parts[0], parts[1], summed], 4, [entry]) is None and torch.equal(longer, before)
+
+
+def test_a_split_keeps_no_block_alive_and_hands_blocks_only_for_its_own_parts():
+    """Blocks are held weakly (a graph kept with retain_graph, whose split's backward never runs, holds no memory),
+    and a block whose parts mix two splits is handed to neither: a slot may hold another split's gradient."""
+    handed, slots = _handed_block(True)
+    assert len(handed) == 1 and handed[0].alive()
+    del slots
+    assert not handed[0].alive()
+    packed = torch.zeros(2, 5, 72, requires_grad=True)
+    q1, k1, v1 = packed_heads.split_heads(packed, 3, 4)
+    q2, k2, v2 = packed_heads.split_heads(packed, 3, 4)
+    kept = packed_heads.packed_outputs(q2, 3, 2, 4, 5, 6, lambda t, *shape: torch.randn(shape), (q2, k1, v2))
+    assert kept and q2.grad_fn.packed_blocks == [] and k1.grad_fn.packed_blocks == []
 
 
 def test_a_callers_gradient_laid_out_as_a_block_is_never_written():
@@ -207,3 +230,21 @@ def test_forward_mode_gradients_of_a_module_through_the_split():
         plus, minus = x + eps * tangent, x - eps * tangent
         want = (m(plus, plus, plus)[0] - m(minus, minus, minus)[0]) / (2 * eps)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+@needs_native
+def test_a_gradient_a_hook_kept_is_never_written_over():
+    """A hook that keeps the compiled backward's q gradient and returns another: the kept tensor stays as it was (the
+    block's slot is then still seen, so the parts are gathered), and the projection's gradient is right."""
+    torch.manual_seed(0)
+    packed = torch.randn(1, 30, 3 * 2 * 8, requires_grad=True)
+    q, k, v = packed_heads.split_heads(packed, 3, 2)
+    kept = []
+    q.register_hook(lambda g: (kept.append((g, g.clone())), g * 2)[1])
+    LF.kernel(q, k, v, feature_map="elu").square().sum().backward()
+    assert kept and torch.equal(kept[0][0], kept[0][1])
+    want = packed.detach().clone().requires_grad_()
+    q2, k2, v2 = chunked(want, 3, 2)
+    q2.register_hook(lambda g: g * 2)
+    LF.kernel(q2, k2, v2, feature_map="elu").square().sum().backward()
+    torch.testing.assert_close(packed.grad, want.grad, rtol=1e-5, atol=1e-6)

@@ -56,7 +56,7 @@ def has_tangent(*tensors: Optional[Tensor]) -> bool:
     """Whether any of these tensors carries a forward-mode AD tangent (torch.autograd.forward_ad's dual tensors):
     code that reads raw data pointers would drop it, so such calls take plain tensor ops. Free outside a dual
     level, where no tensor can carry one."""
-    if getattr(forward_ad, "_current_level", 0) < 0:
+    if getattr(forward_ad, "_current_level", 0) < 0 or functorch_active():  # torch.func takes PyTorch ops anyway
         return False
     return any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors)
 

@@ -343,13 +343,13 @@ def _input_grads(q: Tensor, k: Tensor, v: Tensor, need_q: bool, need_k: bool, ne
     one tensor where the inputs are one projection's split (packed_heads), whose backward then needs no copy."""
     (b, h, n_q, d), n_k, dv = q.shape, k.shape[2], v.shape[-1]
     if need_q and need_k and need_v and n_q == n_k and dv == d and packed_heads.is_split((q, k, v)):
-        return packed_heads.packed_outputs(q, 3, b, h, n_q, d, output)
+        return packed_heads.packed_outputs(q, 3, b, h, n_q, d, output, (q, k, v))
     if need_q and need_k and n_q == n_k and packed_heads.is_split((q, k)):  # q and k of one projection (DETR)
         grad_v = rows_like(v, b, h, n_k, dv) if need_v else None
-        return (*packed_heads.packed_outputs(q, 2, b, h, n_q, d, output), grad_v)
+        return (*packed_heads.packed_outputs(q, 2, b, h, n_q, d, output, (q, k)), grad_v)
     grad_q = rows_like(q, b, h, n_q, d) if need_q else None
     if need_k and need_v and dv == d and packed_heads.is_split((k, v)):
-        return (grad_q, *packed_heads.packed_outputs(k, 2, b, h, n_k, d, output))
+        return (grad_q, *packed_heads.packed_outputs(k, 2, b, h, n_k, d, output, (k, v)))
     return grad_q, rows_like(k, b, h, n_k, d) if need_k else None, rows_like(v, b, h, n_k, dv) if need_v else None
 
 

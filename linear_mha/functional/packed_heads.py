@@ -8,6 +8,7 @@ gradients' own memory when they already lie side by side as the projection's out
 writes them so (``packed_outputs``) whenever its q, k, v are such a split; other backwards' gradients are gathered
 as before.
 """
+import weakref
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -50,32 +51,42 @@ def gathered(grads: Sequence[Optional[Tensor]]) -> Optional[Tensor]:
     return first.as_strided((b, n, len(grads) * h * d), (sb, sn, 1))
 
 
-def filled_block(grads: Sequence[Optional[Tensor]], heads: int, blocks: Sequence[Tensor]) -> Optional[Tensor]:
+class HandedBlock:
+    """A block ``packed_outputs`` made for one split's parts, as that split's backward node keeps it: weak references
+    to the part views handed out, so a graph kept alive (retain_graph) or a backward that never reaches the split
+    holds no memory."""
+    __slots__ = ("slots",)
+
+    def __init__(self, slots: Sequence[Tensor]):
+        self.slots = tuple(weakref.ref(t) for t in slots)
+
+    def alive(self) -> bool:
+        return any(slot() is not None for slot in self.slots)
+
+
+def filled_block(grads: Sequence[Optional[Tensor]], heads: int, handed: Sequence[HandedBlock]) -> Optional[Tensor]:
     """The (B, N, P·H·d) block that one of the grads is a view of, with every other part written into its place, or
     None. A part reaches the split's backward as a new tensor when autograd has summed two consumers' gradients (the
     local term's d v and attention's, the output gate's d q and attention's); copying it into the block costs one
-    part, gathering all of them again costs P. Only one of ``blocks`` is written, the blocks a compiled backward
-    made for this very split (``packed_outputs``): any other memory may be the caller's own gradient. A part that
-    lies elsewhere in the block is refused. The slot written held that backward's own term, which autograd has
-    already summed into the new tensor."""
+    part, gathering all of them again costs P. A slot is written only when nothing can see it any more: the block
+    is one a compiled backward handed to this very split (``packed_outputs``; any other memory may be the caller's
+    own gradient), the gradient that backward wrote there is gone (autograd has summed it into the new part, and no
+    hook kept it), and every part is given (a part left out may lie in another split's block)."""
     parts = len(grads)
     for i, g in enumerate(grads):
-        whole = _own_block(g, i, parts, heads)
-        if whole is None or not any(block.data_ptr() == whole.data_ptr() and block.numel() == whole.numel()
-                                    for block in blocks):
+        # the part must be the very view handed out (torch keeps a tensor's Python object while its memory lives)
+        entry = next((e for e in handed if g is not None and e.slots[i]() is g), None)
+        whole = None if entry is None else _own_block(g, i, parts, heads)
+        if whole is None:
             continue
         slots = _views(whole, parts, heads)
         storage = whole.untyped_storage().data_ptr()
         moved = [j for j, (slot, part) in enumerate(zip(slots, grads)) if not _is_view(part, slot)]
-        if any(grads[j] is not None and (grads[j].untyped_storage().data_ptr() == storage
-                                         or grads[j].dtype != whole.dtype or grads[j].device != whole.device)
-               for j in moved):
+        if any(grads[j] is None or entry.slots[j]() is not None or grads[j].untyped_storage().data_ptr() == storage
+               or grads[j].dtype != whole.dtype or grads[j].device != whole.device for j in moved):
             return None
         for j in moved:
-            if grads[j] is None:
-                slots[j].zero_()
-            else:
-                slots[j].copy_(grads[j])
+            slots[j].copy_(grads[j])
         return whole
     return None
 
@@ -102,20 +113,24 @@ def _is_view(part: Optional[Tensor], slot: Tensor) -> bool:
         and part.shape == slot.shape and part.dtype == slot.dtype
 
 
-def packed_outputs(like: Tensor, parts: int, b: int, h: int, n: int, d: int, new) -> Tuple[Tensor, ...]:
+def packed_outputs(like: Tensor, parts: int, b: int, h: int, n: int, d: int, new,
+                   inputs: Sequence[Tensor] = ()) -> Tuple[Tensor, ...]:
     """parts fresh (B, H, N, d) tensors, views of one (B, N, parts, H, d) made by ``new(like, *shape)``, so that
     ``gathered`` finds them side by side. Laid out as like's projection: positions outermost when like's batch
     entries lie within its positions (a (L, B, E) input seen batch-major), so the projection's backward reads the
-    block as one matrix. When like is a part of ``split_heads``, the block is handed to that split's backward, the
-    only memory ``filled_block`` may write."""
+    block as one matrix. When ``inputs``, the tensors whose gradients the parts are, are all parts of one
+    ``split_heads``, the block is handed to that split's backward, the only memory ``filled_block`` may write."""
     if b > 1 and n > 1 and like.stride(0) < like.stride(2):
         whole = new(like, n, b, parts, h, d).transpose(0, 1)
     else:
         whole = new(like, b, n, parts, h, d)
-    blocks = getattr(like.grad_fn, "packed_blocks", None)  # the split's backward node, i.e. its ctx
-    if isinstance(blocks, list):
-        blocks.append(whole)
-    return tuple(whole.select(2, i).transpose(1, 2) for i in range(parts))
+    views = tuple(whole.select(2, i).transpose(1, 2) for i in range(parts))
+    node = like.grad_fn  # a split's backward node is its ctx
+    handed = getattr(node, "packed_blocks", None) if inputs and all(t.grad_fn is node for t in inputs) else None
+    if isinstance(handed, list):
+        handed[:] = [entry for entry in handed if entry.alive()]
+        handed.append(HandedBlock(views))
+    return views
 
 
 def is_split(tensors: Sequence[Tensor]) -> bool:
@@ -133,7 +148,7 @@ class _SplitHeads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, packed, parts, heads):
         ctx.shape, ctx.parts, ctx.heads = packed.shape, parts, heads
-        ctx.packed_blocks = []  # what compiled backwards write this split's gradients into (packed_outputs)
+        ctx.packed_blocks = []  # HandedBlock: where compiled backwards wrote this split's gradients (packed_outputs)
         return _views(packed, parts, heads)
 
     @staticmethod
@@ -145,10 +160,10 @@ class _SplitHeads(torch.autograd.Function):
         # A gradient that is itself differentiated (create_graph) must keep every part's history: as_strided on
         # the first part would drop the others', so then the parts are stacked.
         keeps_history = torch.is_grad_enabled() and any(g is not None and g.requires_grad for g in grads)
-        blocks, ctx.packed_blocks = ctx.packed_blocks, []
+        handed, ctx.packed_blocks = ctx.packed_blocks, []
         whole = None if keeps_history else gathered(grads)
         if whole is None and not keeps_history:
-            whole = filled_block(grads, ctx.heads, blocks)
+            whole = filled_block(grads, ctx.heads, handed)
         if whole is None:
             b, n, width = ctx.shape
             like = next(g for g in grads if g is not None)
