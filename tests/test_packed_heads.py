@@ -101,6 +101,27 @@ def test_a_split_keeps_no_block_alive_and_hands_blocks_only_for_its_own_parts():
     q2, k2, v2 = packed_heads.split_heads(packed, 3, 4)
     kept = packed_heads.packed_outputs(q2, 3, 2, 4, 5, 6, lambda t, *shape: torch.randn(shape), (q2, k1, v2))
     assert kept and q2.grad_fn.packed_blocks == [] and k1.grad_fn.packed_blocks == []
+    # k and v of a q, k, v split: their block of two is not the split's block of three
+    kv = packed_heads.packed_outputs(k1, 2, 2, 4, 5, 6, lambda t, *shape: torch.randn(shape), (k1, v1))
+    assert kv and k1.grad_fn.packed_blocks == []
+    k1.grad_fn.packed_blocks.append(packed_heads.HandedBlock(kv))  # and one listed anyway is passed over
+    assert packed_heads.filled_block([None, kv[0], kv[1]], 4, k1.grad_fn.packed_blocks) is None
+
+
+@needs_native
+def test_key_and_value_of_a_three_part_split_through_the_compiled_backward():
+    """Attention on k and v of one q, k, v split whose q reaches it otherwise (key re-weighting's path): the
+    gradients match torch's chunk."""
+    torch.manual_seed(0)
+    runs = []
+    packed = torch.randn(1, 40, 3 * 2 * 8)
+    for split in (packed_heads.split_heads, chunked):
+        leaf = packed.clone().requires_grad_()
+        q, k, v = split(leaf, 3, 2)
+        out = LF.kernel(q.detach() * 1.0, k, v, feature_map="elu") + q  # q's gradient from elsewhere
+        out.square().sum().backward()
+        runs.append(leaf.grad)
+    torch.testing.assert_close(runs[0], runs[1], rtol=1e-5, atol=1e-6)
 
 
 def test_a_callers_gradient_laid_out_as_a_block_is_never_written():

@@ -75,7 +75,7 @@ def filled_block(grads: Sequence[Optional[Tensor]], heads: int, handed: Sequence
     parts = len(grads)
     for i, g in enumerate(grads):
         # the part must be the very view handed out (torch keeps a tensor's Python object while its memory lives)
-        entry = next((e for e in handed if g is not None and e.slots[i]() is g), None)
+        entry = next((e for e in handed if g is not None and len(e.slots) == parts and e.slots[i]() is g), None)
         whole = None if entry is None else _own_block(g, i, parts, heads)
         if whole is None:
             continue
@@ -118,7 +118,7 @@ def packed_outputs(like: Tensor, parts: int, b: int, h: int, n: int, d: int, new
     """parts fresh (B, H, N, d) tensors, views of one (B, N, parts, H, d) made by ``new(like, *shape)``, so that
     ``gathered`` finds them side by side. Laid out as like's projection: positions outermost when like's batch
     entries lie within its positions (a (L, B, E) input seen batch-major), so the projection's backward reads the
-    block as one matrix. When ``inputs``, the tensors whose gradients the parts are, are all parts of one
+    block as one matrix. When ``inputs``, the tensors whose gradients the parts are, are all the parts of one
     ``split_heads``, the block is handed to that split's backward, the only memory ``filled_block`` may write."""
     if b > 1 and n > 1 and like.stride(0) < like.stride(2):
         whole = new(like, n, b, parts, h, d).transpose(0, 1)
@@ -126,7 +126,8 @@ def packed_outputs(like: Tensor, parts: int, b: int, h: int, n: int, d: int, new
         whole = new(like, b, n, parts, h, d)
     views = tuple(whole.select(2, i).transpose(1, 2) for i in range(parts))
     node = like.grad_fn  # a split's backward node is its ctx
-    handed = getattr(node, "packed_blocks", None) if inputs and all(t.grad_fn is node for t in inputs) else None
+    whole_split = inputs and getattr(node, "parts", None) == parts and all(t.grad_fn is node for t in inputs)
+    handed = getattr(node, "packed_blocks", None) if whole_split else None  # k, v of a q, k, v split: not its block
     if isinstance(handed, list):
         handed[:] = [entry for entry in handed if entry.alive()]
         handed.append(HandedBlock(views))
