@@ -204,8 +204,7 @@ static inline void split_state(float *states, int bh, int d, int width, int dv) 
 static inline void transpose_states(const float *src, long src_ld, int bh, int d, int dv, int width, int dp, float *dst) {
     memset(dst, 0, sizeof(float) * bh * width * dp);
     for (int g = 0; g < bh; g++)
-        for (int f = 0; f < d; f++)
-            for (int c = 0; c <= dv; c++) dst[((long)g * width + c) * dp + f] = src[((long)g * d + f) * src_ld + c];
+        transpose_rows(src + (long)g * d * src_ld, src_ld, d, dv + 1, dst + (long)g * width * dp, dp);
 }
 
 struct key_rows {
@@ -321,7 +320,7 @@ struct causal_inputs {
 };
 
 /* Positions i0 .. i0 + rows of head g: phi(q) and phi(k) with row stride ld, [v, 1] with row stride width (its
- * padding left as it is) and phi(k)^T into k_t (d x ldt). A masked key gets zero features, value and
+ * padding left as it is) and phi(k)^T into k_t (d x ldt; NULL: not wanted). A masked key gets zero features, value and
  * normaliser, so it adds nothing to any product. */
 static inline void load_chunk(const struct causal_inputs *in, int g, long i0, int rows, float *phi_q, float *phi_k,
                               int ld, float *v1, int width, float *k_t, int ldt) {
@@ -340,7 +339,7 @@ static inline void load_chunk(const struct causal_inputs *in, int g, long i0, in
             vr[dv] = 1.0f;
         }
     }
-    transpose_rows(phi_k, ld, rows, d, k_t, ldt);
+    if (k_t) transpose_rows(phi_k, ld, rows, d, k_t, ldt);
 }
 
 /* scores (rows x ldt) = tril(a b): a is (rows x k) with row stride lda, b is (k x ldt); entries above the

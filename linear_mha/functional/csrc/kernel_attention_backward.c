@@ -226,8 +226,9 @@ struct causal_backward {
     int stream; /* streaming stores for the input gradients */
 };
 
-/* A chunk as both causal passes need it: load_chunk's features (row stride dp), values and phi(k)^T, the
- * values transposed into v1_t (width x ldt) and the gradient rows of [num, den]. */
+/* A chunk as both causal passes need it: load_chunk's features (row stride dp), values and phi(k)^T (k_t NULL:
+ * the d q pass does not read it), [v, 1] transposed into the first Dv + 1 rows of v1_t (width x ldt) and the
+ * gradient rows of [num, den]. */
 static void load_gradient_chunk(const struct causal_backward *c, int g, long i0, int rows, float *phi_q, float *phi_k,
                                 float *v1, float *k_t, float *v1_t, float *r_rows) {
     const struct causal_inputs *in = &c->in;
@@ -236,7 +237,7 @@ static void load_gradient_chunk(const struct causal_backward *c, int g, long i0,
     gradient_rows(c->grad + row_offset(c->grad_at, in->h, g, i0), c->grad_at.n,
                   c->out + row_offset(c->out_at, in->h, g, i0), c->out_at.n, c->den + (long)g * in->n + i0, rows,
                   in->dv, width, r_rows);
-    transpose_rows(v1, width, rows, width, v1_t, ldt);
+    transpose_rows(v1, width, rows, in->dv + 1, v1_t, ldt);
 }
 
 static void causal_part_backward(const void *ctx, int item, float *scratch) {
@@ -258,7 +259,7 @@ static void causal_part_backward(const void *ctx, int item, float *scratch) {
         else memset(acc_t, 0, sizeof(float) * width * dp);
         for (long i0 = a; i0 < z; i0 += ROWS) {
             const int rows = (int)(z - i0 < ROWS ? z - i0 : ROWS);
-            load_gradient_chunk(c, g, i0, rows, phi_q, phi_k, v1, k_t, v1_t, r_rows);
+            load_gradient_chunk(c, g, i0, rows, phi_q, phi_k, v1, NULL, v1_t, r_rows);
             memset(g_phi, 0, sizeof(float) * rows * dp);
             gemm_acc(rows, dp / W, dv + 1, r_rows, width, 1, acc_t, dp, g_phi, dp);
             lower_scores(rows, dv + 1, r_rows, width, v1_t, ldt, d_scores);
