@@ -100,9 +100,9 @@ static int efficient_query_source(const void *ctx, int g, long j, long z, long *
     const int bi = g / c->h, hi = g % c->h, d = c->d, dp = c->dp, width = c->width;
     const int rows = (int)(z - j < ROWS ? z - j : ROWS);
     const long ahead = z < j + rows + ROWS ? z : j + rows + ROWS; /* the next block's rows */
-    ahead_start(ROWS / 6 + d / 6); /* over the GEMMs of d q and of dS */
-    ahead_rows(c->q + bi * c->qsb + hi * c->qsh, j + rows, ahead, c->qsn, d);
-    ahead_rows(c->grad + row_offset(c->grad_at, c->h, g, 0), j + rows, ahead, c->grad_at.n, c->dv);
+    struct ahead_queue *queue = ahead_start(ROWS / 6 + d / 6); /* over the GEMMs of d q and of dS */
+    ahead_rows(queue, c->q + bi * c->qsb + hi * c->qsh, j + rows, ahead, c->qsn, d);
+    ahead_rows(queue, c->grad + row_offset(c->grad_at, c->h, g, 0), j + rows, ahead, c->grad_at.n, c->dv);
     for (int r = 0; r < rows; r++) {
         features(a + r * d, c->q + bi * c->qsb + hi * c->qsh + (j + r) * c->qsn, d, 2);
         float *row = b + r * width;
@@ -141,9 +141,9 @@ static void efficient_key_block(const void *ctx, int g, long j0, int rows, float
     const float *top = in->shift + (long)g * d, *inv = c->inv_sum + (long)g * d, *dots = c->dots + (long)g * d;
     float *w = scratch, *v1 = w + ROWS * d, *g_v = v1 + ROWS * width, *g_k = g_v + ROWS * width;
     const long ahead = in->n < j0 + rows + ROWS ? in->n : j0 + rows + ROWS; /* the next block's rows */
-    ahead_start(2 * (ROWS / 6)); /* over the GEMMs of d v and d k */
-    ahead_rows(in->k + bi * in->ksb + hi * in->ksh, j0 + rows, ahead, in->ksn, d);
-    ahead_rows(in->v + bi * in->vsb + hi * in->vsh, j0 + rows, ahead, in->vsn, dv);
+    struct ahead_queue *queue = ahead_start(2 * (ROWS / 6)); /* over the GEMMs of d v and d k */
+    ahead_rows(queue, in->k + bi * in->ksb + hi * in->ksh, j0 + rows, ahead, in->ksn, d);
+    ahead_rows(queue, in->v + bi * in->vsb + hi * in->vsh, j0 + rows, ahead, in->vsn, dv);
     for (int r = 0; r < rows; r++) {
         const long j = j0 + r;
         const float *kr = in->k + bi * in->ksb + hi * in->ksh + j * in->ksn;

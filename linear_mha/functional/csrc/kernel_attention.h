@@ -231,10 +231,10 @@ static inline int key_source(const void *ctx, int g, long j, long z, long *next,
     int rows = 0;
     (void)scratch;
     const long ahead = z < j + 2 * ROWS ? z : j + 2 * ROWS; /* the next block's rows */
-    ahead_start(c->d / 6); /* over the GEMM that sums this block into the state */
-    ahead_rows(c->k + bi * c->ksb + hi * c->ksh, j + ROWS, ahead, c->ksn,
-                  c->shift ? c->d : row_inputs(c->d, c->map, c->ms, c->rope));
-    ahead_rows(c->v + bi * c->vsb + hi * c->vsh, j + ROWS, ahead, c->vsn, c->dv);
+    struct ahead_queue *queue = ahead_start(c->d / 6); /* over the GEMM that sums this block into the state */
+    ahead_rows(queue, c->k + bi * c->ksb + hi * c->ksh, j + ROWS, ahead, c->ksn,
+               c->shift ? c->d : row_inputs(c->d, c->map, c->ms, c->rope));
+    ahead_rows(queue, c->v + bi * c->vsb + hi * c->vsh, j + ROWS, ahead, c->vsn, c->dv);
     for (; j < z && rows < ROWS; j++) {
         if (c->mask && c->mask[bi * c->n + j]) continue;
         const float *kr = c->k + bi * c->ksb + hi * c->ksh + j * c->ksn;
@@ -267,9 +267,9 @@ static inline void query_block(const void *ctx, int g, long i0, int rows, float 
     const struct query_outputs *c = ctx;
     const int bi = g / c->h, hi = g % c->h;
     float *phi = scratch, *num_den = scratch + ROWS * c->d;
-    ahead_start(ROWS / 6); /* over this block's GEMM */
-    ahead_rows(c->q + bi * c->qsb + hi * c->qsh, i0 + rows, c->n < i0 + rows + ROWS ? c->n : i0 + rows + ROWS,
-                  c->qsn, row_inputs(c->d, c->map, c->ms, c->rope));
+    struct ahead_queue *queue = ahead_start(ROWS / 6); /* over this block's GEMM */
+    ahead_rows(queue, c->q + bi * c->qsb + hi * c->qsh, i0 + rows, c->n < i0 + rows + ROWS ? c->n : i0 + rows + ROWS,
+               c->qsn, row_inputs(c->d, c->map, c->ms, c->rope));
     for (int r = 0; r < rows; r++)
         row_features(phi + r * c->d, c->q + bi * c->qsb + hi * c->qsh + (i0 + r) * c->qsn, c->d, c->map, c->ms, hi,
                      c->rope, i0 + r, NULL);

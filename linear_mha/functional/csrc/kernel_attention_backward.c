@@ -40,10 +40,10 @@ static int query_source(const void *ctx, int g, long j, long z, long *next, floa
     const int bi = g / c->h, hi = g % c->h;
     const int rows = (int)(z - j < ROWS ? z - j : ROWS), d_in = row_inputs(c->d, c->map, c->ms, c->rope);
     const long ahead = z < j + rows + ROWS ? z : j + rows + ROWS; /* the next block's rows */
-    ahead_start(ROWS / 6 + c->d / 6); /* over the GEMMs of d q and of G */
-    ahead_rows(c->q + bi * c->qsb + hi * c->qsh, j + rows, ahead, c->qsn, d_in);
-    ahead_rows(c->grad + row_offset(c->grad_at, c->h, g, 0), j + rows, ahead, c->grad_at.n, c->dv);
-    ahead_rows(c->out + row_offset(c->out_at, c->h, g, 0), j + rows, ahead, c->out_at.n, c->dv);
+    struct ahead_queue *queue = ahead_start(ROWS / 6 + c->d / 6); /* over the GEMMs of d q and of G */
+    ahead_rows(queue, c->q + bi * c->qsb + hi * c->qsh, j + rows, ahead, c->qsn, d_in);
+    ahead_rows(queue, c->grad + row_offset(c->grad_at, c->h, g, 0), j + rows, ahead, c->grad_at.n, c->dv);
+    ahead_rows(queue, c->out + row_offset(c->out_at, c->h, g, 0), j + rows, ahead, c->out_at.n, c->dv);
     gradient_rows(c->grad + row_offset(c->grad_at, c->h, g, j), c->grad_at.n,
                   c->out + row_offset(c->out_at, c->h, g, j), c->out_at.n, c->den + (long)g * c->n + j, rows, c->dv,
                   c->width, b);
@@ -88,9 +88,9 @@ static void key_block(const void *ctx, int g, long j0, int rows, float *scratch)
     float *phi = scratch, *v1 = phi + ROWS * d, *g_phi = v1 + ROWS * width, *g_v1 = g_phi + ROWS * dp;
     const int d_in = row_inputs(d, c->map, c->ms, c->rope);
     const long ahead = c->n < j0 + rows + ROWS ? c->n : j0 + rows + ROWS; /* the next block's rows */
-    ahead_start(2 * (ROWS / 6)); /* over the GEMMs of d phi(k) and d v */
-    ahead_rows(c->k + bi * c->ksb + hi * c->ksh, j0 + rows, ahead, c->ksn, d_in);
-    ahead_rows(c->v + bi * c->vsb + hi * c->vsh, j0 + rows, ahead, c->vsn, dv);
+    struct ahead_queue *queue = ahead_start(2 * (ROWS / 6)); /* over the GEMMs of d phi(k) and d v */
+    ahead_rows(queue, c->k + bi * c->ksb + hi * c->ksh, j0 + rows, ahead, c->ksn, d_in);
+    ahead_rows(queue, c->v + bi * c->vsb + hi * c->vsh, j0 + rows, ahead, c->vsn, dv);
     struct focused_kept kept[ROWS]; /* focused's row reductions, made once for the features and the gradient */
     for (int r = 0; r < rows; r++) {
         const long j = j0 + r;

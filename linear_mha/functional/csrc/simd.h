@@ -404,10 +404,11 @@ enum { FULL = 0, LOWER_K = 1, LOWER_N = 2 };
 static inline __attribute__((always_inline)) void gemm_rows(int shape, int m, int nv, int k, const float *a, long ai,
                                                             long ap, const float *b, long ldb, float *c, long ldc,
                                                             const float *scale, int stream) {
+    struct ahead_queue *queue = ahead_own();
     int i = 0;
     for (; i + 6 <= m; i += 6) {
         TILE_ROW(6);
-        ahead_step();
+        ahead_step(queue);
     }
     for (; i + 3 <= m; i += 3) TILE_ROW(3);
     for (; i < m; i++) TILE_ROW(1);
