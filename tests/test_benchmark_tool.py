@@ -182,6 +182,36 @@ def test_a_memory_child_that_keeps_a_malloc_library_reports_an_error(monkeypatch
     assert "libtcmalloc.so.4" in mem["error"] and "extra_bytes" not in mem
 
 
+def test_the_garbage_collector_never_runs_inside_a_timed_call():
+    """A collection set off inside a call would be timed as that callable's own work."""
+    import gc
+    inside, started_inside = [False], []
+
+    def watch(phase, info):
+        if phase == "start" and inside[0]:
+            started_inside.append(info["generation"])
+
+    def make_cycles():
+        inside[0] = True
+        for _ in range(5000):  # far past the first generation's threshold (700 by default)
+            cycle = []
+            cycle.append(cycle)
+        inside[0] = False
+
+    was_enabled = gc.isenabled()
+    gc.enable()
+    gc.callbacks.append(watch)
+    try:
+        result = measure.round_robin({"cycles": make_cycles}, repeats=3, warmup=0)
+    finally:
+        gc.callbacks.remove(watch)
+        assert gc.isenabled()  # the collector is handed back as it was found
+        if not was_enabled:
+            gc.disable()
+    assert result["cycles"]["runs"] == 3
+    assert started_inside == []
+
+
 def test_loglog_slope():
     xs = [256, 1024, 4096, 16384]
     assert measure.loglog_slope(xs, [3 * x ** 1.5 for x in xs]) == pytest.approx(1.5, abs=1e-12)
