@@ -61,8 +61,12 @@ def test_quick_run_writes_json_and_png(quick_run):
     assert not any(r["causal"] and not forms[(r["level"], r["method"])].causal for r in recs.values())
     assert any(r["method"] == "efficient" for r in recs.values())
     for r in recs.values():
-        for field in ("median_ms", "min_ms", "flops", "gflops", "pct_peak", "bytes", "gbps", "ratio_vs_sdpa"):
+        for field in ("median_ms", "min_ms", "flops", "gflops", "pct_peak", "pct_peak_best", "bytes", "gbps",
+                      "ratio_vs_sdpa"):
             assert r[field] > 0 and math.isfinite(r[field]), (r["key"], field)
+        # the best run's share of the (best-run) peak: the median's share scaled by median / min, never below it
+        assert r["pct_peak_best"] == pytest.approx(r["pct_peak"] * r["median_ms"] / r["min_ms"])
+        assert r["pct_peak_best"] >= r["pct_peak"]
     # SDPA is capped at 128 in --quick: N=256 is the N=128 time x4, marked, and so is every ratio against it.
     sdpa128, sdpa256 = recs["core/sdpa/B1/H2/d16/N128/full/fwd"], recs["core/sdpa/B1/H2/d16/N256/full/fwd"]
     assert sdpa256["extrapolated"] and not sdpa128.get("extrapolated")
