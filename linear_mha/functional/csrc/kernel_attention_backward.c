@@ -159,7 +159,8 @@ static int noncausal_backward(const float *q, const float *k, const float *v, co
         const struct key_grads keys = {k, v, mask, acc, acc_t, grad_k, grad_v, h, d, dp, dv, width, map, nk,
                                        ksb, ksh, ksn, vsb, vsh, vsn, rope, ms, rows_from(strides, 3, h, nk, d_in),
                                        rows_from(strides, 4, h, nk, dv), streamed((long)bh * nk * d_in)};
-        failed = for_each_block(bh, nk, threads, (long)ROWS * (d + 2 * width + dp), key_block, &keys) != 0;
+        failed = for_each_block(bh, nk, threads, (long)ROWS * (d + 2 * width + dp), key_block, &keys,
+                                ms && ms->grad_scale) != 0; /* parameter gradients summed per thread */
     }
     free(state_t);
     free(acc);

@@ -102,10 +102,12 @@ static inline int partial_states(int bh, long n, long parts, int d, int width, i
 }
 
 /* states[g] (d x width) = sum over the rows of head g of a_row^T b_row, for bh heads of n rows each. With fewer
- * heads than threads a head's rows are split into parts summed afterwards. fixed_order as partial_states'. */
+ * than 8 heads per thread a head's rows are split into parts summed afterwards: with a head per item, 8 heads
+ * gave each of 2 threads 4 items, and a thread slowed down by the machine kept the other waiting up to an eighth
+ * of the pass. fixed_order as partial_states'. */
 static inline int accumulate_states(int bh, long n, int d, int width, int cols, int split, int threads,
                                     row_source source, const void *ctx, float *states, int fixed_order) {
-    const long parts = parts_for(bh, n, 2 * threads, 256), size = (long)d * width;
+    const long parts = parts_for(bh, n, 8 * threads, 256), size = (long)d * width;
     if (parts == 1) return partial_states(bh, n, 1, d, width, cols, split, threads, source, ctx, states, fixed_order);
     float *partial = malloc(sizeof(float) * bh * parts * size);
     int failed = !partial ||
@@ -148,10 +150,16 @@ static inline int scan_parts(float *sums, const float *init, int bh, long parts,
 
 /* Calls block(ctx, g, i0, rows, scratch) for every block of up to ROWS positions i0.. of every one of bh heads of
  * n positions, the blocks spread over the threads; scratch is scratch_floats floats of thread-local space.
- * Returns -1 when that space could not be allocated. */
+ * fixed_order: each thread takes the same blocks on every call, for blocks that add parameter gradients into
+ * per-thread sums; else a thread takes the next few blocks free, so a thread the machine slows down holds the
+ * others up by a few blocks at most, not by half its share (static halves left 4-5% of the elu forward's samples
+ * in libgomp's barrier on a shared 2-core VM). Returns -1 when that space could not be allocated. */
 typedef void (*block_fn)(const void *ctx, int g, long i0, int rows, float *scratch);
 
-static inline int for_each_block(int bh, long n, int threads, long scratch_floats, block_fn block, const void *ctx) {
+#define BLOCKS_PER_GRAB 4 /* 192 rows: a grab is one atomic add on a shared counter */
+
+static inline int for_each_block(int bh, long n, int threads, long scratch_floats, block_fn block, const void *ctx,
+                                 int fixed_order) {
     const long row_blocks = (n + ROWS - 1) / ROWS;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
@@ -162,12 +170,20 @@ static inline int for_each_block(int bh, long n, int threads, long scratch_float
             failed = 1;
         }
 #pragma omp barrier
-        if (!failed) {
+        if (!failed && fixed_order) {
 #pragma omp for schedule(static)
             for (long item = 0; item < bh * row_blocks; item++) {
                 const long i0 = (item % row_blocks) * ROWS;
                 block(ctx, (int)(item / row_blocks), i0, (int)(n - i0 < ROWS ? n - i0 : ROWS), scratch);
             }
+        } else if (!failed) {
+#pragma omp for schedule(dynamic, BLOCKS_PER_GRAB)
+            for (long item = 0; item < bh * row_blocks; item++) {
+                const long i0 = (item % row_blocks) * ROWS;
+                block(ctx, (int)(item / row_blocks), i0, (int)(n - i0 < ROWS ? n - i0 : ROWS), scratch);
+            }
+        }
+        if (!failed) {
             stream_fence();
             ahead_start(0); /* nothing queued outlives the call */
         }
