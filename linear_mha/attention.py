@@ -298,8 +298,8 @@ class LinearMultiheadAttention(AttentionAdapter, nn.Module):
             raise InputError(f"key and value must have the same batch and sequence sizes, and the batch of query; got "
                              f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)} "
                              f"(batch-major)")
-        kpm = masks.check_key_padding_mask(key_padding_mask, B, S, unbatched)
-        mask = masks.check_attn_mask(attn_mask, B, self.num_heads, L, S, unbatched)
+        kpm = masks.check_key_padding_mask(key_padding_mask, B, S, unbatched, key.device)
+        mask = masks.check_attn_mask(attn_mask, B, self.num_heads, L, S, unbatched, key.device)
         if kpm is not None and not self.method.any_mask:
             query, key, value = self._zero_padding(query, key, value, kpm, query_is_key, same_kv)
 

@@ -23,10 +23,18 @@ def _check_dtype(mask: Tensor, name: str) -> None:
         )
 
 
-def check_key_padding_mask(mask: Optional[Tensor], batch: int, src_len: int, unbatched: bool) -> Optional[Tensor]:
-    """Validate shape and dtype; returns the mask as (B, S)."""
+def _check_device(mask: Tensor, name: str, device: Optional[torch.device]) -> None:
+    if device is not None and mask.device != device:
+        raise InputError(f"{name} is on {mask.device} but the inputs are on {device}; move it with "
+                         f"{name}.to({str(device)!r})")
+
+
+def check_key_padding_mask(mask: Optional[Tensor], batch: int, src_len: int, unbatched: bool,
+                           device: Optional[torch.device] = None) -> Optional[Tensor]:
+    """Validate shape, dtype and (given the inputs' ``device``) device; returns the mask as (B, S)."""
     if mask is None:
         return None
+    _check_device(mask, "key_padding_mask", device)
     _check_dtype(mask, "key_padding_mask")
     expected = (src_len,) if unbatched else (batch, src_len)
     if tuple(mask.shape) != expected:
@@ -35,10 +43,11 @@ def check_key_padding_mask(mask: Optional[Tensor], batch: int, src_len: int, unb
 
 
 def check_attn_mask(mask: Optional[Tensor], batch: int, heads: int, tgt_len: int, src_len: int,
-                    unbatched: bool) -> Optional[Tensor]:
-    """Validate shape and dtype; returns the mask as (L, S) or (B, H, L, S)."""
+                    unbatched: bool, device: Optional[torch.device] = None) -> Optional[Tensor]:
+    """Validate shape, dtype and (given the inputs' ``device``) device; returns the mask as (L, S) or (B, H, L, S)."""
     if mask is None:
         return None
+    _check_device(mask, "attn_mask", device)
     _check_dtype(mask, "attn_mask")
     per_sample = (heads, tgt_len, src_len) if unbatched else (batch * heads, tgt_len, src_len)
     if tuple(mask.shape) == (tgt_len, src_len):

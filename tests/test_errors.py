@@ -211,6 +211,33 @@ def test_integer_tensors_to_the_functional_api_name_the_argument(fn):
         fn(x, x, x)
 
 
+@pytest.mark.parametrize("fn", [LF.kernel, LF.efficient_attention, LF.taylor, LF.focused,
+                                lambda q, k, v, **kw: LF.softmax(q, k, v, **kw)[0],
+                                lambda q, k, v, **kw: LF.linformer(q, k, v, torch.randn(2, 6), **kw)[0]],
+                         ids=["kernel", "efficient_attention", "taylor", "focused", "softmax", "linformer"])
+def test_a_mask_on_another_device_than_the_keys_is_refused(fn):
+    """The compiled code took the data pointer of a mask on another device: one on the meta device (pointer 0)
+    was read as no mask at all, and a CUDA mask beside CPU keys would be read as host memory."""
+    q = torch.randn(1, 2, 6, 4)
+    mask = torch.zeros(1, 6, dtype=torch.bool)
+    mask[:, 3:] = True
+    with pytest.raises(ValueError, match=r"key_padding_mask is on meta but k is on cpu; move it with "
+                                         r"key_padding_mask.to\(k.device\)"):
+        fn(q, q, q, key_padding_mask=mask.to("meta"))
+    fn(q, q, q, key_padding_mask=mask)  # on the keys' device it runs
+
+
+def test_a_module_given_a_mask_on_another_device_names_it():
+    m = LinearMultiheadAttention(8, 2, mode="taylor")
+    x = torch.randn(6, 1, 8)
+    with pytest.raises(ValueError, match=r"key_padding_mask is on meta but the inputs are on cpu; move it with "
+                                         r"key_padding_mask.to\('cpu'\)"):
+        m(x, x, x, key_padding_mask=torch.zeros(1, 6, dtype=torch.bool, device="meta"))
+    with pytest.raises(ValueError, match=r"attn_mask is on meta but the inputs are on cpu"):
+        m(x, x, x, attn_mask=torch.zeros(6, 6, dtype=torch.bool, device="meta"))
+    assert m(x, x, x, key_padding_mask=torch.zeros(1, 6, dtype=torch.bool))[0].shape == (6, 1, 8)
+
+
 def test_an_in_place_step_on_a_broadcast_state_is_refused():
     q = torch.randn(1, 1, 2)
     state = torch.zeros(1, 1, 1, 3).expand(1, 1, 2, 3)  # one row shared by both features

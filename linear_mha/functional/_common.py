@@ -174,7 +174,13 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor
         raise ValueError(f"k{tuple(k.shape)} and v{tuple(v.shape)} must agree in (batch, heads, seq)")
     if q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q{tuple(q.shape)} and k{tuple(k.shape)} must agree in batch, heads and head dim")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device} and {v.device}; move them "
+                         f"with .to(q.device)")
     if key_padding_mask is not None:
+        if key_padding_mask.device != k.device:  # the compiled code would read a pointer to another device's memory
+            raise ValueError(f"key_padding_mask is on {key_padding_mask.device} but k is on {k.device}; move it with "
+                             f"key_padding_mask.to(k.device)")
         if key_padding_mask.dtype != torch.bool:
             raise TypeError(f"key_padding_mask must be a bool tensor (True = ignore), got {key_padding_mask.dtype}")
         if tuple(key_padding_mask.shape) != (k.shape[0], k.shape[2]):
