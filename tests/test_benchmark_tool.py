@@ -474,3 +474,23 @@ def test_module_profile_gives_each_variant_its_own_ops(tmp_path, capsys):
     assert "| op | kernel | kernel+gate | taylor+dwc3 |" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="unknown option 'fast'"):
         module_profile.main(["--n", "64", "--variants", "kernel+fast"])
+
+
+@pytest.mark.skipif(not native.available(), reason="needs the compiled CPU code")
+def test_ab_builds_times_both_builds_and_hands_this_ones_back(tmp_path, capsys):
+    from tools import ab_builds
+    root = Path(__file__).resolve().parents[1]
+    mine = native._library
+    out = tmp_path / "ab.json"
+    ab_builds.main(["--before", str(root), "--methods", "kernel_elu", "efficient", "--n", "96", "--heads", "2",
+                    "--dim", "8", "--repeats", "2", "--cases", "fwd", "causal_fwd", "--json", str(out)])
+    assert native._library is mine  # later calls in this process run this checkout's code
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["method"], r["case"]) for r in rows] == [("kernel_elu", "fwd"), ("kernel_elu", "causal_fwd"),
+                                                         ("efficient", "fwd")]
+    for r in rows:
+        assert all(r[f"{s}_median_ms"] > 0 for s in ("before", "after"))
+        assert r["gain"] == pytest.approx(r["before_median_ms"] / r["after_median_ms"])
+    assert "| efficient | causal_fwd | - | - | no causal form |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no linear_mha/functional/native_build.py"):
+        ab_builds.main(["--before", str(tmp_path)])

@@ -5,6 +5,7 @@ as a module, e.g. ``python -m tools.benchmark --quick``; every one prints its de
     benchmark_cases  the cases benchmark times: methods, FLOP formulas, inputs, float64 references
     measure          the one timing and memory module: interleaved timing, peak memory in a fresh process
     cpu_allocator    which malloc a process runs under, and glibc's keep-freed-memory setting
+    ab_builds        another checkout's compiled CPU code against this one's, interleaved in one process
     detr_compare     DETR against Linear-DETRs on the synthetic set, over seeds; the encoder at growing sizes
     detr_diagnose    each method's attention on a trained DETR's encoder inputs, against its softmax
     patch_model      patch a torchvision / timm model and report the deviation and the speed

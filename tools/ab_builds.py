@@ -1,0 +1,106 @@
+"""Two builds of the compiled CPU code timed in one process: another checkout's csrc/ against this one's.
+
+On a shared machine the speed of a run drifts by 10-25% from one process to the next, more than most kernel
+changes gain, so before/after tables from separate runs mostly measure the machine. Here the other checkout's
+library is built with its own build rules (its native_build.py), loaded beside this one's, and both are called
+through this checkout's Python wrappers on the same inputs, interleaved round by round (measure.round_robin).
+The entry points' C signatures must agree between the two checkouts.
+
+    git worktree add /tmp/before <commit>
+    python -m tools.ab_builds --before /tmp/before --methods kernel_elu taylor --json runs/ab.json
+"""
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+
+from linear_mha.functional import native
+from tools import measure
+from tools.benchmark_cases import build_runner
+
+CASES = {"fwd": (False, "fwd"), "fwdbwd": (False, "fwdbwd"), "causal_fwd": (True, "fwd"),
+         "causal_fwdbwd": (True, "fwdbwd")}
+
+
+def load_build(checkout: Path):
+    """The compiled library of another checkout, built by that checkout's own build module."""
+    path = checkout / "linear_mha" / "functional" / "native_build.py"
+    if not path.is_file():
+        raise SystemExit(f"--before {checkout}: no linear_mha/functional/native_build.py there")
+    spec = importlib.util.spec_from_file_location("before_native_build", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    library, _ = module.build()
+    native._declare(library)
+    return library
+
+
+def compare(before, after, method: str, case: str, n: int, heads: int, dim: int, repeats: int) -> dict:
+    causal, which = CASES[case]
+    c = dict(level="core", method=method, B=1, H=heads, d=dim, N=n, causal=causal, proj_k=256, seed=0,
+             **{"pass": which})
+    run = build_runner(c, "cpu", torch.float32)
+
+    def with_library(library):
+        def call():
+            native._library = library
+            run()
+        return call
+    try:
+        times = measure.round_robin({"before": with_library(before), "after": with_library(after)},
+                                    repeats=repeats, warmup=2)
+    finally:
+        native._library = after
+    row = dict(method=method, case=case, N=n, H=heads, d=dim, **{f"{k}_{s}": v[s] for k, v in times.items()
+                                                                for s in ("median_ms", "min_ms")})
+    row["gain"] = row["before_median_ms"] / row["after_median_ms"]
+    return row
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--before", type=Path, required=True, help="the other checkout (e.g. a git worktree)")
+    p.add_argument("--methods", nargs="+", default=["kernel_elu"])
+    p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    p.add_argument("--n", type=int, default=16384)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=30, help="calls of each build (interleaved)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", type=Path)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    if not native.available():
+        raise SystemExit(f"this checkout's compiled code is unavailable: {native.build_error()}")
+    after, before = native._library, load_build(a.before)
+    print(f"before: {before._name}\nafter:  {after._name}\ntorch {torch.__version__}, {a.threads} threads, "
+          f"B=1 H={a.heads} d={a.dim} N={a.n}, {a.repeats} calls each, interleaved")
+    print("| method | pass | before ms (min) | after ms (min) | before / after |\n|---|---|---|---|---|")
+    rows = []
+    for method in a.methods:
+        for case in a.cases:
+            if CASES[case][0] and not _has_causal(method):
+                print(f"| {method} | {case} | - | - | no causal form |")
+                continue
+            r = compare(before, after, method, case, a.n, a.heads, a.dim, a.repeats)
+            rows.append(r)
+            print(f"| {method} | {case} | {r['before_median_ms']:.2f} ({r['before_min_ms']:.2f}) | "
+                  f"{r['after_median_ms']:.2f} ({r['after_min_ms']:.2f}) | {r['gain']:.3f} |", flush=True)
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        meta = dict(before=str(a.before), before_library=before._name, after_library=after._name,
+                    torch=torch.__version__, threads=a.threads, cpu=measure.cpu_name(), repeats=a.repeats,
+                    n=a.n, heads=a.heads, dim=a.dim)
+        a.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        print(f"wrote {a.json}")
+
+
+def _has_causal(method: str) -> bool:
+    from tools.benchmark_cases import methods
+    return methods()[("core", method)].causal
+
+
+if __name__ == "__main__":
+    main()
