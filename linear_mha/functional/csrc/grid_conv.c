@@ -97,9 +97,11 @@ static void forward_task(const void *ctx, int t, float *acc) {
                 }
 }
 
-/* d v of position q = (y, x) of head g, and its terms of d w into dw (k k x d) of this task. */
+/* d v of position q = (y, x) of head g (where c->grad_v is set), and its terms of d w into dw (k k x d) of this
+ * task (dw NULL: not wanted). */
 static void gradient_row(const struct grid_rows *c, int g, int y, int x, float *dv, float *dw) {
-    const int r = c->k / 2, hi = g % c->h, d = c->d;
+    const int r = c->k / 2, hi = g % c->h, d = c->d, want_v = c->grad_v != NULL;
+    if (!want_v && !dw) return;
     const long pos = c->prefix + (long)y * c->width + x;
     const float *vq = value_row(c, g, pos), *w = c->wt + (long)hi * c->k * c->k * d;
     memset(dv, 0, sizeof(float) * d);
@@ -114,11 +116,11 @@ static void gradient_row(const struct grid_rows *c, int g, int y, int x, float *
                 int j = 0;
                 for (; j + W <= d; j += W) {
                     const vf gv = load(gp + j);
-                    store(dv + j, load(dv + j) + load(wr + j) * gv);
+                    if (want_v) store(dv + j, load(dv + j) + load(wr + j) * gv);
                     if (dwr) store(dwr + j, load(dwr + j) + load(vq + j) * gv);
                 }
                 for (; j < d; j++) {
-                    dv[j] += wr[j] * gp[j];
+                    if (want_v) dv[j] += wr[j] * gp[j];
                     if (dwr) dwr[j] += vq[j] * gp[j];
                 }
             }
