@@ -477,20 +477,44 @@ def test_module_profile_gives_each_variant_its_own_ops(tmp_path, capsys):
 
 
 @pytest.mark.skipif(not native.available(), reason="needs the compiled CPU code")
-def test_ab_builds_times_both_builds_and_hands_this_ones_back(tmp_path, capsys):
+def test_ab_builds_times_both_builds_and_hands_this_ones_back(tmp_path, capsys, monkeypatch):
+    """The 'before' checkout here is a stand-in whose build module loads a copy of this build's library from
+    another path: a second, separate library, as another checkout's would be, without compiling anything."""
+    import shutil
+    from linear_mha.functional import output_cache
     from tools import ab_builds
-    root = Path(__file__).resolve().parents[1]
-    mine = native._library
+    mine, threads = native._library, torch.get_num_threads()
+    before = tmp_path / "before"
+    (before / "linear_mha" / "functional").mkdir(parents=True)
+    copy = shutil.copy(native.library_path(), tmp_path / "copy.so")
+    (before / "linear_mha" / "functional" / "native_build.py").write_text(
+        f"import ctypes\ndef build():\n    return ctypes.CDLL({str(copy)!r}), True\n")
+    seen = []  # the library each timed call ran
+
+    def runner(c, device, dtype):
+        run = benchmark_cases.build_runner(c, device, dtype)
+
+        def call():
+            seen.append(native._library._name)
+            run()
+        return call
+    monkeypatch.setattr(ab_builds, "build_runner", runner)
     out = tmp_path / "ab.json"
-    ab_builds.main(["--before", str(root), "--methods", "kernel_elu", "efficient", "--n", "96", "--heads", "2",
-                    "--dim", "8", "--repeats", "2", "--cases", "fwd", "causal_fwd", "--json", str(out)])
-    assert native._library is mine  # later calls in this process run this checkout's code
-    rows = json.loads(out.read_text())["rows"]
+    ab_builds.main(["--before", str(before), "--methods", "kernel_elu", "efficient", "--n", "96", "--heads", "2",
+                    "--dim", "8", "--repeats", "2", "--threads", "1", "--cases", "fwd", "causal_fwd",
+                    "--json", str(out)])
+    assert {str(copy), mine._name} == set(seen)  # both builds were timed
+    # and afterwards this process runs this checkout's code, with its output cache and its thread count
+    assert native._library is mine and output_cache._library is mine
+    assert torch.get_num_threads() == threads
+    result = json.loads(out.read_text())
+    assert result["meta"]["before_library"] == str(copy)
+    rows = result["rows"]
     assert [(r["method"], r["case"]) for r in rows] == [("kernel_elu", "fwd"), ("kernel_elu", "causal_fwd"),
                                                          ("efficient", "fwd")]
-    for r in rows:
-        assert all(r[f"{s}_median_ms"] > 0 for s in ("before", "after"))
-        assert r["gain"] == pytest.approx(r["before_median_ms"] / r["after_median_ms"])
+    assert all(r[f"{s}_median_ms"] > 0 for r in rows for s in ("before", "after"))
     assert "| efficient | causal_fwd | - | - | no causal form |" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="no linear_mha/functional/native_build.py"):
         ab_builds.main(["--before", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--methods kernal_elu: not a core-level method"):
+        ab_builds.main(["--before", str(before), "--methods", "kernal_elu"])

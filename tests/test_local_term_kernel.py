@@ -94,7 +94,7 @@ def test_gradients_repeat_bit_for_bit_and_do_not_depend_on_which_are_wanted():
         native_maps.local_term(out, vv, w, bias, *grid, mask).sum().backward()
         assert (w.grad is not None) == wanted
         grads_v.append(vv.grad)
-        if wanted:  # d w alone (the backward then skips d v) must not change either
+        if wanted:  # d w beside d v equals d w alone (runs[0], where the backward skips d v's arithmetic)
             assert w.grad.abs().sum() > 0 and torch.equal(w.grad, runs[0])
     assert torch.equal(grads_v[0], grads_v[1])
 

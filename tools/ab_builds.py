@@ -12,20 +12,23 @@ The entry points' C signatures must agree between the two checkouts.
 import argparse
 import importlib.util
 import json
+import subprocess
 from pathlib import Path
 
 import torch
 
-from linear_mha.functional import native
+from linear_mha.functional import native, output_cache
 from tools import measure
-from tools.benchmark_cases import build_runner
+from tools.benchmark_cases import build_runner, methods
 
 CASES = {"fwd": (False, "fwd"), "fwdbwd": (False, "fwdbwd"), "causal_fwd": (True, "fwd"),
          "causal_fwdbwd": (True, "fwdbwd")}
 
 
 def load_build(checkout: Path):
-    """The compiled library of another checkout, built by that checkout's own build module."""
+    """The compiled library of another checkout, built by that checkout's own build module. Declaring it attaches
+    the output cache to it (native._declare); the caller attaches the cache back to its own library, whose cache
+    then serves both builds' outputs alike."""
     path = checkout / "linear_mha" / "functional" / "native_build.py"
     if not path.is_file():
         raise SystemExit(f"--before {checkout}: no linear_mha/functional/native_build.py there")
@@ -33,7 +36,11 @@ def load_build(checkout: Path):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     library, _ = module.build()
-    native._declare(library)
+    try:
+        native._declare(library)
+    except AttributeError as exc:  # an entry point this checkout's wrappers call is missing there
+        raise SystemExit(f"--before {checkout}: its compiled code lacks an entry point this checkout calls ({exc}); "
+                         f"the two checkouts' C interfaces must agree") from None
     return library
 
 
@@ -71,10 +78,35 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
-    torch.set_num_threads(a.threads)
+    known = sorted(m for level, m in methods() if level == "core")
+    unknown = [m for m in a.methods if m not in known]
+    if unknown:
+        raise SystemExit(f"--methods {' '.join(unknown)}: not a core-level method of the benchmark "
+                         f"({', '.join(known)})")
     if not native.available():
         raise SystemExit(f"this checkout's compiled code is unavailable: {native.build_error()}")
-    after, before = native._library, load_build(a.before)
+    after, threads = native._library, torch.get_num_threads()
+    try:
+        before = load_build(a.before)
+    finally:
+        output_cache.attach(after)
+    try:
+        torch.set_num_threads(a.threads)
+        rows = _run(a, before, after)
+    finally:
+        native._library = after
+        torch.set_num_threads(threads)
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        meta = dict(before=str(a.before), before_commit=_commit(a.before), after_commit=_commit(Path(__file__).parent),
+                    before_library=before._name, after_library=after._name,
+                    torch=torch.__version__, threads=a.threads, cpu=measure.cpu_name(), repeats=a.repeats,
+                    n=a.n, heads=a.heads, dim=a.dim)
+        a.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        print(f"wrote {a.json}")
+
+
+def _run(a, before, after) -> list:
     print(f"before: {before._name}\nafter:  {after._name}\ntorch {torch.__version__}, {a.threads} threads, "
           f"B=1 H={a.heads} d={a.dim} N={a.n}, {a.repeats} calls each, interleaved")
     print("| method | pass | before ms (min) | after ms (min) | before / after |\n|---|---|---|---|---|")
@@ -88,18 +120,23 @@ def main(argv=None):
             rows.append(r)
             print(f"| {method} | {case} | {r['before_median_ms']:.2f} ({r['before_min_ms']:.2f}) | "
                   f"{r['after_median_ms']:.2f} ({r['after_min_ms']:.2f}) | {r['gain']:.3f} |", flush=True)
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        meta = dict(before=str(a.before), before_library=before._name, after_library=after._name,
-                    torch=torch.__version__, threads=a.threads, cpu=measure.cpu_name(), repeats=a.repeats,
-                    n=a.n, heads=a.heads, dim=a.dim)
-        a.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-        print(f"wrote {a.json}")
+    return rows
 
 
 def _has_causal(method: str) -> bool:
-    from tools.benchmark_cases import methods
     return methods()[("core", method)].causal
+
+
+def _commit(path: Path):
+    """The checkout's commit, with '+' where its tree has changes, or None outside git."""
+    try:
+        head = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(path), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+" if dirty else "")
 
 
 if __name__ == "__main__":
