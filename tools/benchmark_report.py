@@ -95,8 +95,8 @@ def print_table(result):
         ratio = _num(r.get("ratio_vs_sdpa"), ".1f") + ("~" if r.get("ratio_extrapolated") else "")
         mem = _num(r.get("mem_extra_mib"), ".1f") if "mem_error" not in r else "error"
         print(head + f"{r['median_ms']:.3f}{star} | {r['min_ms']:.3f}{star} | {_num(r.get('gflops'), '.1f')} | "
-              f"{_num(r.get('pct_peak'), '.1f')} | {_num(r.get('pct_peak_best'), '.1f')} | {r['gbps']:.2f} | {_num(r.get('rel_err'), '.1e')} | {ratio} | "
-              f"{mem} |")
+              f"{_num(r.get('pct_peak'), '.1f')} | {_num(r.get('pct_peak_best'), '.1f')} | {r['gbps']:.2f} | "
+              f"{_num(r.get('rel_err'), '.1e')} | {ratio} | {mem} |")
     print_pivot(result)
     print("\n| level | B | d | mask | pass | method | time slope (N range) | memory slope (N range) |")
     print("|" + "---|" * 8)

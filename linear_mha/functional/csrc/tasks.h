@@ -158,6 +158,12 @@ typedef void (*block_fn)(const void *ctx, int g, long i0, int rows, float *scrat
 
 #define BLOCKS_PER_GRAB 4 /* 192 rows: a grab is one atomic add on a shared counter */
 
+/* Item `item` of for_each_block: block (item mod row_blocks) of head (item / row_blocks). */
+static inline void block_item(block_fn block, const void *ctx, long item, long row_blocks, long n, float *scratch) {
+    const long i0 = (item % row_blocks) * ROWS;
+    block(ctx, (int)(item / row_blocks), i0, (int)(n - i0 < ROWS ? n - i0 : ROWS), scratch);
+}
+
 static inline int for_each_block(int bh, long n, int threads, long scratch_floats, block_fn block, const void *ctx,
                                  int fixed_order) {
     const long row_blocks = (n + ROWS - 1) / ROWS;
@@ -172,16 +178,10 @@ static inline int for_each_block(int bh, long n, int threads, long scratch_float
 #pragma omp barrier
         if (!failed && fixed_order) {
 #pragma omp for schedule(static)
-            for (long item = 0; item < bh * row_blocks; item++) {
-                const long i0 = (item % row_blocks) * ROWS;
-                block(ctx, (int)(item / row_blocks), i0, (int)(n - i0 < ROWS ? n - i0 : ROWS), scratch);
-            }
+            for (long item = 0; item < bh * row_blocks; item++) block_item(block, ctx, item, row_blocks, n, scratch);
         } else if (!failed) {
 #pragma omp for schedule(dynamic, BLOCKS_PER_GRAB)
-            for (long item = 0; item < bh * row_blocks; item++) {
-                const long i0 = (item % row_blocks) * ROWS;
-                block(ctx, (int)(item / row_blocks), i0, (int)(n - i0 < ROWS ? n - i0 : ROWS), scratch);
-            }
+            for (long item = 0; item < bh * row_blocks; item++) block_item(block, ctx, item, row_blocks, n, scratch);
         }
         if (!failed) {
             stream_fence();
