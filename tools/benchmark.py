@@ -52,7 +52,7 @@ from . import measure as M
 from .benchmark_cases import (BASELINE, Method, available_peers, build_runner, case_key, decode_step_times,
                               make_data, methods, reference_error)
 from .benchmark_flops import chunk_size
-from .benchmark_report import CASE_FIELDS, NOT_RECORDED, finalize, plot, print_table
+from .benchmark_report import CASE_FIELDS, NOT_RECORDED, FlopCounts, finalize, plot, print_table
 from .cpu_allocator import keep_freed_memory
 
 
@@ -341,6 +341,7 @@ def main(argv=None):
               "keeps every block", flush=True)
     by_key = {r["key"]: r for r in result["records"]}
     groups, beyond, not_run = plan(a, peers)
+    flop_counts = FlopCounts()
     result["not_run"] = not_run
     for skipped in not_run:
         print(f"  not run: {skipped['level']} {skipped['method']} ({skipped['mask']}): {skipped['why']}", flush=True)
@@ -357,7 +358,7 @@ def main(argv=None):
                 by_key[rec["key"]] = rec
                 print(f"  {rec['key']:<52} " + (f"{rec['median_ms']:10.3f} ms" if "median_ms" in rec else
                                                f"ERROR {rec['error']}"), flush=True)
-            save(a.json, finalize(result, beyond))
+            save(a.json, finalize(result, beyond, flop_counts))
         for c in group:
             rec = by_key[case_key(c)]
             if "error" in rec:
@@ -368,7 +369,7 @@ def main(argv=None):
                 except Exception as exc:  # noqa: BLE001 - e.g. a peer without float64 support
                     rec["rel_err"], rec["rel_err_error"] = None, f"{type(exc).__name__}: {exc}"[:200]
                     print(f"  {rec['key']:<52} float64 reference failed: {rec['rel_err_error']}", flush=True)
-                save(a.json, finalize(result, beyond))
+                save(a.json, finalize(result, beyond, flop_counts))
             if needs_memory(c, a) and "mem_extra_mib" not in rec and "mem_error" not in rec:
                 spec = dict(builder="tools.benchmark_cases:memory_case", imports=a.imports, paths=[os.getcwd()],
                             kwargs=dict(case=c, device=a.device, dtype=a.dtype, threads=threads))
@@ -379,10 +380,10 @@ def main(argv=None):
                     rec["mem_extra_mib"], rec["mem_how"] = mem["extra_bytes"] / M.MIB, mem["how"]
                 print(f"  {rec['key']:<52} memory " + (f"{rec['mem_extra_mib']:.1f} MiB" if "mem_extra_mib" in rec
                                                       else rec["mem_error"]), flush=True)
-                save(a.json, finalize(result, beyond))
+                save(a.json, finalize(result, beyond, flop_counts))
     if not result["decode"]:
         result["decode"] = time_decode(a, device, dtype)
-    result = finalize(result, beyond)
+    result = finalize(result, beyond, flop_counts)
     save(a.json, result)
     print_table(result)
     if a.png:

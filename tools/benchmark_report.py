@@ -23,13 +23,34 @@ def _fit(rs, field, min_n):
     return M.loglog_slope([p[0] for p in use], [p[1] for p in use]), ([use[0][0], use[-1][0]] if use else None)
 
 
-def finalize(result, beyond):
+class FlopCounts:
+    """FLOPs per forward of each case, counted once per process and read from the methods as they stood when it was
+    made: a method's count builds the method (a user's map is traced), and the benchmark finalizes its results after
+    every case, so counting afresh each time made a run's bookkeeping grow with the square of its cases."""
+
+    def __init__(self):
+        self.methods, self.counts = methods(), {}
+
+    def __call__(self, r):
+        case = tuple(r[f] for f in CASE_FIELDS)
+        if case not in self.counts:
+            self.counts[case] = self.methods[(r["level"], r["method"])].flops(r)
+        return self.counts[case]
+
+
+def finalize(result, beyond, flop_counts=None):
     """Extrapolated records, derived columns (FLOP/s, % of peak, GB/s, ratio to SDPA) and slopes, recomputed
-    from the measured records each time, so a resumed run and a straight run give the same file."""
+    from the measured records each time, so a resumed run and a straight run give the same file. flop_counts: a
+    FlopCounts kept across the calls of one run (None: a new one)."""
     meta = result["meta"]
+    flop_counts = flop_counts or FlopCounts()
     records = [r for r in result["records"] if not r.get("extrapolated")]
+    measured = {}
+    for r in records:
+        if "median_ms" in r:
+            measured.setdefault(series_key(r), []).append(r)
     for c in beyond:
-        src = [r for r in records if series_key(r) == series_key(c) and "median_ms" in r]
+        src = measured.get(series_key(c))
         if src:
             src = max(src, key=lambda r: r["N"])
             grow = (c["N"] / src["N"]) ** 2  # x4 per doubling
@@ -41,7 +62,7 @@ def finalize(result, beyond):
         if "median_ms" not in r:
             continue
         fwdbwd = r["pass"] == "fwdbwd"
-        flops = methods()[(r["level"], r["method"])].flops(r)
+        flops = flop_counts(r)
         if flops is not None:  # a registered method without a FLOP formula has no GFLOP/s
             r["flops"] = flops * (3 if fwdbwd else 1)
             r["gflops"] = r["flops"] / r["median_ms"] / 1e6
