@@ -1,6 +1,6 @@
-/* Hedgehog's learned feature map (hedgehog.py) of one row, and its gradient, float32: the arithmetic the map's own
- * pass (hedgehog_map.c, on values projected already) and the attention kernels' row loaders (map 8,
- * kernel_attention.h, projection included) run.
+/* Hedgehog's learned feature map (hedgehog.py) and its gradient, float32: the arithmetic the map's own pass
+ * (hedgehog_map.c, a row at a time on values projected already) and the attention kernels' row loaders (map 8,
+ * kernel_attention.h, a block of rows at a time, projection included) run.
  *
  *   z = x W + b,   phi = [softmax(z), softmax(-z)]      (x: d values, z: m, phi: 2m; each softmax over the m)
  *
@@ -49,34 +49,6 @@ static inline void double_softmax(float *phi, const float *z, int m) {
     }
     scaled_copy(phi, phi, m, 1.0f / shifted_exps(phi, z, m, top, 1.0f));
     scaled_copy(phi + m, phi + m, m, 1.0f / shifted_exps(phi + m, z, m, bottom, -1.0f));
-}
-
-/* y (n) = init + x A for a row x (k) and a (k x n) matrix a, row-major (init NULL: 0). Up to four vectors of y
- * stay in registers while the rows of A stream past: one load and one FMA per vector of A, where updating y in
- * memory would cost a load and a store more. */
-static inline void row_times_matrix(float *y, const float *x, int k, const float *a, int n, const float *init) {
-    int c = 0;
-    for (; c + 4 * W <= n; c += 4 * W) {
-        vf acc[4];
-        for (int v = 0; v < 4; v++) acc[v] = init ? load(init + c + v * W) : splat(0.0f);
-        for (int p = 0; p < k; p++) {
-            const vf xp = splat(x[p]);
-            const float *ar = a + (long)p * n + c;
-            acc[0] += xp * load(ar); acc[1] += xp * load(ar + W);
-            acc[2] += xp * load(ar + 2 * W); acc[3] += xp * load(ar + 3 * W);
-        }
-        for (int v = 0; v < 4; v++) store(y + c + v * W, acc[v]);
-    }
-    for (; c + W <= n; c += W) {
-        vf acc = init ? load(init + c) : splat(0.0f);
-        for (int p = 0; p < k; p++) acc += splat(x[p]) * load(a + (long)p * n + c);
-        store(y + c, acc);
-    }
-    for (; c < n; c++) {
-        float sum = init ? init[c] : 0.0f;
-        for (int p = 0; p < k; p++) sum += x[p] * a[(long)p * n + c];
-        y[c] = sum;
-    }
 }
 
 /* dz (m) from g (2m), the gradient of phi = [s, u] = double_softmax(z): dz = s (g1 - s.g1) - u (g2 - u.g2), g1 and
@@ -180,34 +152,102 @@ static inline void hedgehog_grads_finish(struct hedgehog_map *c, float *grad) {
     c->grads = NULL;
 }
 
-/* z (m) = x W + b for the map of head (0 .. 2H - 1). */
-static inline void hedgehog_project(const struct hedgehog_map *c, const float *x, int head, float *z) {
-    row_times_matrix(z, x, c->d, c->w + (long)head * c->d * c->m, c->m, c->b + (long)head * c->m);
+/* Rows of a block go through the projections HEDGEHOG_GROUP at a time, as one GEMM: its register tiles use each
+ * vector of W they load for 6 rows, where a product row by row loads all of W again for every row (a quarter of
+ * the hedgehog forward's time at d = m = 64). 12 rows' x and z
+ * stay in L1 beside W. The block functions are kept out of line: once per block, and their stack arrays would
+ * otherwise sit in the frames of the other maps' loaders. */
+#define HEDGEHOG_GROUP 12
+
+/* z (rows x m, row stride m) = X W[head] + b[head] for rows of x (rows x d, row stride d), rows <= HEDGEHOG_GROUP:
+ * whole vectors of z by the GEMM, the last m mod W columns one by one. */
+static inline void hedgehog_project_rows(const struct hedgehog_map *c, const float *x, int rows, int head, float *z) {
+    const int d = c->d, m = c->m, whole = m / W;
+    const float *w = c->w + (long)head * d * m, *bias = c->b + (long)head * m;
+    for (int r = 0; r < rows; r++) memcpy(z + r * m, bias, sizeof(float) * m);
+    if (whole) gemm_acc(rows, whole, d, x, d, 1, w, m, z, m);
+    for (int r = 0; r < rows; r++)
+        for (int f = whole * W; f < m; f++) {
+            float sum = z[r * m + f];
+            for (int e = 0; e < d; e++) sum += x[r * d + e] * w[(long)e * m + f];
+            z[r * m + f] = sum;
+        }
 }
 
-static inline void hedgehog_features(float *phi, const float *x, const struct hedgehog_map *c, int head) {
-    float z[HEDGEHOG_MAX_M];
-    hedgehog_project(c, x, head, z);
-    double_softmax(phi, z, c->m);
+/* phi = [softmax(z), softmax(-z)], z = x W + b with the map of head (0 .. 2H - 1), of `rows` rows: row r read
+ * from x[r], written at phi + r * ld (2m floats); a row with skip[r] set (skip NULL: none) is written as zeros and
+ * never read. */
+static __attribute__((noinline, unused)) void hedgehog_rows(float *phi, long ld, const float *const *x,
+                                                             const uint8_t *skip, int rows,
+                                                             const struct hedgehog_map *c, int head) {
+    const int d = c->d, m = c->m;
+    float xs[HEDGEHOG_GROUP * d], z[HEDGEHOG_GROUP * HEDGEHOG_MAX_M];
+    int at[HEDGEHOG_GROUP];
+    for (int r = 0; r < rows;) {
+        int n = 0;
+        for (; r < rows && n < HEDGEHOG_GROUP; r++) {
+            if (skip && skip[r]) {
+                memset(phi + r * ld, 0, sizeof(float) * 2 * m);
+                continue;
+            }
+            memcpy(xs + n * d, x[r], sizeof(float) * d);
+            at[n++] = r;
+        }
+        hedgehog_project_rows(c, xs, n, head, z);
+        for (int i = 0; i < n; i++) double_softmax(phi + at[i] * ld, z + i * m, m);
+    }
 }
 
-/* dx (d) from g (2m), the gradient of the row's features phi (as hedgehog_features made them from x), in a
- * backward (c->grads set); with sums asked for, the row's x and dz wait in thread t's block for d W (x^T dz) and
- * d b (dz); dx = W dz. */
-static inline void hedgehog_input_grad(float *dx, const float *g, const float *phi, const float *x,
-                                       const struct hedgehog_map *c, int head, int t) {
-    const int m = c->m;
-    float dz[HEDGEHOG_MAX_M];
-    double_softmax_grad(dz, g, phi, m);
-    struct hedgehog_grads *grads = c->grads;
-    row_times_matrix(dx, dz, m, grads->wt + (long)head * m * c->d, c->d, NULL);
+/* Thread t's share of d W and d b from one row: x and dz wait in its block (flushed when full or when the head
+ * changes), with the sums asked for. */
+static inline void hedgehog_pend(struct hedgehog_grads *grads, const float *x, const float *dz, int d, int m,
+                                 int heads, int head, int t) {
     if (!grads->threads) return;
     int *state = grads->pending + 16L * t;
-    if (state[0] == ROWS || (state[0] > 0 && state[1] != head)) hedgehog_flush(grads, c->d, 2 * c->h, t);
+    if (state[0] == ROWS || (state[0] > 0 && state[1] != head)) hedgehog_flush(grads, d, heads, t);
     state[1] = head;
     const long r = (long)t * ROWS + state[0]++;
-    memcpy(grads->x + r * c->d, x, sizeof(float) * c->d);
+    memcpy(grads->x + r * d, x, sizeof(float) * d);
     memcpy(grads->dz + r * grads->mp, dz, sizeof(float) * m); /* the padding past m stays 0 from calloc */
+}
+
+/* The input gradients of `rows` rows in a backward (c->grads set), dx = dZ W^T as one GEMM per group, dz from g,
+ * the gradient of the row's features phi as hedgehog_rows made them: row r's g at g + r * ldg, phi at
+ * phi + r * ldphi, input x[r]; its dx is put at dx[r] (with streaming stores where stream is set). With sums asked
+ * for, each row's x and dz wait in thread t's block for d W (x^T dz) and d b (dz). A row with skip[r] set (skip
+ * NULL: none) gets a zero dx and adds nothing to d W or d b. */
+static __attribute__((noinline, unused)) void hedgehog_rows_grad(float *const *dx, int stream, const float *g,
+                                                                  long ldg, const float *phi, long ldphi,
+                                                                  const float *const *x, const uint8_t *skip,
+                                                                  int rows, const struct hedgehog_map *c, int head,
+                                                                  int t) {
+    const int d = c->d, m = c->m, whole = d / W;
+    const float *wt = c->grads->wt + (long)head * m * d;
+    float dz[HEDGEHOG_GROUP * HEDGEHOG_MAX_M], dxs[HEDGEHOG_GROUP * d];
+    int at[HEDGEHOG_GROUP];
+    for (int r = 0; r < rows;) {
+        int n = 0;
+        for (; r < rows && n < HEDGEHOG_GROUP; r++) {
+            if (skip && skip[r]) {
+                memset(dxs, 0, sizeof(float) * d);
+                put_row(dx[r], dxs, d, stream);
+                continue;
+            }
+            double_softmax_grad(dz + n * m, g + r * ldg, phi + r * ldphi, m);
+            hedgehog_pend(c->grads, x[r], dz + n * m, d, m, 2 * c->h, head, t);
+            at[n++] = r;
+        }
+        memset(dxs, 0, sizeof(float) * n * d);
+        if (whole) gemm_acc(n, whole, m, dz, m, 1, wt, d, dxs, d);
+        for (int i = 0; i < n; i++) {
+            for (int e = whole * W; e < d; e++) {
+                float sum = 0.0f;
+                for (int f = 0; f < m; f++) sum += dz[i * m + f] * wt[(long)f * d + e];
+                dxs[i * d + e] = sum;
+            }
+            put_row(dx[at[i]], dxs + i * d, d, stream);
+        }
+    }
 }
 
 #endif

@@ -43,25 +43,22 @@ static inline int key_head(int map, const struct map_settings *ms, int head) {
     return map == HEDGEHOG ? head + ms->h : head;
 }
 
-/* features() for every map, settings and the row's head included (ms may be NULL for maps without settings).
- * kept (or NULL): what focused's gradient of the same row may reuse (focused_kept). */
+/* features() for every map but hedgehog's (whose rows go through block_features only), settings and the row's
+ * head included (ms may be NULL for maps without settings). kept (or NULL): what focused's gradient of the same
+ * row may reuse (focused_kept). */
 static inline void map_features(float *dst, const float *src, int d, int map, const struct map_settings *ms, int head,
                                 struct focused_kept *kept) {
     if (map == FOCUSED) focused_features(dst, src, d, &ms->focused, head, kept);
     else if (map == PROGRAM) program_features(dst, src, d, &ms->program);
-    else if (map == HEDGEHOG) hedgehog_features(dst, src, &ms->hedgehog, head);
     else features(dst, src, d, map);
 }
 
-/* input_grad() for every map; a focused row also adds its share of the scales' gradient. */
+/* input_grad() for every map but hedgehog's (block_input_grad); a focused row also adds its share of the scales'
+ * gradient. */
 static inline void map_input_grad(float *dst, float *g_phi, const float *phi, const float *src, int d, int map,
                                   const struct map_settings *ms, int head, const struct focused_kept *kept) {
     if (map == PROGRAM) {
         program_input_grad(dst, g_phi, src, d, &ms->program);
-        return;
-    }
-    if (map == HEDGEHOG) {
-        hedgehog_input_grad(dst, g_phi, phi, src, &ms->hedgehog, head, thread_slot());
         return;
     }
     if (map != FOCUSED) {
@@ -114,14 +111,6 @@ static inline void normalise_rows(const float *num_den, int rows, int dvp, int d
         for (; c + W <= dv; c += W) store(out + c, load(num_den + c) * splat(inv));
         for (; c < dv; c++) out[c] = num_den[c] * inv;
     }
-}
-
-/* dst[0..n) = src[0..n), with streaming stores where `stream` is set and dst starts on a whole vector. */
-static inline void put_row(float *dst, const float *src, int n, int stream) {
-    int c = 0;
-    if (stream && vector_aligned(dst))
-        for (; c + W <= n; c += W) store_stream(dst + c, load(src + c));
-    memcpy(dst + c, src + c, sizeof(float) * (n - c));
 }
 
 /* The normalisers of rows of width dvp, zeros replaced by 1 as normalise_rows divides, for the backward. */
@@ -185,6 +174,45 @@ static inline void row_input_grad(float *dst, float *g_phi, const float *phi, co
     map_input_grad(dst, g, phi + f, src, f, map, ms, head, row_kept);
 }
 
+/* row_features of `rows` rows: row r read from src[r] (at position pos[r], which only rope reads; pos NULL
+ * without rope) and written at dst + r * ld, zeros where skip[r] is set (skip NULL: none); focused keeps its row
+ * reductions in kept[r] (kept NULL: not wanted). Hedgehog's projections run as one GEMM per group of rows. */
+static inline void block_features(float *dst, long ld, const float *const *src, const long *pos, const uint8_t *skip,
+                                  int rows, int d, int map, const struct map_settings *ms, int head,
+                                  const struct rope_tables *rope, struct focused_kept *kept) {
+    if (map == HEDGEHOG) { /* never with rope: its entry points take no map settings */
+        hedgehog_rows(dst, ld, src, skip, rows, &ms->hedgehog, head);
+        return;
+    }
+    for (int r = 0; r < rows; r++) {
+        if (skip && skip[r]) memset(dst + r * ld, 0, sizeof(float) * d);
+        else row_features(dst + r * ld, src[r], d, map, ms, head, rope, pos ? pos[r] : 0, kept ? kept + r : NULL);
+    }
+}
+
+/* row_input_grad of `rows` rows, row r's gradient (d_in values) put at dst[r] with streaming stores where stream
+ * is set: from g_phi + r * ldg (overwritten), its features phi + r * ldphi and its input src[r] at position pos[r]
+ * (pos NULL without rope); zeros where skip[r] is set (skip NULL: none). Hedgehog's d x = d Z W^T runs as one GEMM
+ * per group of rows. */
+static inline void block_input_grad(float *const *dst, int stream, float *g_phi, long ldg, const float *phi,
+                                    long ldphi, const float *const *src, const long *pos, const uint8_t *skip,
+                                    int rows, int d, int d_in, int map, const struct map_settings *ms, int head,
+                                    const struct rope_tables *rope, const struct focused_kept *kept) {
+    if (map == HEDGEHOG) {
+        hedgehog_rows_grad(dst, stream, g_phi, ldg, phi, ldphi, src, skip, rows, &ms->hedgehog, head,
+                           thread_slot());
+        return;
+    }
+    float row[stream ? d_in : 1];
+    for (int r = 0; r < rows; r++) {
+        float *out = stream ? row : dst[r];
+        if (skip && skip[r]) memset(out, 0, sizeof(float) * d_in);
+        else row_input_grad(out, g_phi + r * ldg, phi + r * ldphi, src[r], d, map, ms, head, rope,
+                            pos ? pos[r] : 0, kept ? kept + r : NULL);
+        if (stream) put_row(dst[r], row, d_in, 1);
+    }
+}
+
 /* Values per input row: the map's inputs for its features (d, or half of them with rope). */
 static inline int row_inputs(int d, int map, const struct map_settings *ms, const struct rope_tables *rope) {
     return map_inputs(rope ? d / 2 : d, map, ms);
@@ -235,17 +263,22 @@ static inline int key_source(const void *ctx, int g, long j, long z, long *next,
     ahead_rows(queue, c->k + bi * c->ksb + hi * c->ksh, j + ROWS, ahead, c->ksn,
                c->shift ? c->d : row_inputs(c->d, c->map, c->ms, c->rope));
     ahead_rows(queue, c->v + bi * c->vsb + hi * c->vsh, j + ROWS, ahead, c->vsn, c->dv);
+    const float *src[ROWS];
+    long pos[ROWS];
     for (; j < z && rows < ROWS; j++) {
         if (c->mask && c->mask[bi * c->n + j]) continue;
-        const float *kr = c->k + bi * c->ksb + hi * c->ksh + j * c->ksn;
-        if (c->shift) shifted_exp(a + rows * c->d, kr, c->shift + (long)g * c->d, c->d);
-        else row_features(a + rows * c->d, kr, c->d, c->map, c->ms, key_head(c->map, c->ms, hi), c->rope, j, NULL);
+        src[rows] = c->k + bi * c->ksb + hi * c->ksh + j * c->ksn;
+        pos[rows] = j;
+        if (c->shift) shifted_exp(a + rows * c->d, src[rows], c->shift + (long)g * c->d, c->d);
         float *row = b + rows * c->width;
         memcpy(row, c->v + bi * c->vsb + hi * c->vsh + j * c->vsn, sizeof(float) * c->dv);
         row[c->dv] = 1.0f;
         memset(row + c->dv + 1, 0, sizeof(float) * (c->width - c->dv - 1));
         rows++;
     }
+    if (!c->shift)
+        block_features(a, c->d, src, pos, NULL, rows, c->d, c->map, c->ms, key_head(c->map, c->ms, hi), c->rope,
+                       NULL);
     *next = j;
     return rows;
 }
@@ -270,9 +303,13 @@ static inline void query_block(const void *ctx, int g, long i0, int rows, float 
     struct ahead_queue *queue = ahead_start(ROWS / 6); /* over this block's GEMM */
     ahead_rows(queue, c->q + bi * c->qsb + hi * c->qsh, i0 + rows, c->n < i0 + rows + ROWS ? c->n : i0 + rows + ROWS,
                c->qsn, row_inputs(c->d, c->map, c->ms, c->rope));
-    for (int r = 0; r < rows; r++)
-        row_features(phi + r * c->d, c->q + bi * c->qsb + hi * c->qsh + (i0 + r) * c->qsn, c->d, c->map, c->ms, hi,
-                     c->rope, i0 + r, NULL);
+    const float *src[ROWS];
+    long pos[ROWS];
+    for (int r = 0; r < rows; r++) {
+        src[r] = c->q + bi * c->qsb + hi * c->qsh + (i0 + r) * c->qsn;
+        pos[r] = i0 + r;
+    }
+    block_features(phi, c->d, src, pos, NULL, rows, c->d, c->map, c->ms, hi, c->rope, NULL);
     const float *state = c->states + (long)g * c->d * c->width;
     float *out = c->out + row_offset(c->out_at, c->h, g, i0);
     float *den = c->den_out ? c->den_out + (long)g * c->n + i0 : NULL;
@@ -325,20 +362,22 @@ struct causal_inputs {
 static inline void load_chunk(const struct causal_inputs *in, int g, long i0, int rows, float *phi_q, float *phi_k,
                               int ld, float *v1, int width, float *k_t, int ldt) {
     const int bi = g / in->h, hi = g % in->h, d = in->d, dv = in->dv;
+    const uint8_t *masked = in->mask ? in->mask + bi * in->n + i0 : NULL;
+    const float *qs[ROWS], *ks[ROWS];
     for (int r = 0; r < rows; r++) {
         const long j = i0 + r;
-        float *pk = phi_k + r * ld, *vr = v1 + r * width;
-        map_features(phi_q + r * ld, in->q + bi * in->qsb + hi * in->qsh + j * in->qsn, d, in->map, in->ms, hi, NULL);
-        if (in->mask && in->mask[bi * in->n + j]) {
-            memset(pk, 0, sizeof(float) * d);
+        float *vr = v1 + r * width;
+        qs[r] = in->q + bi * in->qsb + hi * in->qsh + j * in->qsn;
+        ks[r] = in->k + bi * in->ksb + hi * in->ksh + j * in->ksn;
+        if (masked && masked[r]) {
             memset(vr, 0, sizeof(float) * (dv + 1));
         } else {
-            map_features(pk, in->k + bi * in->ksb + hi * in->ksh + j * in->ksn, d, in->map, in->ms,
-                         key_head(in->map, in->ms, hi), NULL);
             memcpy(vr, in->v + bi * in->vsb + hi * in->vsh + j * in->vsn, sizeof(float) * dv);
             vr[dv] = 1.0f;
         }
     }
+    block_features(phi_q, ld, qs, NULL, NULL, rows, d, in->map, in->ms, hi, NULL, NULL);
+    block_features(phi_k, ld, ks, NULL, masked, rows, d, in->map, in->ms, key_head(in->map, in->ms, hi), NULL, NULL);
     if (k_t) transpose_rows(phi_k, ld, rows, d, k_t, ldt);
 }
 

@@ -48,21 +48,22 @@ static int query_source(const void *ctx, int g, long j, long z, long *next, floa
                   c->out + row_offset(c->out_at, c->h, g, j), c->out_at.n, c->den + (long)g * c->n + j, rows, c->dv,
                   c->width, b);
     struct focused_kept kept[ROWS]; /* focused's row reductions, made once for the features and the gradient */
-    for (int r = 0; r < rows; r++)
-        row_features(a + r * c->d, c->q + bi * c->qsb + hi * c->qsh + (j + r) * c->qsn, c->d, c->map, c->ms, hi,
-                     c->rope, j + r, kept + r);
+    const float *src[ROWS];
+    long pos[ROWS];
+    for (int r = 0; r < rows; r++) {
+        src[r] = c->q + bi * c->qsb + hi * c->qsh + (j + r) * c->qsn;
+        pos[r] = j + r;
+    }
+    block_features(a, c->d, src, pos, NULL, rows, c->d, c->map, c->ms, hi, c->rope, kept);
     if (c->grad_q) {
         const float *state_t = c->state_t + (long)g * c->width * c->dp;
         memset(scratch, 0, sizeof(float) * rows * c->dp);
         if (c->rope) split_state_product(rows, c->d, c->dv, b, c->width, state_t, c->dp, scratch);
         else gemm_acc(rows, c->dp / W, c->dv + 1, b, c->width, 1, state_t, c->dp, scratch, c->dp);
-        float *dq = c->grad_q + row_offset(c->grad_q_at, c->h, g, j), row[c->stream ? d_in : 1];
-        for (int r = 0; r < rows; r++) {
-            float *dst = c->stream ? row : dq + r * c->grad_q_at.n;
-            row_input_grad(dst, scratch + r * c->dp, a + r * c->d, c->q + bi * c->qsb + hi * c->qsh + (j + r) * c->qsn,
-                           c->d, c->map, c->ms, hi, c->rope, j + r, kept + r);
-            if (c->stream) put_row(dq + r * c->grad_q_at.n, row, d_in, 1);
-        }
+        float *dq = c->grad_q + row_offset(c->grad_q_at, c->h, g, j), *dst[ROWS];
+        for (int r = 0; r < rows; r++) dst[r] = dq + r * c->grad_q_at.n;
+        block_input_grad(dst, c->stream, scratch, c->dp, a, c->d, src, pos, NULL, rows, c->d, d_in, c->map, c->ms,
+                         hi, c->rope, kept);
     }
     *next = j + rows;
     return rows;
@@ -92,15 +93,18 @@ static void key_block(const void *ctx, int g, long j0, int rows, float *scratch)
     ahead_rows(queue, c->k + bi * c->ksb + hi * c->ksh, j0 + rows, ahead, c->ksn, d_in);
     ahead_rows(queue, c->v + bi * c->vsb + hi * c->vsh, j0 + rows, ahead, c->vsn, dv);
     struct focused_kept kept[ROWS]; /* focused's row reductions, made once for the features and the gradient */
+    const float *src[ROWS];
+    long pos[ROWS];
     for (int r = 0; r < rows; r++) {
         const long j = j0 + r;
         float *row = v1 + r * width;
-        row_features(phi + r * d, c->k + bi * c->ksb + hi * c->ksh + j * c->ksn, d, c->map, c->ms,
-                     key_head(c->map, c->ms, hi), c->rope, j, kept + r);
+        src[r] = c->k + bi * c->ksb + hi * c->ksh + j * c->ksn;
+        pos[r] = j;
         memcpy(row, c->v + bi * c->vsb + hi * c->vsh + j * c->vsn, sizeof(float) * dv);
         row[dv] = 1.0f;
         memset(row + dv + 1, 0, sizeof(float) * (width - dv - 1));
     }
+    block_features(phi, d, src, pos, NULL, rows, d, c->map, c->ms, key_head(c->map, c->ms, hi), c->rope, kept);
     memset(g_phi, 0, sizeof(float) * rows * dp);
     memset(g_v1, 0, sizeof(float) * rows * width);
     const float *acc = c->acc + (long)g * d * width, *acc_t = c->acc_t + (long)g * width * dp;
@@ -113,20 +117,18 @@ static void key_block(const void *ctx, int g, long j0, int rows, float *scratch)
     }
     float *dk0 = c->grad_k ? c->grad_k + row_offset(c->grad_k_at, c->h, g, j0) : NULL;
     float *dv0 = c->grad_v ? c->grad_v + row_offset(c->grad_v_at, c->h, g, j0) : NULL;
-    float row[d_in > dv ? d_in : dv];
-    for (int r = 0; r < rows; r++) {
-        const long j = j0 + r;
-        const int masked = c->mask && c->mask[bi * c->n + j];
-        if (dk0) {
-            if (masked) memset(row, 0, sizeof(float) * d_in);
-            else row_input_grad(row, g_phi + r * dp, phi + r * d, c->k + bi * c->ksb + hi * c->ksh + j * c->ksn, d,
-                                c->map, c->ms, key_head(c->map, c->ms, hi), c->rope, j, kept + r);
-            put_row(dk0 + r * c->grad_k_at.n, row, d_in, c->stream);
-        }
-        if (dv0) {
-            if (masked) memset(row, 0, sizeof(float) * dv);
-            put_row(dv0 + r * c->grad_v_at.n, masked ? row : g_v1 + r * width, dv, c->stream);
-        }
+    const uint8_t *masked = c->mask ? c->mask + bi * c->n + j0 : NULL;
+    if (dk0) {
+        float *dst[ROWS];
+        for (int r = 0; r < rows; r++) dst[r] = dk0 + r * c->grad_k_at.n;
+        block_input_grad(dst, c->stream, g_phi, dp, phi, d, src, pos, masked, rows, d, d_in, c->map, c->ms,
+                         key_head(c->map, c->ms, hi), c->rope, kept);
+    }
+    if (dv0) {
+        float zeros[dv];
+        memset(zeros, 0, sizeof zeros);
+        for (int r = 0; r < rows; r++)
+            put_row(dv0 + r * c->grad_v_at.n, masked && masked[r] ? zeros : g_v1 + r * width, dv, c->stream);
     }
 }
 
@@ -252,7 +254,8 @@ static void causal_part_backward(const void *ctx, int item, float *scratch) {
     float *d_scores = scores + ROWS * ldt, *g_phi = d_scores + ROWS * ldt, *g_v1 = g_phi + ROWS * dp;
     float *acc = g_v1 + ROWS * width, *acc_t = acc + d * width;
     const int bi = g / c->in.h, hi = g % c->in.h, d_in = map_inputs(d, map, c->in.ms);
-    float row[d_in > dv ? d_in : dv];
+    float zeros[dv];
+    memset(zeros, 0, sizeof zeros);
     /* Forward order: d q, with the state carried transposed (acc_t = S^T, width x dp). */
     if (c->grad_q) {
         if (c->starts) transpose_states(c->starts + (long)item * d * width, width, 1, d, dv, width, dp, acc_t);
@@ -265,13 +268,14 @@ static void causal_part_backward(const void *ctx, int item, float *scratch) {
             gemm_acc(rows, dp / W, dv + 1, r_rows, width, 1, acc_t, dp, g_phi, dp);
             lower_scores(rows, dv + 1, r_rows, width, v1_t, ldt, d_scores);
             gemm_shaped(LOWER_K, rows, dp / W, rows, d_scores, ldt, 1, phi_k, dp, g_phi, dp);
-            float *dq = c->grad_q + row_offset(c->grad_q_at, c->in.h, g, i0);
+            float *dq = c->grad_q + row_offset(c->grad_q_at, c->in.h, g, i0), *dst[ROWS];
+            const float *src[ROWS];
             for (int r = 0; r < rows; r++) {
-                map_input_grad(row, g_phi + r * dp, phi_q + r * dp,
-                               c->in.q + bi * c->in.qsb + hi * c->in.qsh + (i0 + r) * c->in.qsn, d, map, c->in.ms, hi,
-                               NULL);
-                put_row(dq + r * c->grad_q_at.n, row, d_in, c->stream);
+                dst[r] = dq + r * c->grad_q_at.n;
+                src[r] = c->in.q + bi * c->in.qsb + hi * c->in.qsh + (i0 + r) * c->in.qsn;
             }
+            block_input_grad(dst, c->stream, g_phi, dp, phi_q, dp, src, NULL, NULL, rows, d, d_in, map, c->in.ms, hi,
+                             NULL, NULL);
             gemm_acc(dv + 1, dp / W, rows, v1, 1, width, phi_k, dp, acc_t, dp); /* S^T += V1^T phi(K) */
         }
     }
@@ -293,20 +297,20 @@ static void causal_part_backward(const void *ctx, int item, float *scratch) {
         gemm_acc(rows, dp / W, dv + 1, v1, width, 1, acc_t, dp, g_phi, dp);            /* V1 G^T */
         float *dk0 = c->grad_k ? c->grad_k + row_offset(c->grad_k_at, c->in.h, g, i0) : NULL;
         float *dv0 = c->grad_v ? c->grad_v + row_offset(c->grad_v_at, c->in.h, g, i0) : NULL;
-        for (int r = 0; r < rows; r++) {
-            const int masked = c->in.mask && c->in.mask[bi * n + i0 + r];
-            if (dk0) {
-                if (masked) memset(row, 0, sizeof(float) * d_in);
-                else map_input_grad(row, g_phi + r * dp, phi_k + r * dp,
-                                    c->in.k + bi * c->in.ksb + hi * c->in.ksh + (i0 + r) * c->in.ksn, d, map, c->in.ms,
-                                    key_head(map, c->in.ms, hi), NULL);
-                put_row(dk0 + r * c->grad_k_at.n, row, d_in, c->stream);
+        const uint8_t *masked = c->in.mask ? c->in.mask + bi * n + i0 : NULL;
+        if (dk0) {
+            float *dst[ROWS];
+            const float *src[ROWS];
+            for (int r = 0; r < rows; r++) {
+                dst[r] = dk0 + r * c->grad_k_at.n;
+                src[r] = c->in.k + bi * c->in.ksb + hi * c->in.ksh + (i0 + r) * c->in.ksn;
             }
-            if (dv0) {
-                if (masked) memset(row, 0, sizeof(float) * dv);
-                put_row(dv0 + r * c->grad_v_at.n, masked ? row : g_v1 + r * width, dv, c->stream);
-            }
+            block_input_grad(dst, c->stream, g_phi, dp, phi_k, dp, src, NULL, masked, rows, d, d_in, map, c->in.ms,
+                             key_head(map, c->in.ms, hi), NULL, NULL);
         }
+        if (dv0)
+            for (int r = 0; r < rows; r++)
+                put_row(dv0 + r * c->grad_v_at.n, masked && masked[r] ? zeros : g_v1 + r * width, dv, c->stream);
         gemm_cols(FULL, d, dv + 1, rows, phi_q, 1, dp, r_rows, width, acc, width);     /* G += phi(Q)^T R */
     }
     if (c->grad_state && part == 0) /* G after the first part is G_0 */

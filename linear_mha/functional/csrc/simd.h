@@ -43,6 +43,15 @@ static inline void store_stream(float *p, vf x) { store(p, x); }
 static inline void stream_fence(void) {}
 #endif
 static inline int vector_aligned(const float *p) { return ((uintptr_t)p & (sizeof(vf) - 1)) == 0; }
+
+/* dst[0..n) = src[0..n), with streaming stores where `stream` is set and dst starts on a whole vector. */
+static inline void put_row(float *dst, const float *src, int n, int stream) {
+    int c = 0;
+    if (stream && vector_aligned(dst))
+        for (; c + W <= n; c += W) store_stream(dst + c, load(src + c));
+    memcpy(dst + c, src + c, sizeof(float) * (n - c));
+}
+
 /* A broadcast written lane by lane: for (vf){0} + s GCC 12 left extra zeroing instructions in the GEMM tiles, which
  * cost 9% of the elu forward at 8-float vectors and 6% at 16 (a loop over the lanes was 2.6x slower still). */
 #if W == 16
