@@ -683,13 +683,16 @@ def test_a_focused_scale_per_position_takes_the_composed_map():
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("m", [16, 13])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_the_compiled_hedgehog_map_matches_float64(with_bias, m, threads):
+@pytest.mark.parametrize("spread", [2, 12, 40])
+def test_the_compiled_hedgehog_map_matches_float64(with_bias, m, threads, spread):
     """Hedgehog's double softmax as one compiled pass against the composed features in float64: output and the
-    gradients of x, the projection and the bias (whose per-task partial sums must add up), strided x."""
+    gradients of x, the projection and the bias (whose per-task partial sums must add up), strided x. spread
+    scales the projection: at 2 every row's z spans well under 80 (softmax(-z) from softmax(z)'s exponentials,
+    csrc/hedgehog.h), at 12 some rows span more, at 40 nearly all (their own exponentials)."""
     from linear_mha.functional import backend
     g = torch.Generator().manual_seed(m + threads)
     x = torch.randn(2, 30, 3, 8, generator=g).transpose(1, 2)  # (B, H, N, d) as a module makes it
-    weight = torch.randn(3, 8, m, generator=g) * 2  # large values: softmaxes far from uniform
+    weight = torch.randn(3, 8, m, generator=g) * spread  # large values: softmaxes far from uniform
     bias = torch.randn(3, m, generator=g) if with_bias else None
     grad = torch.randn(2, 3, 30, 2 * m, generator=g)
 
@@ -708,9 +711,10 @@ def test_the_compiled_hedgehog_map_matches_float64(with_bias, m, threads):
     out, got = run(torch.float32, True)
     assert "HedgehogMap" in type(out.grad_fn).__name__  # the compiled backward ran
     ref, expected = run(torch.float64, False)
-    assert relative_error(out, ref) < 2e-6
+    rounding = max(1.0, spread / 4)  # z itself is rounded to float32, an absolute error that grows with |z|
+    assert relative_error(out, ref) < 2e-6 * rounding
     for name, a, r in zip(("x", "weight", "bias"), got, expected):
-        assert relative_error(a.grad, r.grad) < 1e-5, name
+        assert relative_error(a.grad, r.grad) < 1e-5 * rounding, name
 
 
 def test_broadcast_features_take_the_composed_product():
