@@ -104,6 +104,22 @@ def test_gradients_take_the_compiled_backward_a_window_makes_the_features_first_
 
 
 @needs_native
+@pytest.mark.parametrize("d,m,why", [(native.HEDGEHOG_MAX_D + 1, 4, "inputs per row"),
+                                     (4, native.HEDGEHOG_MAX_M + 1, "features per softmax")])
+def test_maps_too_wide_for_the_kernels_stacks_take_the_composed_path_and_say_why(d, m, why):
+    """The row loaders keep a group of rows' inputs and projections on the stack (csrc/hedgehog.h), sized by
+    HEDGEHOG_MAX_D and HEDGEHOG_MAX_M: wider maps must not reach them. They still give the right answer."""
+    q, k, v, maps, _, _, _ = inputs(seed=9, b=2, h=1, n=8, d=d, dv=3, m=m)
+    q_map, k_map = (maps[0], maps[1]), (maps[2], None)
+    choice = backend.hedgehog_backend(q, k, v, q_map, k_map, causal=False)
+    assert choice.backend != backend.NATIVE and why in choice.reason
+    with torch.no_grad():
+        out = LF.hedgehog(q, k, v, q_map, k_map)
+    ref = LF.hedgehog(q.double(), k.double(), v.double(), tuple(t.double() for t in q_map), (k_map[0].double(), None))
+    assert relative_error(out, ref) < 1e-5
+
+
+@needs_native
 @pytest.mark.parametrize("causal", [False, True])
 def test_parameter_gradients_are_the_same_run_after_run(causal):
     """hedgehog's d W, d b and focused's d scale are summed per thread in the compiled backward; the threads take

@@ -32,6 +32,8 @@ class HedgehogMap:
             return f"the maps' weights are on {sorted({str(t.device) for t in weights})}"
         if self.q_map[0].shape[-1] > native.HEDGEHOG_MAX_M:
             return f"maps of {self.q_map[0].shape[-1]} features per softmax, above {native.HEDGEHOG_MAX_M}"
+        if self.q_map[0].shape[-2] > native.HEDGEHOG_MAX_D:
+            return f"maps of {self.q_map[0].shape[-2]} inputs per row, above {native.HEDGEHOG_MAX_D}"
         return why_not_fused_map_pair(self.q_map, self.k_map)
 
     def compiled_settings(self, q: Tensor) -> Tuple[float, Tensor]:

@@ -40,6 +40,7 @@ FOCUSED = 6
 PROGRAM = 7
 HEDGEHOG = 8  # hedgehog's learned maps (a hedgehog_map.HedgehogMap): 2m features from d inputs, projections included
 HEDGEHOG_MAX_M = 256  # csrc/hedgehog.h's HEDGEHOG_MAX_M
+HEDGEHOG_MAX_D = 1024  # csrc/hedgehog.h's HEDGEHOG_MAX_D
 SETTINGS_MAPS = {"focused": FOCUSED, "program": PROGRAM, "hedgehog": HEDGEHOG}
 
 _lock = threading.Lock()

@@ -1,13 +1,14 @@
 """Building and loading the compiled CPU code of ``csrc/``: compiler search, the cache folder, and the rule
 that decides which shared library may be loaded.
 
-The library is compiled with the system C compiler (``$CC``, else cc/gcc/clang) for the host CPU, one source file
-per core at a time (about 17 s of compiler time in all; the largest file alone takes 5 s), and cached under ``$LINEAR_MHA_CACHE`` (default ``~/.cache/linear_mha``), keyed by the source, the compiler, the
-flags and the CPU. Loading a shared library runs its code, so a cache folder is used only if it is ours: owned by
-the current user and writable by nobody else (mode ``0o700`` when this module creates it), and so is every library
-in it. A folder that fails the rule is never read from; the code is then built into a private temporary folder
-for this process (one warning says why). Builds go into a private temporary folder first and are renamed into
-place, so concurrent processes (DDP ranks, test workers) never load a half-written file.
+The library is compiled with the system C compiler (``$CC``, else cc/gcc/clang) for the host CPU, one source file per
+core at a time (about 17 s of compiler time in all; the largest file alone takes 5 s), and cached under
+``$LINEAR_MHA_CACHE`` (default ``~/.cache/linear_mha``), keyed by the source, the compiler, the flags and the CPU.
+Loading a shared library runs its code, so a cache folder is used only if it is ours: owned by the current user and
+writable by nobody else (mode ``0o700`` when this module creates it), and so is every library in it. A folder that
+fails the rule is never read from; the code is then built into a private temporary folder for this process (one
+warning says why). Builds go into a private temporary folder first and are renamed into place, so concurrent processes
+(DDP ranks, test workers) never load a half-written file.
 """
 import ctypes
 import hashlib
@@ -123,7 +124,7 @@ def _compile(compiler: str, flags: List[str], cache: Path, target: Path) -> Opti
             result = subprocess.run(command, capture_output=True, text=True)
             return None if result.returncode == 0 else f"{compiler} {' '.join(flags)}: {result.stderr.strip()[-400:]}"
 
-        with ThreadPoolExecutor(max_workers=min(len(SOURCES), os.cpu_count() or 1)) as pool:
+        with ThreadPoolExecutor(max_workers=min(len(SOURCES), _usable_cores())) as pool:
             # the largest files first, so that no core is left with one at the end
             order = sorted(range(len(SOURCES)), key=lambda i: -(CSRC / SOURCES[i]).stat().st_size)
             errors = list(pool.map(lambda i: run([compiler, *flags, "-fPIC", "-c", str(CSRC / SOURCES[i]),
@@ -135,3 +136,11 @@ def _compile(compiler: str, flags: List[str], cache: Path, target: Path) -> Opti
         os.chmod(built, 0o700)
         os.replace(built, target)
     return None
+
+
+def _usable_cores() -> int:
+    """The cores this process may run on (its affinity, e.g. under taskset or a container's cpuset), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1

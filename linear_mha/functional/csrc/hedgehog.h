@@ -11,6 +11,7 @@
 #include "simd.h"
 
 #define HEDGEHOG_MAX_M 256 /* native.HEDGEHOG_MAX_M: a row's projections live on the stack */
+#define HEDGEHOG_MAX_D 1024 /* native.HEDGEHOG_MAX_D: a group's inputs and their gradients too */
 
 /* e = exp(sign * (x - extreme)), all exponents <= 0; returns the sum of e. */
 static inline float shifted_exps(float *e, const float *x, int m, float extreme, float sign) {

@@ -95,16 +95,21 @@ static void key_block(const void *ctx, int g, long j0, int rows, float *scratch)
     struct focused_kept kept[ROWS]; /* focused's row reductions, made once for the features and the gradient */
     const float *src[ROWS];
     long pos[ROWS];
+    const uint8_t *masked = c->mask ? c->mask + bi * c->n + j0 : NULL; /* never read: zero features and values */
     for (int r = 0; r < rows; r++) {
         const long j = j0 + r;
         float *row = v1 + r * width;
         src[r] = c->k + bi * c->ksb + hi * c->ksh + j * c->ksn;
         pos[r] = j;
+        if (masked && masked[r]) {
+            memset(row, 0, sizeof(float) * width);
+            continue;
+        }
         memcpy(row, c->v + bi * c->vsb + hi * c->vsh + j * c->vsn, sizeof(float) * dv);
         row[dv] = 1.0f;
         memset(row + dv + 1, 0, sizeof(float) * (width - dv - 1));
     }
-    block_features(phi, d, src, pos, NULL, rows, d, c->map, c->ms, key_head(c->map, c->ms, hi), c->rope, kept);
+    block_features(phi, d, src, pos, masked, rows, d, c->map, c->ms, key_head(c->map, c->ms, hi), c->rope, kept);
     memset(g_phi, 0, sizeof(float) * rows * dp);
     memset(g_v1, 0, sizeof(float) * rows * width);
     const float *acc = c->acc + (long)g * d * width, *acc_t = c->acc_t + (long)g * width * dp;
@@ -117,7 +122,6 @@ static void key_block(const void *ctx, int g, long j0, int rows, float *scratch)
     }
     float *dk0 = c->grad_k ? c->grad_k + row_offset(c->grad_k_at, c->h, g, j0) : NULL;
     float *dv0 = c->grad_v ? c->grad_v + row_offset(c->grad_v_at, c->h, g, j0) : NULL;
-    const uint8_t *masked = c->mask ? c->mask + bi * c->n + j0 : NULL;
     if (dk0) {
         float *dst[ROWS];
         for (int r = 0; r < rows; r++) dst[r] = dk0 + r * c->grad_k_at.n;
