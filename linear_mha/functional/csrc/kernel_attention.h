@@ -174,6 +174,15 @@ static inline void row_input_grad(float *dst, float *g_phi, const float *phi, co
     map_input_grad(dst, g, phi + f, src, f, map, ms, head, row_kept);
 }
 
+/* src[r] = the address of row i0 + r of a head's rows, `stride` floats apart from its row 0 at base, and pos[r]
+ * = i0 + r: a block's rows as block_features and block_input_grad take them. */
+static inline void row_addresses(const float **src, long *pos, const float *base, long stride, long i0, int rows) {
+    for (int r = 0; r < rows; r++) {
+        src[r] = base + (i0 + r) * stride;
+        pos[r] = i0 + r;
+    }
+}
+
 /* row_features of `rows` rows: row r read from src[r] (at position pos[r], which only rope reads; pos NULL
  * without rope) and written at dst + r * ld, zeros where skip[r] is set (skip NULL: none); focused keeps its row
  * reductions in kept[r] (kept NULL: not wanted). Hedgehog's projections run as one GEMM per group of rows. */
@@ -305,10 +314,7 @@ static inline void query_block(const void *ctx, int g, long i0, int rows, float 
                c->qsn, row_inputs(c->d, c->map, c->ms, c->rope));
     const float *src[ROWS];
     long pos[ROWS];
-    for (int r = 0; r < rows; r++) {
-        src[r] = c->q + bi * c->qsb + hi * c->qsh + (i0 + r) * c->qsn;
-        pos[r] = i0 + r;
-    }
+    row_addresses(src, pos, c->q + bi * c->qsb + hi * c->qsh, c->qsn, i0, rows);
     block_features(phi, c->d, src, pos, NULL, rows, c->d, c->map, c->ms, hi, c->rope, NULL);
     const float *state = c->states + (long)g * c->d * c->width;
     float *out = c->out + row_offset(c->out_at, c->h, g, i0);

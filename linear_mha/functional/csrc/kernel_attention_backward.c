@@ -50,10 +50,7 @@ static int query_source(const void *ctx, int g, long j, long z, long *next, floa
     struct focused_kept kept[ROWS]; /* focused's row reductions, made once for the features and the gradient */
     const float *src[ROWS];
     long pos[ROWS];
-    for (int r = 0; r < rows; r++) {
-        src[r] = c->q + bi * c->qsb + hi * c->qsh + (j + r) * c->qsn;
-        pos[r] = j + r;
-    }
+    row_addresses(src, pos, c->q + bi * c->qsb + hi * c->qsh, c->qsn, j, rows);
     block_features(a, c->d, src, pos, NULL, rows, c->d, c->map, c->ms, hi, c->rope, kept);
     if (c->grad_q) {
         const float *state_t = c->state_t + (long)g * c->width * c->dp;
