@@ -173,10 +173,19 @@ static inline void hedgehog_grads_finish(struct hedgehog_map *c, float *grad) {
 
 /* Rows of a block go through the projections HEDGEHOG_GROUP at a time, as one GEMM: its register tiles use each
  * vector of W they load for 6 rows, where a product row by row loads all of W again for every row (a quarter of
- * the hedgehog forward's time at d = m = 64). 12 rows' x and z
- * stay in L1 beside W. The block functions are kept out of line: once per block, and their stack arrays would
- * otherwise sit in the frames of the other maps' loaders. */
+ * the hedgehog forward's time at d = m = 64). 12 rows' x and z stay in L1 beside W. The block functions are kept
+ * out of line: once per block, and their stack arrays would otherwise sit in the frames of the other maps'
+ * loaders. */
 #define HEDGEHOG_GROUP 12
+
+/* The next group: up to HEDGEHOG_GROUP rows from *r on (below rows) that skip leaves (skip NULL: all), their
+ * indices into at; *r moves past them. Returns how many. */
+static inline int next_group(const uint8_t *skip, int rows, int *r, int *at) {
+    int n = 0;
+    for (; *r < rows && n < HEDGEHOG_GROUP; ++*r)
+        if (!skip || !skip[*r]) at[n++] = *r;
+    return n;
+}
 
 /* z (rows x m, row stride m) = X W[head] + b[head] for rows of x (rows x d, row stride d), rows <= HEDGEHOG_GROUP:
  * whole vectors of z by the GEMM, the last m mod W columns one by one. */
@@ -202,16 +211,10 @@ static __attribute__((noinline, unused)) void hedgehog_rows(float *phi, long ld,
     const int d = c->d, m = c->m;
     float xs[HEDGEHOG_GROUP * d], z[HEDGEHOG_GROUP * HEDGEHOG_MAX_M];
     int at[HEDGEHOG_GROUP];
-    for (int r = 0; r < rows;) {
-        int n = 0;
-        for (; r < rows && n < HEDGEHOG_GROUP; r++) {
-            if (skip && skip[r]) {
-                memset(phi + r * ld, 0, sizeof(float) * 2 * m);
-                continue;
-            }
-            memcpy(xs + n * d, x[r], sizeof(float) * d);
-            at[n++] = r;
-        }
+    for (int r = 0; skip && r < rows; r++)
+        if (skip[r]) memset(phi + r * ld, 0, sizeof(float) * 2 * m);
+    for (int r = 0, n; (n = next_group(skip, rows, &r, at)) > 0;) {
+        for (int i = 0; i < n; i++) memcpy(xs + i * d, x[at[i]], sizeof(float) * d);
         hedgehog_project_rows(c, xs, n, head, z);
         for (int i = 0; i < n; i++) double_softmax(phi + at[i] * ld, z + i * m, m);
     }
@@ -244,17 +247,13 @@ static __attribute__((noinline, unused)) void hedgehog_rows_grad(float *const *d
     const float *wt = c->grads->wt + (long)head * m * d;
     float dz[HEDGEHOG_GROUP * HEDGEHOG_MAX_M], dxs[HEDGEHOG_GROUP * d];
     int at[HEDGEHOG_GROUP];
-    for (int r = 0; r < rows;) {
-        int n = 0;
-        for (; r < rows && n < HEDGEHOG_GROUP; r++) {
-            if (skip && skip[r]) {
-                memset(dxs, 0, sizeof(float) * d);
-                put_row(dx[r], dxs, d, stream);
-                continue;
-            }
-            double_softmax_grad(dz + n * m, g + r * ldg, phi + r * ldphi, m);
-            hedgehog_pend(c->grads, x[r], dz + n * m, d, m, 2 * c->h, head, t);
-            at[n++] = r;
+    memset(dxs, 0, sizeof(float) * d);
+    for (int r = 0; skip && r < rows; r++)
+        if (skip[r]) put_row(dx[r], dxs, d, stream);
+    for (int r = 0, n; (n = next_group(skip, rows, &r, at)) > 0;) {
+        for (int i = 0; i < n; i++) {
+            double_softmax_grad(dz + i * m, g + at[i] * ldg, phi + at[i] * ldphi, m);
+            hedgehog_pend(c->grads, x[at[i]], dz + i * m, d, m, 2 * c->h, head, t);
         }
         memset(dxs, 0, sizeof(float) * n * d);
         if (whole) gemm_acc(n, whole, m, dz, m, 1, wt, d, dxs, d);
