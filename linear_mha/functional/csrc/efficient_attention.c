@@ -31,7 +31,7 @@ static void key_maxima(const struct key_rows *c, int bh, int threads, float *top
             int f = 0;
             for (; f + W <= d; f += W) {
                 const vf a = load(t + f), x = load(kr + f);
-                store(t + f, vselect(x > a, x, a));
+                store(t + f, vmax(x, a));
             }
             for (; f < d; f++) t[f] = kr[f] > t[f] ? kr[f] : t[f];
         }

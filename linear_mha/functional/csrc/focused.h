@@ -65,10 +65,10 @@ static inline float focused_row(const struct focused_map *c, const float *x, con
     int f = 0;
     vf top_v = splat(0.0f);
     for (; f + W <= d; f += W) {
-        const vf xv = load(x + f), r = vselect(xv > splat(0.0f), xv, splat(0.0f)) + splat(FOCUSED_EPS);
+        const vf xv = load(x + f), r = vmax(xv, splat(0.0f)) + splat(FOCUSED_EPS);
         const vf yv = s ? divide_by_scale(r, load(s + f)) : r;
         store(y + f, yv);
-        top_v = vselect(yv > top_v, yv, top_v);
+        top_v = vmax(yv, top_v);
     }
     float top = hmax(top_v);
     for (; f < d; f++) {
@@ -112,7 +112,7 @@ static inline void focused_row_known(const struct focused_map *c, const float *x
     const float inv_top = 1.0f / top;
     int f = 0;
     for (; f + W <= d; f += W) {
-        const vf xv = load(x + f), r = vselect(xv > splat(0.0f), xv, splat(0.0f)) + splat(FOCUSED_EPS);
+        const vf xv = load(x + f), r = vmax(xv, splat(0.0f)) + splat(FOCUSED_EPS);
         const vf yv = s ? divide_by_scale(r, load(s + f)) : r, uv = yv * splat(inv_top);
         store(y + f, yv);
         store(u + f, uv);

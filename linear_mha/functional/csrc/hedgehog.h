@@ -42,8 +42,8 @@ static inline void double_softmax(float *phi, const float *z, int m) {
         vf top_v = load(z), bottom_v = top_v;
         for (f = W; f + W <= m; f += W) {
             const vf zv = load(z + f);
-            top_v = vselect(zv > top_v, zv, top_v);
-            bottom_v = vselect(zv < bottom_v, zv, bottom_v);
+            top_v = vmax(zv, top_v);
+            bottom_v = vmin(zv, bottom_v);
         }
         top = hmax(top_v);
         bottom = -hmax(splat(0.0f) - bottom_v);
