@@ -314,9 +314,9 @@ def test_the_export_benchmark_checks_each_graph_and_writes_its_table(tmp_path):
     pytest.importorskip("matplotlib")
     from tools import export_bench
 
-    export_bench.main(["--grid", "4x6", "--repeats", "1", "--threads", "1", "--json", str(tmp_path / "r.json"),
-                       "--png", str(tmp_path / "r.png")])
+    export_bench.main(["--grid", "4x6", "--repeats", "1", "--threads", "1", "--layers", "1",
+                       "--json", str(tmp_path / "r.json"), "--png", str(tmp_path / "r.png")])
     result = json.loads((tmp_path / "r.json").read_text())
-    assert [r["variant"] for r in result["records"]] == list(export_bench.VARIANTS)
+    assert [r["variant"] for r in result["records"]] == list(export_bench.VARIANTS) and result["layers"] == 1
     assert all(r["onnx_relative_error"] < 1e-4 and r["onnx_ms"] > 0 and r["eager_ms"] > 0 for r in result["records"])
     assert (tmp_path / "r.png").stat().st_size > 0

@@ -572,23 +572,46 @@ LOADS_THE_KERNELS = textwrap.dedent("""
 """)
 
 
-def _plant(folder, marker):
-    """A library that writes ``marker`` when loaded, under every name the build would look for in ``folder``."""
-    compiler = next(iter(native_build.compilers()), None)
-    if compiler is None:
+# A stand-in for the C compiler in the cache-trust tests below, which are about which folder and which file the
+# build trusts, not about compiling (a real build from scratch is test_an_unwritable_home_...'s, ~15 s on two
+# cores): its objects are empty files and its link copies the library this process loaded.
+STAND_IN_COMPILER = """#!/bin/sh
+out=""; shared=0
+while [ $# -gt 0 ]; do
+    case "$1" in -o) out="$2"; shift ;; -shared) shared=1 ;; esac
+    shift
+done
+if [ "$shared" = 1 ]; then cp "$LINEAR_MHA_TEST_LIBRARY" "$out"; else : > "$out"; fi
+"""
+
+
+@pytest.fixture
+def stand_in_compiler(tmp_path):
+    """The stand-in compiler's path; the children that _run_with_cache starts build with it."""
+    if not native.available():
+        pytest.skip(f"kernels not built: {native.build_error()}")
+    path = tmp_path / "stand-in-cc"
+    path.write_text(STAND_IN_COMPILER)
+    path.chmod(0o755)
+    return str(path)
+
+
+def _plant(folder, marker, compiler):
+    """A library that writes ``marker`` when loaded, under every name a build with ``compiler`` looks for in
+    ``folder``."""
+    real = next((c for c in native_build.compilers() if c != compiler), None)
+    if real is None:
         pytest.skip("no C compiler on this machine")
     source = folder / "planted.c"
     source.write_text(PLANTED)
     planted = folder / "planted.so"
-    subprocess.run([compiler, "-shared", "-fPIC", f'-DMARKER="{marker}"', "-o", str(planted), str(source)],
-                   check=True)
-    for c in native_build.compilers():
-        for flags in native_build.FLAG_SETS:
-            shutil.copy(planted, folder / native_build.library_name(c, flags))
+    subprocess.run([real, "-shared", "-fPIC", f'-DMARKER="{marker}"', "-o", str(planted), str(source)], check=True)
+    for flags in native_build.FLAG_SETS:
+        shutil.copy(planted, folder / native_build.library_name(compiler, flags))
 
 
-def _run_with_cache(folder, check=True):
-    env = dict(os.environ, LINEAR_MHA_CACHE=str(folder))
+def _run_with_cache(folder, compiler, check=True):
+    env = dict(os.environ, LINEAR_MHA_CACHE=str(folder), CC=compiler, LINEAR_MHA_TEST_LIBRARY=native.library_path())
     result = subprocess.run([sys.executable, "-c", LOADS_THE_KERNELS], env=env, capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert result.returncode == 0 or not check, result.stderr
@@ -596,44 +619,50 @@ def _run_with_cache(folder, check=True):
 
 
 @pytest.mark.skipif(not hasattr(os, "getuid"), reason="user ids are POSIX")
-def test_a_cache_folder_others_can_write_is_never_loaded_from(tmp_path):
+def test_a_cache_folder_others_can_write_is_never_loaded_from(tmp_path, stand_in_compiler):
     shared = tmp_path / "shared"
     shared.mkdir()
     marker = tmp_path / "planted-ran"
-    _plant(shared, marker)
+    _plant(shared, marker, stand_in_compiler)
     os.chmod(shared, 0o777)  # a folder another local user created first, or anyone can write to
     for library in shared.glob("kernel_attention-*.so"):
         os.chmod(library, 0o755)
-    path, warning = _run_with_cache(shared)
+    path, warning = _run_with_cache(shared, stand_in_compiler)
     assert not marker.exists(), "a library from a folder others can write was loaded"
     assert not path.startswith(str(shared)) and "writable by other users" in warning
     # The control: the same planted folder, made private, is trusted; so the refusal above was the rule at work.
     os.chmod(shared, 0o700)
-    _run_with_cache(shared, check=False)  # it lacks the compiled code's symbols: the child fails after loading it
+    # it lacks the compiled code's symbols: the child fails after loading it
+    _run_with_cache(shared, stand_in_compiler, check=False)
     assert marker.exists()
 
 
 @pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0, reason="giving a folder away needs root")
-def test_a_cache_folder_owned_by_another_user_is_never_loaded_from(tmp_path):
+def test_a_cache_folder_owned_by_another_user_is_never_loaded_from(tmp_path, stand_in_compiler):
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     marker = tmp_path / "planted-ran"
-    _plant(foreign, marker)
+    _plant(foreign, marker, stand_in_compiler)
     os.chmod(foreign, 0o755)
     os.chown(foreign, 65534, 65534)  # nobody
-    path, warning = _run_with_cache(foreign)
+    path, warning = _run_with_cache(foreign, stand_in_compiler)
     assert not marker.exists() and not path.startswith(str(foreign)) and "owned by user id 65534" in warning
 
 
-def test_a_library_someone_else_wrote_into_our_cache_is_replaced_not_loaded(tmp_path):
+def test_a_library_someone_else_wrote_into_our_cache_is_replaced_not_loaded(tmp_path, stand_in_compiler):
     ours = tmp_path / "ours"
     ours.mkdir(mode=0o700)
     marker = tmp_path / "planted-ran"
-    _plant(ours, marker)
+    _plant(ours, marker, stand_in_compiler)
     for library in ours.glob("kernel_attention-*.so"):
         os.chmod(library, 0o777)
-    path, _ = _run_with_cache(ours)
+    path, _ = _run_with_cache(ours, stand_in_compiler)
     assert not marker.exists() and path.startswith(str(ours))  # rebuilt in place, then loaded
+    # The control: planted again with the planter's own mode, the same files are loaded; so the rebuild above was
+    # the rule at work.
+    _plant(ours, marker, stand_in_compiler)
+    _run_with_cache(ours, stand_in_compiler, check=False)
+    assert marker.exists()
 
 
 @needs_native

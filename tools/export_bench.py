@@ -4,8 +4,8 @@ exported graph is checked against eager on a second padded batch.
 
     python -m tools.export_bench --threads 2 --json docs/results/export_detr_encoder.json --png r.png
 
-The encoder is DETR's (6 layers of 256, 8 heads, feed-forward 2048, random weights) over the backbone's last
-feature map: 25 x 42 tokens for ResNet-50 (stride 32) and 50 x 84 with DC5 (stride 16), batch 1. The local term
+The encoder is DETR's (6 layers of 256 by default, --layers; 8 heads, feed-forward 2048, random weights) over the
+backbone's last feature map: 25 x 42 tokens for ResNet-50 (stride 32) and 50 x 84 with DC5 (stride 16), batch 1. The local term
 reads the grid from the module that receives the feature map (patch's grid_source=).
 """
 import argparse
@@ -56,9 +56,9 @@ class Encoder(nn.Module):
         return memory.permute(1, 2, 0)
 
 
-def build(options, seed=0):
+def build(options, seed=0, layers=6):
     torch.manual_seed(seed)
-    model = Encoder()
+    model = Encoder(layers=layers)
     if options is not None:
         patch(model, **options, **({"grid_source": "feature_map"} if options.get("dwc_kernel") else {}))
     return model.eval()
@@ -87,7 +87,7 @@ def run(a):
     options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
     records = []
     for variant, method in VARIANTS.items():
-        model = build(method)
+        model = build(method, layers=a.layers)
         with tempfile.TemporaryDirectory(prefix="export_bench_") as work:
             path = Path(work) / "encoder.onnx"
             export_onnx(model, inputs(8, 10, 0), path)
@@ -134,12 +134,15 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m tools.export_bench", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--threads", type=int, default=None, help="torch and onnxruntime intra-op threads")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--layers", type=int, default=6, help="encoder layers (DETR's 6; fewer export faster)")
     p.add_argument("--grid", type=parse_grid, action="append", dest="grid_list", metavar="HxW",
                    help="feature maps to time, in tokens (repeatable; default: 25x42 and 50x84, ResNet-50 and DC5 "
                         "at 800 x 1333)")
     p.add_argument("--json", type=Path)
     p.add_argument("--png", type=Path)
     a = p.parse_args(argv)
+    if a.layers < 1:
+        p.error(f"--layers takes 1 or more encoder layers; got {a.layers}")
     a.grids = dict(a.grid_list) if a.grid_list else GRIDS
     print(f"{'variant':26s} {'feature map':15s} {'tokens':>6s} {'onnx ms':>10s} {'eager ms':>10s} "
           f"{'onnx error':>12s}", flush=True)
@@ -149,7 +152,8 @@ def main(argv=None):
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(dict(
             command="python -m tools.export_bench " + " ".join(argv), machine=f"{M.cpu_name()} ({platform.machine()})",
-            threads=threads, torch=torch.__version__, onnxruntime=onnxruntime.__version__, records=records), indent=1))
+            threads=threads, layers=a.layers, torch=torch.__version__, onnxruntime=onnxruntime.__version__,
+            records=records), indent=1))
         print(f"wrote {a.json}", file=sys.stderr)
     if a.png:
         plot(records, a.grids, a.png)
