@@ -518,3 +518,19 @@ def test_ab_builds_times_both_builds_and_hands_this_ones_back(tmp_path, capsys, 
         ab_builds.main(["--before", str(tmp_path)])
     with pytest.raises(SystemExit, match="--methods kernal_elu: not a core-level method"):
         ab_builds.main(["--before", str(before), "--methods", "kernal_elu"])
+
+
+def test_module_options_ab_times_each_option_beside_the_plain_module(tmp_path):
+    from tools import module_options_ab
+    rows = module_options_ab.main(["--methods", "taylor", "--n", "64", "--heads", "2", "--dim", "8", "--repeats", "1",
+                                   "--threads", "1", "--json", str(tmp_path / "ab.json")])
+    full_fwd = [r["method"] for r in rows if not r["causal"] and r["pass_"] == "fwd"]
+    assert full_fwd == ["taylor", "taylor+dwc3", "taylor+gate"]
+    # the local term has no causal form
+    assert [r["method"] for r in rows if r["causal"] and r["pass_"] == "fwd"] == ["taylor", "taylor+gate"]
+    assert all(r["vs_plain"] == 1.0 for r in rows if r["method"] == "taylor")
+    assert all(r["median_ms"] > 0 and r["vs_plain"] > 0 for r in rows)
+    saved = json.loads((tmp_path / "ab.json").read_text())
+    assert saved["rows"] == rows and saved["meta"]["n"] == 64
+    with pytest.raises(SystemExit):
+        module_options_ab.main(["--methods", "softmax"])

@@ -5,8 +5,8 @@ exported graph is checked against eager on a second padded batch.
     python -m tools.export_bench --threads 2 --json docs/results/export_detr_encoder.json --png r.png
 
 The encoder is DETR's (6 layers of 256 by default, --layers; 8 heads, feed-forward 2048, random weights) over the
-backbone's last feature map: 25 x 42 tokens for ResNet-50 (stride 32) and 50 x 84 with DC5 (stride 16), batch 1. The local term
-reads the grid from the module that receives the feature map (patch's grid_source=).
+backbone's last feature map: 25 x 42 tokens for ResNet-50 (stride 32) and 50 x 84 with DC5 (stride 16), batch 1.
+The local term reads the grid from the module that receives the feature map (patch's grid_source=).
 """
 import argparse
 import json
