@@ -491,14 +491,16 @@ def test_ab_builds_times_both_builds_and_hands_this_ones_back(tmp_path, capsys, 
         f"import ctypes\ndef build():\n    return ctypes.CDLL({str(copy)!r}), True\n")
     seen = []  # the library each timed call ran
 
-    def runner(c, device, dtype):
-        run = benchmark_cases.build_runner(c, device, dtype)
+    def runner_of(build):
+        def runner(c, device, dtype):
+            run = build(c, device, dtype)
 
-        def call():
-            seen.append(native._library._name)
-            run()
-        return call
-    monkeypatch.setattr(ab_builds, "build_runner", runner)
+            def call():
+                seen.append(native._library._name)
+                run()
+            return call
+        return runner
+    monkeypatch.setattr(ab_builds, "build_runner", runner_of(benchmark_cases.build_runner))
     out = tmp_path / "ab.json"
     ab_builds.main(["--before", str(before), "--methods", "kernel_elu", "efficient", "--n", "96", "--heads", "2",
                     "--dim", "8", "--repeats", "2", "--threads", "1", "--cases", "fwd", "causal_fwd",
@@ -514,6 +516,14 @@ def test_ab_builds_times_both_builds_and_hands_this_ones_back(tmp_path, capsys, 
                                                          ("efficient", "fwd")]
     assert all(r[f"{s}_median_ms"] > 0 for r in rows for s in ("before", "after"))
     assert "| efficient | causal_fwd | - | - | no causal form |" in capsys.readouterr().out
+    # the compiled output gate alone, which has no causal form
+    seen.clear()
+    monkeypatch.setattr(ab_builds, "gate_runner", runner_of(ab_builds.gate_runner))
+    gate = ab_builds.main(["--before", str(before), "--methods", "output_gate", "--n", "96", "--heads", "2",
+                           "--dim", "8", "--repeats", "2", "--threads", "1", "--cases", "fwd", "fwdbwd",
+                           "causal_fwd"])
+    assert {str(copy), mine._name} == set(seen) and native._library is mine
+    assert [(r["method"], r["case"]) for r in gate] == [("output_gate", "fwd"), ("output_gate", "fwdbwd")]
     with pytest.raises(SystemExit, match="no linear_mha/functional/native_build.py"):
         ab_builds.main(["--before", str(tmp_path)])
     with pytest.raises(SystemExit, match="--methods kernal_elu: not a core-level method"):

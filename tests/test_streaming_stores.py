@@ -2,7 +2,7 @@
 store_stream, above `lm_stream_bytes`, 16 MiB). They must give the same bits as plain stores, wherever the rows
 lie: here the threshold is lowered to 0 so that small tensors take those stores, in every layout and every path
 that writes rows (the fused normalised product, the divided rows of rope and of value widths that are no whole
-number of vectors, causal chunks, the local term, and the gradients)."""
+number of vectors, causal chunks, the local term, the output gate, and the gradients)."""
 import ctypes
 
 import pytest
@@ -50,6 +50,10 @@ CASES = {
     "local_term": lambda q, k, v: native_maps.local_term(
         LF.kernel(q, k, v, feature_map="elu"), v, torch.linspace(-0.5, 0.5, 3 * v.shape[-1] * 9).reshape(-1, 1, 3, 3),
         torch.linspace(-1, 1, 3 * v.shape[-1]), 6, 10, 3, None),
+    # the modules' output gate (csrc/output_gate.c): its output, and d out and d q in the backward
+    "output_gate": lambda q, k, v: native_maps.output_gate(
+        LF.kernel(q, k, v, feature_map="elu"), q, torch.linspace(-0.3, 0.3, 3 * q.shape[-1] * v.shape[-1]).reshape(
+            3, q.shape[-1], v.shape[-1]), torch.linspace(-1, 1, 3 * v.shape[-1]).reshape(3, 1, -1)),
 }
 
 

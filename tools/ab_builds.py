@@ -8,6 +8,9 @@ The entry points' C signatures must agree between the two checkouts.
 
     git worktree add /tmp/before <commit>
     python -m tools.ab_builds --before /tmp/before --methods kernel_elu taylor --json runs/ab.json
+
+Besides the benchmark's core methods, --methods takes ``output_gate``: the modules' compiled output gate alone,
+on an attention output and the queries laid out as a module's (views of its projections), forward and backward.
 """
 import argparse
 import importlib.util
@@ -17,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from linear_mha.functional import native, output_cache
+from linear_mha.functional import native, native_maps, output_cache
 from tools import measure
 from tools.benchmark_cases import build_runner, methods
 
@@ -44,11 +47,40 @@ def load_build(checkout: Path):
     return library
 
 
+GATE = "output_gate"
+
+
+def gate_runner(c, device, dtype):
+    """A zero-argument callable running the compiled output gate once (native_maps.output_gate), as a module runs
+    it: q a view of a (B, N, 3, H, d) projection, the attention output (B, N, H, d) seen as (B, H, N, d); forward
+    in place under inference_mode, or forward and backward into out, q, W and b."""
+    g = torch.Generator().manual_seed(c["seed"])
+    b, h, n, d = c["B"], c["H"], c["N"], c["d"]
+    q = torch.randn(b, n, 3, h, d, generator=g, dtype=dtype)[:, :, 0].transpose(1, 2).to(device)
+    out = torch.randn(b, n, h, d, generator=g, dtype=dtype).transpose(1, 2).to(device)
+    # small logits: the in-place forward multiplies out by 2 sigmoid(z) call after call, which must not drift
+    weight = (torch.randn(h, d, d, generator=g, dtype=dtype) * 0.01 * d ** -0.5).to(device)
+    bias = torch.zeros(h, 1, d, dtype=dtype, device=device)
+    grad = torch.randn(b, h, n, d, generator=g, dtype=dtype).to(device)
+    if c["pass"] == "fwd":
+        def forward():
+            with torch.inference_mode():
+                native_maps.output_gate(out, q, weight, bias, inplace=True)
+        return forward
+    leaves = [t.detach().requires_grad_() for t in (out, q, weight, bias)]
+
+    def forward_backward():
+        native_maps.output_gate(*leaves).backward(grad)
+        for t in leaves:
+            t.grad = None
+    return forward_backward
+
+
 def compare(before, after, method: str, case: str, n: int, heads: int, dim: int, repeats: int) -> dict:
     causal, which = CASES[case]
     c = dict(level="core", method=method, B=1, H=heads, d=dim, N=n, causal=causal, proj_k=256, seed=0,
              **{"pass": which})
-    run = build_runner(c, "cpu", torch.float32)
+    run = (gate_runner if method == GATE else build_runner)(c, "cpu", torch.float32)
 
     def with_library(library):
         def call():
@@ -78,7 +110,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
-    known = sorted(m for level, m in methods() if level == "core")
+    known = sorted(m for level, m in methods() if level == "core") + [GATE]
     unknown = [m for m in a.methods if m not in known]
     if unknown:
         raise SystemExit(f"--methods {' '.join(unknown)}: not a core-level method of the benchmark "
@@ -104,6 +136,7 @@ def main(argv=None):
                     n=a.n, heads=a.heads, dim=a.dim)
         a.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         print(f"wrote {a.json}")
+    return rows
 
 
 def _run(a, before, after) -> list:
@@ -124,7 +157,7 @@ def _run(a, before, after) -> list:
 
 
 def _has_causal(method: str) -> bool:
-    return methods()[("core", method)].causal
+    return method != GATE and methods()[("core", method)].causal
 
 
 def _commit(path: Path):
