@@ -13,7 +13,8 @@ TINY = ["vit_tiny_patch16_224", "--model-arg", "depth=1", "--model-arg", "img_si
 
 @pytest.mark.slow
 def test_softmax_reproduces_and_files_are_written(tmp_path, capsys):
-    # one batch size: each point's memory takes two fresh processes (test_linear_mode_... runs several points)
+    # one batch size: each point's memory takes two fresh processes (the loop over points is
+    # test_linear_mode_and_dynamic_sizes', without memory)
     one_batch = TINY[:TINY.index("--batch-sizes")] + ["--batch-sizes", "2"] + TINY[TINY.index("--repeats"):]
     result = patch_model.main(one_batch + ["--mode", "softmax", "--json", str(tmp_path / "r.json"),
                                            "--png", str(tmp_path / "r.png")])
