@@ -40,7 +40,7 @@ static inline vf power_vec(vf u, const struct focused_map *c) {
         return z;
     }
     /* u in (0, 1]: u^p = exp(p ln u), every exponent <= 0 (vectors, where powf went lane by lane at a third of
-     * the speed); below e^-87.3 it is 0, as the feature it scales is nothing beside the row's largest, 1. */
+     * the speed); below about e^-87.68 it is 0, as the feature it scales is nothing beside the row's largest, 1. */
     return exp_nonpositive(splat(c->power) * log_positive(u));
 }
 

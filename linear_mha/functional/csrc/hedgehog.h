@@ -25,14 +25,14 @@ static inline float shifted_exps(float *e, const float *x, int m, float extreme,
     float sum = hsum(sum_v);
     for (; f < m; f++) {
         const float a = sign * (x[f] - extreme);
-        sum += e[f] = a < -87.3f ? 0.0f : expf(a);
+        sum += e[f] = exp_nonpositive_scalar(a);
     }
     return sum;
 }
 
 /* phi (2m) = [softmax(z), softmax(-z)] of m values z. Where the row's range is under 80 (nearly always), softmax(-z)
  * reuses softmax(z)'s exponentials: exp(bottom - z) = exp(bottom - top) / exp(z - top), a division where an
- * exponential costs 19 vector operations. Both factors stay normal floats (above e^-80), so the quotient is within
+ * exponential costs 16 vector operations. Both factors stay normal floats (above e^-80), so the quotient is within
  * a few ulp; exp(bottom - top) cancels in the normalisation and is there to keep the quotients at most 1. A wider
  * row takes the second exponential. */
 static inline void double_softmax(float *phi, const float *z, int m) {

@@ -20,6 +20,15 @@
 
 long lm_stream_bytes = 16L << 20;
 
+/* out = exp(x) for n values x <= 0, as every kernel takes it (exp_nonpositive; the last n % W values through its
+ * scalar form): for the tests of its accuracy and of where it gives 0. */
+int lm_exp_nonpositive_f32(const float *x, float *out, long n) {
+    long f = 0;
+    for (; f + W <= n; f += W) store(out + f, exp_nonpositive(load(x + f)));
+    for (; f < n; f++) out[f] = exp_nonpositive_scalar(x[f]);
+    return 0;
+}
+
 static int noncausal_attention(const float *q, const float *k, const float *v, const uint8_t *mask, const float *init,
                                float *out, float *state_out, float *den_out, int b, int h, long nq, long nk, int d,
                                int dv, long qsb, long qsh, long qsn, long ksb, long ksh, long ksn, long vsb, long vsh,

@@ -254,11 +254,11 @@ struct key_rows {
     const struct map_settings *ms;  /* or NULL */
 };
 
-/* dst = exp(src - shift), every exponent <= 0 (shift holds the maxima of src); 0 below -87.3 as elsewhere. */
+/* dst = exp(src - shift), every exponent <= 0 (shift holds the maxima of src); 0 below about -87.68 as elsewhere. */
 static inline void shifted_exp(float *dst, const float *src, const float *shift, int d) {
     int f = 0;
     for (; f + W <= d; f += W) store(dst + f, exp_nonpositive(load(src + f) - load(shift + f)));
-    for (; f < d; f++) dst[f] = src[f] - shift[f] < -87.3f ? 0.0f : expf(src[f] - shift[f]);
+    for (; f < d; f++) dst[f] = exp_nonpositive_scalar(src[f] - shift[f]);
 }
 
 /* The rows phi(k_j), [v_j, 1, 0...] of one head, masked keys skipped: they add nothing. */

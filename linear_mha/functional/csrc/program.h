@@ -37,7 +37,7 @@ static inline struct program program_from(const float *data) {
 
 static inline vf vabs(vf x) { return vselect(x < splat(0.0f), -x, x); }
 
-/* exp of any x: e^x for x <= 0, 1 / e^-x above (inf past 87.3, where float32 overflows near 88.7 anyway). */
+/* exp of any x: e^x for x <= 0, 1 / e^-x above (inf past about 87.68, where float32 overflows near 88.72 anyway). */
 static inline vf exp_any(vf x) {
     const vf e = exp_nonpositive(-vabs(x));
     return vselect(x <= splat(0.0f), e, splat(1.0f) / e);
