@@ -492,8 +492,8 @@ def test_ab_builds_times_both_builds_and_hands_this_ones_back(tmp_path, capsys, 
     seen = []  # the library each timed call ran
 
     def runner_of(build):
-        def runner(c, device, dtype):
-            run = build(c, device, dtype)
+        def runner(c, device, dtype, **kwargs):
+            run = build(c, device, dtype, **kwargs)
 
             def call():
                 seen.append(native._library._name)
@@ -516,6 +516,13 @@ def test_ab_builds_times_both_builds_and_hands_this_ones_back(tmp_path, capsys, 
                                                          ("efficient", "fwd")]
     assert all(r[f"{s}_median_ms"] > 0 for r in rows for s in ("before", "after"))
     assert "| efficient | causal_fwd | - | - | no causal form |" in capsys.readouterr().out
+    # q, k, v as a module's projection views, both builds timed on them, and the rows say so
+    seen.clear()
+    monkeypatch.setattr(ab_builds, "module_runner", runner_of(ab_builds.module_runner))
+    views = ab_builds.main(["--before", str(before), "--methods", "kernel_elu", "--n", "96", "--heads", "2",
+                            "--dim", "8", "--repeats", "2", "--threads", "1", "--cases", "fwdbwd",
+                            "--layout", "module"])
+    assert {str(copy), mine._name} == set(seen) and [r["layout"] for r in views] == ["module"]
     # the compiled output gate alone, which has no causal form
     seen.clear()
     monkeypatch.setattr(ab_builds, "gate_runner", runner_of(ab_builds.gate_runner))

@@ -11,6 +11,8 @@ The entry points' C signatures must agree between the two checkouts.
 
 Besides the benchmark's core methods, --methods takes ``output_gate``: the modules' compiled output gate alone,
 on an attention output and the queries laid out as a module's (views of its projections), forward and backward.
+``--layout module`` hands the core methods q, k and v as a module's self-attention does, views of one (B, N, 3 H d)
+projection (split_heads), where the benchmark's core level makes them contiguous (B, H, N, d) tensors.
 """
 import argparse
 import importlib.util
@@ -21,8 +23,9 @@ from pathlib import Path
 import torch
 
 from linear_mha.functional import native, native_maps, output_cache
+from linear_mha.functional.packed_heads import split_heads
 from tools import measure
-from tools.benchmark_cases import build_runner, methods
+from tools.benchmark_cases import build_method, build_runner, methods
 
 CASES = {"fwd": (False, "fwd"), "fwdbwd": (False, "fwdbwd"), "causal_fwd": (True, "fwd"),
          "causal_fwdbwd": (True, "fwdbwd")}
@@ -76,11 +79,35 @@ def gate_runner(c, device, dtype):
     return forward_backward
 
 
-def compare(before, after, method: str, case: str, n: int, heads: int, dim: int, repeats: int) -> dict:
+def module_runner(c, device, dtype):
+    """build_runner's case with q, k, v as a module's self-attention hands them to the method: split_heads of one
+    (B, N, 3 H d) projection, (B, H, N, d) views with a position's heads side by side and positions 3 H d floats
+    apart. With the backward pass, split each call, as a module does, and the gradients freed after it."""
+    g = torch.Generator().manual_seed(c["seed"])
+    packed = torch.randn(c["B"], c["N"], 3 * c["H"] * c["d"], generator=g, dtype=dtype).to(device)
+    if c["pass"] == "fwd":
+        return build_runner(c, device, dtype, data=(split_heads(packed, 3, c["H"]), None))
+    fn, modules = build_method(c, dtype, device)
+    for m in modules:
+        m.train()
+    packed.requires_grad_()
+    grad = torch.randn(c["B"], c["H"], c["N"], c["d"], generator=g, dtype=dtype).to(device)
+
+    def forward_backward():
+        fn(*split_heads(packed, 3, c["H"])).backward(grad)
+        packed.grad = None
+        for m in modules:
+            m.zero_grad(set_to_none=True)
+    return forward_backward
+
+
+def compare(before, after, method: str, case: str, n: int, heads: int, dim: int, repeats: int,
+            layout: str = "contiguous") -> dict:
     causal, which = CASES[case]
     c = dict(level="core", method=method, B=1, H=heads, d=dim, N=n, causal=causal, proj_k=256, seed=0,
              **{"pass": which})
-    run = (gate_runner if method == GATE else build_runner)(c, "cpu", torch.float32)
+    run = (gate_runner if method == GATE else module_runner if layout == "module" else build_runner)(
+        c, "cpu", torch.float32)
 
     def with_library(library):
         def call():
@@ -92,8 +119,8 @@ def compare(before, after, method: str, case: str, n: int, heads: int, dim: int,
                                     repeats=repeats, warmup=2)
     finally:
         native._library = after
-    row = dict(method=method, case=case, N=n, H=heads, d=dim, **{f"{k}_{s}": v[s] for k, v in times.items()
-                                                                for s in ("median_ms", "min_ms")})
+    row = dict(method=method, case=case, layout=layout, N=n, H=heads, d=dim,
+               **{f"{k}_{s}": v[s] for k, v in times.items() for s in ("median_ms", "min_ms")})
     row["gain"] = row["before_median_ms"] / row["after_median_ms"]
     return row
 
@@ -108,6 +135,8 @@ def main(argv=None):
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--repeats", type=int, default=30, help="calls of each build (interleaved)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--layout", choices=["contiguous", "module"], default="contiguous",
+                   help="q, k, v of the core methods: contiguous (the benchmark's) or a module's projection views")
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
     known = sorted(m for level, m in methods() if level == "core") + [GATE]
@@ -133,7 +162,7 @@ def main(argv=None):
         meta = dict(before=str(a.before), before_commit=_commit(a.before), after_commit=_commit(Path(__file__).parent),
                     before_library=before._name, after_library=after._name,
                     torch=torch.__version__, threads=a.threads, cpu=measure.cpu_name(), repeats=a.repeats,
-                    n=a.n, heads=a.heads, dim=a.dim)
+                    n=a.n, heads=a.heads, dim=a.dim, layout=a.layout)
         a.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         print(f"wrote {a.json}")
     return rows
@@ -141,7 +170,7 @@ def main(argv=None):
 
 def _run(a, before, after) -> list:
     print(f"before: {before._name}\nafter:  {after._name}\ntorch {torch.__version__}, {a.threads} threads, "
-          f"B=1 H={a.heads} d={a.dim} N={a.n}, {a.repeats} calls each, interleaved")
+          f"B=1 H={a.heads} d={a.dim} N={a.n}, {a.layout} layout, {a.repeats} calls each, interleaved")
     print("| method | pass | before ms (min) | after ms (min) | before / after |\n|---|---|---|---|---|")
     rows = []
     for method in a.methods:
@@ -149,7 +178,7 @@ def _run(a, before, after) -> list:
             if CASES[case][0] and not _has_causal(method):
                 print(f"| {method} | {case} | - | - | no causal form |")
                 continue
-            r = compare(before, after, method, case, a.n, a.heads, a.dim, a.repeats)
+            r = compare(before, after, method, case, a.n, a.heads, a.dim, a.repeats, a.layout)
             rows.append(r)
             print(f"| {method} | {case} | {r['before_median_ms']:.2f} ({r['before_min_ms']:.2f}) | "
                   f"{r['after_median_ms']:.2f} ({r['after_min_ms']:.2f}) | {r['gain']:.3f} |", flush=True)

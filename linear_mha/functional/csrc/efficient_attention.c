@@ -76,7 +76,8 @@ int lm_efficient_attention_f32(const float *q, const float *k, const float *v, c
                 memcpy(state_out + row * dv, state + row * width, sizeof(float) * dv);
         const struct query_outputs queries = {q, state, out, NULL, h, d, dv, width, nq, qsb, qsh, qsn, 2, NULL, NULL,
                                               rows_from(out_strides, 0, h, nq, dv), streamed((long)bh * nq * dv)};
-        status = for_each_block(bh, nq, threads, (long)ROWS * (d + width), query_block, &queries, 0);
+        status = for_each_block(bh, nq, threads, (long)ROWS * (d + width), query_block, &queries, 0,
+                                heads_in_turn(h, qsh, qsn));
     }
     if (!top_out) free(top);
     free(state);
@@ -206,7 +207,7 @@ int lm_efficient_attention_backward_f32(const float *q, const float *k, const fl
                                                  rows_from(strides, 2, h, nk, d), rows_from(strides, 3, h, nk, dv),
                                                  streamed((long)bh * nk * d)};
         failed = for_each_block(bh, nk, threads, (long)ROWS * (d + 2 * width + dp), efficient_key_block, &keys,
-                                0) != 0;
+                                0, heads_in_turn(h, ksh, ksn)) != 0;
     }
     free(state_t);
     free(acc);

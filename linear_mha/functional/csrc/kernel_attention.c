@@ -55,7 +55,8 @@ static int noncausal_attention(const float *q, const float *k, const float *v, c
         }
     const struct query_outputs queries = {q, states, out, den_out, h, d, dv, dvp, nq, qsb, qsh, qsn, map, rope, ms,
                                           out_at, streamed((long)bh * nq * dv)};
-    const int status = for_each_block(bh, nq, threads, (long)ROWS * (d + dvp), query_block, &queries, 0);
+    const int status = for_each_block(bh, nq, threads, (long)ROWS * (d + dvp), query_block, &queries, 0,
+                                       heads_in_turn(h, qsh, qsn));
     free(states);
     return status;
 }

@@ -163,7 +163,8 @@ static int noncausal_backward(const float *q, const float *k, const float *v, co
                                        ksb, ksh, ksn, vsb, vsh, vsn, rope, ms, rows_from(strides, 3, h, nk, d_in),
                                        rows_from(strides, 4, h, nk, dv), streamed((long)bh * nk * d_in)};
         failed = for_each_block(bh, nk, threads, (long)ROWS * (d + 2 * width + dp), key_block, &keys,
-                                ms && ms->grad_scale) != 0; /* parameter gradients summed per thread */
+                                ms && ms->grad_scale, /* parameter gradients summed per thread */
+                                heads_in_turn(h, ksh, ksn)) != 0;
     }
     free(state_t);
     free(acc);

@@ -150,6 +150,9 @@ static inline int scan_parts(float *sums, const float *init, int bh, long parts,
 
 /* Calls block(ctx, g, i0, rows, scratch) for every block of up to ROWS positions i0.. of every one of bh heads of
  * n positions, the blocks spread over the threads; scratch is scratch_floats floats of thread-local space.
+ * turn (heads_in_turn): 1 takes a head's blocks one after another; h (bh a multiple of it) takes each block of
+ * positions over h heads in turn, for rows laid out as a module's, (B, N, H, d) seen as (B, H, N, d), where a
+ * position's rows of every head lie together and a head's block alone reads 256 bytes in every 2-6 KiB.
  * fixed_order: each thread takes the same blocks on every call, for blocks that add parameter gradients into
  * per-thread sums; else a thread takes the next few blocks free, so a thread the machine slows down holds the
  * others up by a few blocks at most, not by half its share (static halves left 4-5% of the elu forward's samples
@@ -158,14 +161,22 @@ typedef void (*block_fn)(const void *ctx, int g, long i0, int rows, float *scrat
 
 #define BLOCKS_PER_GRAB 4 /* 192 rows: a grab is one atomic add on a shared counter */
 
-/* Item `item` of for_each_block: block (item mod row_blocks) of head (item / row_blocks). */
-static inline void block_item(block_fn block, const void *ctx, long item, long row_blocks, long n, float *scratch) {
-    const long i0 = (item % row_blocks) * ROWS;
-    block(ctx, (int)(item / row_blocks), i0, (int)(n - i0 < ROWS ? n - i0 : ROWS), scratch);
+/* How for_each_block should walk h heads whose rows are head_stride and position_stride floats apart: each block
+ * of positions over the heads in turn (h) where a position's heads lie closer together than its positions. */
+static inline int heads_in_turn(int h, long head_stride, long position_stride) {
+    return h > 1 && head_stride < position_stride ? h : 1;
+}
+
+/* Item `item` of for_each_block: head (item mod turn) of a group of turn heads, block of positions (item / turn mod
+ * row_blocks), group (item / turn / row_blocks); with turn 1, block (item mod row_blocks) of head item / row_blocks. */
+static inline void block_item(block_fn block, const void *ctx, long item, long row_blocks, int turn, long n,
+                              float *scratch) {
+    const long rest = item / turn, i0 = (rest % row_blocks) * ROWS;
+    block(ctx, (int)(rest / row_blocks * turn + item % turn), i0, (int)(n - i0 < ROWS ? n - i0 : ROWS), scratch);
 }
 
 static inline int for_each_block(int bh, long n, int threads, long scratch_floats, block_fn block, const void *ctx,
-                                 int fixed_order) {
+                                 int fixed_order, int turn) {
     const long row_blocks = (n + ROWS - 1) / ROWS;
     int failed = 0;
 #pragma omp parallel num_threads(threads)
@@ -178,10 +189,12 @@ static inline int for_each_block(int bh, long n, int threads, long scratch_float
 #pragma omp barrier
         if (!failed && fixed_order) {
 #pragma omp for schedule(static)
-            for (long item = 0; item < bh * row_blocks; item++) block_item(block, ctx, item, row_blocks, n, scratch);
+            for (long item = 0; item < bh * row_blocks; item++)
+                block_item(block, ctx, item, row_blocks, turn, n, scratch);
         } else if (!failed) {
 #pragma omp for schedule(dynamic, BLOCKS_PER_GRAB)
-            for (long item = 0; item < bh * row_blocks; item++) block_item(block, ctx, item, row_blocks, n, scratch);
+            for (long item = 0; item < bh * row_blocks; item++)
+                block_item(block, ctx, item, row_blocks, turn, n, scratch);
         }
         if (!failed) {
             stream_fence();
