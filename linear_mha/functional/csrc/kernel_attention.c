@@ -182,7 +182,7 @@ static void causal_part(const void *ctx, int item, float *scratch) {
     }
     for (long i0 = n * part / c->parts; i0 < z; i0 += ROWS) {
         const int rows = (int)(z - i0 < ROWS ? z - i0 : ROWS);
-        load_chunk(&c->in, g, i0, rows, phi_q, phi_k, d, v1, dvp, k_t, ldt);
+        load_chunk(&c->in, g, i0, rows, i0 + rows < z ? i0 + rows : -1, phi_q, phi_k, d, v1, dvp, k_t, ldt);
         memset(num_den, 0, sizeof(float) * rows * dvp);
         gemm_cols(FULL, rows, dv + 1, d, phi_q, d, 1, state, dvp, num_den, dvp);
         lower_scores(rows, d, phi_q, d, k_t, ldt, scores);

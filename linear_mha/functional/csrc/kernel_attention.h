@@ -364,11 +364,19 @@ struct causal_inputs {
 
 /* Positions i0 .. i0 + rows of head g: phi(q) and phi(k) with row stride ld, [v, 1] with row stride width (its
  * padding left as it is) and phi(k)^T into k_t (d x ldt; NULL: not wanted). A masked key gets zero features, value and
- * normaliser, so it adds nothing to any product. */
-static inline void load_chunk(const struct causal_inputs *in, int g, long i0, int rows, float *phi_q, float *phi_k,
-                              int ld, float *v1, int width, float *k_t, int ldt) {
+ * normaliser, so it adds nothing to any product. The rows of the chunk at next (the chunk loaded after this one;
+ * -1: none) are queued, to be asked for over this chunk's GEMMs (ahead.h): in a module's layout a head's rows lie
+ * 3 H d floats apart, a page or more, and the hardware's own prefetchers do not follow them. Returns the queue. */
+static inline struct ahead_queue *load_chunk(const struct causal_inputs *in, int g, long i0, int rows, long next,
+                                             float *phi_q, float *phi_k, int ld, float *v1, int width, float *k_t,
+                                             int ldt) {
     const int bi = g / in->h, hi = g % in->h, d = in->d, dv = in->dv;
     const uint8_t *masked = in->mask ? in->mask + bi * in->n + i0 : NULL;
+    const long end = next < 0 ? next : in->n < next + ROWS ? in->n : next + ROWS;
+    struct ahead_queue *queue = ahead_start(3 * (ROWS / 6)); /* the scores, and the products with [V, 1] and S */
+    ahead_rows(queue, in->q + bi * in->qsb + hi * in->qsh, next, end, in->qsn, map_inputs(d, in->map, in->ms));
+    ahead_rows(queue, in->k + bi * in->ksb + hi * in->ksh, next, end, in->ksn, map_inputs(d, in->map, in->ms));
+    ahead_rows(queue, in->v + bi * in->vsb + hi * in->vsh, next, end, in->vsn, dv);
     const float *qs[ROWS], *ks[ROWS];
     for (int r = 0; r < rows; r++) {
         const long j = i0 + r;
@@ -385,6 +393,7 @@ static inline void load_chunk(const struct causal_inputs *in, int g, long i0, in
     block_features(phi_q, ld, qs, NULL, NULL, rows, d, in->map, in->ms, hi, NULL, NULL);
     block_features(phi_k, ld, ks, NULL, masked, rows, d, in->map, in->ms, key_head(in->map, in->ms, hi), NULL, NULL);
     if (k_t) transpose_rows(phi_k, ld, rows, d, k_t, ldt);
+    return queue;
 }
 
 /* scores (rows x ldt) = tril(a b): a is (rows x k) with row stride lda, b is (k x ldt); entries above the
