@@ -67,7 +67,8 @@ int lm_efficient_attention_f32(const float *q, const float *k, const float *v, c
     if (status == 0) {
         const struct key_rows keys = {k, v, mask, h, d, dv, width, 0, nk, ksb, ksh, ksn, vsb, vsh, vsn, top};
         key_maxima(&keys, bh, threads, top);
-        status = accumulate_states(bh, nk, d, width, dv + 1, 0, threads, key_source, &keys, state, 0);
+        status = accumulate_states(bh, nk, heads_in_turn(h, ksh, ksn), d, width, dv + 1, 0, threads, key_source,
+                                   &keys, state, 0);
     }
     if (status == 0) {
         normalise_state(state, bh, d, dv, width, inv_sum_out);
@@ -192,8 +193,8 @@ int lm_efficient_attention_backward_f32(const float *q, const float *k, const fl
         const struct efficient_queries queries = {q, grad, state_t, grad_q, h, d, dp, dv, width, nq, qsb, qsh, qsn,
                                                   rows_from(strides, 0, h, nq, dv), rows_from(strides, 1, h, nq, d),
                                                   streamed((long)bh * nq * d)};
-        failed = accumulate_states(bh, nq, d, width, dv, 0, threads, efficient_query_source, &queries, acc,
-                                   0) != 0;
+        failed = accumulate_states(bh, nq, heads_in_turn(h, qsh, qsn), d, width, dv, 0, threads,
+                                   efficient_query_source, &queries, acc, 0) != 0;
     }
     if (!failed && (grad_k || grad_v)) {
         for (long row = 0; row < (long)bh * d; row++) {

@@ -40,8 +40,8 @@ static int noncausal_attention(const float *q, const float *k, const float *v, c
     float *states = malloc(sizeof(float) * bh * state_size);
     if (!states) return -1;
     const struct key_rows keys = {k, v, mask, h, d, dv, dvp, map, nk, ksb, ksh, ksn, vsb, vsh, vsn, NULL, rope, ms};
-    if (accumulate_states(bh, nk, d, dvp, dv + 1, rope ? d / 2 : 0, threads, key_source, &keys, states,
-                          0) != 0) {
+    if (accumulate_states(bh, nk, heads_in_turn(h, ksh, ksn), d, dvp, dv + 1, rope ? d / 2 : 0, threads, key_source,
+                          &keys, states, 0) != 0) {
         free(states);
         return -1;
     }
@@ -207,7 +207,7 @@ int lm_causal_kernel_attention_f32(const float *q, const float *k, const float *
     if (parts > 1) {
         starts = malloc(sizeof(float) * bh * parts * d * dvp);
         const struct key_rows keys = {k, v, mask, h, d, dv, dvp, map, n, ksb, ksh, ksn, vsb, vsh, vsn, NULL, NULL, &ms};
-        if (!starts || partial_states(bh, n, parts, d, dvp, dv + 1, 0, threads, key_source, &keys, starts, 0) != 0 ||
+        if (!starts || partial_states(bh, n, parts, 1, d, dvp, dv + 1, 0, threads, key_source, &keys, starts, 0) != 0 ||
             scan_parts(starts, init, bh, parts, d, dv, dvp, 0) != 0) {
             free(starts);
             return -1;

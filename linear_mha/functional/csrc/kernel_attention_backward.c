@@ -151,8 +151,9 @@ static int noncausal_backward(const float *q, const float *k, const float *v, co
                                            qsb, qsh, qsn, rope, ms, rows_from(strides, 1, h, nq, dv),
                                            rows_from(strides, 0, h, nq, dv), rows_from(strides, 2, h, nq, d_in),
                                            streamed((long)bh * nq * d_in)};
-        failed = accumulate_states(bh, nq, d, width, dv + 1, rope ? d / 2 : 0, threads, query_source, &queries,
-                                   acc, ms && ms->grad_scale) != 0; /* rows that add parameter gradients per thread */
+        failed = accumulate_states(bh, nq, heads_in_turn(h, qsh, qsn), d, width, dv + 1, rope ? d / 2 : 0, threads,
+                                   query_source, &queries, acc, /* rows that add parameter gradients per thread: */
+                                   ms && ms->grad_scale) != 0;
     }
     if (!failed && rope) split_state(acc, bh, d, width, dv); /* the state's entries rope holds at zero get none */
     if (!failed && grad_state)
@@ -350,9 +351,9 @@ int lm_causal_kernel_attention_backward_f32(const float *q, const float *k, cons
         const struct query_rows queries = {q, grad, out, den, NULL, NULL, h, d, dp, dv, width, map, n, qsb, qsh, qsn,
                                            NULL, &ms, grad_at, out_at, {0, 0, 0}};
         if (!starts || !ends ||
-            partial_states(bh, n, parts, d, width, dv + 1, 0, threads, key_source, &keys, starts, 0) != 0 ||
+            partial_states(bh, n, parts, 1, d, width, dv + 1, 0, threads, key_source, &keys, starts, 0) != 0 ||
             scan_parts(starts, init, bh, parts, d, dv, width, 0) != 0 ||
-            partial_states(bh, n, parts, d, width, dv + 1, 0, threads, query_source, &queries, ends, 0) != 0 ||
+            partial_states(bh, n, parts, 1, d, width, dv + 1, 0, threads, query_source, &queries, ends, 0) != 0 ||
             scan_parts(ends, NULL, bh, parts, d, dv, width, 1) != 0) {
             free(starts);
             free(ends);

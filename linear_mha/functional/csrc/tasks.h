@@ -42,21 +42,27 @@ static inline long parts_for(int bh, long n, int tasks, long min_rows) {
     return parts < 1 ? 1 : parts;
 }
 
-/* Item (head g, part p) of partial_states: the part's rows from source summed into its d x width slot. */
-static inline void sum_part(long item, long n, long parts, int d, int width, int cols, int split, row_source source,
-                            const void *ctx, float *a, float *b, float *scratch, float *partial) {
-    const int g = (int)(item / parts);
-    const long part = item % parts, z = n * (part + 1) / parts;
-    float *state = partial + item * (long)d * width;
+/* Item (group, part p) of partial_states: the part's rows of the group's turn heads, g = group turn .. group turn +
+ * turn - 1, from source, each head's summed into its d x width slot; a block of positions is taken over every head
+ * of the group in turn (heads_in_turn), and each slot sums its rows in order whatever the turn. */
+static inline void sum_part(long item, long n, long parts, int turn, int d, int width, int cols, int split,
+                            row_source source, const void *ctx, float *a, float *b, float *scratch, float *partial) {
+    const long group = item / parts, part = item % parts, z = n * (part + 1) / parts;
     for (long j = n * part / parts; j < z;) {
-        const int rows = source(ctx, g, j, z, &j, a, b, scratch);
-        if (split) {
-            gemm_cols(FULL, split, cols - 1, rows, a, 1, d, b, width, state, width);
-            column_product(FULL, d - split, rows, a + split, 1, d, b + cols - 1, width,
-                           state + (long)split * width + cols - 1, width);
-        } else {
-            gemm_cols(FULL, d, cols, rows, a, 1, d, b, width, state, width); /* A = a^T */
+        long next = z;
+        for (int t = 0; t < turn; t++) {
+            const int g = (int)(group * turn + t);
+            float *state = partial + ((long)g * parts + part) * d * width;
+            const int rows = source(ctx, g, j, z, &next, a, b, scratch); /* heads share their mask: the same next */
+            if (split) {
+                gemm_cols(FULL, split, cols - 1, rows, a, 1, d, b, width, state, width);
+                column_product(FULL, d - split, rows, a + split, 1, d, b + cols - 1, width,
+                               state + (long)split * width + cols - 1, width);
+            } else {
+                gemm_cols(FULL, d, cols, rows, a, 1, d, b, width, state, width); /* A = a^T */
+            }
         }
+        j = next;
     }
 }
 
@@ -64,11 +70,12 @@ static inline void sum_part(long item, long n, long parts, int d, int width, int
  * to n (p + 1) / parts), for bh heads; width is a whole number of vectors, of which the first cols carry values
  * (the rest of b's rows are zero, and of the sums' rows are left zero). split > 0 (rope's [R phi, phi] rows):
  * only the sums rope keeps are made, rows < split over the cols - 1 value columns and the rest over the last
- * column alone, half the products; entries beside them may hold anything (split_state zeroes them). fixed_order:
+ * column alone, half the products; entries beside them may hold anything (split_state zeroes them). turn: heads
+ * taken in turn over each block of positions (heads_in_turn; bh a multiple of it), 1 for a head at a time. fixed_order:
  * each thread takes the same items on every call, for a source that adds parameter gradients into per-thread sums
  * (the backward's queries); else a thread takes the next item free. */
-static inline int partial_states(int bh, long n, long parts, int d, int width, int cols, int split, int threads,
-                                 row_source source, const void *ctx, float *partial, int fixed_order) {
+static inline int partial_states(int bh, long n, long parts, int turn, int d, int width, int cols, int split,
+                                 int threads, row_source source, const void *ctx, float *partial, int fixed_order) {
     const long size = (long)d * width;
     memset(partial, 0, sizeof(float) * bh * parts * size);
     int failed = 0;
@@ -84,12 +91,12 @@ static inline int partial_states(int bh, long n, long parts, int d, int width, i
         if (!failed) {
             if (fixed_order) {
 #pragma omp for schedule(static)
-                for (long item = 0; item < bh * parts; item++)
-                    sum_part(item, n, parts, d, width, cols, split, source, ctx, a, b, scratch, partial);
+                for (long item = 0; item < bh / turn * parts; item++)
+                    sum_part(item, n, parts, turn, d, width, cols, split, source, ctx, a, b, scratch, partial);
             } else {
 #pragma omp for schedule(dynamic, 1)
-                for (long item = 0; item < bh * parts; item++)
-                    sum_part(item, n, parts, d, width, cols, split, source, ctx, a, b, scratch, partial);
+                for (long item = 0; item < bh / turn * parts; item++)
+                    sum_part(item, n, parts, turn, d, width, cols, split, source, ctx, a, b, scratch, partial);
             }
             stream_fence(); /* sources may write rows with streaming stores (the backward's d q) */
             ahead_start(0);  /* nothing queued outlives the call */
@@ -102,16 +109,17 @@ static inline int partial_states(int bh, long n, long parts, int d, int width, i
 }
 
 /* states[g] (d x width) = sum over the rows of head g of a_row^T b_row, for bh heads of n rows each. With fewer
- * than 8 heads per thread a head's rows are split into parts summed afterwards: with a head per item, 8 heads
+ * than 8 items per thread a head's rows are split into parts summed afterwards: with a head per item, 8 heads
  * gave each of 2 threads 4 items, and a thread slowed down by the machine kept the other waiting up to an eighth
- * of the pass. fixed_order as partial_states'. */
-static inline int accumulate_states(int bh, long n, int d, int width, int cols, int split, int threads,
+ * of the pass. turn as partial_states' (an item then holds turn heads); fixed_order as partial_states'. */
+static inline int accumulate_states(int bh, long n, int turn, int d, int width, int cols, int split, int threads,
                                     row_source source, const void *ctx, float *states, int fixed_order) {
-    const long parts = parts_for(bh, n, 8 * threads, 256), size = (long)d * width;
-    if (parts == 1) return partial_states(bh, n, 1, d, width, cols, split, threads, source, ctx, states, fixed_order);
+    const long parts = parts_for(bh / turn, n, 8 * threads, 256), size = (long)d * width;
+    if (parts == 1)
+        return partial_states(bh, n, 1, turn, d, width, cols, split, threads, source, ctx, states, fixed_order);
     float *partial = malloc(sizeof(float) * bh * parts * size);
-    int failed = !partial ||
-                 partial_states(bh, n, parts, d, width, cols, split, threads, source, ctx, partial, fixed_order) != 0;
+    int failed = !partial || partial_states(bh, n, parts, turn, d, width, cols, split, threads, source, ctx, partial,
+                                            fixed_order) != 0;
     if (!failed)
         for (int g = 0; g < bh; g++) {
             float *state = states + (long)g * size;
