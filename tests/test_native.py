@@ -730,21 +730,42 @@ def test_the_compiled_exp_is_within_two_ulp_and_zero_where_it_says(form):
     normal float32, one rounding off in the subnormal band above n = -127, exactly 0 from there down (-inf too), 1 at
     ±0, NaN kept. "scalar tails" runs the same values 7 at a time, fewer than a vector holds."""
     torch.manual_seed(0)
-    x = torch.cat([-87.34 * torch.rand(1 << 20), -torch.logspace(-30, 1.9, 20_000), torch.linspace(-87.7, -87.3, 4001),
-                   torch.tensor([0.0, -0.0, -1e-45, -87.6, -87.69, -88.0, -100.0, -1e30, -float("inf"), float("nan")])])
-    if form == "vectors":
+    special = torch.tensor([0.0, -0.0, -1e-45, -87.6, -87.69, -88.0, -100.0, -1e30, -float("inf"), float("nan")])
+    x = torch.cat([-87.34 * torch.rand(1 << 20), -torch.logspace(-30, 1.9, 20_000), torch.linspace(-87.7, -87.3, 4001)])
+    if form == "vectors":  # the special values first, where whole vectors take them
+        x = torch.cat([special, x])
         got = _compiled_exp(x)
     else:
-        x = x[torch.randperm(x.numel())[:20_000]]
+        x = torch.cat([special, x[torch.randperm(x.numel())[:20_000]]])
         got = torch.cat([_compiled_exp(chunk.clone()) for chunk in x.split(7)])
     ref = torch.exp(x.double())
     normal = ref >= torch.finfo(torch.float32).tiny
     assert ((got.double() - ref).abs() / ref)[normal].max() <= 2.0 ** -23
     n = x.double() * 1.4426950408889634  # n is this rounded: within rounding of -126.5 either answer is right
     assert (got[n <= -126.55] == 0).all()
-    band = ~normal & (n > -126.45)
-    assert ((got.double() - ref)[band].abs() <= 2.0 ** -148).all()
+    one_rounding = (got.double() - ref).abs() <= 2.0 ** -149
+    assert one_rounding[~normal & (n > -126.45)].all()
+    assert ((got == 0) | one_rounding)[(n > -126.55) & (n <= -126.45)].all()
     assert (got[x == 0] == 1).all() and got[x.isnan()].isnan().all()
+
+
+@needs_native
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dv", [64, 13])
+def test_a_query_whose_features_are_all_but_zero_gets_zero_not_inf(causal, dv):
+    """An elu query with every input near -87 has features under 1e-38 and a normaliser under FLT_MIN, whose
+    reciprocal overflowed: the output was inf (1/den times a subnormal numerator). Such a normaliser counts as 0:
+    the output is 0, as for features that are exactly 0, and the gradients stay finite."""
+    d, n = 64, 4
+    q = torch.tensor([-87.2, -87.5, -87.8, 0.5])[:, None].expand(n, d).reshape(1, 1, n, d).contiguous()
+    k = torch.full((1, 1, n, d), -6.0)
+    v = torch.ones(1, 1, n, dv)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = native.kernel_attention(*leaves, "elu", causal=causal)
+    assert torch.isfinite(out).all()
+    assert (out[0, 0, :3] == 0).all() and torch.allclose(out[0, 0, 3], torch.ones(dv))
+    out.backward(torch.ones_like(out))
+    assert all(torch.isfinite(t.grad).all() for t in leaves)
 
 
 @needs_native

@@ -143,7 +143,7 @@ int lm_kernel_step_f32(const float *q, const float *k, const float *v, const flo
             }
             acc[c] = (sum[0] + sum[1]) + (sum[2] + sum[3]);
         }
-        const float inv = 1.0f / (acc[dv] == 0.0f ? 1.0f : acc[dv]);
+        const float inv = negligible(acc[dv]) ? 0.0f : 1.0f / acc[dv];
         for (int i = 0; i < dv; i++) out[(long)g * dv + i] = acc[i] * inv;
     }
     return 0;

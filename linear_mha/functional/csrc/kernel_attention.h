@@ -2,6 +2,7 @@
  * settings, the rows' layouts, normalising rows, and the row loaders. Plain C with OpenMP; no PyTorch headers. */
 #ifndef LINEAR_MHA_KERNEL_ATTENTION_H
 #define LINEAR_MHA_KERNEL_ATTENTION_H
+#include <float.h>
 #include "focused.h"
 #include "hedgehog.h"
 #include "program.h"
@@ -98,13 +99,17 @@ static inline struct rows_at rows_from(const long *strides, int i, int h, long n
 extern long lm_stream_bytes;
 static inline int streamed(long floats) { return floats >= lm_stream_bytes / (long)sizeof(float); }
 
+/* Whether a normaliser counts as 0: every visible key masked, or phi(q) = 0, or features so near 0 that the
+ * normaliser is under FLT_MIN, where 1 / den would overflow to inf (an elu query whose every input lies below
+ * about -87). Such a query's output is defined as 0, and the backward stores 1 for its normaliser. */
+static inline int negligible(float den) { return fabsf(den) < FLT_MIN; }
+
 /* out[r][c] = num_den[r][c] / num_den[r][dv] for rows of width dvp (out's rows ld_out apart), with streaming
- * stores where `stream` is set and a row starts on a whole vector. A zero normaliser means every visible key is
- * masked (or phi(q) = 0): the numerator is 0 too and the output is defined as 0. */
+ * stores where `stream` is set and a row starts on a whole vector; 0 where the normaliser is negligible. */
 static inline void normalise_rows(const float *num_den, int rows, int dvp, int dv, float *out, long ld_out,
                                   int stream) {
     for (int r = 0; r < rows; r++, num_den += dvp, out += ld_out) {
-        const float inv = 1.0f / (num_den[dv] == 0.0f ? 1.0f : num_den[dv]);
+        const float inv = negligible(num_den[dv]) ? 0.0f : 1.0f / num_den[dv];
         int c = 0;
         if (stream && vector_aligned(out))
             for (; c + W <= dv; c += W) store_stream(out + c, load(num_den + c) * splat(inv));
@@ -113,9 +118,9 @@ static inline void normalise_rows(const float *num_den, int rows, int dvp, int d
     }
 }
 
-/* The normalisers of rows of width dvp, zeros replaced by 1 as normalise_rows divides, for the backward. */
+/* The normalisers of rows of width dvp, negligible ones replaced by 1, for the backward. */
 static inline void store_normalisers(const float *num_den, int rows, int dvp, int dv, float *den) {
-    for (int r = 0; r < rows; r++) den[r] = num_den[r * dvp + dv] == 0.0f ? 1.0f : num_den[r * dvp + dv];
+    for (int r = 0; r < rows; r++) den[r] = negligible(num_den[r * dvp + dv]) ? 1.0f : num_den[r * dvp + dv];
 }
 
 /* 2-D rotary position on the token grid inside non-causal kernel attention (functional/grid_rope.py): each row's
@@ -323,9 +328,9 @@ static inline void query_block(const void *ctx, int g, long i0, int rows, float 
         float inv[ROWS] = {0.0f};
         column_product(FULL, rows, c->d, phi, c->d, 1, state + c->dv, c->width, inv, 1);
         for (int r = 0; r < rows; r++) {
-            if (inv[r] == 0.0f) inv[r] = 1.0f; /* every visible key masked, or phi(q) = 0: out is 0 */
-            if (den) den[r] = inv[r];
-            inv[r] = 1.0f / inv[r];
+            const int none = negligible(inv[r]); /* out is 0 */
+            if (den) den[r] = none ? 1.0f : inv[r];
+            inv[r] = none ? 0.0f : 1.0f / inv[r];
         }
         gemm_scaled(rows, c->dv / W, c->d, phi, c->d, 1, state, c->width, inv, out, c->out_at.n, c->stream);
         return;
@@ -344,9 +349,9 @@ static inline void query_block(const void *ctx, int g, long i0, int rows, float 
     }
     normalise_rows(num_den, rows, c->width, c->dv, out, c->out_at.n, c->stream);
     if (den) store_normalisers(num_den, rows, c->width, c->dv, den);
-    if (c->rope) /* a zero normaliser: output 0, and a stored 0 tells the backward to send no gradient */
+    if (c->rope) /* a negligible normaliser: output 0, and a stored 0 tells the backward to send no gradient */
         for (int r = 0; r < rows; r++)
-            if (num_den[r * c->width + c->dv] == 0.0f) {
+            if (negligible(num_den[r * c->width + c->dv])) {
                 memset(out + r * c->out_at.n, 0, sizeof(float) * c->dv);
                 if (den) den[r] = 0.0f;
             }

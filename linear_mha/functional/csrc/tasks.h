@@ -169,8 +169,9 @@ typedef void (*block_fn)(const void *ctx, int g, long i0, int rows, float *scrat
 
 #define BLOCKS_PER_GRAB 4 /* 192 rows: a grab is one atomic add on a shared counter */
 
-/* How for_each_block should walk h heads whose rows are head_stride and position_stride floats apart: each block
- * of positions over the heads in turn (h) where a position's heads lie closer together than its positions. */
+/* How for_each_block and accumulate_states should walk h heads whose rows are head_stride and position_stride
+ * floats apart: each block of positions over the heads in turn (h) where a position's heads lie closer together
+ * than its positions (a module's layout), else a head at a time (1). */
 static inline int heads_in_turn(int h, long head_stride, long position_stride) {
     return h > 1 && head_stride < position_stride ? h : 1;
 }
