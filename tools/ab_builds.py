@@ -25,7 +25,7 @@ import torch
 from linear_mha.functional import native, native_maps, output_cache
 from linear_mha.functional.packed_heads import split_heads
 from tools import measure
-from tools.benchmark_cases import build_method, build_runner, methods
+from tools.benchmark_cases import build_runner, methods
 
 CASES = {"fwd": (False, "fwd"), "fwdbwd": (False, "fwdbwd"), "causal_fwd": (True, "fwd"),
          "causal_fwdbwd": (True, "fwdbwd")}
@@ -87,18 +87,9 @@ def module_runner(c, device, dtype):
     packed = torch.randn(c["B"], c["N"], 3 * c["H"] * c["d"], generator=g, dtype=dtype).to(device)
     if c["pass"] == "fwd":
         return build_runner(c, device, dtype, data=(split_heads(packed, 3, c["H"]), None))
-    fn, modules = build_method(c, dtype, device)
-    for m in modules:
-        m.train()
-    packed.requires_grad_()
     grad = torch.randn(c["B"], c["H"], c["N"], c["d"], generator=g, dtype=dtype).to(device)
-
-    def forward_backward():
-        fn(*split_heads(packed, 3, c["H"])).backward(grad)
-        packed.grad = None
-        for m in modules:
-            m.zero_grad(set_to_none=True)
-    return forward_backward
+    packed.requires_grad_()
+    return build_runner(c, device, dtype, data=(lambda: split_heads(packed, 3, c["H"]), grad), leaves=(packed,))
 
 
 def compare(before, after, method: str, case: str, n: int, heads: int, dim: int, repeats: int,

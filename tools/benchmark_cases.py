@@ -266,26 +266,29 @@ def make_data(c, dtype, device):
     return [t.requires_grad_() for t in inputs], grad
 
 
-def build_runner(c, device, dtype, data=None):
-    """A zero-argument callable that runs the case once; its inputs (``make_data``) are built outside it."""
+def build_runner(c, device, dtype, data=None, leaves=None):
+    """A zero-argument callable that runs the case once; its inputs (``make_data``) are built outside it. With
+    ``leaves``, the inputs in ``data`` are a callable that makes them from those leaves on each call (as a module
+    splits its projection), and the leaves' gradients are the ones freed."""
     fn, modules = build_method(c, dtype, device)
     inputs, grad = make_data(c, dtype, device) if data is None else data
+    inputs_now = inputs if leaves is not None else lambda: inputs
     if c["pass"] == "fwd":
         for m in modules:
             m.eval()
 
         def run_forward():
             with torch.inference_mode():
-                fn(*inputs)
+                fn(*inputs_now())
         return run_forward
     for m in modules:
         m.train()
 
     def run_forward_backward():
-        fn(*inputs).backward(grad)
+        fn(*inputs_now()).backward(grad)
         # Freed at the end, not the start, of a call: a memory baseline taken between calls then excludes the
         # gradients, so the measured extra memory of a call includes them.
-        for t in inputs:
+        for t in inputs if leaves is None else leaves:
             t.grad = None
         for m in modules:
             m.zero_grad(set_to_none=True)

@@ -367,6 +367,11 @@ struct causal_inputs {
     const struct map_settings *ms; /* or NULL */
 };
 
+/* The end of the chunk that starts at next (next itself where it is -1, no chunk). */
+static inline long chunk_end(const struct causal_inputs *in, long next) {
+    return next < 0 ? next : in->n < next + ROWS ? in->n : next + ROWS;
+}
+
 /* Positions i0 .. i0 + rows of head g: phi(q) and phi(k) with row stride ld, [v, 1] with row stride width (its
  * padding left as it is) and phi(k)^T into k_t (d x ldt; NULL: not wanted). A masked key gets zero features, value and
  * normaliser, so it adds nothing to any product. The rows of the chunk at next (the chunk loaded after this one;
@@ -377,7 +382,7 @@ static inline struct ahead_queue *load_chunk(const struct causal_inputs *in, int
                                              int ldt) {
     const int bi = g / in->h, hi = g % in->h, d = in->d, dv = in->dv;
     const uint8_t *masked = in->mask ? in->mask + bi * in->n + i0 : NULL;
-    const long end = next < 0 ? next : in->n < next + ROWS ? in->n : next + ROWS;
+    const long end = chunk_end(in, next);
     struct ahead_queue *queue = ahead_start(3 * (ROWS / 6)); /* the scores, and the products with [V, 1] and S */
     ahead_rows(queue, in->q + bi * in->qsb + hi * in->qsh, next, end, in->qsn, map_inputs(d, in->map, in->ms));
     ahead_rows(queue, in->k + bi * in->ksb + hi * in->ksh, next, end, in->ksn, map_inputs(d, in->map, in->ms));

@@ -241,7 +241,7 @@ static void load_gradient_chunk(const struct causal_backward *c, int g, long i0,
     const struct causal_inputs *in = &c->in;
     const int width = c->width, ldt = c->ldt;
     struct ahead_queue *queue = load_chunk(in, g, i0, rows, next, phi_q, phi_k, c->dp, v1, width, k_t, ldt);
-    const long end = next < 0 ? next : in->n < next + ROWS ? in->n : next + ROWS;
+    const long end = chunk_end(in, next);
     ahead_rows(queue, c->grad + row_offset(c->grad_at, in->h, g, 0), next, end, c->grad_at.n, in->dv);
     ahead_rows(queue, c->out + row_offset(c->out_at, in->h, g, 0), next, end, c->out_at.n, in->dv);
     gradient_rows(c->grad + row_offset(c->grad_at, in->h, g, i0), c->grad_at.n,
