@@ -76,12 +76,16 @@ static inline struct ahead_queue *ahead_start(int steps) {
 }
 
 /* Queues in q (ahead_start's) rows [j, z) of `floats` floats each, `stride` floats apart from base: rows a loader
- * will read next. */
+ * will read next. Rows with no whole line between them are not queued: the hardware's stream prefetchers follow
+ * memory read in order, and asking again only held fill buffers (the contiguous elu forward ran 1.06x faster
+ * without, where a module's rows 6 KiB apart ran 1.09x slower, its causal forward 1.29x). */
 static inline void ahead_rows(struct ahead_queue *q, const float *base, long j, long z, long stride, int floats) {
     if (j >= z || floats <= 0 || q->count == AHEAD_STREAMS) return;
     const uintptr_t start = (uintptr_t)(base + j * stride);
-    const struct ahead_rows_left r = {(const char *)(start & ~(uintptr_t)63), stride * (long)sizeof(float),
-                                      (int)(((start & 63) + sizeof(float) * (unsigned)floats + 63) / 64), 0, z - j};
+    const int lines = (int)(((start & 63) + sizeof(float) * (unsigned)floats + 63) / 64);
+    if (stride * (long)sizeof(float) <= 64L * lines) return;
+    const struct ahead_rows_left r = {(const char *)(start & ~(uintptr_t)63), stride * (long)sizeof(float), lines, 0,
+                                      z - j};
     q->rows[q->count++] = r;
     q->pending += (long)r.lines * r.rows;
 }
