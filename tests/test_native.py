@@ -849,14 +849,34 @@ def test_outputs_and_gradients_follow_the_inputs_layout_with_the_same_numbers(ca
     """Heads that are views of one projection (a module's) get their output and input gradients written in that
     layout, (B, N, H, d) in memory, so that merging the heads and reshaping the gradients back are views; the
     numbers are those of contiguous inputs, bit for bit. A wrong stride in any kernel's reads or writes breaks it."""
+    _check_split_against_contiguous(LAYOUT_CASES[case], batch=2, n=41, heads=4)
+
+
+def _check_split_against_contiguous(attention, batch, n, heads, dim=8):
     g = torch.Generator().manual_seed(3)
-    projection = torch.randn(2, 41, 3 * 4 * 8, generator=g).requires_grad_()
-    grad = torch.randn(2, 4, 41, 8, generator=g)
-    split = _split_heads(projection, 4)
+    projection = torch.randn(batch, n, 3 * heads * dim, generator=g).requires_grad_()
+    grad = torch.randn(batch, heads, n, dim, generator=g)
+    split = _split_heads(projection, heads)
     plain = [t.detach().contiguous().requires_grad_() for t in split]
-    out_split, out_plain = LAYOUT_CASES[case](*split), LAYOUT_CASES[case](*plain)
+    out_split, out_plain = attention(*split), attention(*plain)
     assert out_split.transpose(1, 2).is_contiguous() and out_plain.is_contiguous()
     assert torch.equal(out_split, out_plain)
     (grad_projection,) = torch.autograd.grad(out_split, projection, grad.transpose(1, 2).contiguous().transpose(1, 2))
     grads = torch.autograd.grad(out_plain, plain, grad)
-    assert torch.equal(grad_projection, torch.cat([t.transpose(1, 2).reshape(2, 41, 32) for t in grads], dim=-1))
+    assert torch.equal(grad_projection,
+                       torch.cat([t.transpose(1, 2).reshape(batch, n, heads * dim) for t in grads], dim=-1))
+
+
+@needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("case", ["relu_causal_v_contiguous", "taylor_causal"])
+def test_causal_heads_walked_in_turn_over_many_chunks_give_each_heads_own_numbers(case, threads):
+    """In a module's layout a causal task walks a few heads in turn, chunk by chunk, each with its own carried
+    state; over several chunks (130 positions) and 8 heads the numbers are still those of contiguous inputs, bit
+    for bit. A state shared between the heads of a task, or a chunk given another head's rows, breaks it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_split_against_contiguous(LAYOUT_CASES[case], batch=1, n=130, heads=8)
+    finally:
+        torch.set_num_threads(before)

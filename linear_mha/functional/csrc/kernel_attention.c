@@ -153,9 +153,10 @@ int lm_kernel_step_f32(const float *q, const float *k, const float *v, const flo
  * lm_kernel_attention_f32, with L = S = n. Chunks of ROWS positions: within a chunk the masked score block
  * phi(Q_c) phi(K_c)^T multiplies [V_c, 1]; the keys of earlier chunks arrive through the carried state S, so
  * [num, den]_c = phi(Q_c) S + tril(phi(Q_c) phi(K_c)^T) [V_c, 1], then S += phi(K_c)^T [V_c, 1].
- * Heads run in parallel, each walking its chunks in order. With fewer heads than threads each head's sequence
- * is also cut into parts: a first parallel pass sums every part's keys into a state, a short scan turns the
- * sums into each part's starting state, and the parts then run in parallel, for about a third more work. */
+ * Heads run in parallel, each walking its chunks in order; in a module's layout a task walks a few heads in turn,
+ * chunk by chunk, as their rows at the same positions share pages. With fewer heads than threads each head's
+ * sequence is also cut into parts: a first parallel pass sums every part's keys into a state, a short scan turns
+ * the sums into each part's starting state, and the parts then run in parallel, for about a third more work. */
 struct causal_forward {
     struct causal_inputs in;
     const float *init, *starts; /* starts: each part's starting state (bh x parts x d x dvp), or NULL */
@@ -164,33 +165,45 @@ struct causal_forward {
     long parts;
     struct rows_at out_at;
     int stream; /* streaming stores for out */
+    int turn;   /* heads a task walks in turn (causal_turn); a task is (group of turn heads, part) */
 };
 
 static void causal_part(const void *ctx, int item, float *scratch) {
     const struct causal_forward *c = ctx;
-    const int d = c->in.d, dv = c->in.dv, dvp = c->dvp, ldt = c->ldt, g = (int)(item / c->parts);
-    const long n = c->in.n, part = item % c->parts, z = n * (part + 1) / c->parts;
+    const int d = c->in.d, dv = c->in.dv, dvp = c->dvp, ldt = c->ldt, turn = c->turn;
+    const long n = c->in.n, group = item / c->parts, part = item % c->parts, z = n * (part + 1) / c->parts;
     float *phi_q = scratch, *phi_k = phi_q + ROWS * d, *k_t = phi_k + ROWS * d, *scores = k_t + d * ldt;
-    float *v1 = scores + ROWS * ldt, *num_den = v1 + ROWS * dvp, *state = num_den + ROWS * dvp;
-    if (c->starts) {
-        memcpy(state, c->starts + (long)item * d * dvp, sizeof(float) * d * dvp);
-    } else {
-        memset(state, 0, sizeof(float) * d * dvp);
-        if (c->init)
-            for (int f = 0; f < d; f++)
-                memcpy(state + f * dvp, c->init + ((long)g * d + f) * (dv + 1), sizeof(float) * (dv + 1));
+    float *v1 = scores + ROWS * ldt, *num_den = v1 + ROWS * dvp, *states = num_den + ROWS * dvp; /* turn states */
+    for (int t = 0; t < turn; t++) {
+        const int g = (int)(group * turn + t);
+        float *state = states + (long)t * d * dvp;
+        if (c->starts) {
+            memcpy(state, c->starts + ((long)g * c->parts + part) * d * dvp, sizeof(float) * d * dvp);
+        } else {
+            memset(state, 0, sizeof(float) * d * dvp);
+            if (c->init)
+                for (int f = 0; f < d; f++)
+                    memcpy(state + f * dvp, c->init + ((long)g * d + f) * (dv + 1), sizeof(float) * (dv + 1));
+        }
     }
     for (long i0 = n * part / c->parts; i0 < z; i0 += ROWS) {
         const int rows = (int)(z - i0 < ROWS ? z - i0 : ROWS);
-        load_chunk(&c->in, g, i0, rows, i0 + rows < z ? i0 + rows : -1, phi_q, phi_k, d, v1, dvp, k_t, ldt);
-        memset(num_den, 0, sizeof(float) * rows * dvp);
-        gemm_cols(FULL, rows, dv + 1, d, phi_q, d, 1, state, dvp, num_den, dvp);
-        lower_scores(rows, d, phi_q, d, k_t, ldt, scores);
-        gemm_cols(LOWER_K, rows, dv + 1, rows, scores, ldt, 1, v1, dvp, num_den, dvp);
-        gemm_cols(FULL, d, dv + 1, rows, phi_k, 1, d, v1, dvp, state, dvp);
-        normalise_rows(num_den, rows, dvp, dv, c->out + row_offset(c->out_at, c->in.h, g, i0), c->out_at.n,
-                       c->stream);
-        if (c->den_out) store_normalisers(num_den, rows, dvp, dv, c->den_out + (long)g * n + i0);
+        for (int t = 0; t < turn; t++) { /* the group's heads over these positions, whose rows share pages */
+            const int g = (int)(group * turn + t);
+            float *state = states + (long)t * d * dvp;
+            const struct next_chunk next = t + 1 < turn ? (struct next_chunk){g + 1, i0}
+                                                        : (struct next_chunk){(int)(group * turn),
+                                                                              i0 + rows < z ? i0 + rows : -1};
+            load_chunk(&c->in, g, i0, rows, next, phi_q, phi_k, d, v1, dvp, k_t, ldt);
+            memset(num_den, 0, sizeof(float) * rows * dvp);
+            gemm_cols(FULL, rows, dv + 1, d, phi_q, d, 1, state, dvp, num_den, dvp);
+            lower_scores(rows, d, phi_q, d, k_t, ldt, scores);
+            gemm_cols(LOWER_K, rows, dv + 1, rows, scores, ldt, 1, v1, dvp, num_den, dvp);
+            gemm_cols(FULL, d, dv + 1, rows, phi_k, 1, d, v1, dvp, state, dvp);
+            normalise_rows(num_den, rows, dvp, dv, c->out + row_offset(c->out_at, c->in.h, g, i0), c->out_at.n,
+                           c->stream);
+            if (c->den_out) store_normalisers(num_den, rows, dvp, dv, c->den_out + (long)g * n + i0);
+        }
     }
 }
 
@@ -215,9 +228,10 @@ int lm_causal_kernel_attention_f32(const float *q, const float *k, const float *
     }
     const struct causal_forward forward = {{q, k, v, mask, h, d, dv, map, n, qsb, qsh, qsn, ksb, ksh, ksn, vsb, vsh,
                                             vsn, &ms}, init, starts, out, den_out, dvp, ldt, parts,
-                                           rows_from(out_strides, 0, h, n, dv), streamed((long)bh * n * dv)};
-    const long scratch = (long)ROWS * (2 * d + ldt + 2 * dvp) + (long)d * (ldt + dvp);
-    const int status = for_each_task((int)(bh * parts), threads, scratch, causal_part, &forward, 0);
+                                           rows_from(out_strides, 0, h, n, dv), streamed((long)bh * n * dv),
+                                           causal_turn(bh, h, parts, threads, qsh, qsn)};
+    const long scratch = (long)ROWS * (2 * d + ldt + 2 * dvp) + (long)d * (ldt + forward.turn * dvp);
+    const int status = for_each_task((int)(bh / forward.turn * parts), threads, scratch, causal_part, &forward, 0);
     free(starts);
     return status;
 }

@@ -367,26 +367,32 @@ struct causal_inputs {
     const struct map_settings *ms; /* or NULL */
 };
 
-/* The end of the chunk that starts at next (next itself where it is -1, no chunk). */
-static inline long chunk_end(const struct causal_inputs *in, long next) {
-    return next < 0 ? next : in->n < next + ROWS ? in->n : next + ROWS;
+/* The chunk a causal pass loads after this one: head next_g's from position next (-1: none). */
+struct next_chunk {
+    int g;
+    long i0;
+};
+
+/* The end of that chunk (its start where it is -1, no chunk). */
+static inline long chunk_end(const struct causal_inputs *in, struct next_chunk next) {
+    return next.i0 < 0 ? next.i0 : in->n < next.i0 + ROWS ? in->n : next.i0 + ROWS;
 }
 
 /* Positions i0 .. i0 + rows of head g: phi(q) and phi(k) with row stride ld, [v, 1] with row stride width (its
  * padding left as it is) and phi(k)^T into k_t (d x ldt; NULL: not wanted). A masked key gets zero features, value and
- * normaliser, so it adds nothing to any product. The rows of the chunk at next (the chunk loaded after this one;
- * -1: none) are queued, to be asked for over this chunk's GEMMs (ahead.h): in a module's layout a head's rows lie
- * 3 H d floats apart, a page or more, and the hardware's own prefetchers do not follow them. Returns the queue. */
-static inline struct ahead_queue *load_chunk(const struct causal_inputs *in, int g, long i0, int rows, long next,
-                                             float *phi_q, float *phi_k, int ld, float *v1, int width, float *k_t,
-                                             int ldt) {
-    const int bi = g / in->h, hi = g % in->h, d = in->d, dv = in->dv;
+ * normaliser, so it adds nothing to any product. The rows of the next chunk are queued, to be asked for over this
+ * chunk's GEMMs (ahead.h): in a module's layout a head's rows lie 3 H d floats apart, a page or more, and the
+ * hardware's own prefetchers do not follow them. Returns the queue. */
+static inline struct ahead_queue *load_chunk(const struct causal_inputs *in, int g, long i0, int rows,
+                                             struct next_chunk next, float *phi_q, float *phi_k, int ld, float *v1,
+                                             int width, float *k_t, int ldt) {
+    const int bi = g / in->h, hi = g % in->h, d = in->d, dv = in->dv, nb = next.g / in->h, nh = next.g % in->h;
     const uint8_t *masked = in->mask ? in->mask + bi * in->n + i0 : NULL;
     const long end = chunk_end(in, next);
     struct ahead_queue *queue = ahead_start(3 * (ROWS / 6)); /* the scores, and the products with [V, 1] and S */
-    ahead_rows(queue, in->q + bi * in->qsb + hi * in->qsh, next, end, in->qsn, map_inputs(d, in->map, in->ms));
-    ahead_rows(queue, in->k + bi * in->ksb + hi * in->ksh, next, end, in->ksn, map_inputs(d, in->map, in->ms));
-    ahead_rows(queue, in->v + bi * in->vsb + hi * in->vsh, next, end, in->vsn, dv);
+    ahead_rows(queue, in->q + nb * in->qsb + nh * in->qsh, next.i0, end, in->qsn, map_inputs(d, in->map, in->ms));
+    ahead_rows(queue, in->k + nb * in->ksb + nh * in->ksh, next.i0, end, in->ksn, map_inputs(d, in->map, in->ms));
+    ahead_rows(queue, in->v + nb * in->vsb + nh * in->vsh, next.i0, end, in->vsn, dv);
     const float *qs[ROWS], *ks[ROWS];
     for (int r = 0; r < rows; r++) {
         const long j = i0 + r;

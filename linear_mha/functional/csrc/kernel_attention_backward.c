@@ -234,16 +234,16 @@ struct causal_backward {
 
 /* A chunk as both causal passes need it: load_chunk's features (row stride dp), values and phi(k)^T (k_t NULL:
  * the d q pass does not read it), [v, 1] transposed into the first Dv + 1 rows of v1_t (width x ldt) and the
- * gradient rows of [num, den]. The rows of the chunk at next (-1: none), grad's and out's with them, are queued as
+ * gradient rows of [num, den]. The rows of the next chunk, grad's and out's with them, are queued as
  * load_chunk queues its own: the reverse pass walks the chunks backwards. */
-static void load_gradient_chunk(const struct causal_backward *c, int g, long i0, int rows, long next, float *phi_q,
-                                float *phi_k, float *v1, float *k_t, float *v1_t, float *r_rows) {
+static void load_gradient_chunk(const struct causal_backward *c, int g, long i0, int rows, struct next_chunk next,
+                                float *phi_q, float *phi_k, float *v1, float *k_t, float *v1_t, float *r_rows) {
     const struct causal_inputs *in = &c->in;
     const int width = c->width, ldt = c->ldt;
     struct ahead_queue *queue = load_chunk(in, g, i0, rows, next, phi_q, phi_k, c->dp, v1, width, k_t, ldt);
     const long end = chunk_end(in, next);
-    ahead_rows(queue, c->grad + row_offset(c->grad_at, in->h, g, 0), next, end, c->grad_at.n, in->dv);
-    ahead_rows(queue, c->out + row_offset(c->out_at, in->h, g, 0), next, end, c->out_at.n, in->dv);
+    ahead_rows(queue, c->grad + row_offset(c->grad_at, in->h, next.g, 0), next.i0, end, c->grad_at.n, in->dv);
+    ahead_rows(queue, c->out + row_offset(c->out_at, in->h, next.g, 0), next.i0, end, c->out_at.n, in->dv);
     gradient_rows(c->grad + row_offset(c->grad_at, in->h, g, i0), c->grad_at.n,
                   c->out + row_offset(c->out_at, in->h, g, i0), c->out_at.n, c->den + (long)g * in->n + i0, rows,
                   in->dv, width, r_rows);
@@ -270,7 +270,8 @@ static void causal_part_backward(const void *ctx, int item, float *scratch) {
         else memset(acc_t, 0, sizeof(float) * width * dp);
         for (long i0 = a; i0 < z; i0 += ROWS) {
             const int rows = (int)(z - i0 < ROWS ? z - i0 : ROWS);
-            load_gradient_chunk(c, g, i0, rows, i0 + rows < z ? i0 + rows : -1, phi_q, phi_k, v1, NULL, v1_t, r_rows);
+            const struct next_chunk next = {g, i0 + rows < z ? i0 + rows : -1};
+            load_gradient_chunk(c, g, i0, rows, next, phi_q, phi_k, v1, NULL, v1_t, r_rows);
             memset(g_phi, 0, sizeof(float) * rows * dp);
             gemm_acc(rows, dp / W, dv + 1, r_rows, width, 1, acc_t, dp, g_phi, dp);
             lower_scores(rows, dv + 1, r_rows, width, v1_t, ldt, d_scores);
@@ -292,7 +293,8 @@ static void causal_part_backward(const void *ctx, int item, float *scratch) {
     else memset(acc, 0, sizeof(float) * d * width);
     for (long i0 = last; i0 >= a; i0 -= ROWS) {
         const int rows = (int)(z - i0 < ROWS ? z - i0 : ROWS);
-        load_gradient_chunk(c, g, i0, rows, i0 - ROWS >= a ? i0 - ROWS : -1, phi_q, phi_k, v1, k_t, v1_t, r_rows);
+        const struct next_chunk next = {g, i0 - ROWS >= a ? i0 - ROWS : -1};
+        load_gradient_chunk(c, g, i0, rows, next, phi_q, phi_k, v1, k_t, v1_t, r_rows);
         lower_scores(rows, d, phi_q, dp, k_t, ldt, scores);
         lower_scores(rows, dv + 1, r_rows, width, v1_t, ldt, d_scores);
         transpose_states(acc, width, 1, d, width - 1, width, dp, acc_t);

@@ -176,6 +176,16 @@ static inline int heads_in_turn(int h, long head_stride, long position_stride) {
     return h > 1 && head_stride < position_stride ? h : 1;
 }
 
+/* How many heads a causal task should walk in turn, chunk by chunk (each carrying its own state): heads_in_turn's
+ * answer cut down to a divisor of h that leaves at least two tasks a thread, so that a thread the machine slows
+ * down holds the others up by a task at most; 1 where the sequences are cut into parts (parts > 1). */
+static inline int causal_turn(int bh, int h, long parts, int threads, long head_stride, long position_stride) {
+    if (parts > 1) return 1;
+    for (int turn = heads_in_turn(h, head_stride, position_stride); turn > 1; turn--)
+        if (h % turn == 0 && bh / turn >= threads) return turn;
+    return 1;
+}
+
 /* Item `item` of for_each_block: head (item mod turn) of a group of turn heads, block of positions (item / turn mod
  * row_blocks), group (item / turn / row_blocks); with turn 1, block (item mod row_blocks) of head item / row_blocks. */
 static inline void block_item(block_fn block, const void *ctx, long item, long row_blocks, int turn, long n,
