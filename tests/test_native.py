@@ -878,5 +878,14 @@ def test_causal_heads_walked_in_turn_over_many_chunks_give_each_heads_own_number
     torch.set_num_threads(threads)
     try:
         _check_split_against_contiguous(LAYOUT_CASES[case], batch=1, n=130, heads=8)
+        # the carried states start from each head's own initial state, and each head's gradient reaches its own
+        state = torch.rand(1, 8, 8, 9, generator=torch.Generator().manual_seed(5)).requires_grad_()
+        projection = torch.randn(1, 130, 3 * 8 * 8, generator=torch.Generator().manual_seed(6))
+        outs, grads = [], []
+        for q, k, v in (_split_heads(projection, 8), [t.contiguous() for t in _split_heads(projection, 8)]):
+            out = LF.kernel(q, k, v, feature_map="elu", causal=True, initial_state=state)
+            outs.append(out)
+            grads.append(torch.autograd.grad(out, state, torch.ones_like(out))[0])
+        assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1])
     finally:
         torch.set_num_threads(before)

@@ -230,6 +230,7 @@ struct causal_backward {
     const float *starts, *ends;
     struct rows_at out_at, grad_at, grad_q_at, grad_k_at, grad_v_at;
     int stream; /* streaming stores for the input gradients */
+    int turn;   /* heads a task walks in turn (causal_turn); a task is (group of turn heads, part) */
 };
 
 /* A chunk as both causal passes need it: load_chunk's features (row stride dp), values and phi(k)^T (k_t NULL:
@@ -250,81 +251,133 @@ static void load_gradient_chunk(const struct causal_backward *c, int g, long i0,
     transpose_rows(v1, width, rows, in->dv + 1, v1_t, ldt);
 }
 
+/* A causal backward task's thread-local buffers: one chunk's rows and products, shared by its heads in turn. */
+struct chunk_buffers {
+    float *phi_q, *phi_k, *v1, *r_rows, *k_t, *v1_t, *scores, *d_scores, *g_phi, *g_v1;
+};
+
+static struct chunk_buffers chunk_buffers_in(const struct causal_backward *c, float *scratch) {
+    struct chunk_buffers b;
+    const int dp = c->dp, width = c->width, ldt = c->ldt;
+    b.phi_q = scratch, b.phi_k = b.phi_q + ROWS * dp, b.v1 = b.phi_k + ROWS * dp, b.r_rows = b.v1 + ROWS * width;
+    b.k_t = b.r_rows + ROWS * width, b.v1_t = b.k_t + c->in.d * ldt, b.scores = b.v1_t + width * ldt;
+    b.d_scores = b.scores + ROWS * ldt, b.g_phi = b.d_scores + ROWS * ldt, b.g_v1 = b.g_phi + ROWS * dp;
+    return b;
+}
+
+/* Forward order, one chunk of head g: its d q, and S^T (acc_t, width x dp) grown past it. */
+static void query_chunk_backward(const struct causal_backward *c, int g, long i0, int rows, struct next_chunk next,
+                                 const struct chunk_buffers *b, float *acc_t) {
+    const int d = c->in.d, dv = c->in.dv, width = c->width, dp = c->dp, ldt = c->ldt, map = c->in.map;
+    const int bi = g / c->in.h, hi = g % c->in.h;
+    load_gradient_chunk(c, g, i0, rows, next, b->phi_q, b->phi_k, b->v1, NULL, b->v1_t, b->r_rows);
+    memset(b->g_phi, 0, sizeof(float) * rows * dp);
+    gemm_acc(rows, dp / W, dv + 1, b->r_rows, width, 1, acc_t, dp, b->g_phi, dp);
+    lower_scores(rows, dv + 1, b->r_rows, width, b->v1_t, ldt, b->d_scores);
+    gemm_shaped(LOWER_K, rows, dp / W, rows, b->d_scores, ldt, 1, b->phi_k, dp, b->g_phi, dp);
+    float *dq = c->grad_q + row_offset(c->grad_q_at, c->in.h, g, i0), *dst[ROWS];
+    const float *src[ROWS];
+    for (int r = 0; r < rows; r++) {
+        dst[r] = dq + r * c->grad_q_at.n;
+        src[r] = c->in.q + bi * c->in.qsb + hi * c->in.qsh + (i0 + r) * c->in.qsn;
+    }
+    block_input_grad(dst, c->stream, b->g_phi, dp, b->phi_q, dp, src, NULL, NULL, rows, d,
+                     map_inputs(d, map, c->in.ms), map, c->in.ms, hi, NULL, NULL);
+    gemm_acc(dv + 1, dp / W, rows, b->v1, 1, width, b->phi_k, dp, acc_t, dp); /* S^T += V1^T phi(K) */
+}
+
+/* Reverse order, one chunk of head g: its d k and d v, and G (acc, d x width) grown past it; acc_t is room for
+ * G^T (width x dp). */
+static void key_chunk_backward(const struct causal_backward *c, int g, long i0, int rows, struct next_chunk next,
+                               const struct chunk_buffers *b, float *acc, float *acc_t) {
+    const int d = c->in.d, dv = c->in.dv, width = c->width, dp = c->dp, ldt = c->ldt, map = c->in.map;
+    const int bi = g / c->in.h, hi = g % c->in.h;
+    load_gradient_chunk(c, g, i0, rows, next, b->phi_q, b->phi_k, b->v1, b->k_t, b->v1_t, b->r_rows);
+    lower_scores(rows, d, b->phi_q, dp, b->k_t, ldt, b->scores);
+    lower_scores(rows, dv + 1, b->r_rows, width, b->v1_t, ldt, b->d_scores);
+    transpose_states(acc, width, 1, d, width - 1, width, dp, acc_t);
+    memset(b->g_v1, 0, sizeof(float) * rows * width);
+    gemm_cols(FULL, rows, dv, rows, b->scores, 1, ldt, b->r_rows, width, b->g_v1, width); /* M^T R */
+    gemm_cols(FULL, rows, dv, d, b->phi_k, dp, 1, acc, width, b->g_v1, width);           /* phi(K) G */
+    memset(b->g_phi, 0, sizeof(float) * rows * dp);
+    gemm_acc(rows, dp / W, rows, b->d_scores, 1, ldt, b->phi_q, dp, b->g_phi, dp);       /* dM^T phi(Q) */
+    gemm_acc(rows, dp / W, dv + 1, b->v1, width, 1, acc_t, dp, b->g_phi, dp);           /* V1 G^T */
+    float *dk0 = c->grad_k ? c->grad_k + row_offset(c->grad_k_at, c->in.h, g, i0) : NULL;
+    float *dv0 = c->grad_v ? c->grad_v + row_offset(c->grad_v_at, c->in.h, g, i0) : NULL;
+    const uint8_t *masked = c->in.mask ? c->in.mask + bi * c->in.n + i0 : NULL;
+    if (dk0) {
+        float *dst[ROWS];
+        const float *src[ROWS];
+        for (int r = 0; r < rows; r++) {
+            dst[r] = dk0 + r * c->grad_k_at.n;
+            src[r] = c->in.k + bi * c->in.ksb + hi * c->in.ksh + (i0 + r) * c->in.ksn;
+        }
+        block_input_grad(dst, c->stream, b->g_phi, dp, b->phi_k, dp, src, NULL, masked, rows, d,
+                         map_inputs(d, map, c->in.ms), map, c->in.ms, key_head(map, c->in.ms, hi), NULL, NULL);
+    }
+    if (dv0) {
+        float zeros[dv];
+        memset(zeros, 0, sizeof zeros);
+        for (int r = 0; r < rows; r++)
+            put_row(dv0 + r * c->grad_v_at.n, masked && masked[r] ? zeros : b->g_v1 + r * width, dv, c->stream);
+    }
+    gemm_cols(FULL, d, dv + 1, rows, b->phi_q, 1, dp, b->r_rows, width, acc, width); /* G += phi(Q)^T R */
+}
+
+/* Task (group of turn heads, part): both passes over the part's chunks, each chunk over the group's heads in turn
+ * (causal_turn), each head carrying its own S^T and G. */
 static void causal_part_backward(const void *ctx, int item, float *scratch) {
     const struct causal_backward *c = ctx;
-    const int d = c->in.d, dv = c->in.dv, width = c->width, dp = c->dp, ldt = c->ldt, map = c->in.map;
-    const int g = (int)(item / c->parts);
-    const long n = c->in.n, part = item % c->parts, a = n * part / c->parts, z = n * (part + 1) / c->parts;
-    const long last = z > a ? a + (z - a - 1) / ROWS * ROWS : a - 1;
-    float *phi_q = scratch, *phi_k = phi_q + ROWS * dp, *v1 = phi_k + ROWS * dp, *r_rows = v1 + ROWS * width;
-    float *k_t = r_rows + ROWS * width, *v1_t = k_t + d * ldt, *scores = v1_t + width * ldt;
-    float *d_scores = scores + ROWS * ldt, *g_phi = d_scores + ROWS * ldt, *g_v1 = g_phi + ROWS * dp;
-    float *acc = g_v1 + ROWS * width, *acc_t = acc + d * width;
-    const int bi = g / c->in.h, hi = g % c->in.h, d_in = map_inputs(d, map, c->in.ms);
-    float zeros[dv];
-    memset(zeros, 0, sizeof zeros);
-    /* Forward order: d q, with the state carried transposed (acc_t = S^T, width x dp). */
+    const int d = c->in.d, dv = c->in.dv, width = c->width, dp = c->dp, turn = c->turn;
+    const long n = c->in.n, group = item / c->parts, part = item % c->parts, a = n * part / c->parts;
+    const long z = n * (part + 1) / c->parts, last = z > a ? a + (z - a - 1) / ROWS * ROWS : a - 1;
+    const struct chunk_buffers b = chunk_buffers_in(c, scratch);
+    float *accs = b.g_v1 + ROWS * width, *acc_ts = accs + (long)turn * d * width; /* turn of each */
+    const long acc_size = (long)d * width, acc_t_size = (long)width * dp;
     if (c->grad_q) {
-        if (c->starts) transpose_states(c->starts + (long)item * d * width, width, 1, d, dv, width, dp, acc_t);
-        else if (c->init) transpose_states(c->init + (long)g * d * (dv + 1), dv + 1, 1, d, dv, width, dp, acc_t);
-        else memset(acc_t, 0, sizeof(float) * width * dp);
+        for (int t = 0; t < turn; t++) {
+            const long g = group * turn + t;
+            float *acc_t = acc_ts + t * acc_t_size;
+            if (c->starts) transpose_states(c->starts + (g * c->parts + part) * acc_size, width, 1, d, dv, width, dp,
+                                            acc_t);
+            else if (c->init) transpose_states(c->init + g * d * (dv + 1), dv + 1, 1, d, dv, width, dp, acc_t);
+            else memset(acc_t, 0, sizeof(float) * acc_t_size);
+        }
         for (long i0 = a; i0 < z; i0 += ROWS) {
             const int rows = (int)(z - i0 < ROWS ? z - i0 : ROWS);
-            const struct next_chunk next = {g, i0 + rows < z ? i0 + rows : -1};
-            load_gradient_chunk(c, g, i0, rows, next, phi_q, phi_k, v1, NULL, v1_t, r_rows);
-            memset(g_phi, 0, sizeof(float) * rows * dp);
-            gemm_acc(rows, dp / W, dv + 1, r_rows, width, 1, acc_t, dp, g_phi, dp);
-            lower_scores(rows, dv + 1, r_rows, width, v1_t, ldt, d_scores);
-            gemm_shaped(LOWER_K, rows, dp / W, rows, d_scores, ldt, 1, phi_k, dp, g_phi, dp);
-            float *dq = c->grad_q + row_offset(c->grad_q_at, c->in.h, g, i0), *dst[ROWS];
-            const float *src[ROWS];
-            for (int r = 0; r < rows; r++) {
-                dst[r] = dq + r * c->grad_q_at.n;
-                src[r] = c->in.q + bi * c->in.qsb + hi * c->in.qsh + (i0 + r) * c->in.qsn;
+            for (int t = 0; t < turn; t++) {
+                const int g = (int)(group * turn + t);
+                const struct next_chunk next = t + 1 < turn ? (struct next_chunk){g + 1, i0}
+                                                            : (struct next_chunk){(int)(group * turn),
+                                                                                  i0 + rows < z ? i0 + rows : -1};
+                query_chunk_backward(c, g, i0, rows, next, &b, acc_ts + t * acc_t_size);
             }
-            block_input_grad(dst, c->stream, g_phi, dp, phi_q, dp, src, NULL, NULL, rows, d, d_in, map, c->in.ms, hi,
-                             NULL, NULL);
-            gemm_acc(dv + 1, dp / W, rows, v1, 1, width, phi_k, dp, acc_t, dp); /* S^T += V1^T phi(K) */
         }
     }
     if (!c->grad_k && !c->grad_v && !c->grad_state) return;
-    /* Reverse order: d k, d v, d initial_state, with G (acc, d x width) growing. */
-    if (c->ends) memcpy(acc, c->ends + (long)item * d * width, sizeof(float) * d * width);
-    else memset(acc, 0, sizeof(float) * d * width);
+    for (int t = 0; t < turn; t++) {
+        const long g = group * turn + t;
+        float *acc = accs + t * acc_size;
+        if (c->ends) memcpy(acc, c->ends + (g * c->parts + part) * acc_size, sizeof(float) * acc_size);
+        else memset(acc, 0, sizeof(float) * acc_size);
+    }
     for (long i0 = last; i0 >= a; i0 -= ROWS) {
         const int rows = (int)(z - i0 < ROWS ? z - i0 : ROWS);
-        const struct next_chunk next = {g, i0 - ROWS >= a ? i0 - ROWS : -1};
-        load_gradient_chunk(c, g, i0, rows, next, phi_q, phi_k, v1, k_t, v1_t, r_rows);
-        lower_scores(rows, d, phi_q, dp, k_t, ldt, scores);
-        lower_scores(rows, dv + 1, r_rows, width, v1_t, ldt, d_scores);
-        transpose_states(acc, width, 1, d, width - 1, width, dp, acc_t);
-        memset(g_v1, 0, sizeof(float) * rows * width);
-        gemm_cols(FULL, rows, dv, rows, scores, 1, ldt, r_rows, width, g_v1, width);    /* M^T R */
-        gemm_cols(FULL, rows, dv, d, phi_k, dp, 1, acc, width, g_v1, width);           /* phi(K) G */
-        memset(g_phi, 0, sizeof(float) * rows * dp);
-        gemm_acc(rows, dp / W, rows, d_scores, 1, ldt, phi_q, dp, g_phi, dp);        /* dM^T phi(Q) */
-        gemm_acc(rows, dp / W, dv + 1, v1, width, 1, acc_t, dp, g_phi, dp);            /* V1 G^T */
-        float *dk0 = c->grad_k ? c->grad_k + row_offset(c->grad_k_at, c->in.h, g, i0) : NULL;
-        float *dv0 = c->grad_v ? c->grad_v + row_offset(c->grad_v_at, c->in.h, g, i0) : NULL;
-        const uint8_t *masked = c->in.mask ? c->in.mask + bi * n + i0 : NULL;
-        if (dk0) {
-            float *dst[ROWS];
-            const float *src[ROWS];
-            for (int r = 0; r < rows; r++) {
-                dst[r] = dk0 + r * c->grad_k_at.n;
-                src[r] = c->in.k + bi * c->in.ksb + hi * c->in.ksh + (i0 + r) * c->in.ksn;
-            }
-            block_input_grad(dst, c->stream, g_phi, dp, phi_k, dp, src, NULL, masked, rows, d, d_in, map, c->in.ms,
-                             key_head(map, c->in.ms, hi), NULL, NULL);
+        for (int t = 0; t < turn; t++) {
+            const int g = (int)(group * turn + t);
+            const struct next_chunk next = t + 1 < turn ? (struct next_chunk){g + 1, i0}
+                                                        : (struct next_chunk){(int)(group * turn),
+                                                                              i0 - ROWS >= a ? i0 - ROWS : -1};
+            key_chunk_backward(c, g, i0, rows, next, &b, accs + t * acc_size, acc_ts);
         }
-        if (dv0)
-            for (int r = 0; r < rows; r++)
-                put_row(dv0 + r * c->grad_v_at.n, masked && masked[r] ? zeros : g_v1 + r * width, dv, c->stream);
-        gemm_cols(FULL, d, dv + 1, rows, phi_q, 1, dp, r_rows, width, acc, width);     /* G += phi(Q)^T R */
     }
     if (c->grad_state && part == 0) /* G after the first part is G_0 */
-        for (int f = 0; f < d; f++)
-            memcpy(c->grad_state + ((long)g * d + f) * (dv + 1), acc + f * width, sizeof(float) * (dv + 1));
+        for (int t = 0; t < turn; t++) {
+            const long g = group * turn + t;
+            for (int f = 0; f < d; f++)
+                memcpy(c->grad_state + (g * d + f) * (dv + 1), accs + t * acc_size + f * width,
+                       sizeof(float) * (dv + 1));
+        }
 }
 
 int lm_causal_kernel_attention_backward_f32(const float *q, const float *k, const float *v, const uint8_t *mask,
@@ -367,11 +420,12 @@ int lm_causal_kernel_attention_backward_f32(const float *q, const float *k, cons
                                               vsh, vsn, &ms}, init, den, out, grad, grad_q, grad_k, grad_v, grad_state,
                                              width, dp, ldt, parts, starts, ends, out_at, grad_at,
                                              rows_from(strides, 2, h, n, d_in), rows_from(strides, 3, h, n, d_in),
-                                             rows_from(strides, 4, h, n, dv), streamed((long)bh * n * d_in)};
-    const long scratch = (long)ROWS * (3 * dp + 3 * width + 2 * ldt) + (long)d * (ldt + width) +
-                         (long)width * (ldt + dp);
-    const int status = for_each_task((int)(bh * parts), threads, scratch, causal_part_backward, &backward,
-                                     grad_scale != NULL); /* a fixed order for parameter gradients summed per thread */
+                                             rows_from(strides, 4, h, n, dv), streamed((long)bh * n * d_in),
+                                             causal_turn(bh, h, parts, threads, qsh, qsn)};
+    const long scratch = (long)ROWS * (3 * dp + 3 * width + 2 * ldt) + (long)d * ldt + (long)width * ldt +
+                         (long)backward.turn * width * (d + dp);
+    const int status = for_each_task((int)(bh / backward.turn * parts), threads, scratch, causal_part_backward,
+                                     &backward, grad_scale != NULL); /* a fixed order: parameter gradients per thread */
     if (map == HEDGEHOG) hedgehog_grads_finish(&ms.hedgehog, grad_scale);
     free(starts);
     free(ends);
