@@ -878,6 +878,11 @@ def test_causal_heads_walked_in_turn_over_many_chunks_give_each_heads_own_number
     torch.set_num_threads(threads)
     try:
         _check_split_against_contiguous(LAYOUT_CASES[case], batch=1, n=130, heads=8)
+        # two sequences with their own padding: a group's heads never read another sequence's rows or mask
+        padding = torch.arange(100) >= torch.tensor([[63], [100]])
+        _check_split_against_contiguous(
+            lambda q, k, v: LF.kernel(q, k, v, feature_map="relu", causal=True, key_padding_mask=padding),
+            batch=2, n=100, heads=6)
         # the carried states start from each head's own initial state, and each head's gradient reaches its own
         state = torch.rand(1, 8, 8, 9, generator=torch.Generator().manual_seed(5)).requires_grad_()
         projection = torch.randn(1, 130, 3 * 8 * 8, generator=torch.Generator().manual_seed(6))

@@ -367,11 +367,15 @@ struct causal_inputs {
     const struct map_settings *ms; /* or NULL */
 };
 
-/* The chunk a causal pass loads after this one: head next_g's from position next (-1: none). */
+/* The chunk a causal pass loads after this one: head g's from position i0 (-1: none). */
 struct next_chunk {
     int g;
     long i0;
 };
+
+/* Whether that chunk starts where head g's rows read up to `end` stop: read in order, as the hardware's
+ * prefetchers follow (ahead_rows), rather than back or on another head (queue_rows). */
+static inline int next_follows(struct next_chunk next, int g, long end) { return next.g == g && next.i0 == end; }
 
 /* The end of that chunk (its start where it is -1, no chunk). */
 static inline long chunk_end(const struct causal_inputs *in, struct next_chunk next) {
@@ -390,9 +394,11 @@ static inline struct ahead_queue *load_chunk(const struct causal_inputs *in, int
     const uint8_t *masked = in->mask ? in->mask + bi * in->n + i0 : NULL;
     const long end = chunk_end(in, next);
     struct ahead_queue *queue = ahead_start(3 * (ROWS / 6)); /* the scores, and the products with [V, 1] and S */
-    ahead_rows(queue, in->q + nb * in->qsb + nh * in->qsh, next.i0, end, in->qsn, map_inputs(d, in->map, in->ms));
-    ahead_rows(queue, in->k + nb * in->ksb + nh * in->ksh, next.i0, end, in->ksn, map_inputs(d, in->map, in->ms));
-    ahead_rows(queue, in->v + nb * in->vsb + nh * in->vsh, next.i0, end, in->vsn, dv);
+    void (*const ahead)(struct ahead_queue *, const float *, long, long, long, int) =
+        next_follows(next, g, i0 + rows) ? ahead_rows : queue_rows;
+    ahead(queue, in->q + nb * in->qsb + nh * in->qsh, next.i0, end, in->qsn, map_inputs(d, in->map, in->ms));
+    ahead(queue, in->k + nb * in->ksb + nh * in->ksh, next.i0, end, in->ksn, map_inputs(d, in->map, in->ms));
+    ahead(queue, in->v + nb * in->vsb + nh * in->vsh, next.i0, end, in->vsn, dv);
     const float *qs[ROWS], *ks[ROWS];
     for (int r = 0; r < rows; r++) {
         const long j = i0 + r;

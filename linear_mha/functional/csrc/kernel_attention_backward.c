@@ -236,15 +236,17 @@ struct causal_backward {
 /* A chunk as both causal passes need it: load_chunk's features (row stride dp), values and phi(k)^T (k_t NULL:
  * the d q pass does not read it), [v, 1] transposed into the first Dv + 1 rows of v1_t (width x ldt) and the
  * gradient rows of [num, den]. The rows of the next chunk, grad's and out's with them, are queued as
- * load_chunk queues its own: the reverse pass walks the chunks backwards. */
+ * load_chunk queues its own (the next head's at these positions, or the chunk before in the reverse pass). */
 static void load_gradient_chunk(const struct causal_backward *c, int g, long i0, int rows, struct next_chunk next,
                                 float *phi_q, float *phi_k, float *v1, float *k_t, float *v1_t, float *r_rows) {
     const struct causal_inputs *in = &c->in;
     const int width = c->width, ldt = c->ldt;
     struct ahead_queue *queue = load_chunk(in, g, i0, rows, next, phi_q, phi_k, c->dp, v1, width, k_t, ldt);
     const long end = chunk_end(in, next);
-    ahead_rows(queue, c->grad + row_offset(c->grad_at, in->h, next.g, 0), next.i0, end, c->grad_at.n, in->dv);
-    ahead_rows(queue, c->out + row_offset(c->out_at, in->h, next.g, 0), next.i0, end, c->out_at.n, in->dv);
+    void (*const ahead)(struct ahead_queue *, const float *, long, long, long, int) =
+        next_follows(next, g, i0 + rows) ? ahead_rows : queue_rows;
+    ahead(queue, c->grad + row_offset(c->grad_at, in->h, next.g, 0), next.i0, end, c->grad_at.n, in->dv);
+    ahead(queue, c->out + row_offset(c->out_at, in->h, next.g, 0), next.i0, end, c->out_at.n, in->dv);
     gradient_rows(c->grad + row_offset(c->grad_at, in->h, g, i0), c->grad_at.n,
                   c->out + row_offset(c->out_at, in->h, g, i0), c->out_at.n, c->den + (long)g * in->n + i0, rows,
                   in->dv, width, r_rows);

@@ -75,17 +75,18 @@ static inline int item_rows(const struct gate_rows *c, long item, int *g, long *
 }
 
 /* Queues the rows item `next` will read (q, out and, with grad set, grad), unless it is `end`, to be asked for over
- * the GEMM steps of the item before it (ahead.h). Without it each block's first reads of q and out waited on
- * memory: 45% of the forward's samples in its loop over out, and a GEMM stalled on the rows of q. */
+ * the GEMM steps of the item before it (ahead.h), in any layout: the next item is another head's block. Without
+ * it each block's first reads of q and out waited on memory: 45% of the forward's samples in its loop over out,
+ * and a GEMM stalled on the rows of q. */
 static void queue_next(const struct gate_rows *c, long next, long end, int steps, int grad) {
     struct ahead_queue *queue = ahead_start(steps);
     if (next >= end) return;
     int g;
     long i0;
     const int rows = item_rows(c, next, &g, &i0);
-    ahead_rows(queue, c->q + row_offset(c->q_at, c->h, g, 0), i0, i0 + rows, c->q_at.n, c->d);
-    ahead_rows(queue, c->out + row_offset(c->out_at, c->h, g, 0), i0, i0 + rows, c->out_at.n, c->dv);
-    if (grad) ahead_rows(queue, c->grad + row_offset(c->grad_at, c->h, g, 0), i0, i0 + rows, c->grad_at.n, c->dv);
+    queue_rows(queue, c->q + row_offset(c->q_at, c->h, g, 0), i0, i0 + rows, c->q_at.n, c->d);
+    queue_rows(queue, c->out + row_offset(c->out_at, c->h, g, 0), i0, i0 + rows, c->out_at.n, c->dv);
+    if (grad) queue_rows(queue, c->grad + row_offset(c->grad_at, c->h, g, 0), i0, i0 + rows, c->grad_at.n, c->dv);
 }
 
 static void forward_task(const void *ctx, int t, float *s) {

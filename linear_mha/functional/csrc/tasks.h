@@ -169,16 +169,17 @@ typedef void (*block_fn)(const void *ctx, int g, long i0, int rows, float *scrat
 
 #define BLOCKS_PER_GRAB 4 /* 192 rows: a grab is one atomic add on a shared counter */
 
-/* How for_each_block and accumulate_states should walk h heads whose rows are head_stride and position_stride
- * floats apart: each block of positions over the heads in turn (h) where a position's heads lie closer together
- * than its positions (a module's layout), else a head at a time (1). */
+/* How for_each_block, accumulate_states and the causal tasks (causal_turn) should walk h heads whose rows are
+ * head_stride and position_stride floats apart: each block of positions over the heads in turn (h) where a
+ * position's heads lie closer together than its positions (a module's layout), else a head at a time (1). */
 static inline int heads_in_turn(int h, long head_stride, long position_stride) {
     return h > 1 && head_stride < position_stride ? h : 1;
 }
 
 /* How many heads a causal task should walk in turn, chunk by chunk (each carrying its own state): heads_in_turn's
- * answer cut down to a divisor of h that leaves at least two tasks a thread, so that a thread the machine slows
- * down holds the others up by a task at most; 1 where the sequences are cut into parts (parts > 1). */
+ * answer cut down to a divisor of h that leaves every thread a task (groups of 4 of 8 heads on 2 threads ran
+ * 1.03-1.06x faster than groups of 2, though a thread the machine slows down then holds the other up by more);
+ * 1 where the sequences are cut into parts (parts > 1). */
 static inline int causal_turn(int bh, int h, long parts, int threads, long head_stride, long position_stride) {
     if (parts > 1) return 1;
     for (int turn = heads_in_turn(h, head_stride, position_stride); turn > 1; turn--)
