@@ -191,9 +191,7 @@ static void causal_part(const void *ctx, int item, float *scratch) {
         for (int t = 0; t < turn; t++) { /* the group's heads over these positions, whose rows share pages */
             const int g = (int)(group * turn + t);
             float *state = states + (long)t * d * dvp;
-            const struct next_chunk next = t + 1 < turn ? (struct next_chunk){g + 1, i0}
-                                                        : (struct next_chunk){(int)(group * turn),
-                                                                              i0 + rows < z ? i0 + rows : -1};
+            const struct next_chunk next = next_in_turn(g, t, turn, i0, i0 + rows < z ? i0 + rows : -1);
             load_chunk(&c->in, g, i0, rows, next, phi_q, phi_k, d, v1, dvp, k_t, ldt);
             memset(num_den, 0, sizeof(float) * rows * dvp);
             gemm_cols(FULL, rows, dv + 1, d, phi_q, d, 1, state, dvp, num_den, dvp);

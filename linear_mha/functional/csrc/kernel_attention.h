@@ -373,6 +373,13 @@ struct next_chunk {
     long i0;
 };
 
+/* The chunk after head g's at position i0, for the t-th of a task's turn heads (g = group turn + t): the next
+ * head's at i0, or after the last head the first head's at `following` (-1: none). */
+static inline struct next_chunk next_in_turn(int g, int t, int turn, long i0, long following) {
+    const struct next_chunk next = {t + 1 < turn ? g + 1 : g - t, t + 1 < turn ? i0 : following};
+    return next;
+}
+
 /* Whether that chunk starts where head g's rows read up to `end` stop: read in order, as the hardware's
  * prefetchers follow (ahead_rows), rather than back or on another head (queue_rows). */
 static inline int next_follows(struct next_chunk next, int g, long end) { return next.g == g && next.i0 == end; }

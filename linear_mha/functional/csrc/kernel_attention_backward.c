@@ -349,9 +349,7 @@ static void causal_part_backward(const void *ctx, int item, float *scratch) {
             const int rows = (int)(z - i0 < ROWS ? z - i0 : ROWS);
             for (int t = 0; t < turn; t++) {
                 const int g = (int)(group * turn + t);
-                const struct next_chunk next = t + 1 < turn ? (struct next_chunk){g + 1, i0}
-                                                            : (struct next_chunk){(int)(group * turn),
-                                                                                  i0 + rows < z ? i0 + rows : -1};
+                const struct next_chunk next = next_in_turn(g, t, turn, i0, i0 + rows < z ? i0 + rows : -1);
                 query_chunk_backward(c, g, i0, rows, next, &b, acc_ts + t * acc_t_size);
             }
         }
@@ -367,10 +365,8 @@ static void causal_part_backward(const void *ctx, int item, float *scratch) {
         const int rows = (int)(z - i0 < ROWS ? z - i0 : ROWS);
         for (int t = 0; t < turn; t++) {
             const int g = (int)(group * turn + t);
-            const struct next_chunk next = t + 1 < turn ? (struct next_chunk){g + 1, i0}
-                                                        : (struct next_chunk){(int)(group * turn),
-                                                                              i0 - ROWS >= a ? i0 - ROWS : -1};
-            key_chunk_backward(c, g, i0, rows, next, &b, accs + t * acc_size, acc_ts);
+            const struct next_chunk next = next_in_turn(g, t, turn, i0, i0 - ROWS >= a ? i0 - ROWS : -1);
+            key_chunk_backward(c, g, i0, rows, next, &b, accs + t * acc_size, acc_ts); /* S^T's room, unused now */
         }
     }
     if (c->grad_state && part == 0) /* G after the first part is G_0 */
