@@ -95,4 +95,8 @@ static inline void ahead_rows(struct ahead_queue *q, const float *base, long j, 
     queue_rows(q, base, j, z, stride, floats);
 }
 
+/* ahead_rows for rows read in order after the loader's own, else queue_rows. */
+typedef void (*row_queuer)(struct ahead_queue *q, const float *base, long j, long z, long stride, int floats);
+static inline row_queuer rows_queuer(int in_order) { return in_order ? ahead_rows : queue_rows; }
+
 #endif

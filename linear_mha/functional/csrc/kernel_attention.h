@@ -401,8 +401,7 @@ static inline struct ahead_queue *load_chunk(const struct causal_inputs *in, int
     const uint8_t *masked = in->mask ? in->mask + bi * in->n + i0 : NULL;
     const long end = chunk_end(in, next);
     struct ahead_queue *queue = ahead_start(3 * (ROWS / 6)); /* the scores, and the products with [V, 1] and S */
-    void (*const ahead)(struct ahead_queue *, const float *, long, long, long, int) =
-        next_follows(next, g, i0 + rows) ? ahead_rows : queue_rows;
+    const row_queuer ahead = rows_queuer(next_follows(next, g, i0 + rows));
     ahead(queue, in->q + nb * in->qsb + nh * in->qsh, next.i0, end, in->qsn, map_inputs(d, in->map, in->ms));
     ahead(queue, in->k + nb * in->ksb + nh * in->ksh, next.i0, end, in->ksn, map_inputs(d, in->map, in->ms));
     ahead(queue, in->v + nb * in->vsb + nh * in->vsh, next.i0, end, in->vsn, dv);

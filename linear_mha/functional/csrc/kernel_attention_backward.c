@@ -243,8 +243,7 @@ static void load_gradient_chunk(const struct causal_backward *c, int g, long i0,
     const int width = c->width, ldt = c->ldt;
     struct ahead_queue *queue = load_chunk(in, g, i0, rows, next, phi_q, phi_k, c->dp, v1, width, k_t, ldt);
     const long end = chunk_end(in, next);
-    void (*const ahead)(struct ahead_queue *, const float *, long, long, long, int) =
-        next_follows(next, g, i0 + rows) ? ahead_rows : queue_rows;
+    const row_queuer ahead = rows_queuer(next_follows(next, g, i0 + rows));
     ahead(queue, c->grad + row_offset(c->grad_at, in->h, next.g, 0), next.i0, end, c->grad_at.n, in->dv);
     ahead(queue, c->out + row_offset(c->out_at, in->h, next.g, 0), next.i0, end, c->out_at.n, in->dv);
     gradient_rows(c->grad + row_offset(c->grad_at, in->h, g, i0), c->grad_at.n,
