@@ -412,25 +412,27 @@ static inline __attribute__((always_inline)) void tile(const int R, const int V,
     }
 }
 
-/* The lower-triangular variants skip the products a causal block never uses: with LOWER_K, rows i.. of the
- * tile read only p < i + R (the scores times values); with LOWER_N they write only columns < i + R (the
- * scores themselves). */
-enum { FULL = 0, LOWER_K = 1, LOWER_N = 2 };
+/* The triangular variants skip the products a causal block never uses: with LOWER_K, rows i.. of the tile
+ * read only p < i + R (the scores times values); with LOWER_N they write only columns < i + R (the scores
+ * themselves); with UPPER_K they read only p >= i (a transposed lower-triangular A: the causal backward's
+ * M^T R and dM^T phi(Q), whose products were a quarter of its key pass's). */
+enum { FULL = 0, LOWER_K = 1, LOWER_N = 2, UPPER_K = 3 };
 
 #define TILE_ROW(R)                                                                                        \
     do {                                                                                                   \
         const int kk = shape == LOWER_K && i + R < k ? i + R : k;                                         \
         const int nn = shape == LOWER_N && (i + R + W - 1) / W < nv ? (i + R + W - 1) / W : nv;           \
-        const float *ar = a + i * ai, *sr = scale ? scale + i : NULL;                                      \
+        const int k0 = shape == UPPER_K ? (i < kk ? i : kk) : 0;                                          \
+        const float *ar = a + i * ai + k0 * ap, *br = b + k0 * ldb, *sr = scale ? scale + i : NULL;        \
         float *cr = c + i * ldc;                                                                           \
         int v = 0;                                                                                         \
         for (; v + TILE_V <= nn; v += TILE_V)                                                              \
-            tile(R, TILE_V, kk, ar, ai, ap, b + v * W, ldb, cr + v * W, ldc, sr, stream);                  \
+            tile(R, TILE_V, kk - k0, ar, ai, ap, br + v * W, ldb, cr + v * W, ldc, sr, stream);            \
         if (TILE_V > 2 && v + 2 <= nn) {                                                                   \
-            tile(R, 2, kk, ar, ai, ap, b + v * W, ldb, cr + v * W, ldc, sr, stream);                       \
+            tile(R, 2, kk - k0, ar, ai, ap, br + v * W, ldb, cr + v * W, ldc, sr, stream);                 \
             v += 2;                                                                                        \
         }                                                                                                  \
-        if (v < nn) tile(R, 1, kk, ar, ai, ap, b + v * W, ldb, cr + v * W, ldc, sr, stream);               \
+        if (v < nn) tile(R, 1, kk - k0, ar, ai, ap, br + v * W, ldb, cr + v * W, ldc, sr, stream);         \
     } while (0)
 
 /* Between its 6-row groups the GEMM asks for some of the lines the row loaders queued (ahead.h). */
@@ -464,21 +466,21 @@ static inline void gemm_acc(int m, int nv, int k, const float *a, long ai, long 
     gemm_shaped(FULL, m, nv, k, a, ai, ap, b, ldb, c, ldc);
 }
 
-/* c[i * ldc] += sum_p A(i, p) b[p * ldb] for i < m (p <= i with LOWER_K): one column of a GEMM, A as gemm_shaped
- * reads it. Vectorised over i when A is stored transposed (ai == 1), as a dot product per row when its rows are
- * contiguous (ap == 1). */
+/* c[i * ldc] += sum_p A(i, p) b[p * ldb] for i < m (p <= i with LOWER_K, p >= i with UPPER_K): one column of a
+ * GEMM, A as gemm_shaped reads it. Vectorised over i when A is stored transposed (ai == 1), as a dot product per
+ * row when its rows are contiguous (ap == 1). */
 static inline void column_product(int shape, int m, int k, const float *a, long ai, long ap, const float *b, long ldb,
                                   float *c, long ldc) {
-    if (ai == 1 && shape == FULL) {
+    if (ai == 1 && shape != LOWER_K) {
         int i = 0;
-        for (; i + W <= m; i += W) {
+        for (; i + W <= m; i += W) { /* UPPER_K: the vector's rows below i read zeros from p = i */
             vf acc = splat(0.0f);
-            for (int p = 0; p < k; p++) acc += load(a + i + p * ap) * splat(b[p * ldb]);
+            for (int p = shape == UPPER_K ? i : 0; p < k; p++) acc += load(a + i + p * ap) * splat(b[p * ldb]);
             for (int e = 0; e < W; e++) c[(i + e) * ldc] += acc[e];
         }
         for (; i < m; i++) {
             float acc = 0.0f;
-            for (int p = 0; p < k; p++) acc += a[i + p * ap] * b[p * ldb];
+            for (int p = shape == UPPER_K ? i : 0; p < k; p++) acc += a[i + p * ap] * b[p * ldb];
             c[i * ldc] += acc;
         }
         return;
@@ -486,17 +488,17 @@ static inline void column_product(int shape, int m, int k, const float *a, long 
     float column[k > 0 ? k : 1];
     for (int p = 0; p < k; p++) column[p] = b[p * ldb];
     for (int i = 0; i < m; i++) {
-        const int kk = shape == LOWER_K && i + 1 < k ? i + 1 : k;
-        const float *ar = a + i * ai;
+        const int kk = shape == LOWER_K && i + 1 < k ? i + 1 : k, k0 = shape == UPPER_K && i < kk ? i : 0;
+        const float *ar = a + i * ai + k0 * ap;
         float acc = 0.0f;
-        if (ap == 1) acc = dot_product(ar, column, kk);
+        if (ap == 1) acc = dot_product(ar, column + k0, kk - k0);
         else
-            for (int p = 0; p < kk; p++) acc += ar[p * ap] * column[p];
+            for (int p = 0; p < kk - k0; p++) acc += ar[p * ap] * column[k0 + p];
         c[i * ldc] += acc;
     }
 }
 
-/* gemm_shaped (FULL or LOWER_K) over the first `cols` columns of B and C, whose rows are padded to whole vectors
+/* gemm_shaped (FULL, LOWER_K or UPPER_K) over the first `cols` columns of B and C, whose rows are padded to whole vectors
  * (the columns beyond are left as they are). Kernel attention's value rows are [v, 1]: with Dv a whole number of
  * vectors, the normaliser's one column would take a vector of its own, a sixth to a ninth more work; that column
  * is taken as a column_product instead. */
