@@ -425,10 +425,9 @@ static inline struct ahead_queue *load_chunk(const struct causal_inputs *in, int
 }
 
 /* scores (rows x ldt) = tril(a b): a is (rows x k) with row stride lda, b is (k x ldt); entries above the
- * diagonal are zero. */
+ * diagonal are zero, columns from rows on are left undefined (no product reads them). */
 static inline void lower_scores(int rows, int k, const float *a, int lda, const float *b, int ldt, float *scores) {
-    memset(scores, 0, sizeof(float) * rows * ldt);
-    gemm_shaped(LOWER_N, rows, (rows + W - 1) / W, k, a, lda, 1, b, ldt, scores, ldt);
+    gemm_written(LOWER_N, rows, (rows + W - 1) / W, k, a, lda, 1, b, ldt, scores, ldt); /* c <= r and more */
     for (int r = 0; r < rows; r++)
         for (int c = r + 1; c < rows; c++) scores[r * ldt + c] = 0.0f;
 }

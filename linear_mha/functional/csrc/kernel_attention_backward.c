@@ -272,8 +272,7 @@ static void query_chunk_backward(const struct causal_backward *c, int g, long i0
     const int d = c->in.d, dv = c->in.dv, width = c->width, dp = c->dp, ldt = c->ldt, map = c->in.map;
     const int bi = g / c->in.h, hi = g % c->in.h;
     load_gradient_chunk(c, g, i0, rows, next, b->phi_q, b->phi_k, b->v1, NULL, b->v1_t, b->r_rows);
-    memset(b->g_phi, 0, sizeof(float) * rows * dp);
-    gemm_acc(rows, dp / W, dv + 1, b->r_rows, width, 1, acc_t, dp, b->g_phi, dp);
+    gemm_written(FULL, rows, dp / W, dv + 1, b->r_rows, width, 1, acc_t, dp, b->g_phi, dp);
     lower_scores(rows, dv + 1, b->r_rows, width, b->v1_t, ldt, b->d_scores);
     gemm_shaped(LOWER_K, rows, dp / W, rows, b->d_scores, ldt, 1, b->phi_k, dp, b->g_phi, dp);
     float *dq = c->grad_q + row_offset(c->grad_q_at, c->in.h, g, i0), *dst[ROWS];
@@ -297,11 +296,10 @@ static void key_chunk_backward(const struct causal_backward *c, int g, long i0, 
     lower_scores(rows, d, b->phi_q, dp, b->k_t, ldt, b->scores);
     lower_scores(rows, dv + 1, b->r_rows, width, b->v1_t, ldt, b->d_scores);
     transpose_states(acc, width, 1, d, width - 1, width, dp, acc_t);
-    memset(b->g_v1, 0, sizeof(float) * rows * width);
-    gemm_cols(UPPER_K, rows, dv, rows, b->scores, 1, ldt, b->r_rows, width, b->g_v1, width); /* M^T R */
-    gemm_cols(FULL, rows, dv, d, b->phi_k, dp, 1, acc, width, b->g_v1, width);           /* phi(K) G */
-    memset(b->g_phi, 0, sizeof(float) * rows * dp);
-    gemm_shaped(UPPER_K, rows, dp / W, rows, b->d_scores, 1, ldt, b->phi_q, dp, b->g_phi, dp); /* dM^T phi(Q) */
+    /* M^T R over whole vectors of d v's Dv columns, then phi(K) G added */
+    gemm_written(UPPER_K, rows, (dv + W - 1) / W, rows, b->scores, 1, ldt, b->r_rows, width, b->g_v1, width);
+    gemm_cols(FULL, rows, dv, d, b->phi_k, dp, 1, acc, width, b->g_v1, width);
+    gemm_written(UPPER_K, rows, dp / W, rows, b->d_scores, 1, ldt, b->phi_q, dp, b->g_phi, dp); /* dM^T phi(Q) */
     gemm_acc(rows, dp / W, dv + 1, b->v1, width, 1, acc_t, dp, b->g_phi, dp);           /* V1 G^T */
     float *dk0 = c->grad_k ? c->grad_k + row_offset(c->grad_k_at, c->in.h, g, i0) : NULL;
     float *dv0 = c->grad_v ? c->grad_v + row_offset(c->grad_v_at, c->in.h, g, i0) : NULL;
