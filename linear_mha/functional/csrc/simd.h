@@ -474,21 +474,21 @@ static inline void gemm_acc(int m, int nv, int k, const float *a, long ai, long 
     gemm_shaped(FULL, m, nv, k, a, ai, ap, b, ldb, c, ldc);
 }
 
-/* c[i * ldc] += sum_p A(i, p) b[p * ldb] for i < m (p <= i with LOWER_K, p >= i with UPPER_K): one column of a
- * GEMM, A as gemm_shaped reads it. Vectorised over i when A is stored transposed (ai == 1), as a dot product per
- * row when its rows are contiguous (ap == 1). */
+/* c[i * ldc] += sum_p A(i, p) b[p * ldb] for i < m (p <= i with LOWER_K): one column of a GEMM, A as gemm_shaped
+ * reads it. Vectorised over i when A is stored transposed (ai == 1), as a dot product per row when its rows are
+ * contiguous (ap == 1). */
 static inline void column_product(int shape, int m, int k, const float *a, long ai, long ap, const float *b, long ldb,
                                   float *c, long ldc) {
-    if (ai == 1 && shape != LOWER_K) {
+    if (ai == 1 && shape == FULL) {
         int i = 0;
-        for (; i + W <= m; i += W) { /* UPPER_K: the vector's rows below i read zeros from p = i */
+        for (; i + W <= m; i += W) {
             vf acc = splat(0.0f);
-            for (int p = shape == UPPER_K ? i : 0; p < k; p++) acc += load(a + i + p * ap) * splat(b[p * ldb]);
+            for (int p = 0; p < k; p++) acc += load(a + i + p * ap) * splat(b[p * ldb]);
             for (int e = 0; e < W; e++) c[(i + e) * ldc] += acc[e];
         }
         for (; i < m; i++) {
             float acc = 0.0f;
-            for (int p = shape == UPPER_K ? i : 0; p < k; p++) acc += a[i + p * ap] * b[p * ldb];
+            for (int p = 0; p < k; p++) acc += a[i + p * ap] * b[p * ldb];
             c[i * ldc] += acc;
         }
         return;
@@ -496,17 +496,17 @@ static inline void column_product(int shape, int m, int k, const float *a, long 
     float column[k > 0 ? k : 1];
     for (int p = 0; p < k; p++) column[p] = b[p * ldb];
     for (int i = 0; i < m; i++) {
-        const int kk = shape == LOWER_K && i + 1 < k ? i + 1 : k, k0 = shape == UPPER_K && i < kk ? i : 0;
-        const float *ar = a + i * ai + k0 * ap;
+        const int kk = shape == LOWER_K && i + 1 < k ? i + 1 : k;
+        const float *ar = a + i * ai;
         float acc = 0.0f;
-        if (ap == 1) acc = dot_product(ar, column + k0, kk - k0);
+        if (ap == 1) acc = dot_product(ar, column, kk);
         else
-            for (int p = 0; p < kk - k0; p++) acc += ar[p * ap] * column[k0 + p];
+            for (int p = 0; p < kk; p++) acc += ar[p * ap] * column[p];
         c[i * ldc] += acc;
     }
 }
 
-/* gemm_shaped (FULL, LOWER_K or UPPER_K) over the first `cols` columns of B and C, whose rows are padded to whole vectors
+/* gemm_shaped (FULL or LOWER_K) over the first `cols` columns of B and C, whose rows are padded to whole vectors
  * (the columns beyond are left as they are). Kernel attention's value rows are [v, 1]: with Dv a whole number of
  * vectors, the normaliser's one column would take a vector of its own, a sixth to a ninth more work; that column
  * is taken as a column_product instead. */
