@@ -54,9 +54,12 @@ static int query_source(const void *ctx, int g, long j, long z, long *next, floa
     block_features(a, c->d, src, pos, NULL, rows, c->d, c->map, c->ms, hi, c->rope, kept);
     if (c->grad_q) {
         const float *state_t = c->state_t + (long)g * c->width * c->dp;
-        memset(scratch, 0, sizeof(float) * rows * c->dp);
-        if (c->rope) split_state_product(rows, c->d, c->dv, b, c->width, state_t, c->dp, scratch);
-        else gemm_acc(rows, c->dp / W, c->dv + 1, b, c->width, 1, state_t, c->dp, scratch, c->dp);
+        if (c->rope) {
+            memset(scratch, 0, sizeof(float) * rows * c->dp);
+            split_state_product(rows, c->d, c->dv, b, c->width, state_t, c->dp, scratch);
+        } else {
+            gemm_written(FULL, rows, c->dp / W, c->dv + 1, b, c->width, 1, state_t, c->dp, scratch, c->dp);
+        }
         float *dq = c->grad_q + row_offset(c->grad_q_at, c->h, g, j), *dst[ROWS];
         for (int r = 0; r < rows; r++) dst[r] = dq + r * c->grad_q_at.n;
         block_input_grad(dst, c->stream, scratch, c->dp, a, c->d, src, pos, NULL, rows, c->d, d_in, c->map, c->ms,
@@ -107,15 +110,15 @@ static void key_block(const void *ctx, int g, long j0, int rows, float *scratch)
         memset(row + dv + 1, 0, sizeof(float) * (width - dv - 1));
     }
     block_features(phi, d, src, pos, masked, rows, d, c->map, c->ms, key_head(c->map, c->ms, hi), c->rope, kept);
-    memset(g_phi, 0, sizeof(float) * rows * dp);
-    memset(g_v1, 0, sizeof(float) * rows * width);
     const float *acc = c->acc + (long)g * d * width, *acc_t = c->acc_t + (long)g * width * dp;
     if (c->rope) { /* G holds values on the rotated rows only, so d v takes those rows alone */
+        memset(g_phi, 0, sizeof(float) * rows * dp);
+        memset(g_v1, 0, sizeof(float) * rows * width);
         split_state_product(rows, d, dv, v1, width, acc_t, dp, g_phi);
         gemm_cols(FULL, rows, dv, d / 2, phi, d, 1, acc, width, g_v1, width);
-    } else {
-        gemm_acc(rows, dp / W, dv + 1, v1, width, 1, acc_t, dp, g_phi, dp);
-        gemm_cols(FULL, rows, dv, d, phi, d, 1, acc, width, g_v1, width);
+    } else { /* d v over whole vectors of its Dv columns (G's padding columns are zero) */
+        gemm_written(FULL, rows, dp / W, dv + 1, v1, width, 1, acc_t, dp, g_phi, dp);
+        gemm_written(FULL, rows, (dv + W - 1) / W, d, phi, d, 1, acc, width, g_v1, width);
     }
     float *dk0 = c->grad_k ? c->grad_k + row_offset(c->grad_k_at, c->h, g, j0) : NULL;
     float *dv0 = c->grad_v ? c->grad_v + row_offset(c->grad_v_at, c->h, g, j0) : NULL;
