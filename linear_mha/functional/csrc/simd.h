@@ -378,16 +378,17 @@ static inline void transpose_rows(const float *src, long lds, int rows, int cols
  * A tile of R rows x V vectors keeps its R * V accumulators in registers; R and V are constants at every call
  * site, so the loops unroll fully. 6 x 2 (12 accumulators, 2 loads and 6 broadcasts per 12 FMAs) is the
  * shape that fills the 16 AVX2 registers; it measured 1.6-2x faster here than 4 x 3.
- * With scale (gemm_scaled), C is not read: the tile starts from zero and writes row r times scale[r], with
- * streaming stores where stream is set and the row starts on a whole vector. */
+ * With written (gemm_written, gemm_scaled), C is not read: the tile starts from zero and writes the product over
+ * C, each row r times scale[r] where scale is given, with streaming stores where stream is set and the row starts
+ * on a whole vector. */
 static inline __attribute__((always_inline)) void tile(const int R, const int V, int k, const float *a, long ai,
                                                        long ap, const float *b, long ldb, float *c, long ldc,
-                                                       const float *scale, int stream) {
+                                                       int written, const float *scale, int stream) {
     vf acc[6][TILE_V], bv[TILE_V];
 #pragma GCC unroll 6
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
-        for (int v = 0; v < V; v++) acc[r][v] = scale ? splat(0.0f) : load(c + r * ldc + v * W);
+        for (int v = 0; v < V; v++) acc[r][v] = written ? splat(0.0f) : load(c + r * ldc + v * W);
     for (int p = 0; p < k; p++, b += ldb) {
         const float *ar = a + p * ap;
 #pragma GCC unroll 4
@@ -402,9 +403,9 @@ static inline __attribute__((always_inline)) void tile(const int R, const int V,
 #pragma GCC unroll 6
     for (int r = 0; r < R; r++) {
         float *cr = c + r * ldc;
-        if (scale && stream && vector_aligned(cr)) {
+        if (written && stream && vector_aligned(cr)) {
 #pragma GCC unroll 4
-            for (int v = 0; v < V; v++) store_stream(cr + v * W, acc[r][v] * splat(scale[r]));
+            for (int v = 0; v < V; v++) store_stream(cr + v * W, scale ? acc[r][v] * splat(scale[r]) : acc[r][v]);
         } else {
 #pragma GCC unroll 4
             for (int v = 0; v < V; v++) store(cr + v * W, scale ? acc[r][v] * splat(scale[r]) : acc[r][v]);
@@ -427,18 +428,18 @@ enum { FULL = 0, LOWER_K = 1, LOWER_N = 2, UPPER_K = 3 };
         float *cr = c + i * ldc;                                                                           \
         int v = 0;                                                                                         \
         for (; v + TILE_V <= nn; v += TILE_V)                                                              \
-            tile(R, TILE_V, kk - k0, ar, ai, ap, br + v * W, ldb, cr + v * W, ldc, sr, stream);            \
+            tile(R, TILE_V, kk - k0, ar, ai, ap, br + v * W, ldb, cr + v * W, ldc, written, sr, stream);   \
         if (TILE_V > 2 && v + 2 <= nn) {                                                                   \
-            tile(R, 2, kk - k0, ar, ai, ap, br + v * W, ldb, cr + v * W, ldc, sr, stream);                 \
+            tile(R, 2, kk - k0, ar, ai, ap, br + v * W, ldb, cr + v * W, ldc, written, sr, stream);        \
             v += 2;                                                                                        \
         }                                                                                                  \
-        if (v < nn) tile(R, 1, kk - k0, ar, ai, ap, br + v * W, ldb, cr + v * W, ldc, sr, stream);         \
+        if (v < nn) tile(R, 1, kk - k0, ar, ai, ap, br + v * W, ldb, cr + v * W, ldc, written, sr, stream);\
     } while (0)
 
 /* Between its 6-row groups the GEMM asks for some of the lines the row loaders queued (ahead.h). */
 static inline __attribute__((always_inline)) void gemm_rows(int shape, int m, int nv, int k, const float *a, long ai,
                                                             long ap, const float *b, long ldb, float *c, long ldc,
-                                                            const float *scale, int stream) {
+                                                            int written, const float *scale, int stream) {
     struct ahead_queue *queue = ahead_own();
     int i = 0;
     for (; i + 6 <= m; i += 6) {
@@ -451,22 +452,21 @@ static inline __attribute__((always_inline)) void gemm_rows(int shape, int m, in
 
 static inline void gemm_shaped(int shape, int m, int nv, int k, const float *a, long ai, long ap, const float *b,
                                long ldb, float *c, long ldc) {
-    gemm_rows(shape, m, nv, k, a, ai, ap, b, ldb, c, ldc, NULL, 0);
+    gemm_rows(shape, m, nv, k, a, ai, ap, b, ldb, c, ldc, 0, NULL, 0);
 }
 
 /* c[i][.] = scale[i] sum_p A(i, p) B[p][.]: the product written (not added) and each row scaled as it leaves the
  * registers, e.g. divided by its normaliser; stream as in tile. */
 static inline void gemm_scaled(int m, int nv, int k, const float *a, long ai, long ap, const float *b, long ldb,
                                const float *scale, float *c, long ldc, int stream) {
-    gemm_rows(FULL, m, nv, k, a, ai, ap, b, ldb, c, ldc, scale, stream);
+    gemm_rows(FULL, m, nv, k, a, ai, ap, b, ldb, c, ldc, 1, scale, stream);
 }
 
-/* gemm_shaped's product written over C instead of added to it, for m <= ROWS (a block's rows): C is neither
- * zeroed first nor read (the causal chunks' memsets were 2-3% of their backward's samples). */
+/* gemm_shaped's product written over C instead of added to it: C is neither zeroed first nor read (the causal
+ * chunks' memsets were 2-3% of their backward's samples). */
 static inline void gemm_written(int shape, int m, int nv, int k, const float *a, long ai, long ap, const float *b,
                                 long ldb, float *c, long ldc) {
-    static const float ones[ROWS] = {[0 ... ROWS - 1] = 1.0f};
-    gemm_rows(shape, m, nv, k, a, ai, ap, b, ldb, c, ldc, ones, 0);
+    gemm_rows(shape, m, nv, k, a, ai, ap, b, ldb, c, ldc, 1, NULL, 0);
 }
 
 static inline void gemm_acc(int m, int nv, int k, const float *a, long ai, long ap, const float *b, long ldb, float *c,
