@@ -25,9 +25,12 @@ replaces, reusing that module's Parameters (so state_dict keys and tensors stay 
     prepare_model(model, modules)      classmethod: model-wide changes once its adapters are in place (none by default)
     restore_model(model)               classmethod: undo them once unpatch has taken the adapters out
 """
+import functools
+import itertools
 from typing import Iterable, List, Optional, Tuple, Type
 
 import torch
+import torch.fx
 from torch import nn
 
 from .local_term import LOCAL_TERM_STATE, install_local_term
@@ -161,6 +164,30 @@ def drop_missing_state(names: Iterable[str], prefix: str, state_dict, missing_ke
         missing_keys[:] = [key for key in missing_keys if key not in owned]
 
 
+def traced_whole(forward):
+    """Decorator for an adapter's forward: under torch.fx symbolic tracing the module is recorded as one call_module
+    node, as a tracer records the torch.nn module it replaced, so that FX tools (torchvision's
+    create_feature_extractor, timm's feature extraction, FX quantization) see a patched model as they saw the
+    original. Traced through, the forward's checks of shapes and masks and its choice of backend are Python branches
+    on values a symbolic trace does not have. When the graph runs, the node calls the module on real tensors."""
+    @functools.wraps(forward)
+    def forward_or_node(self, *args, **kwargs):
+        proxy = next((a for a in itertools.chain(args, kwargs.values()) if isinstance(a, torch.fx.Proxy)), None)
+        if proxy is None:
+            return forward(self, *args, **kwargs)
+        tracer = proxy.tracer
+        try:
+            path = tracer.path_of_module(self)
+        except NameError:
+            path = None
+        if getattr(tracer, "root", None) is self or not path:
+            raise TypeError(f"torch.fx cannot trace {type(self).__name__} on its own: its forward branches on the "
+                            f"inputs' shapes and masks. Trace the model that holds it, where it is recorded as one "
+                            f"call_module node (as torch.fx records nn.MultiheadAttention), or use torch.export.export")
+        return tracer.create_proxy("call_module", path, args, kwargs)
+    return forward_or_node
+
+
 # ---------------------------------------------------------------------------------------------- registry
 _ADAPTERS: List[Type[nn.Module]] = []
 
@@ -186,4 +213,5 @@ def adapter_classes() -> tuple:
     return tuple(_ADAPTERS)
 
 
-__all__ = ["AttentionAdapter", "ATTACHED", "UnknownLength", "register_adapter", "adapter_for", "adapter_classes"]
+__all__ = ["AttentionAdapter", "ATTACHED", "UnknownLength", "register_adapter", "adapter_for", "adapter_classes",
+           "traced_whole"]

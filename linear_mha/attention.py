@@ -16,7 +16,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from . import masks, torch_models
 from .errors import InputError
-from .adapters import AttentionAdapter, register_adapter
+from .adapters import AttentionAdapter, register_adapter, traced_whole
 from .attend import attend_heads
 from .local_term import add_local_term
 from .output_gate import apply_output_gate
@@ -202,6 +202,7 @@ class LinearMultiheadAttention(AttentionAdapter, nn.Module):
         return s
 
     # ------------------------------------------------------------------ forward
+    @traced_whole
     def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor] = None,
                 need_weights: bool = True, attn_mask: Optional[Tensor] = None, average_attn_weights: bool = True,
                 is_causal: bool = False, token_grid: Optional[TokenGrid] = None) -> Tuple[Tensor, Optional[Tensor]]:

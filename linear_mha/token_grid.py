@@ -2,10 +2,11 @@
 
 nn.MultiheadAttention is never told the height and width of the feature map its tokens come from. A
 ``GridTracker`` is told instead: a forward pre-hook on the module that receives the image-shaped input (DETR's
-transformer, a ViT's patch embedding) records the grid of every forward, and the attention modules inside read it.
+transformer, a ViT's patch convolution) records the grid of every forward, and the attention modules inside read it.
 ``patch`` attaches one for DETR, timm and torchvision ViTs, ``linear_mha.track_token_grid`` one to any model;
 a caller can also pass ``token_grid=TokenGrid(h, w)`` to LinearMultiheadAttention's forward directly.
 """
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -47,11 +48,14 @@ class GridTracker:
         self.handle = None
 
     def watch(self, source: nn.Module) -> "GridTracker":
-        def record(module, args, kwargs):
-            first = args[0] if args else next(iter(kwargs.values()), None)
-            self.grid = self.grid_of(first)
-        self.handle = source.register_forward_pre_hook(record, with_kwargs=True)
+        # The tracker itself is the hook, not a closure over it: copy.deepcopy of the model (an EMA copy, say) then
+        # gives the copied source a hook into the copied tracker, the one the copied attention modules read.
+        self.handle = source.register_forward_pre_hook(self, with_kwargs=True)
         return self
+
+    def __call__(self, module, args, kwargs) -> None:
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        self.grid = self.grid_of(first)
 
     def remove(self) -> None:
         if self.handle is not None:
@@ -62,17 +66,42 @@ class GridTracker:
         return f"GridTracker(source={self.source_name!r}, grid={self.grid})"
 
 
+# The readers are partials of module-level functions rather than closures, so that a patched model still pickles
+# whole (torch.save(model)) with its trackers.
+def conv_output_grid(conv: nn.Conv2d, prefix: int = 0) -> Callable:
+    """A grid reader for a patch embedding's convolution, watched itself: the grid is the size of ``conv``'s output
+    on its (B, C, H, W) input, after ``prefix`` tokens. A convolution is a module torch.fx records whole, so its hook
+    also runs when an FX graph of the model does (torchvision's create_feature_extractor), where a hook on a module
+    that the trace went through would not."""
+    return functools.partial(_conv_output_grid, conv, prefix)
+
+
+def _conv_output_grid(conv: nn.Conv2d, prefix: int, x) -> Optional[TokenGrid]:
+    if not isinstance(x, Tensor) or x.dim() != 4:
+        return None
+
+    def length(size, i):
+        if conv.padding == "same":  # stride 1 only, which torch enforces
+            return size
+        padding = 0 if conv.padding == "valid" else conv.padding[i]
+        reach = conv.dilation[i] * (conv.kernel_size[i] - 1) + 1
+        return (size + 2 * padding - reach) // conv.stride[i] + 1
+    return TokenGrid(length(x.shape[-2], 0), length(x.shape[-1], 1), prefix)
+
+
 def feature_map_grid(prefix: int = 0, stride: int = 1, round_up: bool = False) -> Callable:
     """A grid reader for a module whose first input is (B, C, H, W): the grid is H / stride x W / stride (rounded
     up for a patch embedding that pads, else down), after ``prefix`` tokens. Any other input gives no grid."""
-    def grid_of(x):
-        if not isinstance(x, Tensor) or x.dim() != 4:
-            return None
-        h, w = x.shape[-2:]
-        if round_up:
-            return TokenGrid(-(-h // stride), -(-w // stride), prefix)
-        return TokenGrid(h // stride, w // stride, prefix)
-    return grid_of
+    return functools.partial(_feature_map_grid, prefix, stride, round_up)
+
+
+def _feature_map_grid(prefix: int, stride: int, round_up: bool, x) -> Optional[TokenGrid]:
+    if not isinstance(x, Tensor) or x.dim() != 4:
+        return None
+    h, w = x.shape[-2:]
+    if round_up:
+        return TokenGrid(-(-h // stride), -(-w // stride), prefix)
+    return TokenGrid(h // stride, w // stride, prefix)
 
 
 def resolve_token_grid(module: nn.Module, token_grid: Optional[TokenGrid]) -> Optional[TokenGrid]:

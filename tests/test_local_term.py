@@ -215,6 +215,34 @@ def test_torchvision_vit_reads_its_patch_grid():
     assert tracker.grid == TokenGrid(4, 4, prefix=1)
 
 
+def test_a_copied_or_pickled_model_reads_its_own_images_grid():
+    # The tracker is the hook itself, not a closure over it: a deepcopy (an EMA model) gives the copy's patch
+    # convolution a hook into the copy's tracker; a closure would keep feeding the original's, so the copy had no
+    # grid, or kept the one it was copied with (3 x 4 and 4 x 3 patches are both 12 tokens). torch.save of the
+    # whole model pickles the trackers and their readers.
+    import copy
+    import io
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=1,
+                            embed_dim=32, num_heads=2, num_classes=0, dynamic_img_size=True).eval()
+    patch(vit, "kernel", dwc_kernel=3)
+    with torch.no_grad():
+        vit.blocks[0].attn.dwc_weight.normal_()  # a term that starts at zero would hide a wrong grid
+    wide, tall = torch.randn(1, 3, 24, 32), torch.randn(1, 3, 32, 24)
+    vit.forward_features(wide)
+    buffer = io.BytesIO()
+    torch.save(vit, buffer)
+    buffer.seek(0)
+    for copied in (copy.deepcopy(vit), torch.load(buffer, weights_only=False)):
+        for x in (tall, wide):
+            torch.testing.assert_close(copied.forward_features(x), vit.forward_features(x))
+            assert copied.blocks[0].attn.__dict__["token_grid_source"].grid == TokenGrid(*(x.shape[-2] // 8,
+                                                                                          x.shape[-1] // 8), 1)
+    copy.deepcopy(vit).blocks[0].attn.__dict__["token_grid_source"].remove()  # the copy's hook, not the original's
+    vit.forward_features(tall)
+    assert vit.blocks[0].attn.__dict__["token_grid_source"].grid == TokenGrid(4, 3, 1)
+
 def test_a_model_without_a_known_grid_names_grid_source():
     model = nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, 16, batch_first=True), 1,
                                   enable_nested_tensor=False)

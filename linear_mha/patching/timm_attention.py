@@ -11,14 +11,14 @@ import torch
 from torch import Tensor, nn
 
 from .. import masks
-from ..adapters import AttentionAdapter, UnknownLength, register_adapter
+from ..adapters import AttentionAdapter, UnknownLength, register_adapter, traced_whole
 from ..attend import attend_heads
 from ..functional.packed_heads import split_heads
 from ..local_term import add_local_term
 from ..output_gate import apply_output_gate
 from ..plain_linear import call_linear
 from ..registry import DEFAULT_MODE, create_method
-from ..token_grid import feature_map_grid, resolve_token_grid
+from ..token_grid import conv_output_grid, feature_map_grid, resolve_token_grid
 
 _REUSED = ("qkv", "q_norm", "k_norm", "attn_drop", "norm", "gate", "proj", "proj_drop")
 
@@ -126,10 +126,13 @@ class LinearTimmAttention(AttentionAdapter, nn.Module):
         patch_embed = getattr(owner, "patch_embed", None)
         if patch_embed is None:
             return None
+        path = f"{owner_name}.patch_embed" if owner_name else "patch_embed"
+        prefix = int(getattr(owner, "num_prefix_tokens", 0))
+        proj = getattr(patch_embed, "proj", None)
+        if isinstance(proj, nn.Conv2d):  # its input is padded already, or a hybrid backbone's features
+            return f"{path}.proj", conv_output_grid(proj, prefix)
         stride = getattr(patch_embed, "patch_size", (1,))[0]
-        return (f"{owner_name}.patch_embed" if owner_name else "patch_embed",
-                feature_map_grid(int(getattr(owner, "num_prefix_tokens", 0)), stride,
-                                 round_up=bool(getattr(patch_embed, "dynamic_img_pad", False))))
+        return path, feature_map_grid(prefix, stride, round_up=bool(getattr(patch_embed, "dynamic_img_pad", False)))
 
     def extra_repr(self) -> str:
         s = f"attn_dim={self.attn_dim}, num_heads={self.num_heads}, {self.method.describe()}"
@@ -147,6 +150,7 @@ class LinearTimmAttention(AttentionAdapter, nn.Module):
         kpm, _ = _timm_mask_to_nn(attn_mask, x.shape[0], self.num_heads, x.shape[1], self.method)
         return None if kpm is None else masks.to_forbidden(kpm, "attn_mask", self.mode)[:, :, None]
 
+    @traced_whole
     def forward(self, x: Tensor, attn_mask: Optional[Tensor] = None, is_causal: bool = False) -> Tensor:
         """x (B, N, C) -> (B, N, C_out), as timm's Attention.forward (attn_mask in SDPA's convention)."""
         self.method.before_forward(self)

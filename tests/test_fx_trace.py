@@ -1,0 +1,115 @@
+"""torch.fx symbolic tracing of patched models: every attention module is recorded as one call_module node (as FX
+records the nn.MultiheadAttention it replaced), the graph computes what the model does, and the token grid of a
+local term reaches the attention modules when the graph runs (torchvision's and timm's feature extractors)."""
+import pytest
+import torch
+from torch import nn
+
+import linear_mha
+from linear_mha import LinearMultiheadAttention
+from linear_mha.token_grid import conv_output_grid
+
+
+class Block(nn.Module):
+    """A user's block (not a torch.nn class, so FX traces through it) around nn.MultiheadAttention."""
+
+    def __init__(self, dim=16, heads=2):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x, key_padding_mask):
+        out, _ = self.attn(x, x, x, key_padding_mask=key_padding_mask, need_weights=False)
+        return self.norm(x + out)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+
+    def forward(self, x, key_padding_mask):
+        for block in self.blocks:
+            x = block(x, key_padding_mask)
+        return x.sum(1)
+
+
+@pytest.mark.parametrize("mode", ["softmax", "kernel", "taylor", "hedgehog"])
+def test_traced_model_records_each_attention_as_one_node_and_matches(mode):
+    torch.manual_seed(0)
+    model = Net().double()
+    linear_mha.patch(model, mode=mode)
+    graph = torch.fx.symbolic_trace(model)
+    called = [node.target for node in graph.graph.nodes if node.op == "call_module"]
+    assert "blocks.0.attn" in called and "blocks.1.attn" in called
+    assert not any(target.startswith("blocks.0.attn.") for target in called)  # not traced through
+    assert isinstance(graph.get_submodule("blocks.0.attn"), LinearMultiheadAttention)
+
+    x = torch.randn(3, 7, 16, dtype=torch.double, requires_grad=True)
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[1, 5:] = True  # a padded sequence: the mask is a graph input, not a constant of the trace
+    expected = model(x, pad)
+    got = graph(x, pad)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    grads = torch.autograd.grad(got.sum(), [x] + list(graph.parameters()))
+    expected_grads = torch.autograd.grad(expected.sum(), [x] + list(model.parameters()))
+    for g, e in zip(grads, expected_grads):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+    other = torch.zeros(3, 7, dtype=torch.bool)
+    torch.testing.assert_close(graph(x, other), model(x, other), rtol=0, atol=0)
+
+
+def test_tracing_the_module_itself_says_what_to_trace():
+    with pytest.raises(TypeError, match="Trace the model that holds it"):
+        torch.fx.symbolic_trace(LinearMultiheadAttention(16, 2, mode="kernel"))
+
+
+def test_forward_keeps_its_signature():
+    # calibrate and output_padding bind a call's arguments to it.
+    import inspect
+    params = inspect.signature(LinearMultiheadAttention.forward).parameters
+    assert list(params)[:4] == ["self", "query", "key", "value"] and "token_grid" in params
+
+
+@pytest.mark.parametrize("conv", [nn.Conv2d(3, 4, 16, 16), nn.Conv2d(3, 4, 3, 2, padding=1),
+                                  nn.Conv2d(3, 4, 3, padding="same"),
+                                  nn.Conv2d(3, 4, (3, 5), (2, 3), padding="valid", dilation=2)],
+                         ids=["patch", "padded", "same", "valid_dilated"])
+def test_conv_output_grid_is_the_convolutions_output_size(conv):
+    for size in [(64, 48), (37, 29)]:
+        x = torch.randn(1, 3, *size)
+        grid = conv_output_grid(conv, prefix=2)(x)
+        assert (grid.height, grid.width, grid.prefix) == (*conv(x).shape[-2:], 2)
+    assert conv_output_grid(conv)(torch.randn(3, 8)) is None
+
+
+def test_torchvision_feature_extractor_on_a_patched_vit_with_a_local_term():
+    pytest.importorskip("torchvision")
+    from torchvision.models import VisionTransformer
+    from torchvision.models.feature_extraction import create_feature_extractor
+    torch.manual_seed(0)
+    vit = VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=16,
+                            mlp_dim=32).double().eval()
+    linear_mha.patch(vit, mode="kernel", dwc_kernel=3)
+    extractor = create_feature_extractor(vit, return_nodes={"encoder.ln": "tokens", "heads": "logits"})
+    x = torch.randn(2, 3, 32, 32, dtype=torch.double)
+    torch.testing.assert_close(extractor(x)["logits"], vit(x), rtol=0, atol=0)
+
+
+def test_timm_feature_extractor_reads_each_images_grid():
+    # The grid comes from a hook on the patch convolution, which the graph calls; a hook on a module the trace went
+    # through would not run, leaving no grid, or the one of an earlier image: 4 x 3 and 3 x 4 patches are both 12
+    # tokens, and the transposed grid would mix the wrong neighbours without an error.
+    timm = pytest.importorskip("timm")
+    from timm.models._features_fx import create_feature_extractor
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2,
+                              embed_dim=32, num_heads=2, num_classes=0, dynamic_img_size=True).double().eval()
+    linear_mha.patch(model, mode="kernel", dwc_kernel=3)
+    extractor = create_feature_extractor(model, return_nodes={"norm": "tokens"})
+    for size in [(32, 24), (24, 32), (40, 24)]:
+        x = torch.randn(2, 3, *size, dtype=torch.double)
+        expected = model.forward_features(x)
+        model.forward_features(torch.randn(1, 3, *reversed(size), dtype=torch.double))  # a different last grid
+        torch.testing.assert_close(extractor(x)["tokens"], expected, rtol=0, atol=0)
+
