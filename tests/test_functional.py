@@ -58,6 +58,37 @@ def test_softmax_fully_masked_rows_are_zero_without_nan_gradients(qkv):
         q.grad = None
 
 
+@pytest.mark.parametrize("how", ["forward_ad", "func.jvp"])
+def test_softmax_without_weights_has_forward_mode_derivatives(qkv, how):
+    # torch's fused kernel behind scaled_dot_product_attention has no forward-mode formula (nn.MultiheadAttention
+    # raises); the softmax reference, and Linformer on top of it, take the explicit products instead. Sample 1 sees
+    # no key at all: its rows stay zero, tangent included.
+    import torch.autograd.forward_ad as fwAD
+    q, k, v, kpm = qkv
+    kpm = kpm.clone()
+    kpm[1] = True
+    tangents = [torch.randn_like(t) for t in (q, k, v)]
+
+    def attend(q, k, v):
+        return LF.softmax(q, k, v, key_padding_mask=kpm, causal=False)[0]
+
+    if how == "forward_ad":
+        with fwAD.dual_level():
+            dual = attend(*(fwAD.make_dual(t, d) for t, d in zip((q, k, v), tangents)))
+            out, got = fwAD.unpack_dual(dual)
+    else:
+        out, got = torch.func.jvp(attend, (q, k, v), tuple(tangents))
+    eps = 1e-6
+    plus = attend(*(t + eps * d for t, d in zip((q, k, v), tangents)))
+    minus = attend(*(t - eps * d for t, d in zip((q, k, v), tangents)))
+    close(out, attend(q, k, v))
+    close(got, (plus - minus) / (2 * eps), tol=1e-7)
+    assert torch.all(out[1] == 0) and torch.all(got[1] == 0)
+    e = torch.randn(3, S, dtype=torch.float64)
+    with fwAD.dual_level():
+        projected = LF.linformer(fwAD.make_dual(q, tangents[0]), k, v, e)[0]
+        assert fwAD.unpack_dual(projected).tangent is not None
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("name,phi", [("elu", elu1), ("relu", torch.relu), ("callable", lambda x: x * x)])
 def test_kernel_matches_reference(qkv, causal, name, phi):

@@ -59,8 +59,13 @@ def softmax(
         bias = bias.masked_fill(dead, 0.0)
 
     if not need_weights:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
-        return (out if dead is None else out.masked_fill(dead, 0.0)), None
+        try:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
+            return (out if dead is None else out.masked_fill(dead, 0.0)), None
+        except NotImplementedError:
+            # torch's fused kernels have no forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp,
+            # where nn.MultiheadAttention fails); the products below have one.
+            pass
 
     scores = torch.matmul(q * scale, k.transpose(-2, -1))
     if bias is not None:
@@ -70,4 +75,4 @@ def softmax(
         weights = weights.masked_fill(dead, 0.0)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
-    return torch.matmul(weights, v), weights
+    return torch.matmul(weights, v), (weights if need_weights else None)
