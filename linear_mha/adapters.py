@@ -164,28 +164,37 @@ def drop_missing_state(names: Iterable[str], prefix: str, state_dict, missing_ke
         missing_keys[:] = [key for key in missing_keys if key not in owned]
 
 
+def _adapters_kept_whole(is_leaf_module):
+    """torch.fx.Tracer.is_leaf_module, extended to every AttentionAdapter: FX records one as a single call_module node,
+    as it records the torch.nn module the adapter replaced (FX keeps torch.nn modules whole), so that FX tools
+    (torchvision's create_feature_extractor, timm's feature extraction, FX quantization) see a patched model as they
+    saw the original: its hooks run when the graph runs, not while it is traced. Traced through, the adapter's checks
+    of shapes and masks and its choice of backend would be Python branches on values a symbolic trace does not have.
+    Tracers that override is_leaf_module and call super() keep the rule."""
+    @functools.wraps(is_leaf_module)
+    def is_leaf_or_adapter(self, m, module_qualified_name):
+        return isinstance(m, AttentionAdapter) or is_leaf_module(self, m, module_qualified_name)
+    is_leaf_or_adapter.keeps_linear_mha_adapters = True
+    return is_leaf_or_adapter
+
+
+if not getattr(torch.fx.Tracer.is_leaf_module, "keeps_linear_mha_adapters", False):
+    torch.fx.Tracer.is_leaf_module = _adapters_kept_whole(torch.fx.Tracer.is_leaf_module)
+
+
 def traced_whole(forward):
-    """Decorator for an adapter's forward: under torch.fx symbolic tracing the module is recorded as one call_module
-    node, as a tracer records the torch.nn module it replaced, so that FX tools (torchvision's
-    create_feature_extractor, timm's feature extraction, FX quantization) see a patched model as they saw the
-    original. Traced through, the forward's checks of shapes and masks and its choice of backend are Python branches
-    on values a symbolic trace does not have. When the graph runs, the node calls the module on real tensors."""
+    """Decorator for an adapter's forward: symbolic values reach it only where torch.fx traces the module itself (the
+    root of the trace, or under a tracer whose is_leaf_module does not keep it whole), which fails on its first
+    branch; this says so and what to do instead."""
     @functools.wraps(forward)
-    def forward_or_node(self, *args, **kwargs):
-        proxy = next((a for a in itertools.chain(args, kwargs.values()) if isinstance(a, torch.fx.Proxy)), None)
-        if proxy is None:
-            return forward(self, *args, **kwargs)
-        tracer = proxy.tracer
-        try:
-            path = tracer.path_of_module(self)
-        except NameError:
-            path = None
-        if getattr(tracer, "root", None) is self or not path:
-            raise TypeError(f"torch.fx cannot trace {type(self).__name__} on its own: its forward branches on the "
-                            f"inputs' shapes and masks. Trace the model that holds it, where it is recorded as one "
-                            f"call_module node (as torch.fx records nn.MultiheadAttention), or use torch.export.export")
-        return tracer.create_proxy("call_module", path, args, kwargs)
-    return forward_or_node
+    def forward_of_values(self, *args, **kwargs):
+        if any(isinstance(a, torch.fx.Proxy) for a in itertools.chain(args, kwargs.values())):
+            raise TypeError(f"torch.fx cannot trace through {type(self).__name__}: its forward branches on the inputs' "
+                            f"shapes and masks. Trace the model that holds it, with a tracer whose is_leaf_module calls "
+                            f"torch.fx.Tracer's (it keeps the module whole, as nn.MultiheadAttention), or use "
+                            f"torch.export.export")
+        return forward(self, *args, **kwargs)
+    return forward_of_values
 
 
 # ---------------------------------------------------------------------------------------------- registry

@@ -38,57 +38,69 @@ class TokenGrid:
         return self.prefix + self.height * self.width
 
 
+@dataclass(frozen=True)
+class PatchConvolution:
+    """Where a model (a ViT, its patch embedding) makes its patch tokens: its submodule ``conv``, whose (B, C, h, w)
+    output is the grid, after ``prefix`` tokens. Exact for any convolution, and a convolution is a module torch.fx
+    records whole, so its hook also runs when an FX graph of the model does (torchvision's create_feature_extractor),
+    where a hook on a module the trace went through would not."""
+    conv: str
+    prefix: int = 0
+
+
 class GridTracker:
     """The token grid of the latest forward of the module it watches (None before the first, or when that input
-    was not image-shaped). Shared by the attention modules inside; a plain object, not part of any state dict."""
+    was not image-shaped). Shared by the attention modules inside; a plain object, not part of any state dict.
 
-    def __init__(self, source_name: str, grid_of: Callable[[Optional[Tensor]], Optional[TokenGrid]]):
+    ``grid_of`` reads the grid off the watched module's first input, or is a ``PatchConvolution`` of it. The hooks are
+    the tracker's bound methods, not closures: copy.deepcopy of the model (an EMA copy, say) gives the copy's modules
+    hooks into the copied tracker, the one the copied attention modules read, and torch.save(model) pickles them."""
+
+    def __init__(self, source_name: str, grid_of):
         self.source_name, self.grid_of = source_name, grid_of
         self.grid: Optional[TokenGrid] = None
-        self.handle = None
+        self.handle = self.conv = self.conv_handle = None
 
     def watch(self, source: nn.Module) -> "GridTracker":
-        # The tracker itself is the hook, not a closure over it: copy.deepcopy of the model (an EMA copy, say) then
-        # gives the copied source a hook into the copied tracker, the one the copied attention modules read.
-        self.handle = source.register_forward_pre_hook(self, with_kwargs=True)
+        if isinstance(self.grid_of, PatchConvolution):
+            self.handle = source.register_forward_pre_hook(self.start, with_kwargs=True)
+            self.follow(source)
+        else:
+            self.handle = source.register_forward_pre_hook(self.record_input, with_kwargs=True)
         return self
 
-    def __call__(self, module, args, kwargs) -> None:
+    def record_input(self, module, args, kwargs) -> None:
         first = args[0] if args else next(iter(kwargs.values()), None)
         self.grid = self.grid_of(first)
 
+    def start(self, source, args, kwargs) -> None:
+        # A new forward: no grid until the convolution runs, and the convolution of now if it was replaced (timm's
+        # set_input_size swaps it), so that no grid of an earlier image or layout is ever read.
+        self.grid = None
+        self.follow(source)
+
+    def follow(self, source: nn.Module) -> None:
+        conv = getattr(source, self.grid_of.conv)
+        if conv is not self.conv:
+            if self.conv_handle is not None:
+                self.conv_handle.remove()
+            self.conv, self.conv_handle = conv, conv.register_forward_hook(self.record_output)
+
+    def record_output(self, conv, args, output) -> None:
+        self.grid = (TokenGrid(output.shape[-2], output.shape[-1], self.grid_of.prefix)
+                     if isinstance(output, Tensor) and output.dim() == 4 else None)
+
     def remove(self) -> None:
-        if self.handle is not None:
-            self.handle.remove()
-            self.handle = None
+        for handle in (self.handle, self.conv_handle):
+            if handle is not None:
+                handle.remove()
+        self.handle = self.conv = self.conv_handle = None
 
     def __repr__(self):
         return f"GridTracker(source={self.source_name!r}, grid={self.grid})"
 
 
-# The readers are partials of module-level functions rather than closures, so that a patched model still pickles
-# whole (torch.save(model)) with its trackers.
-def conv_output_grid(conv: nn.Conv2d, prefix: int = 0) -> Callable:
-    """A grid reader for a patch embedding's convolution, watched itself: the grid is the size of ``conv``'s output
-    on its (B, C, H, W) input, after ``prefix`` tokens. A convolution is a module torch.fx records whole, so its hook
-    also runs when an FX graph of the model does (torchvision's create_feature_extractor), where a hook on a module
-    that the trace went through would not."""
-    return functools.partial(_conv_output_grid, conv, prefix)
-
-
-def _conv_output_grid(conv: nn.Conv2d, prefix: int, x) -> Optional[TokenGrid]:
-    if not isinstance(x, Tensor) or x.dim() != 4:
-        return None
-
-    def length(size, i):
-        if conv.padding == "same":  # stride 1 only, which torch enforces
-            return size
-        padding = 0 if conv.padding == "valid" else conv.padding[i]
-        reach = conv.dilation[i] * (conv.kernel_size[i] - 1) + 1
-        return (size + 2 * padding - reach) // conv.stride[i] + 1
-    return TokenGrid(length(x.shape[-2], 0), length(x.shape[-1], 1), prefix)
-
-
+# A reader is a partial of a module-level function rather than a closure, so that a patched model pickles whole.
 def feature_map_grid(prefix: int = 0, stride: int = 1, round_up: bool = False) -> Callable:
     """A grid reader for a module whose first input is (B, C, H, W): the grid is H / stride x W / stride (rounded
     up for a patch embedding that pads, else down), after ``prefix`` tokens. Any other input gives no grid."""

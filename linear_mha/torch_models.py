@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from .token_grid import conv_output_grid, feature_map_grid
+from .token_grid import PatchConvolution, feature_map_grid
 
 # torch's class, captured at import: inside patched() the name nn.MultiheadAttention builds linear modules.
 TORCH_MHA = nn.MultiheadAttention
@@ -63,7 +63,7 @@ def grid_source(owner_name: str, owner: nn.Module, name: str):
     (its input image, the class token first), or a DETR-style transformer (a module with an encoder and a decoder,
     fed a (B, C, H, W) feature map) whose encoder holds it; else None."""
     if _is_torchvision_vit(owner) and isinstance(getattr(owner, "conv_proj", None), nn.Conv2d):
-        return f"{owner_name}.conv_proj" if owner_name else "conv_proj", conv_output_grid(owner.conv_proj, 1)
+        return owner_name, PatchConvolution("conv_proj", 1)
     if _is_torchvision_vit(owner) and isinstance(getattr(owner, "patch_size", None), int):
         return owner_name, feature_map_grid(1, owner.patch_size)
     encoder, decoder = getattr(owner, "encoder", None), getattr(owner, "decoder", None)

@@ -7,7 +7,6 @@ from torch import nn
 
 import linear_mha
 from linear_mha import LinearMultiheadAttention
-from linear_mha.token_grid import conv_output_grid
 
 
 class Block(nn.Module):
@@ -59,6 +58,30 @@ def test_traced_model_records_each_attention_as_one_node_and_matches(mode):
     torch.testing.assert_close(graph(x, other), model(x, other), rtol=0, atol=0)
 
 
+def test_hooks_run_when_the_graph_runs_and_constant_inputs_are_kept():
+    # As for nn.MultiheadAttention: the module is a leaf before its hooks run, so a hook that changes the inputs is
+    # neither recorded into the graph nor run twice; attention over a buffer (no symbolic input at all) is a node too.
+    class Memory(nn.Module):
+        def __init__(self, attn):
+            super().__init__()
+            self.attn = attn
+            self.register_buffer("memory", torch.randn(1, 4, 16))
+
+        def forward(self, x):
+            read, _ = self.attn(self.memory, self.memory, self.memory, need_weights=False)
+            return self.attn(x, x, x, need_weights=False)[0] + read.mean()
+
+    steps = []
+    for attn in (nn.MultiheadAttention(16, 2, batch_first=True), LinearMultiheadAttention(16, 2, batch_first=True,
+                                                                                           mode="kernel")):
+        model = Memory(attn).eval()
+        model.attn.register_forward_pre_hook(lambda module, args: tuple(2 * a for a in args))
+        graph = torch.fx.symbolic_trace(model)
+        steps.append([(node.op, str(node.target)) for node in graph.graph.nodes])
+        x = torch.randn(2, 5, 16)
+        torch.testing.assert_close(graph(x), model(x), rtol=0, atol=0)
+    assert steps[1] == steps[0] and ("call_module", "attn") in steps[0]
+
 def test_tracing_the_module_itself_says_what_to_trace():
     with pytest.raises(TypeError, match="Trace the model that holds it"):
         torch.fx.symbolic_trace(LinearMultiheadAttention(16, 2, mode="kernel"))
@@ -69,18 +92,6 @@ def test_forward_keeps_its_signature():
     import inspect
     params = inspect.signature(LinearMultiheadAttention.forward).parameters
     assert list(params)[:4] == ["self", "query", "key", "value"] and "token_grid" in params
-
-
-@pytest.mark.parametrize("conv", [nn.Conv2d(3, 4, 16, 16), nn.Conv2d(3, 4, 3, 2, padding=1),
-                                  nn.Conv2d(3, 4, 3, padding="same"),
-                                  nn.Conv2d(3, 4, (3, 5), (2, 3), padding="valid", dilation=2)],
-                         ids=["patch", "padded", "same", "valid_dilated"])
-def test_conv_output_grid_is_the_convolutions_output_size(conv):
-    for size in [(64, 48), (37, 29)]:
-        x = torch.randn(1, 3, *size)
-        grid = conv_output_grid(conv, prefix=2)(x)
-        assert (grid.height, grid.width, grid.prefix) == (*conv(x).shape[-2:], 2)
-    assert conv_output_grid(conv)(torch.randn(3, 8)) is None
 
 
 def test_torchvision_feature_extractor_on_a_patched_vit_with_a_local_term():

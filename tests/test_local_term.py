@@ -243,6 +243,27 @@ def test_a_copied_or_pickled_model_reads_its_own_images_grid():
     vit.forward_features(tall)
     assert vit.blocks[0].attn.__dict__["token_grid_source"].grid == TokenGrid(4, 3, 1)
 
+def test_timm_set_input_size_swaps_the_patch_convolution_and_the_grid_follows():
+    # set_input_size(patch_size=...) puts a new convolution in the patch embedding: the tracker moves its hook there
+    # rather than keep the grid of the last image (4 x 4 patches of 8 px and 8 x 2 of 4 px are both 16 tokens).
+    import copy
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    plain = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=1,
+                              embed_dim=32, num_heads=2, num_classes=0, dynamic_img_size=True).eval()
+    vit = copy.deepcopy(plain)
+    patch(vit, "kernel", dwc_kernel=3)
+    with torch.no_grad():
+        vit.blocks[0].attn.dwc_weight.normal_()
+    vit.forward_features(torch.randn(1, 3, 32, 32))
+    vit.set_input_size(patch_size=(4, 4))
+    plain.set_input_size(patch_size=(4, 4))
+    fresh = patch(plain, "kernel", dwc_kernel=3) and plain
+    fresh.load_state_dict(vit.state_dict())
+    x = torch.randn(1, 3, 32, 8)
+    torch.testing.assert_close(vit.forward_features(x), fresh.forward_features(x))
+    assert vit.blocks[0].attn.__dict__["token_grid_source"].grid == TokenGrid(8, 2, 1)
+
 def test_a_model_without_a_known_grid_names_grid_source():
     model = nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, 16, batch_first=True), 1,
                                   enable_nested_tensor=False)

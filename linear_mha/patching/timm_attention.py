@@ -18,7 +18,7 @@ from ..local_term import add_local_term
 from ..output_gate import apply_output_gate
 from ..plain_linear import call_linear
 from ..registry import DEFAULT_MODE, create_method
-from ..token_grid import conv_output_grid, feature_map_grid, resolve_token_grid
+from ..token_grid import PatchConvolution, feature_map_grid, resolve_token_grid
 
 _REUSED = ("qkv", "q_norm", "k_norm", "attn_drop", "norm", "gate", "proj", "proj_drop")
 
@@ -128,9 +128,8 @@ class LinearTimmAttention(AttentionAdapter, nn.Module):
             return None
         path = f"{owner_name}.patch_embed" if owner_name else "patch_embed"
         prefix = int(getattr(owner, "num_prefix_tokens", 0))
-        proj = getattr(patch_embed, "proj", None)
-        if isinstance(proj, nn.Conv2d):  # its input is padded already, or a hybrid backbone's features
-            return f"{path}.proj", conv_output_grid(proj, prefix)
+        if isinstance(getattr(patch_embed, "proj", None), nn.Conv2d):  # its output is the grid, padded or hybrid
+            return path, PatchConvolution("proj", prefix)
         stride = getattr(patch_embed, "patch_size", (1,))[0]
         return path, feature_map_grid(prefix, stride, round_up=bool(getattr(patch_embed, "dynamic_img_pad", False)))
 
