@@ -58,10 +58,33 @@ class AttentionAdapter:
                     output_gate: bool = False) -> None:
         """Hold ``method`` (``registry.create_method``), register its state, the local term of ``dwc_kernel`` and the
         ``output_gate``."""
-        self.method = method
+        self.method, self.method_heads = method, (num_heads, head_dim)
         method.install(self, num_heads, head_dim, factory_kwargs)
         install_local_term(self, num_heads * head_dim, dwc_kernel, factory_kwargs)
         install_output_gate(self, num_heads, head_dim, head_dim, output_gate, factory_kwargs)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initialise again what this module initialised when it was built: the method's state, the local term, the
+        gate, and the projections it owns (LinearMultiheadAttention's; modules taken over from a model it patched
+        keep theirs). This is what torch's meta-device recipes and FSDP call on each module once ``to_empty`` has
+        given it memory. Random draws come in the constructor's order, so under one seed the result is the
+        freshly built module's."""
+        self.reset_own_parameters()
+        owned = [getattr(self, name) for name in self.method.state_names]
+        like = next((t for t in owned if t is not None), None)
+        factory_kwargs = {"device": like.device, "dtype": like.dtype} if like is not None else {}
+        fresh = self.method.init_state(*self.method_heads, factory_kwargs)
+        for tensor, value in zip(owned, fresh.values()):
+            if tensor is not None and value is not None and tensor is not value:
+                tensor.copy_(value)
+        for name in LOCAL_TERM_STATE + OUTPUT_GATE_STATE:  # both start at zero
+            if getattr(self, name, None) is not None:
+                getattr(self, name).zero_()
+
+    def reset_own_parameters(self) -> None:
+        """The projections this module built itself, in the constructor's order (none for an adapter that reuses
+        the original's)."""
 
     def extras_repr(self) -> str:
         """The local term and the gate, for a module's repr."""

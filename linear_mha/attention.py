@@ -112,6 +112,10 @@ class LinearMultiheadAttention(AttentionAdapter, nn.Module):
         self.register_forward_pre_hook(_disable_torch_fast_path)
 
     # ------------------------------------------------------------------ construction
+    def reset_own_parameters(self):
+        self.out_proj.reset_parameters()  # drawn before the rest when built, as in nn.MultiheadAttention
+        self._reset_parameters()
+
     def _reset_parameters(self):
         # nn.MultiheadAttention's initialisation, so a fresh module is statistically the same as one.
         if self._qkv_same_embed_dim:

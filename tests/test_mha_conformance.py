@@ -180,3 +180,45 @@ def test_from_torch_copy_false_shares_parameters_and_keeps_train_state():
     copied = LinearMultiheadAttention.from_torch(ref, mode="kernel")
     assert copied.in_proj_weight is not ref.in_proj_weight
     assert torch.equal(copied.in_proj_weight, ref.in_proj_weight)
+
+
+@pytest.mark.parametrize("options", [dict(mode="kernel", feature_map="favor"), dict(mode="linformer", seq_len=16),
+                                     dict(mode="hedgehog", init="favor"), dict(mode="focused"),
+                                     dict(mode="softmax", add_bias_kv=True, kdim=8, vdim=12),
+                                     dict(mode="kernel", dwc_kernel=3, output_gate=True)],
+                         ids=["favor", "linformer", "hedgehog", "focused", "softmax_kdim_bias_kv", "local_gate"])
+def test_a_module_built_on_the_meta_device_is_initialised_by_reset_parameters(options):
+    # torch's meta-device recipe and FSDP: build without memory, to_empty(), then reset_parameters() on each module.
+    # Left as to_empty gives them, the projections and the method's state would be whatever the memory held.
+    torch.manual_seed(0)
+    fresh = LinearMultiheadAttention(32, 4, **options)
+    empty = LinearMultiheadAttention(32, 4, device="meta", **options).to_empty(device="cpu")
+    for tensor in empty.state_dict().values():
+        tensor.fill_(float("nan"))
+    torch.manual_seed(0)
+    empty.reset_parameters()
+    expected = fresh.state_dict()
+    assert expected.keys() == empty.state_dict().keys()
+    for name, tensor in empty.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+
+
+def test_reset_parameters_of_an_adapter_leaves_the_modules_it_took_over():
+    # timm's adapter runs timm's own qkv and proj: it re-initialises only what linear_mha added.
+    timm = pytest.importorskip("timm")
+    import linear_mha
+    torch.manual_seed(0)
+    vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=1,
+                            num_classes=0)
+    linear_mha.patch(vit, mode="hedgehog", output_gate=True)
+    attn = vit.blocks[0].attn
+    before = {name: tensor.clone() for name, tensor in attn.state_dict().items()}
+    added = {name for name, _ in attn.named_parameters() if name.startswith(("hedgehog", "gate_"))}
+    assert added and "qkv.weight" in before
+    with torch.no_grad():
+        for name, p in attn.named_parameters():
+            if name in added:
+                p.fill_(float("nan"))
+    attn.reset_parameters()
+    for name, tensor in attn.state_dict().items():  # identity maps and a closed gate: no random draw to match
+        assert torch.equal(tensor, before[name]), name
