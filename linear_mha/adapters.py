@@ -50,6 +50,7 @@ class AttentionAdapter:
     checkpoints of the original model loading without the tensors linear_mha added, and the module it replaced."""
 
     kind = ""
+    kept_whole_by_fx = True  # a leaf of torch.fx traces (_adapters_kept_whole)
     reused: Tuple[str, ...] = ()  # submodules taken over from the original, given back by to_original()
     attaches = False
 
@@ -188,15 +189,15 @@ def drop_missing_state(names: Iterable[str], prefix: str, state_dict, missing_ke
 
 
 def _adapters_kept_whole(is_leaf_module):
-    """torch.fx.Tracer.is_leaf_module, extended to every AttentionAdapter: FX records one as a single call_module node,
-    as it records the torch.nn module the adapter replaced (FX keeps torch.nn modules whole), so that FX tools
-    (torchvision's create_feature_extractor, timm's feature extraction, FX quantization) see a patched model as they
-    saw the original: its hooks run when the graph runs, not while it is traced. Traced through, the adapter's checks
-    of shapes and masks and its choice of backend would be Python branches on values a symbolic trace does not have.
-    Tracers that override is_leaf_module and call super() keep the rule."""
+    """torch.fx.Tracer.is_leaf_module, extended to every attention adapter: FX records one as a single call_module
+    node, as it records the torch.nn module the adapter replaced (FX keeps torch.nn modules whole), so that FX tools
+    (torchvision's create_feature_extractor, timm's feature extraction) see a patched model as they saw the
+    original: its hooks run when the graph runs, not while it is traced. Traced through, the adapter's checks of
+    shapes and masks and its choice of backend would be Python branches on values a symbolic trace does not have.
+    The mark is a class attribute, not the class, so modules built before an importlib.reload keep it."""
     @functools.wraps(is_leaf_module)
     def is_leaf_or_adapter(self, m, module_qualified_name):
-        return isinstance(m, AttentionAdapter) or is_leaf_module(self, m, module_qualified_name)
+        return getattr(type(m), "kept_whole_by_fx", False) or is_leaf_module(self, m, module_qualified_name)
     is_leaf_or_adapter.keeps_linear_mha_adapters = True
     return is_leaf_or_adapter
 
@@ -206,18 +207,26 @@ if not getattr(torch.fx.Tracer.is_leaf_module, "keeps_linear_mha_adapters", Fals
 
 
 def traced_whole(forward):
-    """Decorator for an adapter's forward: symbolic values reach it only where torch.fx traces the module itself (the
-    root of the trace, or under a tracer whose is_leaf_module does not keep it whole), which fails on its first
-    branch; this says so and what to do instead."""
+    """Decorator for an adapter's forward, for tracers whose is_leaf_module does not call torch.fx.Tracer's (FX
+    quantization's prepare_fx): when symbolic values reach forward, the module is recorded as one call_module node
+    from here. Its hooks have then already run on the symbolic values, as under any such tracer. The root of a trace
+    cannot be a node of its own graph: that is refused with what to do instead."""
     @functools.wraps(forward)
-    def forward_of_values(self, *args, **kwargs):
-        if any(isinstance(a, torch.fx.Proxy) for a in itertools.chain(args, kwargs.values())):
-            raise TypeError(f"torch.fx cannot trace through {type(self).__name__}: its forward branches on the inputs' "
-                            f"shapes and masks. Trace the model that holds it, with a tracer whose is_leaf_module calls "
-                            f"torch.fx.Tracer's (it keeps the module whole, as nn.MultiheadAttention), or use "
-                            f"torch.export.export")
-        return forward(self, *args, **kwargs)
-    return forward_of_values
+    def forward_or_node(self, *args, **kwargs):
+        proxy = next((a for a in itertools.chain(args, kwargs.values()) if isinstance(a, torch.fx.Proxy)), None)
+        if proxy is None:
+            return forward(self, *args, **kwargs)
+        tracer = proxy.tracer
+        try:
+            path = tracer.path_of_module(self) if getattr(tracer, "root", None) is not self else ""
+        except (NameError, AttributeError):  # not under the root, or a tracer that knows no modules
+            path = ""
+        if not path:
+            raise TypeError(f"torch.fx cannot trace {type(self).__name__} on its own: its forward branches on the "
+                            f"inputs' shapes and masks. Trace the model that holds it, where it is recorded as one "
+                            f"call_module node (as torch.fx records nn.MultiheadAttention), or use torch.export.export")
+        return tracer.create_proxy("call_module", path, args, kwargs)
+    return forward_or_node
 
 
 # ---------------------------------------------------------------------------------------------- registry

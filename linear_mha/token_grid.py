@@ -54,50 +54,56 @@ class GridTracker:
 
     ``grid_of`` reads the grid off the watched module's first input, or is a ``PatchConvolution`` of it. The hooks are
     the tracker's bound methods, not closures: copy.deepcopy of the model (an EMA copy, say) gives the copy's modules
-    hooks into the copied tracker, the one the copied attention modules read, and torch.save(model) pickles them."""
+    hooks into the copied tracker, the one the copied attention modules read, and torch.save(model) pickles them.
+    Hooks only write the grid: DataParallel's replicas share the tracker, and each writes the same grid."""
 
     def __init__(self, source_name: str, grid_of):
         self.source_name, self.grid_of = source_name, grid_of
         self.grid: Optional[TokenGrid] = None
-        self.handle = self.conv = self.conv_handle = None
+        self.handles = []
+
+    @property
+    def reads_convolution(self) -> bool:
+        return not callable(self.grid_of)  # a PatchConvolution (compared by shape: the class may be reloaded)
 
     def watch(self, source: nn.Module) -> "GridTracker":
-        if isinstance(self.grid_of, PatchConvolution):
-            self.handle = source.register_forward_pre_hook(self.start, with_kwargs=True)
-            self.follow(source)
+        if self.reads_convolution:
+            self.handles.append(source.register_forward_pre_hook(self.follow))
+            self.follow(source, ())
         else:
-            self.handle = source.register_forward_pre_hook(self.record_input, with_kwargs=True)
+            self.handles.append(source.register_forward_pre_hook(self.record_input, with_kwargs=True))
         return self
 
     def record_input(self, module, args, kwargs) -> None:
         first = args[0] if args else next(iter(kwargs.values()), None)
         self.grid = self.grid_of(first)
 
-    def start(self, source, args, kwargs) -> None:
-        # A new forward: no grid until the convolution runs, and the convolution of now if it was replaced (timm's
-        # set_input_size swaps it), so that no grid of an earlier image or layout is ever read.
-        self.grid = None
-        self.follow(source)
-
-    def follow(self, source: nn.Module) -> None:
+    def follow(self, source: nn.Module, args) -> None:
+        # Hook the convolution of now, should it have been replaced (timm's set_input_size swaps it). A replica's
+        # convolution shares its hooks with the original's, and already has this one.
         conv = getattr(source, self.grid_of.conv)
-        if conv is not self.conv:
-            if self.conv_handle is not None:
-                self.conv_handle.remove()
-            self.conv, self.conv_handle = conv, conv.register_forward_hook(self.record_output)
+        if self.record_output not in conv._forward_hooks.values():
+            self.handles.append(conv.register_forward_hook(self.record_output))
 
     def record_output(self, conv, args, output) -> None:
-        self.grid = (TokenGrid(output.shape[-2], output.shape[-1], self.grid_of.prefix)
-                     if isinstance(output, Tensor) and output.dim() == 4 else None)
+        if isinstance(output, Tensor) and output.dim() == 4:
+            self.grid = TokenGrid(_size(output.shape[-2]), _size(output.shape[-1]), self.grid_of.prefix)
+        else:
+            self.grid = None
 
     def remove(self) -> None:
-        for handle in (self.handle, self.conv_handle):
-            if handle is not None:
-                handle.remove()
-        self.handle = self.conv = self.conv_handle = None
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
 
     def __repr__(self):
         return f"GridTracker(source={self.source_name!r}, grid={self.grid})"
+
+
+def _size(n):
+    """A size for TokenGrid: an int, a SymInt under torch.export, and under torch.jit.trace (where sizes are
+    0-d tensors) the int the trace then fixes, as it fixes every shape."""
+    return int(n) if isinstance(n, Tensor) else n
 
 
 # A reader is a partial of a module-level function rather than a closure, so that a patched model pickles whole.
@@ -110,7 +116,7 @@ def feature_map_grid(prefix: int = 0, stride: int = 1, round_up: bool = False) -
 def _feature_map_grid(prefix: int, stride: int, round_up: bool, x) -> Optional[TokenGrid]:
     if not isinstance(x, Tensor) or x.dim() != 4:
         return None
-    h, w = x.shape[-2:]
+    h, w = _size(x.shape[-2]), _size(x.shape[-1])
     if round_up:
         return TokenGrid(-(-h // stride), -(-w // stride), prefix)
     return TokenGrid(h // stride, w // stride, prefix)

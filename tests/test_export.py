@@ -307,6 +307,21 @@ def test_a_patched_vit_exports_with_a_dynamic_batch(build, method):
         torch.testing.assert_close(exported(other), vit(other), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("build", [_timm_vit, _torchvision_vit], ids=["timm", "torchvision"])
+def test_a_patched_vit_with_a_local_term_records_with_jit_trace(build):
+    """Under torch.jit.trace sizes are 0-d tensors: the grid takes them as the ints the trace fixes, as it fixes
+    every shape (a TokenGrid of tensors was refused)."""
+    torch.manual_seed(0)
+    vit = build().eval()
+    linear_mha.patch(vit, mode="taylor", dwc_kernel=3)
+    with torch.no_grad():
+        for p in vit.parameters():  # the local term starts at zero, which would hide a wrong grid
+            if p.dim() == 4 and p.shape[1] == 1:
+                p.normal_()
+        traced = torch.jit.trace(vit, (torch.randn(2, 3, 32, 32),), check_trace=False)
+        other = torch.randn(3, 3, 32, 32)
+        torch.testing.assert_close(traced(other), vit(other), rtol=1e-5, atol=1e-5)
+
 @needs_is_exporting
 def test_the_export_benchmark_checks_each_graph_and_writes_its_table(tmp_path):
     pytest.importorskip("onnxscript")

@@ -82,6 +82,44 @@ def test_hooks_run_when_the_graph_runs_and_constant_inputs_are_kept():
         torch.testing.assert_close(graph(x), model(x), rtol=0, atol=0)
     assert steps[1] == steps[0] and ("call_module", "attn") in steps[0]
 
+def test_a_tracer_that_traces_through_still_gets_one_node():
+    # FX quantization's tracer decides leaves without torch.fx.Tracer's is_leaf_module: the adapter then records its
+    # own call_module node when symbolic values reach its forward.
+    class TorchNnLeaves(torch.fx.Tracer):
+        def is_leaf_module(self, m, module_qualified_name):
+            return type(m).__module__.startswith("torch.nn")
+
+    torch.manual_seed(0)
+    model = Net().double()
+    linear_mha.patch(model, mode="kernel")
+    graph = torch.fx.GraphModule(model, TorchNnLeaves().trace(model))
+    assert "blocks.1.attn" in [node.target for node in graph.graph.nodes if node.op == "call_module"]
+    x, pad = torch.randn(2, 6, 16, dtype=torch.double), torch.zeros(2, 6, dtype=torch.bool)
+    torch.testing.assert_close(graph(x, pad), model(x, pad), rtol=0, atol=0)
+
+
+def test_modules_built_before_a_reload_stay_whole_and_keep_their_grid():
+    # Jupyter's autoreload re-executes a module: the rule and the tracker must not test against the class objects of
+    # before (a fresh interpreter, so that this process keeps its classes).
+    pytest.importorskip("timm")
+    script = """
+import importlib, torch, timm, linear_mha
+from linear_mha import adapters, token_grid
+vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=1,
+                        embed_dim=32, num_heads=2, num_classes=0)
+importlib.reload(token_grid)
+linear_mha.patch(vit, "kernel", dwc_kernel=3)
+importlib.reload(adapters)
+graph = torch.fx.symbolic_trace(vit)
+x = torch.randn(1, 3, 32, 32)
+torch.testing.assert_close(graph(x), vit(x))
+print("ok")
+"""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
+
 def test_tracing_the_module_itself_says_what_to_trace():
     with pytest.raises(TypeError, match="Trace the model that holds it"):
         torch.fx.symbolic_trace(LinearMultiheadAttention(16, 2, mode="kernel"))
