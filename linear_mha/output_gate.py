@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from .functional import native_maps
-from .functional._common import compiling, functorch_active, needs_grad
+from .functional._common import compiling, functorch_active, has_tangent, needs_grad
 from .functional.backend import NATIVE, output_gate_backend
 from .registry import boolean
 
@@ -43,7 +43,8 @@ def apply_output_gate(module: nn.Module, out: Tensor, q: Tensor, inplace: bool =
     if weight is None:
         return out
     weight, bias = weight.to(q.dtype), module.gate_bias.to(q.dtype)
-    if compiling() or functorch_active():  # graphs and torch.func transforms see the formula as plain ops
+    if compiling() or functorch_active() or has_tangent(out, q, weight, bias):
+        # graphs, torch.func transforms and forward-mode AD see the formula as plain ops
         return out * (2.0 * torch.sigmoid(q @ weight + bias)).to(out.dtype)
     if output_gate_backend(out, q, weight, bias).backend == NATIVE:
         return native_maps.output_gate(out, q, weight, bias, inplace=inplace)
@@ -68,7 +69,7 @@ class _OutputGate(torch.autograd.Function):
     forward (q W, + b, sigmoid, 2·, ⊙ out) and more backward, each a fresh allocation whose page faults cost more
     than its arithmetic: the gate added 32% to a module's forward at 16,384 tokens. Here the forward makes one
     tensor and the backward recomputes the gate instead of keeping it. Like the compiled attention kernels it has
-    no double backward and no forward-mode derivative outside torch.func (whose transforms get the plain ops)."""
+    no double backward and no forward-mode derivative: torch.func transforms and dual tensors get the plain ops."""
 
     @staticmethod
     def forward(ctx, out, q, weight, bias):

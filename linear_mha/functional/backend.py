@@ -304,6 +304,9 @@ def product_backend(phi_q: Tensor, phi_k: Tensor, v: Tensor, initial_state: Opti
     if functorch_active():
         return Choice(COMPOSED, "inside a torch.func transform, which supports neither custom autograd Functions "
                                 "nor out=")
+    if has_tangent(phi_q, phi_k, v, initial_state):
+        return Choice(COMPOSED, "a tensor carries a forward-mode AD tangent, for which the chunked Function has no "
+                                "formula")
     if compiling() and (needs_grad(phi_q, phi_k, v, initial_state) or fixed_graph()):
         return Choice(COMPOSED, "recorded into a graph (with gradients, or by torch.export / torch.jit.trace): "
                                 "plain ops trace where the chunked Function's out= products may not")
