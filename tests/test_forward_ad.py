@@ -49,3 +49,25 @@ def test_tangents_match_central_differences(name, causal, extra):
         assert got is not None, dtype
         error = ((got.double() - want).abs().max() / want.abs().max()).item()
         assert error < tol, (dtype, error)
+
+
+@pytest.mark.parametrize("options,causal", [(dict(mode="kernel"), True), (dict(mode="softmax"), False),
+                                            (dict(mode="linformer", seq_len=N), False),
+                                            (dict(mode="hedgehog", output_gate=True), True),
+                                            (dict(mode="taylor", dwc_kernel=3), False)],
+                         ids=["kernel_causal", "softmax", "linformer", "hedgehog_gate_causal", "taylor_local"])
+def test_second_derivatives_through_torch_func(options, causal):
+    # grad of grad (a gradient penalty, a Hessian-vector product): torch.func's transforms take plain ops, which
+    # have every derivative; torch's fused softmax kernel has no second one, so softmax takes its explicit products.
+    torch.manual_seed(0)
+    module = linear_mha.LinearMultiheadAttention(E, H, **options).double().eval()
+    grid = linear_mha.TokenGrid(6, 6) if "dwc_kernel" in options else None
+    x, direction = torch.randn(N, 2, E, dtype=torch.float64), torch.randn(N, 2, E, dtype=torch.float64)
+
+    def loss(a):
+        return _attend(module, a, causal, grid).square().sum()
+
+    hvp = torch.func.grad(lambda a: (torch.func.grad(loss)(a) * direction).sum())(x)
+    eps = 1e-6
+    want = (torch.func.grad(loss)(x + eps * direction) - torch.func.grad(loss)(x - eps * direction)) / (2 * eps)
+    torch.testing.assert_close(hvp, want, rtol=1e-5, atol=1e-6)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._common import check_qkv
+from ._common import check_qkv, functorch_active
 
 
 def softmax(
@@ -58,13 +58,13 @@ def softmax(
         # A finite row keeps softmax and its gradient free of NaN; the row's output is zeroed afterwards.
         bias = bias.masked_fill(dead, 0.0)
 
-    if not need_weights:
+    # torch's fused kernels have no forward-mode derivative (forward_ad raises NotImplementedError) and no second
+    # derivative (torch.func.grad of grad), where nn.MultiheadAttention fails; the products below have both.
+    if not need_weights and not functorch_active():
         try:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale)
             return (out if dead is None else out.masked_fill(dead, 0.0)), None
         except NotImplementedError:
-            # torch's fused kernels have no forward-mode derivative (torch.autograd.forward_ad, torch.func.jvp,
-            # where nn.MultiheadAttention fails); the products below have one.
             pass
 
     scores = torch.matmul(q * scale, k.transpose(-2, -1))
