@@ -209,8 +209,9 @@ if not getattr(torch.fx.Tracer.is_leaf_module, "keeps_linear_mha_adapters", Fals
 def traced_whole(forward):
     """Decorator for an adapter's forward, for tracers whose is_leaf_module does not call torch.fx.Tracer's (FX
     quantization's prepare_fx): when symbolic values reach forward, the module is recorded as one call_module node
-    from here. Its hooks have then already run on the symbolic values, as under any such tracer. The root of a trace
-    cannot be a node of its own graph: that is refused with what to do instead."""
+    from here. Its hooks have run on the symbolic values already, so they are in the graph, and the node would run
+    them again: a module with hooks of its own is refused, with what to do. So is the root of a trace, which cannot
+    be a node of its own graph."""
     @functools.wraps(forward)
     def forward_or_node(self, *args, **kwargs):
         proxy = next((a for a in itertools.chain(args, kwargs.values()) if isinstance(a, torch.fx.Proxy)), None)
@@ -225,6 +226,13 @@ def traced_whole(forward):
             raise TypeError(f"torch.fx cannot trace {type(self).__name__} on its own: its forward branches on the "
                             f"inputs' shapes and masks. Trace the model that holds it, where it is recorded as one "
                             f"call_module node (as torch.fx records nn.MultiheadAttention), or use torch.export.export")
+        hooks = [hook for hook in itertools.chain(self._forward_pre_hooks.values(), self._forward_hooks.values())
+                 if not getattr(hook, "idempotent", False)]
+        if hooks:
+            raise TypeError(f"this tracer traced into {path!r} ({type(self).__name__}) and recorded its hooks, which "
+                            f"its node in the graph would run again. Keep the module whole (FX quantization: "
+                            f"PrepareCustomConfig().set_non_traceable_module_classes([{type(self).__name__}])), or "
+                            f"remove its hooks while tracing")
         return tracer.create_proxy("call_module", path, args, kwargs)
     return forward_or_node
 

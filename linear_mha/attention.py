@@ -35,6 +35,9 @@ def _disable_torch_fast_path(module, args):
     return None
 
 
+_disable_torch_fast_path.idempotent = True  # run twice, it changes nothing (adapters.traced_whole)
+
+
 @register_adapter
 class LinearMultiheadAttention(AttentionAdapter, nn.Module):
     r"""Drop-in replacement for :class:`torch.nn.MultiheadAttention` with linear-time attention.

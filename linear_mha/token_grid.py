@@ -10,6 +10,7 @@ import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import torch
 from torch import SymInt, Tensor, nn
 
 NO_GRID = ("needs the token grid of this call: patch() finds it for DETR, timm and torchvision ViTs; elsewhere call "
@@ -60,7 +61,7 @@ class GridTracker:
     def __init__(self, source_name: str, grid_of):
         self.source_name, self.grid_of = source_name, grid_of
         self.grid: Optional[TokenGrid] = None
-        self.handles = []
+        self.handle = self.conv_handle = None
 
     @property
     def reads_convolution(self) -> bool:
@@ -68,10 +69,10 @@ class GridTracker:
 
     def watch(self, source: nn.Module) -> "GridTracker":
         if self.reads_convolution:
-            self.handles.append(source.register_forward_pre_hook(self.follow))
+            self.handle = source.register_forward_pre_hook(self.follow)
             self.follow(source, ())
         else:
-            self.handles.append(source.register_forward_pre_hook(self.record_input, with_kwargs=True))
+            self.handle = source.register_forward_pre_hook(self.record_input, with_kwargs=True)
         return self
 
     def record_input(self, module, args, kwargs) -> None:
@@ -79,11 +80,16 @@ class GridTracker:
         self.grid = self.grid_of(first)
 
     def follow(self, source: nn.Module, args) -> None:
-        # Hook the convolution of now, should it have been replaced (timm's set_input_size swaps it). A replica's
-        # convolution shares its hooks with the original's, and already has this one.
+        # Hook the convolution of now, should it have been replaced (timm's set_input_size swaps it), and let go of
+        # the one it replaced. A replica's convolution shares its hooks with the original's, and already has this
+        # one. A graph being recorded (torch.compile, export) runs the hooks there are and adds none.
+        if torch.compiler.is_compiling() or torch.jit.is_tracing():
+            return
         conv = getattr(source, self.grid_of.conv)
         if self.record_output not in conv._forward_hooks.values():
-            self.handles.append(conv.register_forward_hook(self.record_output))
+            if self.conv_handle is not None:
+                self.conv_handle.remove()
+            self.conv_handle = conv.register_forward_hook(self.record_output)
 
     def record_output(self, conv, args, output) -> None:
         if isinstance(output, Tensor) and output.dim() == 4:
@@ -92,9 +98,10 @@ class GridTracker:
             self.grid = None
 
     def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
+        for handle in (self.handle, self.conv_handle):
+            if handle is not None:
+                handle.remove()
+        self.handle = self.conv_handle = None
 
     def __repr__(self):
         return f"GridTracker(source={self.source_name!r}, grid={self.grid})"

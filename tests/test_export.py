@@ -322,6 +322,20 @@ def test_a_patched_vit_with_a_local_term_records_with_jit_trace(build):
         other = torch.randn(3, 3, 32, 32)
         torch.testing.assert_close(traced(other), vit(other), rtol=1e-5, atol=1e-5)
 
+def test_a_patched_vit_with_a_local_term_compiles_as_one_graph():
+    """The grid's hooks add no hook while a graph is recorded: fullgraph=True, and the grid follows each size."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=1,
+                            embed_dim=32, num_heads=2, num_classes=0, dynamic_img_size=True).eval()
+    linear_mha.patch(vit, mode="kernel", dwc_kernel=3)
+    with torch.no_grad():
+        vit.blocks[0].attn.dwc_weight.normal_()
+        compiled = torch.compile(vit, backend="eager", fullgraph=True)
+        for size in [(32, 24), (24, 32)]:
+            x = torch.randn(2, 3, *size)
+            torch.testing.assert_close(compiled(x), vit(x), rtol=1e-5, atol=1e-5)
+
 @needs_is_exporting
 def test_the_export_benchmark_checks_each_graph_and_writes_its_table(tmp_path):
     pytest.importorskip("onnxscript")

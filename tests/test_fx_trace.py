@@ -96,6 +96,10 @@ def test_a_tracer_that_traces_through_still_gets_one_node():
     assert "blocks.1.attn" in [node.target for node in graph.graph.nodes if node.op == "call_module"]
     x, pad = torch.randn(2, 6, 16, dtype=torch.double), torch.zeros(2, 6, dtype=torch.bool)
     torch.testing.assert_close(graph(x, pad), model(x, pad), rtol=0, atol=0)
+    # Such a tracer has run the module's hooks into the graph already; its node would run them a second time.
+    model.blocks[0].attn.register_forward_hook(lambda module, args, out: (2 * out[0], out[1]))
+    with pytest.raises(TypeError, match="set_non_traceable_module_classes"):
+        TorchNnLeaves().trace(model)
 
 
 def test_modules_built_before_a_reload_stay_whole_and_keep_their_grid():

@@ -263,6 +263,12 @@ def test_timm_set_input_size_swaps_the_patch_convolution_and_the_grid_follows():
     x = torch.randn(1, 3, 32, 8)
     torch.testing.assert_close(vit.forward_features(x), fresh.forward_features(x))
     assert vit.blocks[0].attn.__dict__["token_grid_source"].grid == TokenGrid(8, 2, 1)
+    import io
+    buffer = io.BytesIO()  # the replaced convolution's hook is let go of, so no dead handle is copied or pickled
+    torch.save(vit, buffer)
+    buffer.seek(0)
+    for copied in (copy.deepcopy(vit), torch.load(buffer, weights_only=False)):
+        torch.testing.assert_close(copied.forward_features(x), fresh.forward_features(x))
 
 def test_a_model_without_a_known_grid_names_grid_source():
     model = nn.TransformerEncoder(nn.TransformerEncoderLayer(E, H, 16, batch_first=True), 1,

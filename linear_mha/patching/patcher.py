@@ -247,10 +247,11 @@ def patch(model: nn.Module, mode: str = DEFAULT_MODE, *, include=None, exclude=N
     for adapter in dict.fromkeys(plan.adapter for plan in plans):
         report.notes += adapter.prepare_model(model, [plan.module for plan in plans if plan.adapter is adapter])
     for tracker in trackers:
-        source = tracker.source_name or "<root>"
-        report.notes.append(f"token grid for dwc_kernel read from the output of {source!r}'s {tracker.grid_of.conv!r}"
-                            if tracker.reads_convolution else f"token grid for dwc_kernel read from the input of "
-                            f"{source!r}")
+        if tracker.reads_convolution:
+            conv = ".".join(part for part in (tracker.source_name, tracker.grid_of.conv) if part)
+            report.notes.append(f"token grid for dwc_kernel read from the output of {conv!r}")
+        else:
+            report.notes.append(f"token grid for dwc_kernel read from the input of {tracker.source_name or '<root>'!r}")
     for name in disable_nested_tensor(model, _is_adapter):
         report.notes.append(f"nn.TransformerEncoder {name or '<root>'!r}: use_nested_tensor set to False (its "
                             f"nested-tensor fast path would run softmax attention)")
