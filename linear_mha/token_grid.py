@@ -10,8 +10,9 @@ import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-import torch
 from torch import SymInt, Tensor, nn
+
+from .functional._common import compiling
 
 NO_GRID = ("needs the token grid of this call: patch() finds it for DETR, timm and torchvision ViTs; elsewhere call "
            "linear_mha.track_token_grid(model, source=...) or pass token_grid=TokenGrid(height, width, prefix) to "
@@ -83,7 +84,7 @@ class GridTracker:
         # Hook the convolution of now, should it have been replaced (timm's set_input_size swaps it), and let go of
         # the one it replaced. A replica's convolution shares its hooks with the original's, and already has this
         # one. A graph being recorded (torch.compile, export) runs the hooks there are and adds none.
-        if torch.compiler.is_compiling() or torch.jit.is_tracing():
+        if compiling():
             return
         conv = getattr(source, self.grid_of.conv)
         if self.record_output not in conv._forward_hooks.values():
