@@ -10,9 +10,8 @@ import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import torch
 from torch import SymInt, Tensor, nn
-
-from .functional._common import compiling
 
 NO_GRID = ("needs the token grid of this call: patch() finds it for DETR, timm and torchvision ViTs; elsewhere call "
            "linear_mha.track_token_grid(model, source=...) or pass token_grid=TokenGrid(height, width, prefix) to "
@@ -62,7 +61,7 @@ class GridTracker:
     def __init__(self, source_name: str, grid_of):
         self.source_name, self.grid_of = source_name, grid_of
         self.grid: Optional[TokenGrid] = None
-        self.handle = self.conv_handle = None
+        self.handle = self.conv_handle = self.conv = None
 
     @property
     def reads_convolution(self) -> bool:
@@ -83,14 +82,20 @@ class GridTracker:
     def follow(self, source: nn.Module, args) -> None:
         # Hook the convolution of now, should it have been replaced (timm's set_input_size swaps it), and let go of
         # the one it replaced. A replica's convolution shares its hooks with the original's, and already has this
-        # one. A graph being recorded (torch.compile, export) runs the hooks there are and adds none.
-        if compiling():
-            return
+        # one. torch.jit.trace runs this as Python; a graph that dynamo records (torch.compile, torch.export) runs
+        # the hooks there are and cannot add one, so a convolution no eager call has seen yet is refused there.
         conv = getattr(source, self.grid_of.conv)
+        if torch.compiler.is_compiling() if hasattr(torch, "compiler") else False:
+            if conv is not self.conv:
+                raise RuntimeError(f"{self.source_name or 'the model'}.{self.grid_of.conv} was replaced since the "
+                                   f"model last ran outside torch.compile / torch.export, so the local term's grid "
+                                   f"would be the old convolution's: run the model once eagerly first")
+            return
         if self.record_output not in conv._forward_hooks.values():
             if self.conv_handle is not None:
                 self.conv_handle.remove()
             self.conv_handle = conv.register_forward_hook(self.record_output)
+        self.conv = conv
 
     def record_output(self, conv, args, output) -> None:
         if isinstance(output, Tensor) and output.dim() == 4:

@@ -335,6 +335,17 @@ def test_a_patched_vit_with_a_local_term_compiles_as_one_graph():
         for size in [(32, 24), (24, 32)]:
             x = torch.randn(2, 3, *size)
             torch.testing.assert_close(compiled(x), vit(x), rtol=1e-5, atol=1e-5)
+        # A patch convolution swapped since the last eager call, then recorded at once: the graph gets the new grid
+        # (8 x 2 patches of 4 px, where the last eager call left 3 x 4), or with fullgraph a clear error.
+        vit.set_input_size(patch_size=(4, 4))
+        x = torch.randn(1, 3, 32, 8)
+        with pytest.raises(Exception, match="run the model once eagerly first"):
+            torch.compile(vit, backend="eager", fullgraph=True)(x)
+        torch.testing.assert_close(torch.compile(vit, backend="eager")(x), vit(x), rtol=1e-5, atol=1e-5)
+        vit.set_input_size(patch_size=(8, 8))  # and torch.jit.trace, which runs the hooks as Python
+        x = torch.randn(1, 3, 64, 16)
+        traced = torch.jit.trace(vit, (x,), check_trace=False)
+        torch.testing.assert_close(traced(x), vit(x), rtol=1e-5, atol=1e-5)
 
 @needs_is_exporting
 def test_the_export_benchmark_checks_each_graph_and_writes_its_table(tmp_path):
