@@ -1,8 +1,9 @@
 """Where the image's token grid reaches the attention modules, for the local convolution term (``dwc_kernel``).
 
 nn.MultiheadAttention is never told the height and width of the feature map its tokens come from. A
-``GridTracker`` is told instead: a forward pre-hook on the module that receives the image-shaped input (DETR's
-transformer, a ViT's patch convolution) records the grid of every forward, and the attention modules inside read it.
+``GridTracker`` is told instead: a hook records the grid of every forward, from the image-shaped input of the module
+that receives it (DETR's transformer) or from the output of a ViT's patch convolution, and the attention modules
+inside read it.
 ``patch`` attaches one for DETR, timm and torchvision ViTs, ``linear_mha.track_token_grid`` one to any model;
 a caller can also pass ``token_grid=TokenGrid(h, w)`` to LinearMultiheadAttention's forward directly.
 """
@@ -85,7 +86,7 @@ class GridTracker:
         # one. torch.jit.trace runs this as Python; a graph that dynamo records (torch.compile, torch.export) runs
         # the hooks there are and cannot add one, so a convolution no eager call has seen yet is refused there.
         conv = getattr(source, self.grid_of.conv)
-        if torch.compiler.is_compiling() if hasattr(torch, "compiler") else False:
+        if _dynamo_recording():
             if conv is not self.conv:
                 raise RuntimeError(f"{self.source_name or 'the model'}.{self.grid_of.conv} was replaced since the "
                                    f"model last ran outside torch.compile / torch.export, so the local term's grid "
@@ -107,10 +108,13 @@ class GridTracker:
         for handle in (self.handle, self.conv_handle):
             if handle is not None:
                 handle.remove()
-        self.handle = self.conv_handle = None
+        self.handle = self.conv_handle = self.conv = None
 
     def __repr__(self):
         return f"GridTracker(source={self.source_name!r}, grid={self.grid})"
+
+
+_dynamo_recording = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
 
 def _size(n):
