@@ -214,10 +214,10 @@ def traced_whole(forward):
     be a node of its own graph."""
     @functools.wraps(forward)
     def forward_or_node(self, *args, **kwargs):
-        proxy = next((a for a in itertools.chain(args, kwargs.values()) if isinstance(a, torch.fx.Proxy)), None)
-        if proxy is None:
+        proxies = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.fx.Proxy)]  # what dynamo can trace
+        if not proxies:
             return forward(self, *args, **kwargs)
-        tracer = proxy.tracer
+        tracer = proxies[0].tracer
         try:
             path = tracer.path_of_module(self) if getattr(tracer, "root", None) is not self else ""
         except (NameError, AttributeError):  # not under the root, or a tracer that knows no modules

@@ -32,7 +32,7 @@ def token_grid_conv(v: Tensor, weight: Tensor, bias: Optional[Tensor], height: i
     the prefix tokens' rows are zero. key_padding_mask: bool (B, S), True = masked."""
     check_grid_shapes(v, weight, height, width, prefix)
     b, h, s, d = v.shape
-    k = weight.shape[-1]
+    k = int(weight.shape[-1])  # a 0-d tensor under torch.jit.trace on older torch, which conv2d's padding refuses
     # The convolution runs channels last, (B, height, width, H * d) seen as conv2d's (B, H * d, height, width): a
     # module's values are a view of its projection, already in that layout, where making them (B, H * d, height,
     # width) took a transposing copy slower than the convolution itself (72 ms against 11 at 16,384 tokens of 512).
