@@ -11,8 +11,9 @@ import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-import torch
 from torch import SymInt, Tensor, nn
+
+from .functional._common import _is_compiling
 
 NO_GRID = ("needs the token grid of this call: patch() finds it for DETR, timm and torchvision ViTs; elsewhere call "
            "linear_mha.track_token_grid(model, source=...) or pass token_grid=TokenGrid(height, width, prefix) to "
@@ -86,7 +87,7 @@ class GridTracker:
         # one. torch.jit.trace runs this as Python; a graph that dynamo records (torch.compile, torch.export) runs
         # the hooks there are and cannot add one, so a convolution no eager call has seen yet is refused there.
         conv = getattr(source, self.grid_of.conv)
-        if _dynamo_recording():
+        if _is_compiling():  # dynamo only: torch.jit.trace runs hooks as Python
             if conv is not self.conv:
                 raise RuntimeError(f"{self.source_name or 'the model'}.{self.grid_of.conv} was replaced since the "
                                    f"model last ran outside torch.compile / torch.export, so the local term's grid "
@@ -112,9 +113,6 @@ class GridTracker:
 
     def __repr__(self):
         return f"GridTracker(source={self.source_name!r}, grid={self.grid})"
-
-
-_dynamo_recording = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
 
 
 def _size(n):
