@@ -154,7 +154,7 @@ def test_timm_feature_extractor_reads_each_images_grid():
     # through would not run, leaving no grid, or the one of an earlier image: 4 x 3 and 3 x 4 patches are both 12
     # tokens, and the transposed grid would mix the wrong neighbours without an error.
     timm = pytest.importorskip("timm")
-    from timm.models._features_fx import create_feature_extractor
+    from timm.models import create_feature_extractor
     torch.manual_seed(0)
     model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=2,
                               embed_dim=32, num_heads=2, num_classes=0, dynamic_img_size=True).double().eval()
