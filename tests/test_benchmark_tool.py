@@ -551,3 +551,35 @@ def test_module_options_ab_times_each_option_beside_the_plain_module(tmp_path):
     assert saved["rows"] == rows and saved["meta"]["n"] == 64
     with pytest.raises(SystemExit):
         module_options_ab.main(["--methods", "softmax"])
+
+
+def test_the_peak_in_a_cases_rounds_is_the_gemm_timed_between_its_calls(tmp_path, monkeypatch):
+    """From --peak-in-rounds-from on the GEMM runs in the group's own round robin, is no record, and each case's
+    share of it is taken from that GEMM's timing, median to median and best to best; below it nothing changes."""
+    seen = {}
+    real = benchmark.M.round_robin
+
+    def spy(runners, **kwargs):
+        timed = real(runners, **kwargs)
+        if any(name.startswith("core/") for name in runners):  # not the decode step's timing
+            seen[tuple(sorted(runners))] = dict(timed.get(benchmark.ROUND_PEAK, {}))
+        return timed
+    monkeypatch.setattr(benchmark.M, "round_robin", spy)
+    result = benchmark.main(QUICK + ["--n", "64", "256", "--rows", "core:1x16", "--methods", "kernel_elu", "taylor",
+                                     "--masks", "full", "--passes", "fwd", "--no-memory", "--peak-in-rounds-from",
+                                     "256", "--json", str(tmp_path / "r.json")])
+    assert len(seen) == 2
+    gemm = next(t for names, t in seen.items() if benchmark.ROUND_PEAK in names)
+    assert gemm and all(benchmark.ROUND_PEAK not in names for names, t in seen.items() if not t)
+    recs = _by_key(result)
+    assert set(recs) == {f"core/{m}/B1/H2/d16/N{n}/full/fwd" for m in ("kernel_elu", "taylor") for n in (64, 256)}
+    for key, r in recs.items():
+        if r["N"] < 256:
+            assert "pct_round_peak" not in r and "round_peak_gflops" not in r
+            continue
+        flops = 2.0 * 256 ** 3  # --quick's --peak-size
+        assert r["round_peak_gflops"] == pytest.approx(flops / gemm["median_ms"] / 1e6)
+        assert r["round_peak_best_gflops"] == pytest.approx(flops / gemm["min_ms"] / 1e6)
+        assert r["pct_round_peak"] == pytest.approx(100 * r["gflops"] / r["round_peak_gflops"])
+        assert r["pct_round_peak_best"] == pytest.approx(
+            100 * r["flops"] / r["min_ms"] / 1e6 / r["round_peak_best_gflops"])

@@ -13,8 +13,10 @@ the default need_weights=True, batch_first self-attention on x (B, N, E), projec
 Passes. fwd: forward under torch.inference_mode, modules in eval(). fwdbwd: forward + backward of a fixed random
 output gradient, modules in train() (dropout 0), input and parameter gradients.
 
-FLOP formulas: tools/benchmark_flops.py; inputs and references: tools/benchmark_cases.py. GB/s counts the bytes
-of q, k, v and out (x2 for fwdbwd: their gradients too).
+FLOP formulas: tools/benchmark_flops.py; inputs and references: tools/benchmark_cases.py. % of peak: against the
+best of five runs of a square GEMM at the start, and from N = --peak-in-rounds-from on also against that GEMM timed
+in the case's own rounds (median to median, best to best), which the machine's drift during a run cannot skew.
+GB/s counts the bytes of q, k, v and out (x2 for fwdbwd: their gradients too).
 What was asked for but cannot run (a mask or level the method lacks, another device, a peer not installed) is
 listed with its reason under the tables and in the JSON's "not_run", never dropped silently.
 Quadratic methods are timed up to --sdpa-max-n (weight-materialising ones up to --weights-max-n) and extrapolated
@@ -142,9 +144,15 @@ def save(path: Optional[Path], result: dict) -> None:
     write_text_atomic(path, json.dumps(result, indent=1))
 
 
+ROUND_PEAK = "matmul peak, same rounds"  # the GEMM's name among a group's runners (no case key looks like it)
+
+
 def time_group(group, a, device, dtype):
     """Build every case of the group (a case that cannot be built, e.g. a broken peer, becomes an error row),
-    then time them round-robin."""
+    then time them round-robin. From N = --peak-in-rounds-from on, the matmul-peak GEMM runs in the same rounds,
+    and each case's timing carries its GFLOP/s there (``round_peak_gflops``, median; ``round_peak_best_gflops``):
+    this machine's speed drifts by up to 1.6x within a run, so a peak measured once at the start made a case's
+    share of it depend on when the case ran."""
     runners, failed = {}, {}
     data = make_data(group[0], dtype, device)  # the cases of a group differ only in method and mask
     for c in group:
@@ -152,8 +160,18 @@ def time_group(group, a, device, dtype):
             runners[case_key(c)] = build_runner(c, device, dtype, data)
         except Exception as exc:  # noqa: BLE001 - reported in the table; the other cases still run
             failed[case_key(c)] = {"error": f"build failed: {type(exc).__name__}: {exc}"[:300]}
+    # Below a size whose inputs outlast the caches the GEMM would evict them between a case's rounds.
+    gemm_flops = None
+    if runners and a.peak_in_rounds_from and group[0]["N"] >= a.peak_in_rounds_from:
+        runners[ROUND_PEAK], gemm_flops = M.matmul_call(device, dtype, a.peak_size)
     timed = M.round_robin(runners, repeats=a.repeats, warmup=a.warmup, device=device, budget_s=a.budget_s,
                           min_repeats=min(3, a.repeats))
+    peak = timed.pop(ROUND_PEAK, {})
+    if "median_ms" in peak:
+        for t in timed.values():
+            if "median_ms" in t:
+                t["round_peak_gflops"] = gemm_flops / peak["median_ms"] / 1e6
+                t["round_peak_best_gflops"] = gemm_flops / peak["min_ms"] / 1e6
     return {**timed, **failed}
 
 
@@ -184,12 +202,12 @@ def time_decode(a, device, dtype):
 QUICK = dict(n=[64, 128, 256], rows=["core:1x16", "module:1x16"], heads=2, sdpa_max_n=128, weights_max_n=128,
              err_max_n=256, proj_k=16, repeats=2, budget_s=5.0, memory_n=[64], memory_rows=["core:1x16"],
              memory_methods=["kernel_elu"], memory_passes=["fwd"], decode_contexts=[16, 256], decode_dim=16,
-             decode_steps=10, slope_min_n=64, peak_size=256)
+             decode_steps=10, slope_min_n=64, peak_size=256, peak_in_rounds_from=256)
 FULL = dict(n=[256 * 2 ** i for i in range(9)], rows=["core:1x64", "core:4x64", "core:1x128:16384", "module:1x64"],
             heads=8, sdpa_max_n=8192, weights_max_n=4096, err_max_n=4096, proj_k=256, repeats=5, budget_s=20.0,
             memory_n=[1024, 4096, 16384, 65536], memory_rows=["core:1x64", "module:1x64"], memory_methods=[],
             memory_passes=["fwd", "fwdbwd"], decode_contexts=[256, 4096, 65536], decode_dim=64, decode_steps=100,
-            slope_min_n=4096, peak_size=2048)
+            slope_min_n=4096, peak_size=2048, peak_in_rounds_from=16384)
 
 # On a GPU the grid the GPU issue asks for: B 1 and 8, 16 heads, d 64 and 128, N 1k .. 64k, SDPA timed to the end
 # (its flash kernel is fast enough), the weight-materialising path to 4k (B 8 x 16 heads x 8k^2 scores is 17 GB).
@@ -240,6 +258,9 @@ def parse_args(argv=None):
                    help="time the decode step this many times, a second apart, and keep each sample (1)")
     p.add_argument("--slope-min-n", type=int, help="fit slopes over N >= this (4096)")
     p.add_argument("--peak-size", type=int, help="matrix size of the matmul-peak GEMM (2048)")
+    p.add_argument("--peak-in-rounds-from", type=int,
+                   help="from this N on, time the matmul-peak GEMM in the same rounds as the cases and give each "
+                        "case's share of it as well as of the run's peak; 0: never (16384)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="results file, rewritten after every finished case")
     p.add_argument("--png", type=Path, help="time and memory against N")

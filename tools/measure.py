@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, Iterable, Optional, Sequence
+from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 
@@ -82,22 +82,28 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def matmul_call(device="cpu", dtype=torch.float32, size: int = 2048) -> Tuple[Callable[[], object], float]:
+    """A square ``size`` GEMM into a kept output, and its FLOPs (2 size^3): what the matmul peak is measured with."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    c = torch.empty(size, size, device=device, dtype=dtype)
+    return (lambda: torch.mm(a, b, out=c)), 2.0 * size ** 3
+
+
 def matmul_peak_gflops(device="cpu", dtype=torch.float32, size: int = 2048, repeats: int = 5) -> float:
     """Best GFLOP/s of a square ``size`` GEMM (2 size^3 FLOPs) at the current thread count.
 
     The best run is the peak: on a shared machine other work only ever slows a run down."""
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
-    c = torch.empty(size, size, device=device, dtype=dtype)
-    torch.mm(a, b, out=c)
+    gemm, flops = matmul_call(device, dtype, size)
+    gemm()
     sync(device)
     best = math.inf
     for _ in range(repeats):
         start = time.perf_counter()
-        torch.mm(a, b, out=c)
+        gemm()
         sync(device)
         best = min(best, time.perf_counter() - start)
-    return 2.0 * size ** 3 / best / 1e9
+    return flops / best / 1e9
 
 
 # ---------------------------------------------------------------------------------------------------- timing
