@@ -151,8 +151,8 @@ def time_group(group, a, device, dtype):
     """Build every case of the group (a case that cannot be built, e.g. a broken peer, becomes an error row),
     then time them round-robin. From N = --peak-in-rounds-from on, the matmul-peak GEMM runs in the same rounds,
     and each case's timing carries its GFLOP/s there (``round_peak_gflops``, median; ``round_peak_best_gflops``):
-    this machine's speed drifts by up to 1.6x within a run, so a peak measured once at the start made a case's
-    share of it depend on when the case ran."""
+    a shared machine's speed can drift by 1.6x within a run (docs/benchmarks.md), so a peak measured once at the
+    start made a case's share of it depend on when the case ran."""
     runners, failed = {}, {}
     data = make_data(group[0], dtype, device)  # the cases of a group differ only in method and mask
     for c in group:
