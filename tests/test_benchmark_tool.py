@@ -568,9 +568,10 @@ def test_the_peak_in_a_cases_rounds_is_the_gemm_timed_between_its_calls(tmp_path
     result = benchmark.main(QUICK + ["--n", "64", "256", "--rows", "core:1x16", "--methods", "kernel_elu", "taylor",
                                      "--masks", "full", "--passes", "fwd", "--no-memory", "--peak-in-rounds-from",
                                      "256", "--json", str(tmp_path / "r.json")])
-    assert len(seen) == 2
-    gemm = next(t for names, t in seen.items() if benchmark.ROUND_PEAK in names)
-    assert gemm and all(benchmark.ROUND_PEAK not in names for names, t in seen.items() if not t)
+    groups = {n: names for names in seen for n in (64, 256) if f"/N{n}/" in names[0]}
+    assert len(seen) == 2 and benchmark.ROUND_PEAK in groups[256] and benchmark.ROUND_PEAK not in groups[64]
+    gemm = seen[groups[256]]
+    assert gemm["runs"] == 2  # one run per round of the group (--quick: 2 rounds)
     recs = _by_key(result)
     assert set(recs) == {f"core/{m}/B1/H2/d16/N{n}/full/fwd" for m in ("kernel_elu", "taylor") for n in (64, 256)}
     for key, r in recs.items():
@@ -583,3 +584,28 @@ def test_the_peak_in_a_cases_rounds_is_the_gemm_timed_between_its_calls(tmp_path
         assert r["pct_round_peak"] == pytest.approx(100 * r["gflops"] / r["round_peak_gflops"])
         assert r["pct_round_peak_best"] == pytest.approx(
             100 * r["flops"] / r["min_ms"] / 1e6 / r["round_peak_best_gflops"])
+        assert r["round_peak_size"] == 256
+
+
+def test_a_gemm_that_fails_in_the_rounds_leaves_its_error_on_the_cases(tmp_path, monkeypatch, capsys):
+    """The cases are still timed, and their records say why they have no share of the peak in their rounds."""
+    real = benchmark.M.matmul_call
+    calls = []
+
+    def failing_after_the_first(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 1:  # the peak at the start
+            return real(*args, **kwargs)
+
+        def gemm():
+            raise RuntimeError("no memory for the GEMM")
+        return gemm, 1.0
+    monkeypatch.setattr(benchmark.M, "matmul_call", failing_after_the_first)
+    result = benchmark.main(QUICK + ["--n", "256", "--rows", "core:1x16", "--methods", "kernel_elu", "--masks", "full",
+                                     "--passes", "fwd", "--no-memory", "--json", str(tmp_path / "r.json")])
+    (r,) = result["records"]
+    assert r["median_ms"] > 0 and "pct_round_peak" not in r
+    assert r["round_peak_error"] == "RuntimeError: no memory for the GEMM"
+    assert "| error |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="peak-in-rounds-from"):
+        benchmark.main(QUICK + ["--peak-in-rounds-from", "-1"])

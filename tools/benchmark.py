@@ -15,7 +15,7 @@ output gradient, modules in train() (dropout 0), input and parameter gradients.
 
 FLOP formulas: tools/benchmark_flops.py; inputs and references: tools/benchmark_cases.py. % of peak: against the
 best of five runs of a square GEMM at the start, and from N = --peak-in-rounds-from on also against that GEMM timed
-in the case's own rounds (median to median, best to best), which the machine's drift during a run cannot skew.
+in the case's own rounds (median to median, best to best), under the same conditions as the case.
 GB/s counts the bytes of q, k, v and out (x2 for fwdbwd: their gradients too).
 What was asked for but cannot run (a mask or level the method lacks, another device, a peer not installed) is
 listed with its reason under the tables and in the JSON's "not_run", never dropped silently.
@@ -151,8 +151,8 @@ def time_group(group, a, device, dtype):
     """Build every case of the group (a case that cannot be built, e.g. a broken peer, becomes an error row),
     then time them round-robin. From N = --peak-in-rounds-from on, the matmul-peak GEMM runs in the same rounds,
     and each case's timing carries its GFLOP/s there (``round_peak_gflops``, median; ``round_peak_best_gflops``):
-    a shared machine's speed can drift by 1.6x within a run (docs/benchmarks.md), so a peak measured once at the
-    start made a case's share of it depend on when the case ran."""
+    the peak measured once at the start moved 1.6x between runs an hour apart (docs/benchmarks.md), and a case's
+    share of it with it. A GEMM that cannot be built or run leaves ``round_peak_error`` on the group's cases."""
     runners, failed = {}, {}
     data = make_data(group[0], dtype, device)  # the cases of a group differ only in method and mask
     for c in group:
@@ -161,17 +161,24 @@ def time_group(group, a, device, dtype):
         except Exception as exc:  # noqa: BLE001 - reported in the table; the other cases still run
             failed[case_key(c)] = {"error": f"build failed: {type(exc).__name__}: {exc}"[:300]}
     # Below a size whose inputs outlast the caches the GEMM would evict them between a case's rounds.
-    gemm_flops = None
+    gemm_flops, peak = None, {}
     if runners and a.peak_in_rounds_from and group[0]["N"] >= a.peak_in_rounds_from:
-        runners[ROUND_PEAK], gemm_flops = M.matmul_call(device, dtype, a.peak_size)
+        try:
+            runners[ROUND_PEAK], gemm_flops = M.matmul_call(device, dtype, a.peak_size)
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory: the cases are still timed, and say why
+            peak = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     timed = M.round_robin(runners, repeats=a.repeats, warmup=a.warmup, device=device, budget_s=a.budget_s,
                           min_repeats=min(3, a.repeats))
-    peak = timed.pop(ROUND_PEAK, {})
-    if "median_ms" in peak:
-        for t in timed.values():
-            if "median_ms" in t:
-                t["round_peak_gflops"] = gemm_flops / peak["median_ms"] / 1e6
-                t["round_peak_best_gflops"] = gemm_flops / peak["min_ms"] / 1e6
+    peak = timed.pop(ROUND_PEAK, peak)
+    for t in timed.values():
+        if "median_ms" not in t:
+            continue
+        if "median_ms" in peak:
+            t["round_peak_gflops"] = gemm_flops / peak["median_ms"] / 1e6
+            t["round_peak_best_gflops"] = gemm_flops / peak["min_ms"] / 1e6
+            t["round_peak_size"] = a.peak_size  # per record: a resumed file may mix runs of other sizes
+        elif "error" in peak:
+            t["round_peak_error"] = peak["error"]
     return {**timed, **failed}
 
 
@@ -283,6 +290,8 @@ def parse_args(argv=None):
     for name in ("n", "memory_n", "decode_contexts"):
         if min(getattr(a, name)) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} values must be >= 1")
+    if a.peak_in_rounds_from < 0 or a.peak_size < 1:
+        raise SystemExit("--peak-in-rounds-from must be >= 0 (0: never) and --peak-size >= 1")
     if a.decode_samples < 1:
         raise SystemExit("--decode-samples must be >= 1")
     if a.resume and a.json is None:
@@ -340,7 +349,8 @@ def main(argv=None):
                 fla_dispatch=fla_causal.enabled(),  # causal bfloat16 kernel_elu through fla (LINEAR_MHA_FLA=1)
                 cpu_count=os.cpu_count(), heads=a.heads, proj_k=a.proj_k, chunk_size=chunk_size(),
                 sdpa_max_n=a.sdpa_max_n, weights_max_n=a.weights_max_n, err_max_n=a.err_max_n, peers=peers,
-                slope_min_n=a.slope_min_n, command=" ".join(sys.argv[1:] if argv is None else argv))
+                slope_min_n=a.slope_min_n, peak_size=a.peak_size, peak_in_rounds_from=a.peak_in_rounds_from,
+                command=" ".join(sys.argv[1:] if argv is None else argv))
     if device.type == "cuda":
         meta["gpu"] = torch.cuda.get_device_name(device)
     old = load_previous(a, meta)

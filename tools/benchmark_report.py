@@ -100,6 +100,8 @@ def _num(x, fmt):
 
 
 def _round_peak(r) -> str:
+    if "round_peak_error" in r:
+        return "error"
     if "pct_round_peak" not in r:
         return "-"
     return f"{r['pct_round_peak']:.1f} ({r['pct_round_peak_best']:.1f})"
