@@ -1,6 +1,9 @@
 """dwc_kernel: a depthwise convolution of the values over the token grid, added to any method's output. Checked
 against a naive float64 convolution; padding stays exact (masked garbage reaches no output and no gradient); the
 grid reaches the modules from DETR's transformer, timm and torchvision ViTs (prefix tokens left out), or directly."""
+import copy
+import io
+
 import pytest
 import torch
 from torch import nn
@@ -220,8 +223,6 @@ def test_a_copied_or_pickled_model_reads_its_own_images_grid():
     # convolution a hook into the copy's tracker; a closure would keep feeding the original's, so the copy had no
     # grid, or kept the one it was copied with (3 x 4 and 4 x 3 patches are both 12 tokens). torch.save of the
     # whole model pickles the trackers and their readers.
-    import copy
-    import io
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
     vit = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=1,
@@ -246,7 +247,6 @@ def test_a_copied_or_pickled_model_reads_its_own_images_grid():
 def test_timm_set_input_size_swaps_the_patch_convolution_and_the_grid_follows():
     # set_input_size(patch_size=...) puts a new convolution in the patch embedding: the tracker moves its hook there
     # rather than keep the grid of the last image (4 x 4 patches of 8 px and 8 x 2 of 4 px are both 16 tokens).
-    import copy
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
     plain = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, depth=1,
@@ -263,7 +263,6 @@ def test_timm_set_input_size_swaps_the_patch_convolution_and_the_grid_follows():
     x = torch.randn(1, 3, 32, 8)
     torch.testing.assert_close(vit.forward_features(x), fresh.forward_features(x))
     assert vit.blocks[0].attn.__dict__["token_grid_source"].grid == TokenGrid(8, 2, 1)
-    import io
     buffer = io.BytesIO()  # the replaced convolution's hook is let go of, so no dead handle is copied or pickled
     torch.save(vit, buffer)
     buffer.seek(0)
