@@ -43,12 +43,14 @@ static inline vf exp_any(vf x) {
     return vselect(x <= splat(0.0f), e, splat(1.0f) / e);
 }
 
-/* One step on a vector of values; *slope, when slope is not NULL, is multiplied by the step's derivative there. */
-static inline vf step_vec(vf v, const struct program *p, int s, vf *slope) {
-    const vf zero = splat(0.0f), one = splat(1.0f), c = splat(p->c[s]);
+/* One step, op with constant cs (whole: STEP_POW_WHOLE's power), on a vector of values; *slope, when slope is not
+ * NULL, is multiplied by the step's derivative there. Inlined into loops over a row with op a constant, so the
+ * switch is taken once per row and step, not once per vector (step_row). */
+static inline __attribute__((always_inline)) vf step_op(vf v, int op, float cs, int whole, vf *slope) {
+    const vf zero = splat(0.0f), one = splat(1.0f), c = splat(cs);
     const vi positive = v > zero;
     vf out, d = one;
-    switch (p->op[s]) {
+    switch (op) {
     case STEP_RELU:
         out = vselect(positive, v, zero);
         d = vselect(positive, one, zero);
@@ -68,7 +70,7 @@ static inline vf step_vec(vf v, const struct program *p, int s, vf *slope) {
         break;
     case STEP_POW_WHOLE: {
         vf below = one; /* v^(n - 1) */
-        for (int i = 1; i < p->whole[s]; i++) below *= v;
+        for (int i = 1; i < whole; i++) below *= v;
         out = below * v;
         d = c * below;
         break;
@@ -78,7 +80,7 @@ static inline vf step_vec(vf v, const struct program *p, int s, vf *slope) {
         const vf power = exp_any(c * log_positive(safe));
         const vf nan = splat(NAN);
         out = vselect(positive, power, vselect(v < zero, nan, zero));
-        d = vselect(positive, c * power / safe, vselect(v < zero, nan, p->c[s] < 1.0f ? splat(INFINITY) : zero));
+        d = vselect(positive, c * power / safe, vselect(v < zero, nan, cs < 1.0f ? splat(INFINITY) : zero));
         break;
     }
     case STEP_ADD:
@@ -118,45 +120,79 @@ static inline vf load_some(const float *x, int n) {
     return load(lanes);
 }
 
-static inline void store_some(float *x, vf v, int n) {
-    if (n == W) {
-        store(x, v);
+/* Step s over a row: dst[f] = step(src[f]) for f < d, whole vectors (src's tail read as load_some reads it, dst
+ * padded to whole_vectors(d)); src may be dst. With slope set, dst gets the gradient instead: slope[f] (the
+ * gradient of the step's output) times the step's derivative at src[f], relu's as a selection, as autograd's
+ * (relu after a step of infinite slope, such as x ** 0.5 at 0, passes 0, not 0 * inf).
+ *
+ * The switch sits outside the loop over the row's vectors. Inside it, once per vector, the dispatch took more
+ * than the steps' arithmetic: with relu(x) ** 2 the map's loop had 1.5x the samples of elu's, exponential
+ * included, on the 8-float build (docs/benchmarks.md, "A user's map a step at a time"). */
+#define STEP_LOOP(OP)                                                                                         \
+    case OP:                                                                                                  \
+        for (int f = 0; f < d; f += W) {                                                                      \
+            const vf x = f + W <= d ? load(src + f) : load_some(src + f, d - f);                              \
+            if (!slope) {                                                                                     \
+                store(dst + f, step_op(x, OP, cs, whole, NULL));                                              \
+            } else if (OP == STEP_RELU) {                                                                     \
+                store(dst + f, vselect(x > splat(0.0f), load(slope + f), splat(0.0f)));                       \
+            } else {                                                                                          \
+                vf d_step = splat(1.0f);                                                                      \
+                step_op(x, OP, cs, whole, &d_step);                                                           \
+                store(dst + f, load(slope + f) * d_step);                                                     \
+            }                                                                                                 \
+        }                                                                                                     \
+        break;
+
+static inline void step_row(float *dst, const float *src, const float *slope, int d, const struct program *p, int s) {
+    const float cs = p->c[s];
+    const int whole = p->whole[s];
+    switch (p->op[s]) {
+        STEP_LOOP(STEP_RELU)
+        STEP_LOOP(STEP_ELU)
+        STEP_LOOP(STEP_EXP)
+        STEP_LOOP(STEP_ABS)
+        STEP_LOOP(STEP_POW)
+        STEP_LOOP(STEP_ADD)
+        STEP_LOOP(STEP_MUL)
+        STEP_LOOP(STEP_SOFTPLUS)
+        STEP_LOOP(STEP_SIGMOID)
+        STEP_LOOP(STEP_POW_WHOLE)
+    }
+}
+#undef STEP_LOOP
+
+/* The row's values after every step, in whole vectors (the padding lanes go through the steps as a row's tail does
+ * and are never stored): into dst where d is whole vectors, else through a padded row. */
+static inline void program_features(float *dst, const float *src, int d, const struct program *p) {
+    if (p->steps == 0) {
+        memcpy(dst, src, sizeof(float) * d);
         return;
     }
-    float lanes[W];
-    store(lanes, v);
-    memcpy(x, lanes, sizeof(float) * n);
+    float padded[whole_vectors(d)];
+    float *row = d % W ? padded : dst;
+    step_row(row, src, NULL, d, p, 0);
+    for (int s = 1; s < p->steps; s++) step_row(row, row, NULL, d, p, s);
+    if (row != dst) memcpy(dst, row, sizeof(float) * d);
 }
 
-static inline void program_features(float *dst, const float *src, int d, const struct program *p) {
-    for (int f = 0; f < d; f += W) {
-        const int n = d - f < W ? d - f : W;
-        vf v = load_some(src + f, n);
-        for (int s = 0; s < p->steps; s++) v = step_vec(v, p, s, NULL);
-        store_some(dst + f, v, n);
-    }
-}
-
-/* The gradient through step s at its input x: g times the step's slope, but relu's is a selection, as autograd's
- * (relu after a step of infinite slope, such as x ** 0.5 at 0, passes 0, not 0 * inf). */
-static inline vf step_grad_vec(vf g, vf x, const struct program *p, int s) {
-    if (p->op[s] == STEP_RELU) return vselect(x > splat(0.0f), g, splat(0.0f));
-    vf slope = splat(1.0f);
-    step_vec(x, p, s, &slope);
-    return g * slope;
-}
-
-/* dst = the gradient of the inputs src from g_phi, that of their features: the steps' inputs recomputed, then
- * the gradient taken back through the steps in reverse, in autograd's order (so inf and NaN land as they would). */
+/* dst = the gradient of the inputs src from g_phi, that of their features: the steps' inputs recomputed (x_0 = src,
+ * x_s the input of step s), then the gradient taken back through the steps in reverse, in autograd's order (so inf
+ * and NaN land as they would). */
 static inline void program_input_grad(float *dst, const float *g_phi, const float *src, int d,
                                       const struct program *p) {
-    for (int f = 0; f < d; f += W) {
-        const int n = d - f < W ? d - f : W;
-        vf x[PROGRAM_STEPS], v = load_some(src + f, n), g = load_some(g_phi + f, n);
-        for (int s = 0; s < p->steps; s++) v = step_vec(x[s] = v, p, s, NULL);
-        for (int s = p->steps - 1; s >= 0; s--) g = step_grad_vec(g, x[s], p, s);
-        store_some(dst + f, g, n);
+    const int dp = whole_vectors(d);
+    if (p->steps == 0) {
+        memcpy(dst, g_phi, sizeof(float) * d);
+        return;
     }
+    float inputs[p->steps * dp], g[dp]; /* inputs: x_1 .. x_(steps - 1) at (s - 1) dp; g: the gradient so far */
+    for (int s = 1; s < p->steps; s++)
+        step_row(inputs + (s - 1) * dp, s == 1 ? src : inputs + (s - 2) * dp, NULL, d, p, s - 1);
+    memcpy(g, g_phi, sizeof(float) * d);
+    memset(g + d, 0, sizeof(float) * (dp - d));
+    for (int s = p->steps - 1; s >= 0; s--) step_row(g, s == 0 ? src : inputs + (s - 1) * dp, g, d, p, s);
+    memcpy(dst, g, sizeof(float) * d);
 }
 
 #endif
