@@ -523,14 +523,16 @@ def test_ab_builds_times_both_builds_and_hands_this_ones_back(tmp_path, capsys, 
                             "--dim", "8", "--repeats", "2", "--threads", "1", "--cases", "fwdbwd",
                             "--layout", "module"])
     assert {str(copy), mine._name} == set(seen) and [r["layout"] for r in views] == ["module"]
-    # the compiled output gate alone, which has no causal form
-    seen.clear()
-    monkeypatch.setattr(ab_builds, "gate_runner", runner_of(ab_builds.gate_runner))
-    gate = ab_builds.main(["--before", str(before), "--methods", "output_gate", "--n", "96", "--heads", "2",
-                           "--dim", "8", "--repeats", "2", "--threads", "1", "--cases", "fwd", "fwdbwd",
-                           "causal_fwd"])
-    assert {str(copy), mine._name} == set(seen) and native._library is mine
-    assert [(r["method"], r["case"]) for r in gate] == [("output_gate", "fwd"), ("output_gate", "fwdbwd")]
+    # the compiled output gate and local term alone (on a square grid), which have no causal form
+    for method, runner, n in (("output_gate", "gate_runner", "96"), ("local_term", "local_term_runner", "100")):
+        seen.clear()
+        monkeypatch.setattr(ab_builds, runner, runner_of(getattr(ab_builds, runner)))
+        rows = ab_builds.main(["--before", str(before), "--methods", method, "--n", n, "--heads", "2", "--dim", "8",
+                               "--repeats", "2", "--threads", "1", "--cases", "fwd", "fwdbwd", "causal_fwd"])
+        assert {str(copy), mine._name} == set(seen) and native._library is mine
+        assert [(r["method"], r["case"]) for r in rows] == [(method, "fwd"), (method, "fwdbwd")]
+    with pytest.raises(SystemExit, match="square token grid"):
+        ab_builds.main(["--before", str(before), "--methods", "local_term", "--n", "96", "--cases", "fwd"])
     with pytest.raises(SystemExit, match="no linear_mha/functional/native_build.py"):
         ab_builds.main(["--before", str(tmp_path)])
     with pytest.raises(SystemExit, match="--methods kernal_elu: not a core-level method"):

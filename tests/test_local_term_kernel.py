@@ -57,6 +57,24 @@ def test_output_and_gradients_match_the_float64_convolution(k, prefix, d, module
     assert torch.all(inputs[1].grad[:, :, :prefix] == 0)  # prefix tokens: no local term
 
 
+@pytest.mark.parametrize("k", [3, 5])
+def test_grid_rows_longer_than_the_backwards_blocks(k):
+    """The backward walks a grid row in blocks of 16 positions (BLOCK_COLUMNS): rows of 37 take two whole blocks
+    and a part, a masked position sits in the second, and each block's taps reach into its neighbours."""
+    out, v, weight, bias, grid, mask = case(height=4, width=37, prefix=1, d=20, k=k)
+    mask[0, 1 + 37 + 20] = True
+    v = v.masked_fill(mask[:, None, :, None], 1e4)
+    inputs = [t.detach().requires_grad_() for t in (out, v, weight, bias)]
+    wide = [t.detach().double().requires_grad_() for t in (out, v, weight, bias)]
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    native_maps.local_term(*inputs, *grid, mask).backward(grad)
+    reference(*wide, grid, mask).backward(grad.double())
+    for name, a, b in zip(("out", "v", "weight", "bias"), inputs, wide):
+        scale = b.grad.abs().max().item()
+        torch.testing.assert_close(a.grad.double(), b.grad, rtol=1e-5, atol=1e-5 * scale, msg=name)
+    assert inputs[1].grad.transpose(1, 2)[mask].abs().max() == 0
+
+
 def test_prefix_rows_keep_the_output_and_inplace_writes_over_it():
     out, v, weight, bias, grid, mask = case()
     with torch.no_grad():

@@ -9,14 +9,16 @@ The entry points' C signatures must agree between the two checkouts.
     git worktree add /tmp/before <commit>
     python -m tools.ab_builds --before /tmp/before --methods kernel_elu taylor --json runs/ab.json
 
-Besides the benchmark's core methods, --methods takes ``output_gate``: the modules' compiled output gate alone,
-on an attention output and the queries laid out as a module's (views of its projections), forward and backward.
+Besides the benchmark's core methods, --methods takes ``output_gate`` and ``local_term``: the modules' compiled
+output gate, or their 3 x 3 local term on a square token grid, alone, on an attention output and the queries or
+values laid out as a module's (views of its projections), forward and backward.
 ``--layout module`` hands the core methods q, k and v as a module's self-attention does, views of one (B, N, 3 H d)
 projection (split_heads), where the benchmark's core level makes them contiguous (B, H, N, d) tensors.
 """
 import argparse
 import importlib.util
 import json
+import math
 import subprocess
 from pathlib import Path
 
@@ -79,6 +81,36 @@ def gate_runner(c, device, dtype):
     return forward_backward
 
 
+LOCAL = "local_term"
+
+
+def local_term_runner(c, device, dtype):
+    """A zero-argument callable running the compiled 3 x 3 local term once (native_maps.local_term) on a square
+    grid of N tokens, as a module runs it: v a view of a (B, N, 3, H, d) projection, the attention output (B, N, H,
+    d) seen as (B, H, N, d); forward in place under inference_mode, or forward and backward into v, the weight and
+    the bias (the output's gradient is the incoming one itself, which a module hands on to the attention)."""
+    side = math.isqrt(c["N"])
+    if side * side != c["N"]:
+        raise SystemExit(f"--n {c['N']}: the local term runs on a square token grid; give a square N")
+    g = torch.Generator().manual_seed(c["seed"])
+    b, h, n, d = c["B"], c["H"], c["N"], c["d"]
+    v = torch.randn(b, n, 3, h, d, generator=g, dtype=dtype)[:, :, 2].transpose(1, 2).to(device)
+    out = torch.randn(b, n, h, d, generator=g, dtype=dtype).transpose(1, 2).to(device)
+    weight = (torch.randn(h * d, 1, 3, 3, generator=g, dtype=dtype) * 0.01).to(device)
+    bias = torch.zeros(h * d, dtype=dtype, device=device)
+    grad = torch.randn(b, n, h, d, generator=g, dtype=dtype).transpose(1, 2).to(device)
+    if c["pass"] == "fwd":
+        def forward():
+            with torch.inference_mode():
+                native_maps.local_term(out, v, weight, bias, side, side, 0, None, inplace=True)
+        return forward
+    leaves = [t.detach().requires_grad_() for t in (v, weight, bias)]
+
+    def forward_backward():  # autograd.grad: no copy of each gradient into a leaf's .grad, which a module has not
+        torch.autograd.grad(native_maps.local_term(out, *leaves, side, side, 0, None), leaves, grad)
+    return forward_backward
+
+
 def module_runner(c, device, dtype):
     """build_runner's case with q, k, v as a module's self-attention hands them to the method: split_heads of one
     (B, N, 3 H d) projection, (B, H, N, d) views with a position's heads side by side and positions 3 H d floats
@@ -97,8 +129,8 @@ def compare(before, after, method: str, case: str, n: int, heads: int, dim: int,
     causal, which = CASES[case]
     c = dict(level="core", method=method, B=1, H=heads, d=dim, N=n, causal=causal, proj_k=256, seed=0,
              **{"pass": which})
-    run = (gate_runner if method == GATE else module_runner if layout == "module" else build_runner)(
-        c, "cpu", torch.float32)
+    runner = {GATE: gate_runner, LOCAL: local_term_runner}.get(method)
+    run = (runner or (module_runner if layout == "module" else build_runner))(c, "cpu", torch.float32)
 
     def with_library(library):
         def call():
@@ -130,7 +162,7 @@ def main(argv=None):
                    help="q, k, v of the core methods: contiguous (the benchmark's) or a module's projection views")
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
-    known = sorted(m for level, m in methods() if level == "core") + [GATE]
+    known = sorted(m for level, m in methods() if level == "core") + [GATE, LOCAL]
     unknown = [m for m in a.methods if m not in known]
     if unknown:
         raise SystemExit(f"--methods {' '.join(unknown)}: not a core-level method of the benchmark "
@@ -177,7 +209,7 @@ def _run(a, before, after) -> list:
 
 
 def _has_causal(method: str) -> bool:
-    return method != GATE and methods()[("core", method)].causal
+    return method not in (GATE, LOCAL) and methods()[("core", method)].causal
 
 
 def _commit(path: Path):
