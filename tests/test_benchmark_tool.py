@@ -4,6 +4,7 @@ fake modules, and the fresh-process memory measurement on a known allocation."""
 import json
 import math
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -214,6 +215,25 @@ def test_the_garbage_collector_never_runs_inside_a_timed_call():
             gc.disable()
     assert result["cycles"]["runs"] == 3
     assert started_inside == []
+
+
+def test_round_robin_keeps_each_rounds_time_and_paired_ratio_sets_rounds_against_each_other():
+    """A machine that slows down round by round: each callable's runs come back in round order, and the paired ratio
+    sets the two calls of each round against each other, not the sorted runs (which would pair a fast round's call
+    with a slow round's)."""
+    calls = []
+
+    def slower_each_call():
+        calls.append(None)
+        time.sleep(0.002 * len(calls))
+    timed = measure.round_robin({"drifting": slower_each_call}, repeats=4, warmup=0)
+    assert timed["drifting"]["runs"] == 4 and timed["drifting"]["round_ms"] == sorted(timed["drifting"]["round_ms"])
+    rounds = {"base": {"round_ms": [10.0, 30.0, 20.0]}, "option": {"round_ms": [33.0, 22.0, 11.0]}}
+    paired = measure.paired_ratio(rounds, "option", "base")  # per round: 3.3, 0.733, 0.55
+    assert paired["median"] == pytest.approx(22.0 / 30.0) and paired["rounds"] == 3
+    assert paired["q1"] == pytest.approx((0.55 + 22.0 / 30.0) / 2) and paired["q3"] == pytest.approx((22 / 30 + 3.3) / 2)
+    with pytest.raises(ValueError, match="no round timed both"):
+        measure.paired_ratio({"a": {"round_ms": []}, "b": {"round_ms": [1.0]}}, "a", "b")
 
 
 def test_loglog_slope():
@@ -531,6 +551,14 @@ def test_ab_builds_times_both_builds_and_hands_this_ones_back(tmp_path, capsys, 
                                "--repeats", "2", "--threads", "1", "--cases", "fwd", "fwdbwd", "causal_fwd"])
         assert {str(copy), mine._name} == set(seen) and native._library is mine
         assert [(r["method"], r["case"]) for r in rows] == [(method, "fwd"), (method, "fwdbwd")]
+    # the benchmark's module rows, projections included; the local term's has no causal form
+    seen.clear()
+    rows = ab_builds.main(["--before", str(before), "--methods", "taylor+dwc3", "--level", "module", "--n", "16",
+                           "--heads", "2", "--dim", "8", "--repeats", "2", "--threads", "1", "--cases", "fwdbwd",
+                           "causal_fwd"])
+    assert {str(copy), mine._name} == set(seen) and [(r["level"], r["case"]) for r in rows] == [("module", "fwdbwd")]
+    with pytest.raises(SystemExit, match="not a module-level method"):
+        ab_builds.main(["--before", str(before), "--methods", "local_term", "--level", "module"])
     with pytest.raises(SystemExit, match="square token grid"):
         ab_builds.main(["--before", str(before), "--methods", "local_term", "--n", "96", "--cases", "fwd"])
     with pytest.raises(SystemExit, match="no linear_mha/functional/native_build.py"):
@@ -545,6 +573,8 @@ def test_module_options_ab_times_each_option_beside_the_plain_module(tmp_path):
                                    "--threads", "1", "--json", str(tmp_path / "ab.json")])
     full_fwd = [r["method"] for r in rows if not r["causal"] and r["pass_"] == "fwd"]
     assert full_fwd == ["taylor", "taylor+dwc3", "taylor+gate"]
+    plain = next(r for r in rows if r["method"] == "taylor")
+    assert plain["vs_plain_paired"] == 1.0 and len(plain["round_ms"]) == 1
     # the local term has no causal form
     assert [r["method"] for r in rows if r["causal"] and r["pass_"] == "fwd"] == ["taylor", "taylor+gate"]
     assert all(r["vs_plain"] == 1.0 for r in rows if r["method"] == "taylor")

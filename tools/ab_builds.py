@@ -14,6 +14,9 @@ output gate, or their 3 x 3 local term on a square token grid, alone, on an atte
 values laid out as a module's (views of its projections), forward and backward.
 ``--layout module`` hands the core methods q, k and v as a module's self-attention does, views of one (B, N, 3 H d)
 projection (split_heads), where the benchmark's core level makes them contiguous (B, H, N, d) tensors.
+``--level module`` times the benchmark's module rows instead (LinearMultiheadAttention, projections included:
+``kernel_elu``, ``taylor+dwc3``, ``taylor+gate`` ...), where what a kernel change gains is set against the whole
+module's time.
 """
 import argparse
 import importlib.util
@@ -125,11 +128,11 @@ def module_runner(c, device, dtype):
 
 
 def compare(before, after, method: str, case: str, n: int, heads: int, dim: int, repeats: int,
-            layout: str = "contiguous") -> dict:
+            layout: str = "contiguous", level: str = "core") -> dict:
     causal, which = CASES[case]
-    c = dict(level="core", method=method, B=1, H=heads, d=dim, N=n, causal=causal, proj_k=256, seed=0,
+    c = dict(level=level, method=method, B=1, H=heads, d=dim, N=n, causal=causal, proj_k=256, seed=0,
              **{"pass": which})
-    runner = {GATE: gate_runner, LOCAL: local_term_runner}.get(method)
+    runner = {GATE: gate_runner, LOCAL: local_term_runner}.get(method) if level == "core" else build_runner
     run = (runner or (module_runner if layout == "module" else build_runner))(c, "cpu", torch.float32)
 
     def with_library(library):
@@ -142,9 +145,11 @@ def compare(before, after, method: str, case: str, n: int, heads: int, dim: int,
                                     repeats=repeats, warmup=2)
     finally:
         native._library = after
-    row = dict(method=method, case=case, layout=layout, N=n, H=heads, d=dim,
+    row = dict(method=method, case=case, level=level, layout=layout, N=n, H=heads, d=dim,
                **{f"{k}_{s}": v[s] for k, v in times.items() for s in ("median_ms", "min_ms")})
     row["gain"] = row["before_median_ms"] / row["after_median_ms"]
+    paired = measure.paired_ratio(times, "before", "after")  # round by round: the drift between rounds cancels
+    row.update(gain_paired=paired["median"], gain_q1=paired["q1"], gain_q3=paired["q3"])
     return row
 
 
@@ -160,12 +165,15 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--layout", choices=["contiguous", "module"], default="contiguous",
                    help="q, k, v of the core methods: contiguous (the benchmark's) or a module's projection views")
+    p.add_argument("--level", choices=["core", "module"], default="core",
+                   help="core: the attention function (and the options' kernels alone); module: the benchmark's "
+                        "LinearMultiheadAttention rows, projections included")
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
-    known = sorted(m for level, m in methods() if level == "core") + [GATE, LOCAL]
+    known = sorted(m for level, m in methods() if level == a.level) + ([GATE, LOCAL] if a.level == "core" else [])
     unknown = [m for m in a.methods if m not in known]
     if unknown:
-        raise SystemExit(f"--methods {' '.join(unknown)}: not a core-level method of the benchmark "
+        raise SystemExit(f"--methods {' '.join(unknown)}: not a {a.level}-level method of the benchmark "
                          f"({', '.join(known)})")
     if not native.available():
         raise SystemExit(f"this checkout's compiled code is unavailable: {native.build_error()}")
@@ -185,7 +193,7 @@ def main(argv=None):
         meta = dict(before=str(a.before), before_commit=_commit(a.before), after_commit=_commit(Path(__file__).parent),
                     before_library=before._name, after_library=after._name,
                     torch=torch.__version__, threads=a.threads, cpu=measure.cpu_name(), repeats=a.repeats,
-                    n=a.n, heads=a.heads, dim=a.dim, layout=a.layout)
+                    n=a.n, heads=a.heads, dim=a.dim, layout=a.layout, level=a.level)
         a.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         print(f"wrote {a.json}")
     return rows
@@ -193,23 +201,26 @@ def main(argv=None):
 
 def _run(a, before, after) -> list:
     print(f"before: {before._name}\nafter:  {after._name}\ntorch {torch.__version__}, {a.threads} threads, "
-          f"B=1 H={a.heads} d={a.dim} N={a.n}, {a.layout} layout, {a.repeats} calls each, interleaved")
-    print("| method | pass | before ms (min) | after ms (min) | before / after |\n|---|---|---|---|---|")
+          f"B=1 H={a.heads} d={a.dim} N={a.n}, {a.level} level, {a.layout} layout, {a.repeats} calls each, "
+          f"interleaved")
+    print("| method | pass | before ms (min) | after ms (min) | before / after: medians | per round: median "
+          "(quartiles) |\n|---|---|---|---|---|---|")
     rows = []
     for method in a.methods:
         for case in a.cases:
-            if CASES[case][0] and not _has_causal(method):
-                print(f"| {method} | {case} | - | - | no causal form |")
+            if CASES[case][0] and not _has_causal(method, a.level):
+                print(f"| {method} | {case} | - | - | no causal form | - |")
                 continue
-            r = compare(before, after, method, case, a.n, a.heads, a.dim, a.repeats, a.layout)
+            r = compare(before, after, method, case, a.n, a.heads, a.dim, a.repeats, a.layout, a.level)
             rows.append(r)
             print(f"| {method} | {case} | {r['before_median_ms']:.2f} ({r['before_min_ms']:.2f}) | "
-                  f"{r['after_median_ms']:.2f} ({r['after_min_ms']:.2f}) | {r['gain']:.3f} |", flush=True)
+                  f"{r['after_median_ms']:.2f} ({r['after_min_ms']:.2f}) | {r['gain']:.3f} | "
+                  f"{r['gain_paired']:.3f} ({r['gain_q1']:.3f}–{r['gain_q3']:.3f}) |", flush=True)
     return rows
 
 
-def _has_causal(method: str) -> bool:
-    return method not in (GATE, LOCAL) and methods()[("core", method)].causal
+def _has_causal(method: str, level: str = "core") -> bool:
+    return method not in (GATE, LOCAL) and methods()[(level, method)].causal
 
 
 def _commit(path: Path):

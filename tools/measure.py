@@ -116,8 +116,9 @@ def round_robin(callables: Dict[str, Callable[[], object]], *, repeats: int = 5,
     of a 30 ms call at 16k tokens, and lands on whichever callable happens to allocate then.
 
     On CUDA each run is timed with CUDA events, elsewhere with the host clock after the call returns.
-    Returns name -> {"median_ms", "min_ms", "runs"} or name -> {"error": "..."} for a callable that raised (it
-    is dropped from later rounds; the others go on). Rounds stop after ``repeats``, or earlier once ``budget_s``
+    Returns name -> {"median_ms", "min_ms", "runs", "round_ms"} or name -> {"error": "..."} for a callable that
+    raised (it is dropped from later rounds; the others go on). "round_ms" lists the runs in round order, so that
+    two callables' runs of one round can be set against each other (``paired_ratio``). Rounds stop after ``repeats``, or earlier once ``budget_s``
     seconds have passed and ``min_repeats`` rounds are done (large cases at a few seconds a call)."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
@@ -175,8 +176,24 @@ def round_robin(callables: Dict[str, Callable[[], object]], *, repeats: int = 5,
             ts = sorted(times[name])
             mid = len(ts) // 2
             median = ts[mid] if len(ts) % 2 else 0.5 * (ts[mid - 1] + ts[mid])
-            out[name] = {"median_ms": median, "min_ms": ts[0], "runs": len(ts)}
+            out[name] = {"median_ms": median, "min_ms": ts[0], "runs": len(ts), "round_ms": list(times[name])}
     return out
+
+
+def paired_ratio(timed: Dict[str, dict], name: str, base: str) -> Dict[str, float]:
+    """name's time over base's, round by round (``round_robin``'s "round_ms"): the median of the per-round ratios
+    and their quartiles. Two calls of one round run back to back, so a machine whose speed drifts between rounds
+    (10-25% here) moves both; a ratio of the two medians takes each median from other rounds and keeps that drift."""
+    ratios = sorted(a / b for a, b in zip(timed[name]["round_ms"], timed[base]["round_ms"]))
+    if not ratios:
+        raise ValueError(f"paired_ratio: no round timed both {name!r} and {base!r}")
+
+    def quantile(q):
+        at = q * (len(ratios) - 1)
+        low = int(math.floor(at))
+        high = min(low + 1, len(ratios) - 1)
+        return ratios[low] + (ratios[high] - ratios[low]) * (at - low)
+    return {"median": quantile(0.5), "q1": quantile(0.25), "q3": quantile(0.75), "rounds": len(ratios)}
 
 
 # ---------------------------------------------------------------------------------------------------- memory

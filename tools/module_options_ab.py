@@ -4,7 +4,9 @@ more than a few percent).
 
 The benchmark's module rows (``kernel_elu+gate`` and so on) time each method in its own stretch of the run, and
 on a machine whose speed drifts 10-25% between stretches their ratios mostly measure the machine. Here each
-option's module and the plain one run round by round (``measure.round_robin``), projections included.
+option's module and the plain one run round by round (``measure.round_robin``), projections included, and each
+option's time is also set against the plain module's of the same round (``measure.paired_ratio``: the median of
+those ratios, and their quartiles).
 
     python -m tools.module_options_ab --methods taylor kernel_elu --repeats 9 --json runs/options.json
 """
@@ -34,8 +36,14 @@ def compare(method: str, causal: bool, which: str, n: int, heads: int, dim: int,
         runs[name] = build_runner(case, "cpu", torch.float32)
     times = measure.round_robin(runs, repeats=repeats, warmup=1)
     plain = times[method]["median_ms"]
-    return [dict(method=name, causal=causal, pass_=which, median_ms=times[name]["median_ms"],
-                 min_ms=times[name]["min_ms"], vs_plain=times[name]["median_ms"] / plain) for name in names]
+    rows = []
+    for name in names:
+        paired = measure.paired_ratio(times, name, method)
+        rows.append(dict(method=name, causal=causal, pass_=which, median_ms=times[name]["median_ms"],
+                         min_ms=times[name]["min_ms"], vs_plain=times[name]["median_ms"] / plain,
+                         vs_plain_paired=paired["median"], vs_plain_q1=paired["q1"], vs_plain_q3=paired["q3"],
+                         round_ms=times[name]["round_ms"]))
+    return rows
 
 
 def main(argv=None):
@@ -59,14 +67,16 @@ def main(argv=None):
     threads = measure.pin_threads(a.threads)
     print(f"torch {torch.__version__}, {measure.cpu_name()}, {threads} threads, B=1 x {a.n} tokens, "
           f"{a.heads} heads of {a.dim}, {a.repeats} calls each, interleaved")
-    print("| module | mask | pass | median ms (best) | over the plain module |\n|---|---|---|---|---|")
+    print("| module | mask | pass | median ms (best) | over the plain module: medians | per round: median "
+          "(quartiles) |\n|---|---|---|---|---|---|")
     rows = []
     for method in a.methods:
         for mask, causal, which in PASSES:
             for row in compare(method, causal, which, a.n, a.heads, a.dim, a.repeats):
                 rows.append(row)
                 print(f"| {row['method']} | {mask} | {which} | {row['median_ms']:.1f} ({row['min_ms']:.1f}) | "
-                      f"{row['vs_plain']:.3f}× |", flush=True)
+                      f"{row['vs_plain']:.3f}× | {row['vs_plain_paired']:.3f}× ({row['vs_plain_q1']:.3f}–"
+                      f"{row['vs_plain_q3']:.3f}) |", flush=True)
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         meta = dict(command="python -m tools.module_options_ab " + " ".join(argv), torch=torch.__version__,
