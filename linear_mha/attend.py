@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from . import masks
+from .functional.packed_heads import split_heads
 from .local_term import check_dwc_kernel
 from .output_gate import check_output_gate
 from .registry import AttentionMethod, causal_methods, method_class
@@ -19,6 +20,21 @@ MODULE_OPTIONS = ("dwc_kernel", "output_gate")  # options of the attention modul
 def needs_token_grid(module: nn.Module) -> bool:
     """Whether ``module`` (an attention module holding a method) reads the token grid of its input."""
     return getattr(module, "dwc_weight", None) is not None or module.method.needs_grid
+
+
+def split_for_options(module: nn.Module, projected: Tensor, parts: int, q_at: Optional[int] = None,
+                      v_at: Optional[int] = None, gate_reads_q: bool = True):
+    """split_heads of a module's projection into ``parts`` (B, H, N, d) heads, with the queries (part ``q_at``)
+    and the values (part ``v_at``) handed out again where the module's output gate or local term reads them:
+    returns (parts, the gate's q or None, the local term's v or None). Their two gradients then meet in the split,
+    which adds the option's into the compiled backward's block in place (split_heads), instead of autograd making
+    the sum a new tensor. ``gate_reads_q`` False: the gate reads the queries after something else (a norm)."""
+    gated = gate_reads_q and getattr(module, "gate_weight", None) is not None
+    local = getattr(module, "dwc_weight", None) is not None
+    again = tuple(i for i, wanted in ((q_at, gated), (v_at, local)) if i is not None and wanted)
+    views = split_heads(projected, parts, module.num_heads, again)
+    seconds = dict(zip(again, views[parts:]))
+    return views[:parts], seconds.get(q_at), seconds.get(v_at)
 
 
 def validate_options(mode: str, options: Mapping[str, Any]) -> Dict[str, Any]:

@@ -17,14 +17,13 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from . import masks, torch_models
 from .errors import InputError
 from .adapters import AttentionAdapter, register_adapter, traced_whole
-from .attend import attend_heads
+from .attend import attend_heads, split_for_options
 from .local_term import add_local_term
 from .output_gate import apply_output_gate
 from .plain_linear import call_linear
 from .registry import DEFAULT_MODE, create_method
 from .token_grid import TokenGrid, resolve_token_grid
 from .functional._common import autocast_active, compiling
-from .functional.packed_heads import split_heads
 from .functional.projection import project
 from .torch_models import TORCH_MHA
 
@@ -227,12 +226,14 @@ class LinearMultiheadAttention(AttentionAdapter, nn.Module):
         if query.is_nested or key.is_nested or value.is_nested:
             return self._forward_nested(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal)
         q, k, v, extra_keys, kpm, mask, layout = self._prepare(query, key, value, key_padding_mask, attn_mask)
+        q_gate, v_local = layout["option_inputs"]
         token_grid = resolve_token_grid(self, token_grid)
         out, weights = attend_heads(self.method, self.method.state(self), q, k, v, key_padding_mask=kpm,
                                     attn_mask=mask, is_causal=is_causal, extra_keys=extra_keys,
                                     need_weights=need_weights, dropout_p=self.dropout if self.training else 0.0,
                                     token_grid=token_grid)
-        out = apply_output_gate(self, add_local_term(self, out, v, kpm, mask, is_causal, token_grid), q, inplace=True)
+        out = apply_output_gate(self, add_local_term(self, out, v_local, kpm, mask, is_causal, token_grid), q_gate,
+                                inplace=True)
         heads = out.transpose(1, 2).reshape(layout["batch"], layout["tgt_len"], self.embed_dim)
         out = call_linear(self.out_proj, heads)  # the user's nn.Linear: hooks and wrappers see it called
         if weights is not None and average_attn_weights:
@@ -311,7 +312,7 @@ class LinearMultiheadAttention(AttentionAdapter, nn.Module):
         if kpm is not None and not self.method.any_mask:
             query, key, value = self._zero_padding(query, key, value, kpm, query_is_key, same_kv)
 
-        q, k, v = self._in_projection(query, key, value, same_qkv, same_kv, query_is_key)
+        q, k, v, option_inputs = self._in_projection(query, key, value, same_qkv, same_kv, query_is_key)
         H, d = self.num_heads, self.head_dim
         extra_k, extra_v = [], []
         if self.bias_k is not None:
@@ -321,7 +322,7 @@ class LinearMultiheadAttention(AttentionAdapter, nn.Module):
             extra_k.append(k.new_zeros(B, H, 1, d))
             extra_v.append(v.new_zeros(B, H, 1, d))
         extra_keys = (torch.cat(extra_k, dim=2), torch.cat(extra_v, dim=2)) if extra_k else None
-        layout = {"batch": B, "tgt_len": L, "unbatched": unbatched}
+        layout = {"batch": B, "tgt_len": L, "unbatched": unbatched, "option_inputs": option_inputs}
         return q, k, v, extra_keys, kpm, mask, layout
 
     def _check_dtypes(self, query, key, value):
@@ -347,28 +348,37 @@ class LinearMultiheadAttention(AttentionAdapter, nn.Module):
         return (key if query_is_key else query), key, value
 
     def _in_projection(self, query, key, value, same_qkv, same_kv, query_is_key):
-        """q, k, v projected and split into heads: (B, H, L or S, d) each. Inputs that are one tensor share one
-        projection (DETR's encoder: query is key), split into several (split_heads), which hands the compiled
-        backward's side-by-side gradients back without a copy."""
+        """q, k, v projected and split into heads: (B, H, L or S, d) each, and (q, v) as the output gate and the
+        local term are to read them. Inputs that are one tensor share one projection (DETR's encoder: query is key),
+        split into several (split_heads), which hands the compiled backward's side-by-side gradients back without a
+        copy; a split part an option reads too is handed out again for it, so that its two gradients are summed
+        by the split, in place, rather than by autograd into a new tensor."""
         E, H = self.embed_dim, self.num_heads
         b = self.in_proj_bias
         bq, bk, bv = (None, None, None) if b is None else (b[:E], b[E:2 * E], b[2 * E:])
 
         def heads(t):
             return t.reshape(t.shape[0], t.shape[1], H, self.head_dim).transpose(1, 2)
+
         if not self._qkv_same_embed_dim:
-            return (heads(project(query, self.q_proj_weight, bq)), heads(project(key, self.k_proj_weight, bk)),
-                    heads(project(value, self.v_proj_weight, bv)))
+            q, k, v = (heads(project(query, self.q_proj_weight, bq)), heads(project(key, self.k_proj_weight, bk)),
+                       heads(project(value, self.v_proj_weight, bv)))
+            return q, k, v, (q, v)
         w = self.in_proj_weight
         if same_qkv:  # self-attention: one GEMM for all three
-            return split_heads(project(query, w, b), 3, H)
-        if query_is_key:  # positions added to queries and keys, not to values (DETR)
-            q, k = split_heads(project(query, w[:2 * E], None if b is None else b[:2 * E]), 2, H)
-            return q, k, heads(project(value, w[2 * E:], bv))
-        q = heads(project(query, w[:E], bq))
-        if same_kv:
-            return (q, *split_heads(project(key, w[E:], None if b is None else b[E:]), 2, H))
-        return q, heads(project(key, w[E:2 * E], bk)), heads(project(value, w[2 * E:], bv))
+            (q, k, v), q2, v2 = split_for_options(self, project(query, w, b), 3, q_at=0, v_at=2)
+        elif query_is_key:  # positions added to queries and keys, not to values (DETR)
+            (q, k), q2, v2 = split_for_options(self, project(query, w[:2 * E], None if b is None else b[:2 * E]),
+                                               2, q_at=0)
+            v = heads(project(value, w[2 * E:], bv))
+        elif same_kv:
+            q, q2 = heads(project(query, w[:E], bq)), None
+            (k, v), _, v2 = split_for_options(self, project(key, w[E:], None if b is None else b[E:]), 2, v_at=1)
+        else:
+            q, k, v = (heads(project(query, w[:E], bq)), heads(project(key, w[E:2 * E], bk)),
+                       heads(project(value, w[2 * E:], bv)))
+            q2 = v2 = None
+        return q, k, v, (q if q2 is None else q2, v if v2 is None else v2)
 
     def _forward_nested(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal):
         """nn.TransformerEncoder built with enable_nested_tensor=True hands its layers NestedTensors in inference.

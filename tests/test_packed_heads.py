@@ -141,9 +141,10 @@ def test_a_callers_gradient_laid_out_as_a_block_is_never_written():
 
 @needs_native
 @pytest.mark.parametrize("option", ["dwc_kernel", "output_gate"])
-def test_a_module_option_summing_into_one_part_keeps_the_block(option):
-    """The local term adds to v's gradient and the gate to q's: the projection still gets the compiled backward's
-    block, with the numbers of the float64 module."""
+def test_a_module_option_reading_a_part_again_adds_its_gradient_into_the_block(option):
+    """The local term reads v and the gate q besides attention: the split hands that part out again, and its
+    backward adds the option's gradient into the compiled backward's block in place (no new sum, no part copied
+    back), with the numbers of the float64 module."""
     from linear_mha import TokenGrid
     torch.manual_seed(0)
     options = {option: 3 if option == "dwc_kernel" else True}
@@ -153,9 +154,15 @@ def test_a_module_option_summing_into_one_part_keeps_the_block(option):
             if getattr(m, name, None) is not None:
                 getattr(m, name).normal_(0, 0.3)
     x = torch.randn(2, 20, 32)
-    found = []
-    fill = packed_heads.filled_block
-    packed_heads.filled_block = lambda *a: found.append(fill(*a)) or found[-1]
+    in_place = []
+    real = packed_heads._second_gradients_added
+
+    def spy(ctx, grads, *rest):
+        firsts = list(grads[:ctx.parts])
+        parts = real(ctx, grads, *rest)
+        in_place.append(all(a is b for a, b in zip(firsts, parts)) and packed_heads.gathered(parts) is not None)
+        return parts
+    packed_heads._second_gradients_added = spy
     grads = []
     try:
         for dtype in (torch.float32, torch.float64):
@@ -165,10 +172,65 @@ def test_a_module_option_summing_into_one_part_keeps_the_block(option):
             grads.append((leaf.grad, mm.in_proj_weight.grad.clone()))
             mm.zero_grad()
     finally:
-        packed_heads.filled_block = fill
-    assert found and found[0] is not None, "the summed part made the split gather every part again"
+        packed_heads._second_gradients_added = real
+    assert in_place[0], "the option's gradient was summed apart, or the parts no longer lie in the block"
     for a, b in zip(*grads):
         torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_parts_handed_out_again_get_both_gradients(compiled):
+    """q and v handed out a second time (split_heads' again), each read by a second consumer: the projection's
+    gradient is the sum of both consumers' as through torch's chunk, whether the first gradients lie in a compiled
+    backward's block (summed in place) or not (summed apart); a second gradient alone, with the part's first
+    consumer unused, is the part's gradient."""
+    if compiled and not native.available():
+        pytest.skip(f"kernels not built: {native.build_error()}")
+    g = torch.Generator().manual_seed(1)
+    packed = torch.randn(1, 30, 3 * 2 * 8, generator=g)
+    w = torch.randn(3, 1, 30, 8, generator=g)
+    runs = []
+    for split in ("again", "chunk"):
+        leaf = packed.clone().requires_grad_()
+        if split == "again":
+            q, k, v, q2, v2 = packed_heads.split_heads(leaf, 3, 2, again=(0, 2))
+        else:
+            q, k, v = chunked(leaf, 3, 2)
+            q2, v2 = q, v
+        attention = LF.kernel(q, k, v, feature_map="elu") if compiled else (q * k).sum(-1, keepdim=True) * v
+        (attention * w[0] + (q2.square() * w[1]) + (v2.sin() * w[2])).sum().backward()
+        runs.append(leaf.grad)
+    torch.testing.assert_close(runs[0], runs[1], rtol=1e-5, atol=1e-6)
+    leaf = packed.clone().requires_grad_()
+    q, k, v, v2 = packed_heads.split_heads(leaf, 3, 2, again=(2,))
+    (q.sum() + v2.sum() * 3).backward()
+    want = torch.zeros_like(packed).view(1, 30, 3, 16)
+    want[:, :, 0], want[:, :, 2] = 1, 3
+    assert torch.equal(leaf.grad, want.view(1, 30, 48))
+    with pytest.raises(ValueError, match="again must list parts"):
+        packed_heads.split_heads(leaf, 3, 2, again=(3,))
+
+
+@needs_native
+def test_a_first_gradient_a_hook_kept_is_not_written_by_the_second():
+    """A hook that keeps attention's q gradient (and returns nothing): the gate's gradient is not added into it in
+    place, and the projection's gradient is still the sum."""
+    from linear_mha.functional import native_maps
+    g = torch.Generator().manual_seed(2)
+    packed = torch.randn(1, 40, 3 * 2 * 8, generator=g)
+    weight, bias = torch.randn(2, 8, 8, generator=g) * 0.3, torch.zeros(2, 1, 8)
+    runs = []
+    for again in ((0,), ()):
+        leaf = packed.clone().requires_grad_()
+        q, k, v, *second = packed_heads.split_heads(leaf, 3, 2, again=again)
+        kept = []
+        q.register_hook(lambda grad: kept.append((grad, grad.clone())) and None)
+        native_maps.output_gate(LF.kernel(q, k, v, feature_map="elu"), second[0] if second else q, weight,
+                                bias).square().sum().backward()
+        if again:
+            assert torch.equal(kept[0][0], kept[0][1])
+        runs.append(leaf.grad)
+    torch.testing.assert_close(runs[0], runs[1], rtol=1e-6, atol=1e-7)
 
 
 @needs_native

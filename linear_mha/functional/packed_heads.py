@@ -8,6 +8,7 @@ gradients' own memory when they already lie side by side as the projection's out
 writes them so (``packed_outputs``) whenever its q, k, v are such a split; other backwards' gradients are gathered
 as before.
 """
+import sys
 import weakref
 from typing import Optional, Sequence, Tuple
 
@@ -17,14 +18,25 @@ from torch import Tensor
 from ._common import compiling, functorch_active
 
 
-def split_heads(packed: Tensor, parts: int, heads: int) -> Tuple[Tensor, ...]:
-    """packed (B, N, parts·heads·d) -> parts tensors of (B, heads, N, d), views of packed. Differentiable; the
-    backward returns the gradients' own memory where they are views of one (B, N, parts, heads, d) tensor."""
+def split_heads(packed: Tensor, parts: int, heads: int, again: Sequence[int] = ()) -> Tuple[Tensor, ...]:
+    """packed (B, N, parts·heads·d) -> parts tensors of (B, heads, N, d), views of packed, then the parts listed in
+    ``again`` once more, as views of their own. Differentiable; the backward returns the gradients' own memory where
+    they are views of one (B, N, parts, heads, d) tensor.
+
+    A part handed out again is for a second consumer, such as a module's output gate (q) or local term (v): its two
+    gradients then reach the split apart instead of being summed by autograd, which makes the sum a new tensor (the
+    gradients are not contiguous, so torch never sums them in place) and leaves the split a part to copy back. Here
+    the second is added into the first in place when the first lies in a block a compiled backward made for this
+    split and nothing else holds it (``_SplitHeads.backward``); otherwise they are summed as autograd would."""
     if packed.dim() != 3 or packed.shape[-1] % (parts * heads):
         raise ValueError(f"packed must be (B, N, {parts}·heads·d) with heads={heads}; got {tuple(packed.shape)}")
+    again = tuple(again)
+    if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < parts for i in again):
+        raise ValueError(f"again must list parts of the split, ints in [0, {parts}); got {again}")
     if torch.is_grad_enabled() and packed.requires_grad and not (compiling() or functorch_active()):
-        return _SplitHeads.apply(packed, parts, heads)
-    return _views(packed, parts, heads)
+        return _SplitHeads.apply(packed, parts, heads, again)
+    views = _views(packed, parts, heads)
+    return views + tuple(views[i] for i in again)
 
 
 def _views(packed: Tensor, parts: int, heads: int) -> Tuple[Tensor, ...]:
@@ -145,23 +157,69 @@ def is_split(tensors: Sequence[Tensor]) -> bool:
                and t.data_ptr() == first.data_ptr() + i * step for i, t in enumerate(tensors))
 
 
-class _SplitHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, packed, parts, heads):
-        ctx.shape, ctx.parts, ctx.heads = packed.shape, parts, heads
-        ctx.packed_blocks = []  # HandedBlock: where compiled backwards wrote this split's gradients (packed_outputs)
-        return _views(packed, parts, heads)
+def _references(grads: Sequence[Optional[Tensor]]) -> Tuple[int, ...]:
+    """The Python references to each gradient as a backward's arguments hold them (``_alone_references``)."""
+    return tuple(sys.getrefcount(g) for g in grads)
 
+
+class _Probe(torch.autograd.Function):
     @staticmethod
-    def jvp(ctx, packed_tangent, *_):  # forward-mode AD: the tangents split as the values are
-        return _views(packed_tangent, ctx.parts, ctx.heads)
+    def forward(ctx, x):
+        return x.clone()
 
     @staticmethod
     def backward(ctx, *grads):
+        ctx.counts = _references(grads)  # taken first, as _SplitHeads.backward takes them
+        return grads[0]
+
+
+_ALONE: Optional[int] = None
+
+
+def _alone_references() -> int:
+    """How many references a backward's gradient argument has when nothing but autograd holds it: measured once
+    in this process on a gradient no hook can have seen, since it depends on the interpreter and torch."""
+    global _ALONE
+    if _ALONE is None:
+        with torch.enable_grad():
+            x = torch.zeros(1, requires_grad=True)
+            y = _Probe.apply(x)
+            (y * 2).sum().backward()
+            _ALONE = y.grad_fn.counts[0]
+    return _ALONE
+
+
+def _block_of_this_split(grads: Sequence[Optional[Tensor]], handed: Sequence[HandedBlock]) -> Optional[Tensor]:
+    """The (B, N, P·H·d) block the parts' gradients are, when it is one a compiled backward handed to this split
+    and every part is the very view it wrote (``packed_outputs``), else None."""
+    whole = gathered(grads)
+    if whole is None or not any(len(e.slots) == len(grads) and all(e.slots[i]() is g for i, g in enumerate(grads))
+                                for e in handed):
+        return None
+    return whole
+
+
+class _SplitHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, packed, parts, heads, again):
+        ctx.shape, ctx.parts, ctx.heads, ctx.again = packed.shape, parts, heads, again
+        ctx.packed_blocks = []  # HandedBlock: where compiled backwards wrote this split's gradients (packed_outputs)
+        views = _views(packed, parts, heads)
+        return views + tuple(_views(packed, parts, heads)[i] for i in again)
+
+    @staticmethod
+    def jvp(ctx, packed_tangent, *_):  # forward-mode AD: the tangents split as the values are
+        views = _views(packed_tangent, ctx.parts, ctx.heads)
+        return views + tuple(_views(packed_tangent, ctx.parts, ctx.heads)[i] for i in ctx.again)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        references = _references(grads)  # first: any other name for a gradient below would count
         # A gradient that is itself differentiated (create_graph) must keep every part's history: as_strided on
         # the first part would drop the others', so then the parts are stacked.
         keeps_history = torch.is_grad_enabled() and any(g is not None and g.requires_grad for g in grads)
         handed, ctx.packed_blocks = ctx.packed_blocks, []
+        grads = _second_gradients_added(ctx, list(grads), references, handed, keeps_history)
         whole = None if keeps_history else gathered(grads)
         if whole is None and not keeps_history:
             whole = filled_block(grads, ctx.heads, handed)
@@ -170,4 +228,27 @@ class _SplitHeads(torch.autograd.Function):
             like = next(g for g in grads if g is not None)
             filled = [g if g is not None else like.new_zeros(like.shape) for g in grads]
             whole = torch.stack([g.transpose(1, 2) for g in filled], dim=2).reshape(b, n, width)
-        return whole, None, None
+        return whole, None, None, None
+
+
+def _second_gradients_added(ctx, grads: list, references: Sequence[int], handed: Sequence[HandedBlock],
+                            keeps_history: bool) -> list:
+    """The parts' gradients with those of the parts handed out again (``split_heads``' again) added in: into the
+    first gradient's own memory when it is a slot of a block a compiled backward made for this split and no hook
+    or caller holds it (it has no more references than a gradient nothing else holds), else as a new sum."""
+    parts, seconds = grads[:ctx.parts], grads[ctx.parts:]
+    if not any(g is not None for g in seconds):
+        return parts
+    alone = _alone_references()
+    block = None if keeps_history else _block_of_this_split(parts, handed)
+    for i, second in zip(ctx.again, seconds):
+        if second is None:
+            continue
+        first = parts[i]
+        if first is None:
+            parts[i] = second
+        elif block is not None and references[i] <= alone and first.dtype == second.dtype:
+            first.add_(second)
+        else:
+            parts[i] = first + second
+    return parts

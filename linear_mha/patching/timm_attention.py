@@ -12,8 +12,7 @@ from torch import Tensor, nn
 
 from .. import masks
 from ..adapters import AttentionAdapter, UnknownLength, register_adapter, traced_whole
-from ..attend import attend_heads
-from ..functional.packed_heads import split_heads
+from ..attend import attend_heads, split_for_options
 from ..local_term import add_local_term
 from ..output_gate import apply_output_gate
 from ..plain_linear import call_linear
@@ -155,7 +154,9 @@ class LinearTimmAttention(AttentionAdapter, nn.Module):
         self.method.before_forward(self)
         B, N, _ = x.shape
         gate = self.gate(x).sigmoid() if self.gate is not None else None
-        q, k, v = split_heads(call_linear(self.qkv, x), 3, self.num_heads)  # (B, H, N, d) each
+        # (B, H, N, d) each; q and v again for the output gate and the local term, where they read them as they are
+        (q, k, v), q_gate, v_local = split_for_options(self, call_linear(self.qkv, x), 3, q_at=0, v_at=2,
+                                                       gate_reads_q=isinstance(self.q_norm, nn.Identity))
         q, k = self.q_norm(q), self.k_norm(k)
         kpm, mask = (None, None) if attn_mask is None else _timm_mask_to_nn(attn_mask, B, self.num_heads, N,
                                                                            self.method)
@@ -163,7 +164,8 @@ class LinearTimmAttention(AttentionAdapter, nn.Module):
         out, _ = attend_heads(self.method, self.method.state(self), q, k, v, key_padding_mask=kpm, attn_mask=mask,
                               is_causal=is_causal, dropout_p=self.attn_drop.p if self.training else 0.0,
                               token_grid=grid)
-        out = apply_output_gate(self, add_local_term(self, out, v, kpm, mask, is_causal, grid), q, inplace=True)
+        out = apply_output_gate(self, add_local_term(self, out, v if v_local is None else v_local, kpm, mask,
+                                                     is_causal, grid), q if q_gate is None else q_gate, inplace=True)
         out = self.norm(out.transpose(1, 2).reshape(B, N, self.attn_dim))
         if gate is not None:
             out = out * gate
