@@ -15,10 +15,17 @@ def test_a_checkout_against_itself(tmp_path):
     result = compare_trees.main([str(ROOT), "--rounds", "1", "--n", "64", "--steps", "3", "--prompt", "8",
                                  "--threads", "1", "--json", str(tmp_path / "r.json"), "--png", str(tmp_path / "r.png")])
     rows = result["rows"]
-    assert len(rows) == 11 and all("error" not in r for r in rows.values()), rows
-    assert all(r["before"] > 0 and r["after"] > 0 and math.isfinite(r["ratio"]) for r in rows.values())
+    assert len(rows) == 14 and all("error" not in r for r in rows.values()), rows
+    assert all(r["before"] > 0 and r["after"] > 0 and math.isfinite(r["ratio"]) and r["ratio_paired"] > 0
+               for r in rows.values())
+    assert sum("training step" in name for name in rows) == 3  # plain, with the gate, with the local term
     assert json.loads((tmp_path / "r.json").read_text())["rows"] == json.loads(json.dumps(rows))
     assert (tmp_path / "r.png").stat().st_size > 5_000
+    only = compare_trees.main([str(ROOT), "--rounds", "1", "--n", "64", "--steps", "3", "--prompt", "8",
+                               "--threads", "1", "--only", "gate", "dwc3"])
+    assert sorted(only["rows"]) == sorted(name for name in rows if "gate" in name or "dwc3" in name)
+    with pytest.raises(SystemExit, match="no case's name contains"):
+        compare_trees.main([str(ROOT), "--rounds", "1", "--n", "64", "--only", "nothing like it"])
 
 
 def test_a_folder_without_the_package_is_refused(tmp_path):

@@ -7,13 +7,18 @@ The older checkout's ``linear_mha`` is copied into a temporary folder as ``linea
 the current one (the package imports itself relatively), so both sides run in the same process, on the same
 inputs and threads, interleaved call by call (``measure.round_robin``): a slow phase of a shared machine hits both.
 The cases cover the paths a refactor of the attention code can slow: kernel attention (compiled, fused causal and
-composed paths), Efficient Attention, a module's call, the recurrent decoding step, and an LM's generation, plain
-and patched with a learnable method. Ratios after/before near 1 are noise; the JSON keeps every run.
+composed paths), Efficient Attention, a module's call, a module's training step with the output gate and the local
+term, the recurrent decoding step, and an LM's generation, plain and patched with a learnable method. ``--only``
+keeps the cases whose names contain one of its words. Each row has the ratio of the medians and the median of the
+per-round ratios (``measure.paired_ratio``); ratios after/before near 1 are noise; the JSON keeps every run.
+
+    python -m tools.compare_trees /tmp/before --only "training step" --rounds 15
 """
 import argparse
 import atexit
 import importlib
 import json
+import math
 import platform
 import shutil
 import statistics
@@ -41,6 +46,31 @@ def import_checkout(root: Path, alias: str = "linear_mha_before"):
         return importlib.import_module(alias)
     finally:
         sys.path.remove(str(folder))
+
+
+def training_steps(lib, n: int, seed: int = 0) -> dict:
+    """A self-attention module's forward + backward (taylor, 8 heads of 64) on n tokens of a square grid, plain,
+    with the output gate and with the 3 x 3 local term (their parameters made nonzero, as after training)."""
+    side = math.isqrt(n)
+    g = torch.Generator().manual_seed(seed)
+    x, grad = torch.randn(1, side * side, 512, generator=g), torch.randn(1, side * side, 512, generator=g)
+    steps = {}
+    for label, options in (("", {}), (" + gate", {"output_gate": True}), (" + dwc3", {"dwc_kernel": 3})):
+        torch.manual_seed(seed)
+        module = lib.LinearMultiheadAttention(512, 8, mode="taylor", batch_first=True, **options)
+        with torch.no_grad():
+            for name in ("gate_weight", "dwc_weight"):
+                if getattr(module, name, None) is not None:
+                    getattr(module, name).normal_(0, 0.02)
+        grid = {"token_grid": lib.TokenGrid(side, side)} if "dwc_kernel" in options else {}
+        leaf = x.clone().requires_grad_()
+
+        def step(module=module, leaf=leaf, grid=grid):
+            module(leaf, leaf, leaf, need_weights=False, **grid)[0].backward(grad)
+            leaf.grad = None
+            module.zero_grad(set_to_none=True)
+        steps[f"module taylor{label}, training step, {side * side} x 512 (ms)"] = (step, 1e3)
+    return steps
 
 
 def cases(lib, n: int, steps: int, prompt: int, seed: int = 0) -> dict:
@@ -96,6 +126,7 @@ def cases(lib, n: int, steps: int, prompt: int, seed: int = 0) -> dict:
         "kernel_step elu (us per step)": (inference(decode), 1e6 / steps),
         f"LM, 16 tokens after {prompt} (ms)": (inference(generate(plain)), 1e3),
         f"hedgehog-patched softmax LM, 16 tokens after {prompt} (ms)": (inference(generate(patched)), 1e3),
+        **training_steps(lib, n, seed),
     }
 
 
@@ -122,6 +153,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=500, help="decoding steps per timed call")
     p.add_argument("--prompt", type=int, default=256, help="prompt length of the generation cases")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--only", nargs="+", metavar="WORD", help="only the cases whose names contain one of these")
     p.add_argument("--json", type=Path, help="write every run and the medians here")
     p.add_argument("--png", type=Path, help="draw the ratios here")
     a = p.parse_args(argv)
@@ -129,19 +161,29 @@ def main(argv=None):
     import linear_mha
     sides = {"before": import_checkout(a.before), "after": linear_mha}
     built = {side: cases(lib, a.n, a.steps, a.prompt) for side, lib in sides.items()}
+    if a.only:
+        built = {side: {name: case for name, case in named.items() if any(word in name for word in a.only)}
+                 for side, named in built.items()}
+        if not built["after"]:
+            raise SystemExit(f"--only {' '.join(a.only)}: no case's name contains any of these; the cases: "
+                             f"{', '.join(cases(linear_mha, 64, 1, 4))}")
     timed = M.round_robin({f"{side}|{name}": fn for side in built for name, (fn, _) in built[side].items()},
                           repeats=a.rounds, warmup=1)
     rows = {}
-    print(f"{'case':<58} {'before':>9} {'after':>9} {'after/before':>12}")
+    print(f"{'case':<62} {'before':>9} {'after':>9} {'after/before':>12} {'per round (quartiles)':>24}")
     for name, (_, scale) in built["after"].items():
         before, after = (timed[f"{side}|{name}"] for side in ("before", "after"))
         if "error" in before or "error" in after:
             rows[name] = {"error": before.get("error") or after.get("error")}
-            print(f"{name:<58} error: {rows[name]['error']}")
+            print(f"{name:<62} error: {rows[name]['error']}")
             continue
         b, t = before["median_ms"] * scale / 1e3, after["median_ms"] * scale / 1e3
-        rows[name] = {"before": b, "after": t, "ratio": t / b, "runs": after["runs"]}
-        print(f"{name:<58} {b:>9.2f} {t:>9.2f} {t / b:>12.3f}")
+        paired = M.paired_ratio(timed, f"after|{name}", f"before|{name}")
+        rows[name] = {"before": b, "after": t, "ratio": t / b, "runs": after["runs"],
+                      "ratio_paired": paired["median"], "ratio_q1": paired["q1"], "ratio_q3": paired["q3"],
+                      "before_round_ms": before["round_ms"], "after_round_ms": after["round_ms"]}
+        print(f"{name:<62} {b:>9.2f} {t:>9.2f} {t / b:>12.3f} {paired['median']:>9.3f} ({paired['q1']:.3f}-"
+              f"{paired['q3']:.3f})")
     result = {"command": "python -m tools.compare_trees " + " ".join(sys.argv[1:] if argv is None else argv),
               "machine": f"{M.cpu_name()} ({platform.machine()})", "threads": torch.get_num_threads(),
               "torch": torch.__version__, "rows": rows,
