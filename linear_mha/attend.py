@@ -28,11 +28,12 @@ def split_for_options(module: nn.Module, projected: Tensor, parts: int, q_at: Op
     and the values (part ``v_at``) handed out again where the module's output gate or local term reads them:
     returns (parts, the gate's q or None, the local term's v or None). Their two gradients then meet in the split,
     which adds the option's into the compiled backward's block in place (split_heads), instead of autograd making
-    the sum a new tensor. ``gate_reads_q`` False: the gate reads the queries after something else (a norm)."""
+    the sum a new tensor: the caller must keep the parts to itself (no hooks on them), as a module's forward does.
+    ``gate_reads_q`` False: the gate reads the queries after something else (a norm)."""
     gated = gate_reads_q and getattr(module, "gate_weight", None) is not None
     local = getattr(module, "dwc_weight", None) is not None
     again = tuple(i for i, wanted in ((q_at, gated), (v_at, local)) if i is not None and wanted)
-    views = split_heads(projected, parts, module.num_heads, again)
+    views = split_heads(projected, parts, module.num_heads, again, own_gradients=True)  # the parts stay in here
     seconds = dict(zip(again, views[parts:]))
     return views[:parts], seconds.get(q_at), seconds.get(v_at)
 

@@ -179,7 +179,8 @@ def test_a_module_option_reading_a_part_again_adds_its_gradient_into_the_block(o
 
 
 @pytest.mark.parametrize("compiled", [True, False])
-def test_parts_handed_out_again_get_both_gradients(compiled):
+@pytest.mark.parametrize("own", [True, False])
+def test_parts_handed_out_again_get_both_gradients(compiled, own):
     """q and v handed out a second time (split_heads' again), each read by a second consumer: the projection's
     gradient is the sum of both consumers' as through torch's chunk, whether the first gradients lie in a compiled
     backward's block (summed in place) or not (summed apart); a second gradient alone, with the part's first
@@ -193,7 +194,7 @@ def test_parts_handed_out_again_get_both_gradients(compiled):
     for split in ("again", "chunk"):
         leaf = packed.clone().requires_grad_()
         if split == "again":
-            q, k, v, q2, v2 = packed_heads.split_heads(leaf, 3, 2, again=(0, 2))
+            q, k, v, q2, v2 = packed_heads.split_heads(leaf, 3, 2, again=(0, 2), own_gradients=own)
         else:
             q, k, v = chunked(leaf, 3, 2)
             q2, v2 = q, v
@@ -212,9 +213,12 @@ def test_parts_handed_out_again_get_both_gradients(compiled):
 
 
 @needs_native
-def test_a_first_gradient_a_hook_kept_is_not_written_by_the_second():
-    """A hook that keeps attention's q gradient (and returns nothing): the gate's gradient is not added into it in
-    place, and the projection's gradient is still the sum."""
+@pytest.mark.parametrize("own, kept", [(True, "the gradient"), (False, "the gradient"), (False, "a view of it")])
+def test_what_a_hook_kept_of_the_first_gradient_is_not_written_by_the_second(own, kept):
+    """A hook that keeps attention's q gradient, or a view of it (returning nothing): the gate's gradient is not
+    added into it, and the projection's gradient is still the sum. A caller that owns its parts' gradients
+    (own_gradients, as the modules do) has no hooks on them; the gradient itself kept is still seen there (it has one
+    reference more than a gradient nothing else holds), a view of it only without own_gradients."""
     from linear_mha.functional import native_maps
     g = torch.Generator().manual_seed(2)
     packed = torch.randn(1, 40, 3 * 2 * 8, generator=g)
@@ -222,17 +226,16 @@ def test_a_first_gradient_a_hook_kept_is_not_written_by_the_second():
     runs = []
     for again in ((0,), ()):
         leaf = packed.clone().requires_grad_()
-        q, k, v, *second = packed_heads.split_heads(leaf, 3, 2, again=again)
-        kept = []
-        q.register_hook(lambda grad: kept.append((grad, grad.clone())) and None)
+        q, k, v, *second = packed_heads.split_heads(leaf, 3, 2, again=again, own_gradients=own)
+        saved = []
+        keep = (lambda grad: grad) if kept == "the gradient" else (lambda grad: grad.detach()[:, :1])
+        q.register_hook(lambda grad: saved.append((keep(grad), keep(grad).clone())) and None)
         native_maps.output_gate(LF.kernel(q, k, v, feature_map="elu"), second[0] if second else q, weight,
                                 bias).square().sum().backward()
         if again:
-            assert torch.equal(kept[0][0], kept[0][1])
+            assert torch.equal(saved[0][0], saved[0][1])
         runs.append(leaf.grad)
     torch.testing.assert_close(runs[0], runs[1], rtol=1e-6, atol=1e-7)
-
-
 @needs_native
 @pytest.mark.parametrize("split_of,method", [("qkv", "elu"), ("kv", "elu"), ("qk", "elu"), ("qkv", "efficient")])
 def test_the_compiled_backward_writes_the_split_gradients_side_by_side(split_of, method):

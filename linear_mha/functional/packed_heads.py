@@ -18,23 +18,26 @@ from torch import Tensor
 from ._common import compiling, functorch_active
 
 
-def split_heads(packed: Tensor, parts: int, heads: int, again: Sequence[int] = ()) -> Tuple[Tensor, ...]:
+def split_heads(packed: Tensor, parts: int, heads: int, again: Sequence[int] = (),
+                own_gradients: bool = False) -> Tuple[Tensor, ...]:
     """packed (B, N, parts·heads·d) -> parts tensors of (B, heads, N, d), views of packed, then the parts listed in
-    ``again`` once more, as views of their own. Differentiable; the backward returns the gradients' own memory where
-    they are views of one (B, N, parts, heads, d) tensor.
+    ``again`` once more (views of their own under autograd, the same tensors without it). Differentiable; the
+    backward returns the gradients' own memory where they are views of one (B, N, parts, heads, d) tensor.
 
     A part handed out again is for a second consumer, such as a module's output gate (q) or local term (v): its two
     gradients then reach the split apart instead of being summed by autograd, which makes the sum a new tensor (the
-    gradients are not contiguous, so torch never sums them in place) and leaves the split a part to copy back. Here
-    the second is added into the first in place when the first lies in a block a compiled backward made for this
-    split and nothing else holds it (``_SplitHeads.backward``); otherwise they are summed as autograd would."""
+    gradients are not contiguous, so torch never sums them in place) and leaves the split a part to copy back. They
+    are summed as autograd would, unless ``own_gradients``: the caller promises that no hook, ``retain_grad`` or
+    ``autograd.grad`` input can see the parts' gradients (the parts never leave it), and the split then adds the
+    second into the first in place when the first is a slot of a block a compiled backward made for this split
+    (``_second_gradients_added``). The modules' own q, k and v are such parts."""
     if packed.dim() != 3 or packed.shape[-1] % (parts * heads):
         raise ValueError(f"packed must be (B, N, {parts}·heads·d) with heads={heads}; got {tuple(packed.shape)}")
     again = tuple(again)
     if any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < parts for i in again):
         raise ValueError(f"again must list parts of the split, ints in [0, {parts}); got {again}")
     if torch.is_grad_enabled() and packed.requires_grad and not (compiling() or functorch_active()):
-        return _SplitHeads.apply(packed, parts, heads, again)
+        return _SplitHeads.apply(packed, parts, heads, again, bool(own_gradients))
     views = _views(packed, parts, heads)
     return views + tuple(views[i] for i in again)
 
@@ -173,20 +176,16 @@ class _Probe(torch.autograd.Function):
         return grads[0]
 
 
-_ALONE: Optional[int] = None
-
-
 def _alone_references() -> int:
-    """How many references a backward's gradient argument has when nothing but autograd holds it: measured once
-    in this process on a gradient no hook can have seen, since it depends on the interpreter and torch."""
-    global _ALONE
-    if _ALONE is None:
-        with torch.enable_grad():
-            x = torch.zeros(1, requires_grad=True)
-            y = _Probe.apply(x)
-            (y * 2).sum().backward()
-            _ALONE = y.grad_fn.counts[0]
-    return _ALONE
+    """How many references a backward's gradient argument has when nothing but autograd holds it, measured on a
+    gradient no hook can have seen, here and now: the count depends on the interpreter, on torch and on what is
+    running (a dispatch mode that keeps op outputs adds one to every gradient), so it is taken in the same
+    context as the gradients it is set against, at the cost of a backward of one value."""
+    with torch.enable_grad():
+        x = torch.zeros(1, requires_grad=True)
+        y = _Probe.apply(x)
+        (y * 2).sum().backward()
+        return y.grad_fn.counts[0]
 
 
 def _block_of_this_split(grads: Sequence[Optional[Tensor]], handed: Sequence[HandedBlock]) -> Optional[Tensor]:
@@ -199,18 +198,22 @@ def _block_of_this_split(grads: Sequence[Optional[Tensor]], handed: Sequence[Han
     return whole
 
 
+def _with_again(views: Tuple[Tensor, ...], again: Sequence[int]) -> Tuple[Tensor, ...]:
+    """The views, then those listed in again as new views of the same memory (a Function's outputs must be
+    distinct tensors)."""
+    return views + tuple(views[i].view_as(views[i]) for i in again)
+
+
 class _SplitHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, packed, parts, heads, again):
-        ctx.shape, ctx.parts, ctx.heads, ctx.again = packed.shape, parts, heads, again
+    def forward(ctx, packed, parts, heads, again, own_gradients):
+        ctx.shape, ctx.parts, ctx.heads, ctx.again, ctx.own_gradients = packed.shape, parts, heads, again, own_gradients
         ctx.packed_blocks = []  # HandedBlock: where compiled backwards wrote this split's gradients (packed_outputs)
-        views = _views(packed, parts, heads)
-        return views + tuple(_views(packed, parts, heads)[i] for i in again)
+        return _with_again(_views(packed, parts, heads), again)
 
     @staticmethod
     def jvp(ctx, packed_tangent, *_):  # forward-mode AD: the tangents split as the values are
-        views = _views(packed_tangent, ctx.parts, ctx.heads)
-        return views + tuple(_views(packed_tangent, ctx.parts, ctx.heads)[i] for i in ctx.again)
+        return _with_again(_views(packed_tangent, ctx.parts, ctx.heads), ctx.again)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -228,19 +231,22 @@ class _SplitHeads(torch.autograd.Function):
             like = next(g for g in grads if g is not None)
             filled = [g if g is not None else like.new_zeros(like.shape) for g in grads]
             whole = torch.stack([g.transpose(1, 2) for g in filled], dim=2).reshape(b, n, width)
-        return whole, None, None, None
+        return whole, None, None, None, None
 
 
 def _second_gradients_added(ctx, grads: list, references: Sequence[int], handed: Sequence[HandedBlock],
                             keeps_history: bool) -> list:
-    """The parts' gradients with those of the parts handed out again (``split_heads``' again) added in: into the
-    first gradient's own memory when it is a slot of a block a compiled backward made for this split and no hook
-    or caller holds it (it has no more references than a gradient nothing else holds), else as a new sum."""
+    """The parts' gradients with those of the parts handed out again (``split_heads``' again) added in. In place,
+    into the first gradient's own memory, only where the caller owns the parts' gradients (``own_gradients``), the
+    first is a slot of a block a compiled backward made for this split, and it has no more Python references than
+    a gradient nothing but autograd holds: that last check catches a hook that kept the gradient itself, not one
+    that kept a view of it, which is why the in-place sum is for callers whose parts no hook can reach. Everywhere
+    else the two are summed into a new tensor, as autograd sums them."""
     parts, seconds = grads[:ctx.parts], grads[ctx.parts:]
     if not any(g is not None for g in seconds):
         return parts
-    alone = _alone_references()
-    block = None if keeps_history else _block_of_this_split(parts, handed)
+    block = None if keeps_history or not ctx.own_gradients else _block_of_this_split(parts, handed)
+    alone = _alone_references() if block is not None else None
     for i, second in zip(ctx.again, seconds):
         if second is None:
             continue
