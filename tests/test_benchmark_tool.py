@@ -234,6 +234,8 @@ def test_round_robin_keeps_each_rounds_time_and_paired_ratio_sets_rounds_against
     assert paired["q1"] == pytest.approx((0.55 + 22.0 / 30.0) / 2) and paired["q3"] == pytest.approx((22 / 30 + 3.3) / 2)
     with pytest.raises(ValueError, match="no round timed both"):
         measure.paired_ratio({"a": {"round_ms": []}, "b": {"round_ms": [1.0]}}, "a", "b")
+    with pytest.raises(ValueError, match="'a' has no timed rounds: RuntimeError: boom"):
+        measure.paired_ratio({"a": {"error": "RuntimeError: boom"}, "b": {"round_ms": [1.0]}}, "a", "b")
 
 
 def test_loglog_slope():
@@ -559,6 +561,8 @@ def test_ab_builds_times_both_builds_and_hands_this_ones_back(tmp_path, capsys, 
     assert {str(copy), mine._name} == set(seen) and [(r["level"], r["case"]) for r in rows] == [("module", "fwdbwd")]
     with pytest.raises(SystemExit, match="not a module-level method"):
         ab_builds.main(["--before", str(before), "--methods", "local_term", "--level", "module"])
+    with pytest.raises(SystemExit):  # a module makes its own q, k, v: --layout is the core level's
+        ab_builds.main(["--before", str(before), "--methods", "taylor", "--level", "module", "--layout", "module"])
     with pytest.raises(SystemExit, match="square token grid"):
         ab_builds.main(["--before", str(before), "--methods", "local_term", "--n", "96", "--cases", "fwd"])
     with pytest.raises(SystemExit, match="no linear_mha/functional/native_build.py"):

@@ -31,3 +31,26 @@ def test_a_checkout_against_itself(tmp_path):
 def test_a_folder_without_the_package_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="no linear_mha package"):
         compare_trees.import_checkout(tmp_path)
+
+
+def test_an_older_checkout_without_an_option_gets_a_row_saying_so():
+    """A checkout from before the output gate: its training-step case with the gate raises when run (a row with the
+    error), and the others are built as usual."""
+    import linear_mha
+
+    class Older:
+        TokenGrid = linear_mha.TokenGrid
+
+        @staticmethod
+        def LinearMultiheadAttention(*args, output_gate=False, **kwargs):
+            if output_gate:
+                raise TypeError("__init__() got an unexpected keyword argument 'output_gate'")
+            return linear_mha.LinearMultiheadAttention(*args, **kwargs)
+    steps = compare_trees.training_steps(Older, 16)
+    assert len(steps) == 3
+    gated = next(fn for name, (fn, _) in steps.items() if "gate" in name)
+    with pytest.raises(TypeError, match="output_gate"):
+        gated()
+    for name, (fn, _) in steps.items():
+        if "gate" not in name:
+            fn()

@@ -170,6 +170,8 @@ def main(argv=None):
                         "LinearMultiheadAttention rows, projections included")
     p.add_argument("--json", type=Path)
     a = p.parse_args(argv)
+    if a.level == "module" and a.layout != "contiguous":
+        p.error("--layout sets how the core level hands q, k and v over; a module makes its own from its projection")
     known = sorted(m for level, m in methods() if level == a.level) + ([GATE, LOCAL] if a.level == "core" else [])
     unknown = [m for m in a.methods if m not in known]
     if unknown:

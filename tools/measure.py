@@ -184,6 +184,9 @@ def paired_ratio(timed: Dict[str, dict], name: str, base: str) -> Dict[str, floa
     """name's time over base's, round by round (``round_robin``'s "round_ms"): the median of the per-round ratios
     and their quartiles. Two calls of one round run back to back, so a machine whose speed drifts between rounds
     (10-25% here) moves both; a ratio of the two medians takes each median from other rounds and keeps that drift."""
+    failed = [n for n in (name, base) if "round_ms" not in timed[n]]
+    if failed:
+        raise ValueError(f"paired_ratio: {failed[0]!r} has no timed rounds: {timed[failed[0]].get('error')}")
     ratios = sorted(a / b for a, b in zip(timed[name]["round_ms"], timed[base]["round_ms"]))
     if not ratios:
         raise ValueError(f"paired_ratio: no round timed both {name!r} and {base!r}")

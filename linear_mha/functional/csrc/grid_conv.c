@@ -151,7 +151,7 @@ struct block_rows {
     int columns;
 };
 
-static long block_scratch(int k, int d) { return 2L * BLOCK_COLUMNS * k * k + (long)BLOCK_COLUMNS * d + W; }
+static long block_scratch(int k, int d) { return 2L * BLOCK_COLUMNS * k * k + (long)BLOCK_COLUMNS * d; }
 
 static void block_offsets(const struct grid_rows *c, int bi, int y, int x0, struct block_rows *br) {
     const int r = c->k / 2, kk = c->k * c->k;

@@ -156,8 +156,9 @@ static inline void step_row(float *dst, const float *src, const float *slope, in
         STEP_LOOP(STEP_ADD)
         STEP_LOOP(STEP_MUL)
         STEP_LOOP(STEP_SOFTPLUS)
-        STEP_LOOP(STEP_SIGMOID)
         STEP_LOOP(STEP_POW_WHOLE)
+    default: /* STEP_SIGMOID, as step_op's own default (Python sends no other code) */
+        STEP_LOOP(STEP_SIGMOID)
     }
 }
 #undef STEP_LOOP
