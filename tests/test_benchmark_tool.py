@@ -231,7 +231,8 @@ def test_round_robin_keeps_each_rounds_time_and_paired_ratio_sets_rounds_against
     rounds = {"base": {"round_ms": [10.0, 30.0, 20.0]}, "option": {"round_ms": [33.0, 22.0, 11.0]}}
     paired = measure.paired_ratio(rounds, "option", "base")  # per round: 3.3, 0.733, 0.55
     assert paired["median"] == pytest.approx(22.0 / 30.0) and paired["rounds"] == 3
-    assert paired["q1"] == pytest.approx((0.55 + 22.0 / 30.0) / 2) and paired["q3"] == pytest.approx((22 / 30 + 3.3) / 2)
+    assert paired["q1"] == pytest.approx((0.55 + 22.0 / 30.0) / 2)
+    assert paired["q3"] == pytest.approx((22.0 / 30.0 + 3.3) / 2)
     with pytest.raises(ValueError, match="no round timed both"):
         measure.paired_ratio({"a": {"round_ms": []}, "b": {"round_ms": [1.0]}}, "a", "b")
     with pytest.raises(ValueError, match="'a' has no timed rounds: RuntimeError: boom"):

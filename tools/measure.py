@@ -118,8 +118,9 @@ def round_robin(callables: Dict[str, Callable[[], object]], *, repeats: int = 5,
     On CUDA each run is timed with CUDA events, elsewhere with the host clock after the call returns.
     Returns name -> {"median_ms", "min_ms", "runs", "round_ms"} or name -> {"error": "..."} for a callable that
     raised (it is dropped from later rounds; the others go on). "round_ms" lists the runs in round order, so that
-    two callables' runs of one round can be set against each other (``paired_ratio``). Rounds stop after ``repeats``, or earlier once ``budget_s``
-    seconds have passed and ``min_repeats`` rounds are done (large cases at a few seconds a call)."""
+    two callables' runs of one round can be set against each other (``paired_ratio``). Rounds stop after
+    ``repeats``, or earlier once ``budget_s`` seconds have passed and ``min_repeats`` rounds are done (large cases
+    at a few seconds a call)."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     times = {name: [] for name in callables}

@@ -217,7 +217,9 @@ class _SplitHeads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        references = _references(grads)  # first: any other name for a gradient below would count
+        # first: any other name for a gradient below would count. A graph being recorded (compiled autograd)
+        # holds proxies, whose counts mean nothing: there the sums are made apart.
+        references = None if compiling() else _references(grads)
         # A gradient that is itself differentiated (create_graph) must keep every part's history: as_strided on
         # the first part would drop the others', so then the parts are stacked.
         keeps_history = torch.is_grad_enabled() and any(g is not None and g.requires_grad for g in grads)
@@ -234,7 +236,7 @@ class _SplitHeads(torch.autograd.Function):
         return whole, None, None, None, None
 
 
-def _second_gradients_added(ctx, grads: list, references: Sequence[int], handed: Sequence[HandedBlock],
+def _second_gradients_added(ctx, grads: list, references: Optional[Sequence[int]], handed: Sequence[HandedBlock],
                             keeps_history: bool) -> list:
     """The parts' gradients with those of the parts handed out again (``split_heads``' again) added in. In place,
     into the first gradient's own memory, only where the caller owns the parts' gradients (``own_gradients``), the
@@ -245,7 +247,8 @@ def _second_gradients_added(ctx, grads: list, references: Sequence[int], handed:
     parts, seconds = grads[:ctx.parts], grads[ctx.parts:]
     if not any(g is not None for g in seconds):
         return parts
-    block = None if keeps_history or not ctx.own_gradients else _block_of_this_split(parts, handed)
+    owned = ctx.own_gradients and references is not None
+    block = None if keeps_history or not owned else _block_of_this_split(parts, handed)
     alone = _alone_references() if block is not None else None
     for i, second in zip(ctx.again, seconds):
         if second is None:
