@@ -132,8 +132,12 @@ def compare(before, after, method: str, case: str, n: int, heads: int, dim: int,
     causal, which = CASES[case]
     c = dict(level=level, method=method, B=1, H=heads, d=dim, N=n, causal=causal, proj_k=256, seed=0,
              **{"pass": which})
-    runner = {GATE: gate_runner, LOCAL: local_term_runner}.get(method) if level == "core" else build_runner
-    run = (runner or (module_runner if layout == "module" else build_runner))(c, "cpu", torch.float32)
+    if level == "module":
+        runner = build_runner
+    else:
+        runner = {GATE: gate_runner, LOCAL: local_term_runner}.get(method) or \
+            (module_runner if layout == "module" else build_runner)
+    run = runner(c, "cpu", torch.float32)
 
     def with_library(library):
         def call():

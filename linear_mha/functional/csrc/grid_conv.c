@@ -135,9 +135,9 @@ static void forward_task(const void *ctx, int t, float *scratch) {
 /* The backward walks each grid row in blocks of BLOCK_COLUMNS positions, and within a block one head and one vector
  * of channels at a time over the block's positions, so that each tap's d w (and d b) stays in a register over the
  * block and each d v is written once. Over positions innermost, with d w and d v added into memory tap by tap, it
- * made 18 stores per vector of channels and position at k = 3, and the stores took most of its time. The block's
- * rows of grad (k grid rows of k + BLOCK_COLUMNS - 1 columns) and of v stay in L1 over its passes (14 KiB a head
- * at k = 3 and d = 64). */
+ * made 18 stores per vector of channels and position at k = 3, and those loads and stores were its hottest
+ * instructions. The block's rows of grad (k grid rows of k + BLOCK_COLUMNS - 1 columns) and of v stay in L1 over
+ * its passes (14 KiB a head at k = 3 and d = 64). */
 #define BLOCK_COLUMNS 16
 #define REGISTER_TAPS 9 /* kernels of up to this many taps keep d w in registers; larger ones add it in memory */
 
