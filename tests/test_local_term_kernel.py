@@ -58,9 +58,9 @@ def test_output_and_gradients_match_the_float64_convolution(k, prefix, d, module
 
 
 @pytest.mark.parametrize("k", [3, 5])
-def test_grid_rows_longer_than_the_backwards_blocks(k):
-    """The backward walks a grid row in blocks of 16 positions (BLOCK_COLUMNS): rows of 37 take two whole blocks
-    and a part, a masked position sits in the second, and each block's taps reach into its neighbours."""
+def test_grid_rows_of_many_blocks(k):
+    """The walks take a grid row in blocks of 4 columns (WALK_COLUMNS): rows of 37 take nine whole blocks
+    and a part, a masked position sits in the sixth, and each block's taps reach into its neighbours."""
     out, v, weight, bias, grid, mask = case(height=4, width=37, prefix=1, d=20, k=k)
     mask[0, 1 + 37 + 20] = True
     v = v.masked_fill(mask[:, None, :, None], 1e4)
