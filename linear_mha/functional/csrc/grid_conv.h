@@ -33,8 +33,8 @@ static inline void put_vector(float *dst, vf x, int stream) {
  * asks for the same head's line of the next block, which it reads after the block's other heads and lines: far
  * enough ahead for memory, and every line of a position's rows asked for within a few blocks. Walked over a whole
  * grid row per head and line, with rows asked for 8 columns ahead, the forward came back to each page of v 32
- * times per row and was 1.32x faster than before; in blocks of 8 columns 1.1x faster again, of 4 1.24x more (16:
- * 0.91x; 2 or 3 as 4).
+ * times per row and was 1.23x faster than before; in blocks of 8 columns 1.10x faster again, of 4 1.24x more
+ * (16: 0.91x; 2 or 3 as 4).
  *
  * Before, each output read its k * k source rows afresh, over the x loop outside the heads': at a module's layout
  * the rows of every position of the same parity fall in the same L1 sets, so the 9 rows, the rows asked for ahead
