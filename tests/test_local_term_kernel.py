@@ -34,6 +34,15 @@ def reference(out, v, weight, bias, grid, mask):
     return out + LF.token_grid_conv(v, weight, bias, *grid, mask)
 
 
+def assert_gradients_match(inputs, wide, got, want, grad):
+    """Backward through got and its float64 reference want with the same grad; every input's gradient agrees."""
+    got.backward(grad)
+    want.backward(grad.double())
+    for name, a, b in zip(("out", "v", "weight", "bias"), inputs, wide):
+        scale = b.grad.abs().max().item()
+        torch.testing.assert_close(a.grad.double(), b.grad, rtol=1e-5, atol=1e-5 * scale, msg=name)
+
+
 @pytest.mark.parametrize("k", [1, 3, 5])
 @pytest.mark.parametrize("prefix", [0, 2])
 @pytest.mark.parametrize("d", [20, 64])
@@ -46,12 +55,7 @@ def test_output_and_gradients_match_the_float64_convolution(k, prefix, d, module
     want = reference(*wide, grid, mask)
     assert got.stride() == out.stride()  # laid out as attention's output, so merging the heads stays a view
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
-    grad = torch.randn(got.shape, generator=torch.Generator().manual_seed(5))
-    got.backward(grad)
-    want.backward(grad.double())
-    for name, a, b in zip(("out", "v", "weight", "bias"), inputs, wide):
-        scale = b.grad.abs().max().item()
-        torch.testing.assert_close(a.grad.double(), b.grad, rtol=1e-5, atol=1e-5 * scale, msg=name)
+    assert_gradients_match(inputs, wide, got, want, torch.randn(got.shape, generator=torch.Generator().manual_seed(5)))
     if mask is not None:  # padded keys: no gradient, and their garbage (1e4) reached no output above
         assert inputs[1].grad.transpose(1, 2)[mask].abs().max() == 0
     assert torch.all(inputs[1].grad[:, :, :prefix] == 0)  # prefix tokens: no local term
@@ -66,12 +70,8 @@ def test_grid_rows_of_many_blocks(k):
     v = v.masked_fill(mask[:, None, :, None], 1e4)
     inputs = [t.detach().requires_grad_() for t in (out, v, weight, bias)]
     wide = [t.detach().double().requires_grad_() for t in (out, v, weight, bias)]
-    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
-    native_maps.local_term(*inputs, *grid, mask).backward(grad)
-    reference(*wide, grid, mask).backward(grad.double())
-    for name, a, b in zip(("out", "v", "weight", "bias"), inputs, wide):
-        scale = b.grad.abs().max().item()
-        torch.testing.assert_close(a.grad.double(), b.grad, rtol=1e-5, atol=1e-5 * scale, msg=name)
+    assert_gradients_match(inputs, wide, native_maps.local_term(*inputs, *grid, mask), reference(*wide, grid, mask),
+                           torch.randn(out.shape, generator=torch.Generator().manual_seed(3)))
     assert inputs[1].grad.transpose(1, 2)[mask].abs().max() == 0
 
 
@@ -88,12 +88,7 @@ def test_the_forwards_walk_at_its_edges(k, d, height, width):
     got = native_maps.local_term(*inputs, *grid, mask)
     want = reference(*wide, grid, mask)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
-    grad = torch.randn(got.shape, generator=torch.Generator().manual_seed(4))
-    got.backward(grad)
-    want.backward(grad.double())
-    for name, a, b in zip(("out", "v", "weight", "bias"), inputs, wide):
-        scale = b.grad.abs().max().item()
-        torch.testing.assert_close(a.grad.double(), b.grad, rtol=1e-5, atol=1e-5 * scale, msg=name)
+    assert_gradients_match(inputs, wide, got, want, torch.randn(got.shape, generator=torch.Generator().manual_seed(4)))
     with torch.no_grad():  # in place, as the modules run it without a gradient
         target = out.clone()
         native_maps.local_term(target, v, weight, bias, *grid, mask, inplace=True)
