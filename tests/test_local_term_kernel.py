@@ -76,7 +76,7 @@ def test_grid_rows_of_many_blocks(k):
 
 
 @pytest.mark.parametrize("k, d, height, width", [(7, 24, 5, 9), (9, 8, 4, 11), (5, 24, 3, 2), (3, 40, 2, 13),
-                                                  (1, 8, 2, 5)])
+                                                  (1, 8, 2, 5), (3, 9, 3, 5)])
 def test_the_forwards_walk_at_its_edges(k, d, height, width):
     """The forward walks grid rows in blocks of 4 columns (WALK_COLUMNS), sums carried from block to block, over
     lines of 16 channels, then one vector of 8 (d = 24, 40 on AVX2), then single channels; kernels wider than 7
@@ -178,6 +178,40 @@ def test_what_the_compiled_term_does_not_take_goes_to_torch_with_a_reason():
     assert "17" in backend.local_term_backend(out, v, wide, None).reason
     assert "float64" in backend.local_term_backend(out.double(), v.double(), weight, bias).reason
     assert "differ" in backend.local_term_backend(out[:, :, 1:], v, weight, bias).reason
+
+
+def test_sizes_the_compiled_code_cannot_take_are_refused_before_it_runs():
+    """Called directly, the compiled term refuses what the modules refuse (an even k, a grid that is not the
+    sequence, an empty grid): the C code trusts the sizes it is given, and over an empty grid it would leave the
+    output unwritten."""
+    out, v, weight, bias, grid, mask = case()
+    with pytest.raises(ValueError, match="odd k"):
+        native_maps.local_term(out, v, torch.zeros(weight.shape[0], 1, 4, 4), bias, *grid, mask)
+    with pytest.raises(ValueError, match="the grid must describe"):
+        native_maps.local_term(out, v, weight, bias, grid[0], grid[1] + 1, grid[2], mask)
+    s = v.shape[2]
+    with pytest.raises(ValueError, match="at least one grid token"):
+        native_maps.local_term(out, v, weight, bias, 0, 7, s, mask)
+
+
+def test_outputs_and_d_v_do_not_depend_on_the_thread_count():
+    """Each output row and each d v row is one task's, summed in one order however the rows are split over tasks
+    (d w and d b are summed per task, so their last bits follow the task count, as the kernel's comment says)."""
+    out, v, weight, bias, grid, mask = case(d=64, height=6, width=9)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(6))
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            leaf = v.detach().requires_grad_()
+            got = native_maps.local_term(out, leaf, weight, bias, *grid, mask)
+            got.backward(grad)
+            results.append((got.detach(), leaf.grad))
+    finally:
+        torch.set_num_threads(threads)
+    for got, grad_v in results[1:]:
+        assert torch.equal(got, results[0][0]) and torch.equal(grad_v, results[0][1])
 
 
 @pytest.mark.parametrize("mode", ["kernel", "softmax"])

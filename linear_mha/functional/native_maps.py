@@ -13,6 +13,7 @@ from torch.autograd.function import once_differentiable
 
 from . import native
 from ._common import needs_grad, shares_memory_across_elements
+from .grid_conv import check_grid_shapes
 
 
 def _partial_sums(tasks_entry: str, x: Tensor, shape, wanted: bool) -> Optional[Tensor]:
@@ -170,6 +171,9 @@ def local_term(out: Tensor, v: Tensor, weight: Tensor, bias: Optional[Tensor], h
     (H * d,) or None, key_padding_mask (B, S) bool, True = masked, or None. Differentiable in all four through the
     compiled backward. Returns a tensor laid out as out is, or, with ``inplace`` and no gradient wanted, out itself,
     written over (unless its rows share memory, or out shares v's). Callers check ``backend.local_term_backend``."""
+    check_grid_shapes(v, weight, height, width, prefix)  # the compiled code trusts the sizes it is given
+    if height * width == 0:
+        raise ValueError(f"the token grid is {height} x {width}: the local term needs at least one grid token")
     grid = (height, width, prefix)
     b, _, s, _ = v.shape  # a mask broadcast over the batch, as torch's masked_fill takes it, is read per entry
     mask = None if key_padding_mask is None else key_padding_mask.expand(b, s).to(torch.uint8).contiguous()

@@ -61,16 +61,20 @@ struct walk {
 
 static int walk_lines(int d) { return (d / W * W + LINE - 1) / LINE; }
 
+/* The zeros a walk reads for masked and outside cells: at least d, and a whole number of lines, so that what
+ * follows them in scratch (taps, carry, the backward's pointer table) stays aligned for its type. */
+static long zero_floats(int d) { return (d + LINE - 1) / LINE * LINE + LINE; }
+
 /* Scratch floats for a walk's rows, zero, taps and carry. */
 static long walk_floats(int h, int d, int k, int width) {
-    return 2L * h * k * width + d + LINE + (long)h * walk_lines(d) * (k * k + k) * LINE;
+    return 2L * h * k * width + zero_floats(d) + (long)h * walk_lines(d) * (k * k + k) * LINE;
 }
 
 static float *walk_carve(struct walk *wk, const struct grid_rows *c, float *scratch) {
     wk->lines = walk_lines(c->d);
     wk->rows = (const float **)scratch;
     wk->zero = scratch + 2L * c->h * c->k * c->width; /* calloc'd: zeros */
-    float *taps = scratch + 2L * c->h * c->k * c->width + c->d + LINE;
+    float *taps = scratch + 2L * c->h * c->k * c->width + zero_floats(c->d);
     wk->taps = taps;
     wk->carry = taps + (long)c->h * wk->lines * c->k * c->k * LINE;
     return taps;
@@ -177,8 +181,9 @@ static inline __attribute__((always_inline)) void walk_heads_block(const struct 
     if (whole < walked) walk_block(c, wk, g, y, whole, x0, x1, k, 1, 0, adds);
 }
 
-/* Channels the walks take: whole vectors, for kernels of up to WALK_MAX_K; the rest go tap by tap. */
-static int walked_channels(const struct grid_rows *c) { return c->k <= WALK_MAX_K ? c->d / W * W : 0; }
+/* Channels the walks take: whole vectors, for odd kernels of up to WALK_MAX_K (the walks' radius is k / 2 on
+ * each side); the rest go tap by tap. */
+static int walked_channels(const struct grid_rows *c) { return c->k <= WALK_MAX_K && c->k % 2 ? c->d / W * W : 0; }
 
 static void describe(struct grid_rows *c, const float *v, const float *wt, const float *bias, const uint8_t *mask,
                      int b, int h, long s, int d, int k, int height, int width, int prefix, int threads) {

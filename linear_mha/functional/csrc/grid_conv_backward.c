@@ -155,6 +155,6 @@ int lm_grid_conv_backward_f32(const float *v, const float *wt, const uint8_t *ma
     c.v_at = rows_from(strides, 0, h, s, d);
     c.grad_at = rows_from(strides, 1, h, s, d);
     c.grad_v_at = rows_from(strides, 2, h, s, d);
-    return for_each_task(c.tasks, threads_for(threads), walk_floats(h, d, k, width) + 2L * h * k * (width + k - 1),
+    return for_each_task(c.tasks, threads_for(threads), walk_floats(h, d, k, width) + 2L * h * k * (width + 2 * (k / 2)),
                          backward_task, &c, 1);
 }
