@@ -235,7 +235,7 @@ def test_a_user_map_s_odd_features_reach_the_compiled_products_as_float32_rows(o
 
 @needs_native
 @pytest.mark.parametrize("feature_map", ["elu", "relu", "taylor", "taylor2", squared_relu, gated_relu, focused_p3],
-                         ids=str)
+                         ids=lambda f: getattr(f, "__name__", f))  # ids equal in every process (pytest-xdist)
 @pytest.mark.parametrize("b,h,n_q,n_k,d,dv", [(1, 4, 200, 200, 64, 64), (2, 3, 37, 70, 13, 5), (1, 1, 1300, 1100, 16, 9)])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
