@@ -392,6 +392,27 @@ def test_what_cannot_run_is_reported_not_dropped(tmp_path, capsys):
     assert {("core", "efficient", False), ("module", "efficient", False), ("core", "sdpa", True)} <= ran
 
 
+def test_a_row_with_options_changed_runs_with_them_at_both_levels(tmp_path, capsys):
+    # hedgehog at m = 3 instead of d: the row is named as asked, its FLOPs are those of m = 3 (a row that dropped its
+    # options would count m = d), and its error is against the same options in float64.
+    spec = "hedgehog:feature_dim=3"
+    result = benchmark.main(QUICK + ["--rows", "core:1x8", "module:1x8", "--n", "16", "--passes", "fwd", "--no-memory",
+                                     "--decode-contexts", "16", "--methods", "hedgehog", spec,
+                                     "--json", str(tmp_path / "r.json")])
+    rows = {(r["level"], r["method"], r["causal"]): r for r in result["records"]}
+    assert {(level, spec, causal) for level in ("core", "module") for causal in (False, True)} <= set(rows)
+    for (level, method, causal), r in rows.items():
+        core = benchmark_flops.method_flops("hedgehog", {"feature_dim": 3} if method == spec else {})(r)
+        assert r["flops"] == (core if level == "core" else core + benchmark_flops.projection_flops(r))
+        assert r["rel_err"] < 1e-5
+    assert rows[("core", spec, False)]["flops"] < rows[("core", "hedgehog", False)]["flops"]
+    assert f"| {spec} |" in capsys.readouterr().out
+    for wrong, named in (("hedgehog:feture_dim=3", "feture_dim"), ("hedgehg:feature_dim=3", "hedgehg"),
+                         ("hedgehog:feature_dim=-1", "feature_dim")):
+        with pytest.raises(SystemExit, match=named):
+            benchmark.main(QUICK + ["--methods", wrong, "--no-memory"])
+
+
 def test_the_fla_peer_runs_only_causal_and_only_on_cuda(monkeypatch):
     _fake_fla(monkeypatch, "current")
     assert benchmark_cases.available_peers("cpu")["fla"] == "not for cpu"  # not even imported

@@ -52,7 +52,7 @@ from linear_mha.functional import fla_causal, native, output_cache
 from . import cpu_allocator
 from . import measure as M
 from .benchmark_cases import (BASELINE, Method, available_peers, build_runner, case_key, decode_step_times,
-                              make_data, methods, reference_error)
+                              make_data, method_row, methods, reference_error)
 from .benchmark_flops import chunk_size
 from .benchmark_report import CASE_FIELDS, NOT_RECORDED, FlopCounts, finalize, plot, print_table
 from .cpu_allocator import keep_freed_memory
@@ -85,6 +85,9 @@ def plan(a, peers: dict):
     silently (a method without a causal form, one of the other level only, a peer not installed, another device)."""
     groups, beyond, not_run = [], [], {}
     known = methods()
+    for name in a.methods or []:  # a row with options changed, e.g. hedgehog:feature_dim=32
+        if ":" in name:
+            known.update({(level, name): method_row(level, name, known) for level in BASELINE})
     for row in a.rows:
         level, b, d, max_n = parse_row(row)
         for name in a.methods or []:  # asked for by name at a level it does not have
@@ -237,7 +240,9 @@ def parse_args(argv=None):
     p.add_argument("--rows", nargs="+",
                    help="level:BxD[:maxN] grid rows (default core:1x64 core:4x64 core:1x128:16384 module:1x64)")
     p.add_argument("--heads", type=int, help="H (default 8)")
-    p.add_argument("--methods", nargs="+", default=[], help="only these method names (default: all)")
+    p.add_argument("--methods", nargs="+", default=[],
+                   help="only these method names (default: all); 'row:key=value,...' is a registered method's row "
+                        "with options changed, e.g. hedgehog:feature_dim=32")
     p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                    help="import MODULE first, e.g. one that registers your own attention method with "
                         "linear_mha.register_method (memory children import it too); repeatable")
@@ -285,8 +290,15 @@ def parse_args(argv=None):
     known = sorted({name for _, name in methods()})
     for flag in ("methods", "memory_methods"):
         unknown = sorted(set(getattr(a, flag)) - set(known))
+        for name in [n for n in unknown if ":" in n]:
+            try:
+                method_row("core", name)
+            except (KeyError, ValueError, TypeError) as exc:
+                raise SystemExit(f"--{flag.replace('_', '-')} {name}: {exc.args[0] if exc.args else exc}")
+            unknown.remove(name)
         if unknown:
-            raise SystemExit(f"--{flag.replace('_', '-')}: unknown method(s) {unknown}; choose from {known}")
+            raise SystemExit(f"--{flag.replace('_', '-')}: unknown method(s) {unknown}; choose from {known}, or "
+                             f"a row with options changed, as in hedgehog:feature_dim=32")
     for name in ("n", "memory_n", "decode_contexts"):
         if min(getattr(a, name)) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} values must be >= 1")

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import linear_mha.functional as LF
+from integrations.detr.attention import parse_attention_options
 from linear_mha import LinearMultiheadAttention, TokenGrid, method_class
 from linear_mha.attend import attend_heads, needs_token_grid
 from linear_mha.registry import create_method, method_presets
@@ -134,6 +135,13 @@ def _peer_fla(c, dtype, device):
     return run, []
 
 
+def _registered(level: str, mode: str, options: dict) -> Method:
+    flops, causal = method_flops(mode, options), create_method(mode, options).causal  # options may take it away
+    if level == "core":
+        return Method(_method_core(mode, **options), flops, causal=causal)
+    return Method(_module(mode, **options), plus_projections(flops), causal=causal)
+
+
 def registry_methods() -> dict:
     """(level, name) -> Method for every registered linear method (exact ones are SDPA's and nn.MultiheadAttention's
     rows), at both levels, one per preset, named "<method>_<preset>", read when called: methods registered before the
@@ -141,9 +149,8 @@ def registry_methods() -> dict:
     methods = {}
     for name, options in method_presets().items():
         mode = options.pop("mode")
-        flops, causal = method_flops(mode, options), create_method(mode, options).causal  # options may take it away
-        methods[("core", name)] = Method(_method_core(mode, **options), flops, causal=causal)
-        methods[("module", name)] = Method(_module(mode, **options), plus_projections(flops), causal=causal)
+        for level in ("core", "module"):
+            methods[(level, name)] = _registered(level, mode, options)
     return methods
 
 
@@ -171,6 +178,23 @@ def module_option_methods() -> dict:
 def methods() -> dict:
     """Every method of the benchmark: the softmax and peer rows, and the registry's methods at both levels."""
     return {**METHODS, **registry_methods(), **module_option_methods()}
+
+
+def method_row(level: str, name: str, known: Optional[dict] = None) -> Method:
+    """The Method named ``name`` at ``level``: a row of ``methods()`` (``known``: a copy already made), or a
+    registered method's row with options changed, written "row:key=value[,key=value]" (hedgehog:feature_dim=32,
+    kernel_elu:chunk_size=32), the values as Python literals or bare words. Raises KeyError, or the registry's
+    ValueError for an option the method does not take."""
+    known = methods() if known is None else known
+    if (level, name) in known:
+        return known[(level, name)]
+    row, sep, text = name.partition(":")
+    presets = method_presets()
+    if not sep or row not in presets:
+        raise KeyError(f"{name!r} is no {level}-level method of the benchmark, nor 'row:key=value' with row one of "
+                       f"the registered methods' rows ({', '.join(sorted(presets))})")
+    options = {**presets[row], **parse_attention_options(filter(None, text.split(",")))}
+    return _registered(level, options.pop("mode"), options)
 
 
 def relu_squared(x):
@@ -252,7 +276,7 @@ def make_inputs(c, dtype, device):
 
 def build_method(c, dtype, device):
     torch.manual_seed(c["seed"])  # the same module weights / random features in every dtype
-    return methods()[(c["level"], c["method"])].build(c, dtype, device)
+    return method_row(c["level"], c["method"]).build(c, dtype, device)
 
 
 def make_data(c, dtype, device):
@@ -323,7 +347,7 @@ def reference_error(c, device, dtype) -> float:
         m.eval()
     out = fn(*inputs)
     x64 = M.to_float64(inputs)
-    method = methods()[(c["level"], c["method"])]
+    method = method_row(c["level"], c["method"])
     if c["level"] == "core" and method.kind != "linear":
         ref = exact_softmax64(*x64, causal=c["causal"])
     else:

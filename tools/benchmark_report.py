@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 
 from . import measure as M
-from .benchmark_cases import BASELINE, case_key, methods
+from .benchmark_cases import BASELINE, case_key, method_row, methods
 
 SERIES = ("level", "method", "B", "H", "d", "causal", "pass")
 NOT_RECORDED = "not recorded"
@@ -34,7 +34,7 @@ class FlopCounts:
     def __call__(self, r):
         case = tuple(r[f] for f in CASE_FIELDS)
         if case not in self.counts:
-            self.counts[case] = self.methods[(r["level"], r["method"])].flops(r)
+            self.counts[case] = method_row(r["level"], r["method"], self.methods).flops(r)
         return self.counts[case]
 
 
