@@ -4,7 +4,6 @@ fake modules, and the fresh-process memory measurement on a known allocation."""
 import json
 import math
 import sys
-import time
 import types
 from pathlib import Path
 
@@ -217,17 +216,19 @@ def test_the_garbage_collector_never_runs_inside_a_timed_call():
     assert started_inside == []
 
 
-def test_round_robin_keeps_each_rounds_time_and_paired_ratio_sets_rounds_against_each_other():
-    """A machine that slows down round by round: each callable's runs come back in round order, and the paired ratio
-    sets the two calls of each round against each other, not the sorted runs (which would pair a fast round's call
-    with a slow round's)."""
-    calls = []
+def test_round_robin_keeps_each_rounds_time_and_paired_ratio_sets_rounds_against_each_other(monkeypatch):
+    """A machine whose speed moves between rounds: each callable's runs come back in round order, not sorted, and the
+    paired ratio sets the two calls of each round against each other, not the sorted runs (which would pair a fast
+    round's call with a slow round's). The clock is a stand-in that each call moves on by its round's time, so the
+    check does not depend on how busy the machine is (a sleep of a few ms came back late under two test processes)."""
+    clock, durations = [0.0], iter([3.0, 1.0, 4.0, 2.0])
 
-    def slower_each_call():
-        calls.append(None)
-        time.sleep(0.002 * len(calls))
-    timed = measure.round_robin({"drifting": slower_each_call}, repeats=4, warmup=0)
-    assert timed["drifting"]["runs"] == 4 and timed["drifting"]["round_ms"] == sorted(timed["drifting"]["round_ms"])
+    def call_of_its_round():
+        clock[0] += next(durations) / 1e3
+    monkeypatch.setattr(measure, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    timed = measure.round_robin({"drifting": call_of_its_round}, repeats=4, warmup=0)
+    monkeypatch.undo()
+    assert timed["drifting"]["runs"] == 4 and timed["drifting"]["round_ms"] == pytest.approx([3.0, 1.0, 4.0, 2.0])
     rounds = {"base": {"round_ms": [10.0, 30.0, 20.0]}, "option": {"round_ms": [33.0, 22.0, 11.0]}}
     paired = measure.paired_ratio(rounds, "option", "base")  # per round: 3.3, 0.733, 0.55
     assert paired["median"] == pytest.approx(22.0 / 30.0) and paired["rounds"] == 3
