@@ -71,3 +71,54 @@ def test_second_derivatives_through_torch_func(options, causal):
     eps = 1e-6
     want = (torch.func.grad(loss)(x + eps * direction) - torch.func.grad(loss)(x - eps * direction)) / (2 * eps)
     torch.testing.assert_close(hvp, want, rtol=1e-5, atol=1e-6)
+
+
+def _map_with_parameters(case, params):
+    """(attention of q, k, v, causal) for a method whose map has tensors of its own, given as ``params``."""
+    import linear_mha.functional as LF
+    from linear_mha.functional.grid_rope import grid_rope_kernel
+    if case == "focused scale":
+        return lambda q, k, v, causal: LF.focused(q, k, v, scale=params[0], causal=causal)
+    if case == "hedgehog weights":
+        return lambda q, k, v, causal: LF.hedgehog(q, k, v, tuple(params[:2]), tuple(params[2:]), causal=causal)
+    def user_map(x):  # an elementwise map of a learnable per-channel scale, read from the closure
+        return torch.relu(x) * params[0] + 0.1
+    if case == "user map":
+        return lambda q, k, v, causal: LF.kernel(q, k, v, user_map, causal=causal)
+    return lambda q, k, v, causal: grid_rope_kernel(q, k, v, user_map, (2, 3, 0))  # rope over a 2 x 3 grid
+
+
+PARAMETER_CASES = [(case, causal) for case in ("focused scale", "hedgehog weights", "user map", "rope, user map")
+                   for causal in (False, True) if not (causal and case.startswith("rope"))]
+
+
+@pytest.mark.parametrize("case,causal", PARAMETER_CASES, ids=[f"{c}-{'causal' if k else 'full'}"
+                                                              for c, k in PARAMETER_CASES])
+def test_tangents_of_a_maps_own_parameters_are_carried(case, causal):
+    # Tangents on q, k and v send a call to PyTorch ops; tangents on the map's own tensors alone must too. The
+    # compiled kernels read those tensors' values (focused's scale, hedgehog's weights) or the features a map made
+    # from them (a user's closure), and the output then came out with no tangent at all.
+    torch.manual_seed(0)
+    h, n, d = 2, 6, 8
+    q, k, v = (torch.randn(1, h, n, d, dtype=torch.float64) for _ in range(3))
+    if case == "focused scale":
+        params = [torch.rand(h, 1, d, dtype=torch.float64) + 0.5]
+    elif case == "hedgehog weights":
+        params = [torch.randn(h, d, 4, dtype=torch.float64) * 0.3 if i % 2 == 0 else
+                  torch.randn(h, 4, dtype=torch.float64) * 0.3 for i in range(4)]
+    else:
+        params = [torch.rand(d, dtype=torch.float64) + 0.5]
+    tangents = [torch.randn_like(p) for p in params]
+    eps = 1e-6
+    with torch.no_grad():
+        ahead = _map_with_parameters(case, [p + eps * t for p, t in zip(params, tangents)])(q, k, v, causal)
+        behind = _map_with_parameters(case, [p - eps * t for p, t in zip(params, tangents)])(q, k, v, causal)
+    want = (ahead - behind) / (2 * eps)
+    for dtype, tol in ((torch.float64, 1e-6), (torch.float32, 1e-4)):  # float32: the compiled CPU paths' inputs
+        with fwAD.dual_level():
+            duals = [fwAD.make_dual(p.to(dtype), t.to(dtype)) for p, t in zip(params, tangents)]
+            out = _map_with_parameters(case, duals)(q.to(dtype), k.to(dtype), v.to(dtype), causal)
+            got = fwAD.unpack_dual(out).tangent
+        assert got is not None, dtype
+        error = ((got.double() - want).abs().max() / want.abs().max()).item()
+        assert error < tol, (dtype, error)

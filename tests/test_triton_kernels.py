@@ -413,3 +413,40 @@ def test_the_choosers_send_the_new_maps_there_and_say_why_not():
         torch.testing.assert_close(LF.hedgehog(q, k, v, q_map, k_map), out, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="weight must have shape"):
         LF.hedgehog(q, k, v, (maps[0][:, :4], None), k_map)
+
+
+@inside
+@pytest.mark.parametrize("case", ["elu, tangent on q", "focused, tangent on its scale",
+                                  "hedgehog, tangent on a weight", "rope, tangent on k"])
+def test_forward_mode_tangents_leave_the_kernels_and_are_carried(case):
+    """The kernels' Function has no forward-mode formula: a call whose inputs, or whose map's own tensors, carry
+    tangents (torch.autograd.forward_ad) must take PyTorch ops, with the chooser saying so, rather than raise."""
+    import torch.autograd.forward_ad as fwAD
+    q, k, v, g = inputs(b=1, h=3, l=12, s=12, d=8, dv=8, seed=19)
+    q_w, q_b, k_w, k_b = learned_maps(3, 8, 8, True, seed=20)
+    scale = torch.rand(3, 1, 8, generator=g) + 0.5
+    primal = {"elu": q, "focused": scale, "hedgehog": q_w, "rope": k}[case.split(",")[0]]
+    tangent = torch.randn(primal.shape, generator=g)
+
+    def attend(x, dtype=torch.float32):
+        a, b, c = (t.to(dtype) for t in (q, k, v))
+        if case.startswith("elu"):
+            return LF.kernel(x, b, c, "elu")
+        if case.startswith("focused"):
+            return LF.focused(a, b, c, scale=x)
+        if case.startswith("hedgehog"):
+            return LF.hedgehog(a, b, c, (x, q_b.to(dtype)), (k_w.to(dtype), k_b.to(dtype)))
+        return grid_rope_kernel(a, x, c, "taylor", (3, 4, 0))
+
+    eps = 1e-6
+    ahead, behind = (primal.double() + sign * eps * tangent.double() for sign in (1, -1))
+    want = (attend(ahead, torch.float64) - attend(behind, torch.float64)) / (2 * eps)
+    with triton_kernel.switched(True):
+        assert "Triton" in type(attend(primal.clone().requires_grad_()).grad_fn).__name__  # they run without one
+        with fwAD.dual_level():
+            dual = fwAD.make_dual(primal, tangent)
+            if case.startswith("elu"):
+                assert "tangent" in backend.kernel_backend(dual, k, v, "elu", causal=False).reason
+            got = fwAD.unpack_dual(attend(dual)).tangent
+    assert got is not None
+    assert relative_error(got, want) < 1e-4

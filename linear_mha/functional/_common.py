@@ -130,12 +130,15 @@ def needs_grad(*tensors: Optional[Tensor]) -> bool:
 
 def why_not_fused_map_pair(q_map, k_map) -> Optional[str]:
     """Why hedgehog's query and key maps (weight (H, d, m), bias (H, m) or None each) cannot be read by a fused
-    kernel as it lays them out (both the same size, biases of (heads, m)), or None."""
+    kernel (compiled or Triton) as it lays them out (both the same size, biases of (heads, m)), or None. A weight
+    or bias with a forward-mode tangent cannot be either: the kernels read their values and would drop it."""
     if q_map[0].shape != k_map[0].shape:
         return "the query and key maps differ in size"
     for weight, bias in (q_map, k_map):
         if bias is not None and tuple(bias.shape) != (weight.shape[0], weight.shape[-1]):
             return f"a bias of shape {tuple(bias.shape)}, not (heads, m)"
+    if has_tangent(*q_map, *k_map):
+        return "the maps' weights carry forward-mode AD tangents, which the fused kernels drop"
     return None
 
 

@@ -132,7 +132,8 @@ def kernel_backend(q: Tensor, k: Tensor, v: Tensor, feature_map, *, causal: bool
         if why_not_products is None:
             return Choice(NATIVE_FEATURES, f"float32 CPU tensors: feature_map {name!r} is made by PyTorch ops (not in "
                                            f"the kernels because {why_not_native}), the products and the division "
-                                           f"run in the compiled code")
+                                           f"run in the compiled code (in PyTorch ops where the features carry "
+                                           f"forward-mode tangents of the map's own parameters)")
         return Choice(COMPOSED, f"feature_map {name!r} has no fused path (only {FUSED_FEATURE_MAPS}), and its "
                                 f"features cannot go to the compiled code because {why_not_products}")
     if causal:

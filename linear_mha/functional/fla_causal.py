@@ -31,7 +31,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from ._common import compiling, functorch_active
+from ._common import compiling, functorch_active, has_tangent
 from .feature_maps import apply_feature_map
 
 FLA_MAPS = ("elu", "relu")
@@ -82,6 +82,8 @@ def why_not(q: Tensor, k: Tensor, v: Tensor, feature_map, initial_state: Optiona
         return f"odd head dims ({q.shape[-1]}, {v.shape[-1]}): fla's half-precision backward needs even ones"
     if functorch_active() or compiling():
         return "inside a torch.func transform or torch.compile"
+    if has_tangent(q, k, v):
+        return "a tensor carries a forward-mode AD tangent (torch.autograd.forward_ad), for which fla has no formula"
     return _chunk_linear_attn()[1]
 
 

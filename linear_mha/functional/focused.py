@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from . import backend, native_maps
+from ._common import has_tangent
 from .kernel import kernel
 
 RELU_EPS = 1e-6  # FLatten's relu(x) + 1e-6: no feature vector is exactly zero, so no normaliser vanishes
@@ -76,7 +77,10 @@ class FocusedMap:
         return self.why_not_rows(q)
 
     def why_not_rows(self, q: Tensor) -> Optional[str]:
-        """Why a fused kernel (compiled or Triton) cannot read q and the scale as they are shaped, or None."""
+        """Why a fused kernel (compiled or Triton) cannot read q and the scale as they are shaped, or None. A scale
+        with a forward-mode tangent cannot go there either: the kernels read its values and would drop it."""
+        if has_tangent(self.scale):
+            return "the scale carries a forward-mode AD tangent, which the fused kernels drop"
         return backend.why_not_focused_rows(q, self.scale)
 
     def compiled_settings(self, q: Tensor) -> Tuple[float, Optional[Tensor]]:

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from . import backend, native, triton_kernel
-from ._common import check_qkv, compute_dtype, drop_keys, mask_keys, outside_autocast, safe_normaliser
+from ._common import check_qkv, compute_dtype, drop_keys, has_tangent, mask_keys, outside_autocast, safe_normaliser
 from .feature_maps import FeatureMap, apply_feature_map
 from .kernel import compiled_features
 
@@ -99,8 +99,8 @@ def grid_rope_kernel(
     phi_q, phi_k = apply_feature_map(feature_map, q, k, key_padding_mask=key_padding_mask, projection=projection)
     if key_weights is not None:
         phi_k = phi_k * key_weights[..., None].to(dtype)
-    if chosen == backend.NATIVE_FEATURES:
-        phi_q, phi_k = compiled_features(phi_q, phi_k, feature_map)
+    if chosen == backend.NATIVE_FEATURES and not has_tangent(phi_q, phi_k):  # a map's own parameters' tangents
+        phi_q, phi_k = compiled_features(phi_q, phi_k, feature_map)               # take PyTorch ops below
         tables = grid_tables(grid, phi_q.shape[-1], q)
         return native.kernel_attention(phi_q, phi_k, v, None, key_padding_mask, rope_tables=tables).to(out_dtype)
     numerator = rotated_product(phi_q, phi_k, mask_keys(v, key_padding_mask), grid)  # (B, H, N, Dv)

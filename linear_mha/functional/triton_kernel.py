@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ._common import compiling, functorch_active, needs_grad, why_not_fused_map_pair
+from ._common import compiling, functorch_active, has_tangent, needs_grad, why_not_fused_map_pair
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None  # imported only when the kernels are first used
 
@@ -144,6 +144,9 @@ def _why_not_tensors(name: str, q: Tensor, k: Tensor, v: Tensor, initial_state: 
         return "an empty tensor"
     if compiling() or functorch_active():
         return "inside torch.compile, torch.export, torch.jit.trace or a torch.func transform"
+    if has_tangent(q, k, v, initial_state):
+        return "a tensor carries a forward-mode AD tangent (torch.autograd.forward_ad), for which the Triton kernels " \
+               "have no formula"
     if not (q.is_cuda or interpreted()):
         return "the tensors are not on a CUDA device"
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .. import backend, fla_causal, native, triton_kernel
-from .._common import (append_ones, check_qkv, compute_dtype, drop_keys, mask_keys, outside_autocast,
+from .._common import (append_ones, check_qkv, compute_dtype, drop_keys, has_tangent, mask_keys, outside_autocast,
                        shares_memory_across_elements, split_normalise)
 from ..elementwise_program import program_map
 from ..feature_maps import FeatureMap, apply_feature_map, elementwise_feature_map
@@ -90,17 +90,22 @@ def kernel(
     # enter one normaliser, and a per-call data-dependent constant would not cancel between them.
     feature_options = dict(key_padding_mask=key_padding_mask, causal=causal or initial_state is not None,
                            projection=projection)
+    made = None
     if chosen == backend.NATIVE_FEATURES:
-        phi_q, phi_k = compiled_features(*apply_feature_map(feature_map, q, k, **feature_options), feature_map)
-        check_state(initial_state, phi_q.shape[-1], v)
-        return native.kernel_attention(phi_q, phi_k, v, None, key_padding_mask, initial_state, causal).to(out_dtype)
+        made = apply_feature_map(feature_map, q, k, **feature_options)
+        # Features whose map has parameters of its own (a closure's, focused's scale) may carry forward-mode
+        # tangents that q and k do not, which the compiled products would drop: those take PyTorch ops below.
+        if not has_tangent(*made):
+            phi_q, phi_k = compiled_features(*made, feature_map)
+            check_state(initial_state, phi_q.shape[-1], v)
+            return native.kernel_attention(phi_q, phi_k, v, None, key_padding_mask, initial_state, causal).to(out_dtype)
     v = mask_keys(v, key_padding_mask)
     if chosen == backend.FUSED_CAUSAL:
         return causal_kernel(q, k, v, feature_map, key_padding_mask=key_padding_mask, initial_state=initial_state,
                              chunk_size=chunk_size or CHUNK_SIZE).to(out_dtype)
     if chosen == backend.BLOCKED:
         return kernel_inference_blocks(q, k, v, feature_map, key_padding_mask, initial_state).to(out_dtype)
-    phi_q, phi_k = apply_feature_map(feature_map, q, k, **feature_options)
+    phi_q, phi_k = made or apply_feature_map(feature_map, q, k, **feature_options)
     # The output may be written over phi(k) when the map made it fresh (a named map), at inference.
     return composed_attention(phi_q, phi_k, v, causal=causal, initial_state=initial_state, chunk_size=chunk_size,
                               reuse_keys=isinstance(feature_map, str)).to(out_dtype)
