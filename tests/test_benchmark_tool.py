@@ -3,6 +3,7 @@ against float64), FLOP formulas against torch's FLOP counter, the slope fit, --r
 fake modules, and the fresh-process memory measurement on a known allocation."""
 import json
 import math
+import statistics
 import sys
 import types
 from pathlib import Path
@@ -249,6 +250,31 @@ def test_loglog_slope():
     assert measure.loglog_slope([5, 5], [1, 2]) is None and measure.loglog_slope([1, 2], [0, 3]) is None
 
 
+def test_each_method_is_set_against_the_fast_path_in_its_own_rounds(quick_run, capsys):
+    # The issue's bounds are ratios to kernel_elu's time in one run; a ratio of medians taken in different stretches
+    # of a drifting machine, or of rounds that ran in different groups (a resumed file), would not be one.
+    _, result, _ = quick_run
+    assert result["meta"]["against"] == "kernel_elu"
+    recs = result["records"]
+    elu = {(r["level"], r["N"], r["causal"], r["pass"]): r for r in recs if r["method"] == "kernel_elu"}
+    compared = [r for r in recs if "vs_against" in r]
+    assert {r["method"] for r in compared} >= {"taylor", "efficient", "linformer", "sdpa"}
+    assert not any(r["method"] == "kernel_elu" for r in compared) and not any(r.get("extrapolated") for r in compared)
+    for r in compared:
+        base = elu[(r["level"], r["N"], r["causal"], r["pass"])]
+        assert r["round_group"] == base["round_group"]
+        ratios = [a / b for a, b in zip(r["round_ms"], base["round_ms"])]
+        assert r["vs_against"]["method"] == "kernel_elu"
+        assert r["vs_against"]["median"] == pytest.approx(statistics.median(ratios))
+        assert r["vs_against"]["q1"] <= r["vs_against"]["median"] <= r["vs_against"]["q3"]
+        assert r["flop_ratio"] == pytest.approx(r["flops"] / base["flops"])
+    taylor = next(r for r in compared if r["method"] == "taylor" and r["level"] == "core")
+    assert taylor["flop_ratio"] > 1.0  # d + 1 features where elu has d
+    from tools import benchmark_report
+    benchmark_report.print_against(result)
+    assert "time x kernel_elu, per round" in capsys.readouterr().out
+
+
 def test_resume_skips_finished_cases(quick_run, monkeypatch):
     argv, first, out = quick_run
     path = out / "r.json"
@@ -275,6 +301,9 @@ def test_resume_skips_finished_cases(quick_run, monkeypatch):
     kept = [k for k in before if k not in dropped and not before[k].get("extrapolated")]
     assert all(after[k]["median_ms"] == before[k]["median_ms"] for k in kept)
     assert "rel_err" in after[dropped[0]]
+    # timed again apart from its group's kernel_elu, whose rounds are the first run's: nothing to set it against
+    assert after[dropped[0]]["round_group"] != after["core/kernel_elu/B1/H2/d16/N128/full/fwd"]["round_group"]
+    assert "vs_against" not in after[dropped[0]] and "vs_against" in after["core/efficient/B1/H2/d16/N128/full/fwd"]
     with pytest.raises(SystemExit, match="threads"):
         benchmark.main(["--quick", "--threads", "2", "--json", str(path), "--resume"])
     saved = json.loads(path.read_text())

@@ -25,7 +25,8 @@ Relative error (fwd output, N <= --err-max-n): exact attention in float64 for th
 method (same weights, projections) in float64 otherwise, and for flash-linear-attention (no float64 kernels) our
 kernel_elu in float64: the check that the peer computes the same function. Peak extra memory: tools/measure.py
 (fresh subprocess per case on CPU, CUDA peak counters on GPU). Slopes: least squares in log-log over measured
-N >= --slope-min-n (the two largest N when fewer). The recurrent decode step (kernel_step, elu) is timed at
+N >= --slope-min-n (the two largest N when fewer). Every method is also set against --against (kernel_elu, the
+fast path) round by round within its group, beside the ratio of their FLOPs. The recurrent decode step (kernel_step, elu) is timed at
 several context lengths, with a new state per step and in place. The header says whether linear_mha's compiled
 CPU code ran (--no-native turns it off) and which CPU allocator the process has (a preloaded tcmalloc,
 glibc's settings, or --keep-freed-memory; at long N it moves CPU times a good deal, docs/cpu_allocator.md) and
@@ -40,6 +41,7 @@ import os
 import statistics
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Optional
 
@@ -173,9 +175,11 @@ def time_group(group, a, device, dtype):
     timed = M.round_robin(runners, repeats=a.repeats, warmup=a.warmup, device=device, budget_s=a.budget_s,
                           min_repeats=min(3, a.repeats))
     peak = timed.pop(ROUND_PEAK, peak)
+    rounds = uuid.uuid4().hex[:12]  # these cases' rounds ran together: their round_ms pair (not a resumed file's)
     for t in timed.values():
         if "median_ms" not in t:
             continue
+        t["round_group"] = rounds
         if "median_ms" in peak:
             t["round_peak_gflops"] = gemm_flops / peak["median_ms"] / 1e6
             t["round_peak_best_gflops"] = gemm_flops / peak["min_ms"] / 1e6
@@ -273,6 +277,9 @@ def parse_args(argv=None):
     p.add_argument("--peak-in-rounds-from", type=int,
                    help="from this N on, time the matmul-peak GEMM in the same rounds as the cases and give each "
                         "case's share of it as well as of the run's peak; 0: never (16384)")
+    p.add_argument("--against", default="kernel_elu", metavar="METHOD",
+                   help="set each method's time against this one's in the same rounds, beside their FLOPs' ratio "
+                        "(default: kernel_elu, the fast path; a method the run does not time gives no such table)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="results file, rewritten after every finished case")
     p.add_argument("--png", type=Path, help="time and memory against N")
@@ -288,8 +295,8 @@ def parse_args(argv=None):
     for module in a.imports:
         importlib.import_module(module)
     known = sorted({name for _, name in methods()})
-    for flag in ("methods", "memory_methods"):
-        unknown = sorted(set(getattr(a, flag)) - set(known))
+    for flag, names in (("methods", a.methods), ("memory_methods", a.memory_methods), ("against", [a.against])):
+        unknown = sorted(set(names) - set(known))
         for name in [n for n in unknown if ":" in n]:
             try:
                 method_row("core", name)
@@ -362,6 +369,7 @@ def main(argv=None):
                 cpu_count=os.cpu_count(), heads=a.heads, proj_k=a.proj_k, chunk_size=chunk_size(),
                 sdpa_max_n=a.sdpa_max_n, weights_max_n=a.weights_max_n, err_max_n=a.err_max_n, peers=peers,
                 slope_min_n=a.slope_min_n, peak_size=a.peak_size, peak_in_rounds_from=a.peak_in_rounds_from,
+                against=a.against,
                 command=" ".join(sys.argv[1:] if argv is None else argv))
     if device.type == "cuda":
         meta["gpu"] = torch.cuda.get_device_name(device)

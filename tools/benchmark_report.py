@@ -79,6 +79,7 @@ def finalize(result, beyond, flop_counts=None):
         if base is not None and "median_ms" in base:
             r["ratio_vs_sdpa"] = base["median_ms"] / r["median_ms"]
             r["ratio_extrapolated"] = bool(base.get("extrapolated") or r.get("extrapolated"))
+    set_against(records, meta.get("against"))
     records.sort(key=lambda r: (r["level"], r["B"], r["d"], r["causal"], r["pass"], r["method"], r["N"]))
     groups = {}
     for r in records:
@@ -93,6 +94,26 @@ def finalize(result, beyond, flop_counts=None):
     decode = result.get("decode") or []
     meta["decode_slope"] = M.loglog_slope([r["context"] for r in decode], [r["us_median"] for r in decode])
     return dict(result, records=records, slopes=slopes)
+
+
+def set_against(records, against):
+    """Each record's time over ``against``'s in the same rounds ("vs_against": the per-round ratios' median and
+    quartiles, measure.paired_ratio) and their FLOPs' ratio ("flop_ratio"), for the cases timed in one group with
+    it (the same round_group): a ratio of medians taken in other stretches of the run would carry the machine's
+    drift between them, and a method's time over its FLOPs' ratio says how much of it the method's own work
+    explains (hedgehog's 2m features and projections, taylor2's pairs)."""
+    groups = {}
+    for r in records:
+        if r.get("round_group") and "round_ms" in r:
+            groups.setdefault(r["round_group"], {})[r["method"]] = r
+    for members in groups.values():
+        base = members.get(against)
+        for name, r in members.items():
+            if base is None or name == against:
+                continue
+            r["vs_against"] = dict(method=against, **M.paired_ratio({name: r, against: base}, name, against))
+            if r.get("flops") and base.get("flops"):
+                r["flop_ratio"] = r["flops"] / base["flops"]
 
 
 def _num(x, fmt):
@@ -131,6 +152,7 @@ def print_table(result):
               f"{r['gbps']:.2f} | "
               f"{_num(r.get('rel_err'), '.1e')} | {ratio} | {mem} |")
     print_pivot(result)
+    print_against(result)
     print("\n| level | B | d | mask | pass | method | time slope (N range) | memory slope (N range) |")
     print("|" + "---|" * 8)
     for s in result["slopes"]:
@@ -171,6 +193,22 @@ def print_pivot(result):
         level, method, b, _, d, causal, pss = key
         print(f"| {level} | {b} | {d} | {'causal' if causal else 'full'} | {pss} | {method} | "
               + " | ".join(cells.get(n, "") for n in ns) + " |")
+
+
+def print_against(result):
+    """Each method's time over the --against method's in the same rounds, beside its FLOPs' ratio."""
+    rows = [r for r in result["records"] if "vs_against" in r]
+    if not rows:
+        return
+    against = rows[0]["vs_against"]["method"]
+    print(f"\n| level | B | d | mask | pass | method | N | time x {against}, per round: median (quartiles) "
+          f"| FLOPs x {against} |")
+    print("|" + "---|" * 9)
+    for r in rows:
+        v = r["vs_against"]
+        print(f"| {r['level']} | {r['B']} | {r['d']} | {'causal' if r['causal'] else 'full'} | {r['pass']} | "
+              f"{r['method']} | {r['N']} | {v['median']:.2f} ({v['q1']:.2f}-{v['q3']:.2f}) | "
+              f"{_num(r.get('flop_ratio'), '.2f')} |")
 
 
 def plot(result, path: Path):
