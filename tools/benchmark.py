@@ -26,12 +26,12 @@ method (same weights, projections) in float64 otherwise, and for flash-linear-at
 kernel_elu in float64: the check that the peer computes the same function. Peak extra memory: tools/measure.py
 (fresh subprocess per case on CPU, CUDA peak counters on GPU). Slopes: least squares in log-log over measured
 N >= --slope-min-n (the two largest N when fewer). Every method is also set against --against (kernel_elu, the
-fast path) round by round within its group, beside the ratio of their FLOPs. The recurrent decode step (kernel_step, elu) is timed at
-several context lengths, with a new state per step and in place. The header says whether linear_mha's compiled
-CPU code ran (--no-native turns it off) and which CPU allocator the process has (a preloaded tcmalloc,
-glibc's settings, or --keep-freed-memory; at long N it moves CPU times a good deal, docs/cpu_allocator.md) and
-how much of its own freed outputs the compiled code keeps (LINEAR_MHA_OUTPUT_CACHE_MIB); --resume refuses to mix
-any of them.
+fast path) round by round within its group, beside the ratio of their FLOPs. The recurrent decode step
+(kernel_step, elu) is timed at several context lengths, with a new state per step and in place. The header
+says whether linear_mha's compiled CPU code ran (--no-native turns it off) and which CPU allocator the process has
+(a preloaded tcmalloc, glibc's settings, or --keep-freed-memory; at long N it moves CPU times a good deal,
+docs/cpu_allocator.md) and how much of its own freed outputs the compiled code keeps (LINEAR_MHA_OUTPUT_CACHE_MIB);
+--resume refuses to mix any of them.
 """
 import argparse
 import importlib
