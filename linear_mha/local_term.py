@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from . import masks
 from .functional import native_maps
-from .functional._common import compiling, fixed_graph, functorch_active, needs_grad
+from .functional._common import compiling, functorch_active, needs_grad
 from .functional.backend import NATIVE, local_term_backend
 from .functional.grid_conv import check_grid_shapes, token_grid_conv
 from .token_grid import NO_GRID, TokenGrid, resolve_token_grid
@@ -44,8 +44,8 @@ def add_local_term(module: nn.Module, out: Tensor, v: Tensor, key_padding_mask: 
     if out.shape[2] != v.shape[2]:
         raise ValueError(f"dwc_kernel adds a convolution of the values at the queries' own grid positions, so it "
                          f"needs self-attention (as many queries as keys); got L={out.shape[2]}, S={v.shape[2]}")
-    # In a recorded graph (fixed_graph) an all-allowed mask cannot be told from another: any mask is refused.
-    forbidding = attn_mask is not None and (attn_mask.dtype != torch.bool or fixed_graph() or bool(attn_mask.any()))
+    # In a graph (compiling) an all-allowed mask cannot be told from another without a branch: any mask is refused.
+    forbidding = attn_mask is not None and (attn_mask.dtype != torch.bool or compiling() or bool(attn_mask.any()))
     if is_causal or forbidding:
         raise ValueError("dwc_kernel mixes neighbouring tokens in every direction over the grid: it has no causal "
                          "form and applies no attn_mask; use key_padding_mask for padding, or build the module "

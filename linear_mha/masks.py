@@ -12,7 +12,22 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .errors import InputError
-from .functional._common import fixed_graph
+from .functional._common import compiling, fixed_graph
+
+
+def require_values(ok: Tensor, error: type, message: str) -> None:
+    """Raise ``error(message)`` unless the 0-d bool tensor ``ok`` is True: a check on a mask's values.
+
+    Eager, it raises at once. Under torch.compile it becomes an assertion inside the graph (torch._assert_async),
+    which raises RuntimeError(message) when the compiled code runs: a Python branch on a value would split the
+    graph (and fail under fullgraph=True). torch.export and torch.jit.trace (fixed_graph) record no check at all,
+    as they cannot carry one into every exporter's format: there the caller vouches for the mask (docs/modes.md)."""
+    if fixed_graph():
+        return
+    if compiling():
+        torch._assert_async(ok, message)
+    elif not bool(ok):
+        raise error(message)
 
 
 def _check_dtype(mask: Tensor, name: str) -> None:
@@ -66,10 +81,9 @@ def to_additive(mask: Optional[Tensor], dtype: torch.dtype, name: str = "mask") 
         return None
     if mask.dtype == torch.bool:
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
-    # A recorded graph cannot check values (fixed_graph): there NaN spreads through the scores, as in torch.
-    if not fixed_graph() and bool((torch.isnan(mask) | torch.isposinf(mask)).any()):
-        raise ValueError(f"{name} holds NaN or +inf, which would make the scores of whole rows NaN; a float mask adds "
-                         f"finite values or -inf (forbidden), or pass a bool mask (True = forbidden)")
+    require_values(~(torch.isnan(mask) | torch.isposinf(mask)).any(), ValueError,
+                   f"{name} holds NaN or +inf, which would make the scores of whole rows NaN; a float mask adds "
+                   f"finite values or -inf (forbidden), or pass a bool mask (True = forbidden)")
     return mask.to(dtype)
 
 
@@ -96,21 +110,29 @@ def to_forbidden(mask: Tensor, name: str, mode: str) -> Tensor:
     if mask.dtype == torch.bool:
         return mask
     forbidden = torch.isneginf(mask)
-    if not fixed_graph() and not bool(((mask == 0) | forbidden).all()):  # a graph cannot check (docs/modes.md)
-        raise ValueError(
-            f"{name} holds additive float values other than 0 and -inf; mode={mode!r} can only honour masks that "
-            f"remove keys entirely. Use mode='softmax' for score biases, or pass a bool mask."
-        )
+    require_values(((mask == 0) | forbidden).all(), ValueError,
+                   f"{name} holds additive float values other than 0 and -inf; mode={mode!r} can only honour masks "
+                   f"that remove keys entirely. Use mode='softmax' for score biases, or pass a bool mask.")
     return forbidden
+
+
+def causal_pattern(forbidden: Tensor) -> Optional[Tensor]:
+    """Whether a bool (..., L, S) mask forbids exactly the future (j > i) in every slice, as a 0-d bool tensor (read
+    it without a graph); None where L != S, which no causal mask has."""
+    L, S = forbidden.shape[-2:]
+    if L != S:
+        return None
+    future = torch.ones(L, S, dtype=torch.bool, device=forbidden.device).triu(1)
+    return (forbidden == future).all()
 
 
 def is_causal_pattern(forbidden: Tensor) -> bool:
     """True if a bool (..., L, S) mask with L == S forbids exactly the future (j > i) in every slice."""
-    L, S = forbidden.shape[-2:]
-    if L != S:
-        return False
-    future = torch.ones(L, S, dtype=torch.bool, device=forbidden.device).triu(1)
-    return bool((forbidden == future).all())
+    found = causal_pattern(forbidden)
+    return found is not None and bool(found)
+
+
+NOT_CAUSAL = "is_causal=True, but attn_mask is not the causal (upper-triangular) mask; pass the causal mask, or drop is_causal"
 
 
 def classify_attn_mask_for_linear(attn_mask: Optional[Tensor], is_causal: bool, mode: str,
@@ -118,12 +140,20 @@ def classify_attn_mask_for_linear(attn_mask: Optional[Tensor], is_causal: bool, 
     """Decide whether a method without arbitrary masks runs causally, or raise if the mask cannot be honoured
     exactly (``causal_modes``: the methods with a causal form, for the message).
 
-    Returns True for causal attention, False for none. A mask that forbids nothing is no mask."""
+    Returns True for causal attention, False for none. A mask that forbids nothing is no mask.
+    In a graph (torch.compile, export, trace) the answer cannot depend on the mask's values: with is_causal=True
+    the mask is checked to be the causal one (in the graph, as ``require_values`` does) and the call is causal, as
+    torch's own is_causal hint; without it, torch.compile reads the values outside the graph (a graph break) and
+    the exporters refuse."""
     if attn_mask is None:
         return is_causal
+    if is_causal and compiling():
+        found = causal_pattern(to_forbidden(attn_mask, "attn_mask", mode))
+        if found is None:
+            raise ValueError(NOT_CAUSAL + f" (it is {tuple(attn_mask.shape[-2:])}, not square)")
+        require_values(found, ValueError, NOT_CAUSAL)
+        return True
     if fixed_graph():  # which pattern it is cannot be read from a graph's input, nor baked in
-        if is_causal:
-            return True  # as torch's own is_causal: the caller vouches that attn_mask is the causal mask
         raise ValueError(
             f"mode={mode!r} under torch.export or torch.jit.trace: a recorded graph cannot read attn_mask's values "
             f"to tell the causal mask from another pattern. Pass is_causal=True with the causal mask (or "
@@ -132,8 +162,7 @@ def classify_attn_mask_for_linear(attn_mask: Optional[Tensor], is_causal: bool, 
     if is_causal_pattern(forbidden):
         return True
     if is_causal:
-        raise ValueError("is_causal=True, but attn_mask is not the causal (upper-triangular) mask; pass the "
-                         "causal mask, or drop is_causal")
+        raise ValueError(NOT_CAUSAL)
     if not bool(forbidden.any()):
         return False
     raise ValueError(

@@ -7,7 +7,7 @@ import torch
 
 from .. import functional, naive
 from ..functional.kernel import CHUNK_SIZE, check_chunk_size
-from ..functional._common import drop_keys
+from ..functional._common import compiling, drop_keys
 from ..functional.elementwise_program import program_for
 from ..functional.feature_maps import elementwise_feature_map
 from ..functional.grid_rope import grid_rope_kernel
@@ -105,7 +105,7 @@ class FeatureMapMethod(AttentionMethod):
     def step(self, q, k, v, state, cache, *, padding=None):
         previous = cache.get("state")
         fn = self.kernel_map(state)
-        padded = padding is not None and bool(padding.any())
+        padded = padding is not None and (compiling() or bool(padding.any()))  # a graph takes the masked path
         if isinstance(fn, str) and not padded:  # a map kernel_step knows: the compiled step where it can run
             owned = previous is not None and not (torch.is_grad_enabled() and previous.requires_grad)
             out, cache["state"] = functional.kernel_step(q, k, v, previous, fn, inplace=owned,
