@@ -19,7 +19,27 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._common import check_qkv, fixed_graph, mask_keys
+from ._common import check_qkv, mask_keys
+
+
+def _bin_members(valid_lines: Tensor, bins: int) -> Tensor:
+    """valid_lines (B, n) bool: which rows (or columns) of the grid hold a valid token -> (B, bins, n) float, 1 where
+    line j lies in bin i of ``bins`` adaptive-pooling bins over the span from the first valid line to the last (the
+    bins adaptive_avg_pool2d makes over that span: [floor(i m / a), ceil((i + 1) m / a)), m its length), 0 elsewhere
+    and everywhere for a sample with no valid line.
+
+    Built from the span's ends as tensors, not by slicing the grid to the span: the shapes stay those of the grid,
+    so graphs (torch.compile, torch.export) record it whatever the mask holds."""
+    n = valid_lines.shape[1]
+    index = torch.arange(n, device=valid_lines.device)
+    first = torch.where(valid_lines, index, n).amin(1, keepdim=True)  # (B, 1); n where no line is valid
+    last = torch.where(valid_lines, index, -1).amax(1, keepdim=True)
+    span = (last - first + 1).clamp(min=0)[:, :, None]  # (B, 1, 1)
+    i = torch.arange(bins, device=valid_lines.device)[None, :, None]  # (1, bins, 1)
+    offset = (index - first)[:, None, :]  # (B, 1, n): a line's position inside the span
+    start = torch.div(i * span, bins, rounding_mode="floor")
+    stop = torch.div((i + 1) * span + bins - 1, bins, rounding_mode="floor")
+    return ((offset >= start) & (offset < stop)).float()
 
 
 def pool_agents(q: Tensor, agents_per_side: int, height: int, width: int, prefix: int = 0,
@@ -27,26 +47,20 @@ def pool_agents(q: Tensor, agents_per_side: int, height: int, width: int, prefix
     """q (B, H, prefix + height * width, d) -> agents (B, H, a * a, d): the mean of the valid grid queries in each
     of a x a bins over the valid tokens' bounding box (a bin with none is 0)."""
     b, h, _, d = q.shape
-    grid = q[:, :, prefix:].transpose(2, 3).reshape(b, h * d, height, width)
+    grid = q[:, :, prefix:].reshape(b, h, height, width, d)
     if key_padding_mask is None:  # every box is the whole grid
+        grid = grid.permute(0, 1, 4, 2, 3).reshape(b, h * d, height, width)
         return F.adaptive_avg_pool2d(grid, agents_per_side).reshape(b, h, d, -1).transpose(2, 3)
-    if fixed_graph():
-        raise ValueError("mode='agent' pools its agents over the box of each sample's unpadded tokens, which depends "
-                         "on key_padding_mask's values: torch.export / torch.jit.trace cannot record that. Export "
-                         "it without key_padding_mask (unpadded batches), or choose another method")
     valid = ~key_padding_mask[:, prefix:].reshape(b, height, width)
-    agents = []
-    for i in range(b):  # each sample's own box: its image, wherever the batch padded it
-        rows, cols = valid[i].any(1).nonzero().flatten(), valid[i].any(0).nonzero().flatten()
-        if len(rows) == 0:
-            agents.append(q.new_zeros(h * d, agents_per_side, agents_per_side))
-            continue
-        box = (slice(int(rows[0]), int(rows[-1]) + 1), slice(int(cols[0]), int(cols[-1]) + 1))
-        keep = valid[i][box].to(q.dtype)[None]
-        total = F.adaptive_avg_pool2d(grid[i][(slice(None),) + box] * keep, agents_per_side)
-        count = F.adaptive_avg_pool2d(keep, agents_per_side)
-        agents.append(total / count.masked_fill(count == 0, 1.0))
-    return torch.stack(agents).reshape(b, h, d, -1).transpose(2, 3)
+    rows = _bin_members(valid.any(2), agents_per_side).to(q.dtype)  # (B, a, height)
+    cols = _bin_members(valid.any(1), agents_per_side).to(q.dtype)  # (B, a, width)
+    keep = valid.to(q.dtype)
+    grid = grid.masked_fill(~valid[:, None, :, :, None], 0.0)  # padding's garbage (even NaN) times 0 would be NaN
+    # Each agent is the sum of its bin's valid queries over their count (adaptive pooling's mean of the masked grid
+    # over the mean of the mask: the bin's area cancels).
+    total = torch.einsum("bir,bjc,brc,bhrcd->bhijd", rows, cols, keep, grid)
+    count = torch.einsum("bir,bjc,brc->bij", rows, cols, keep)[:, None, :, :, None]
+    return (total / count.masked_fill(count == 0, 1.0)).reshape(b, h, agents_per_side * agents_per_side, d)
 
 
 def agent_attention(
