@@ -16,6 +16,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from . import masks, torch_models
 from .errors import InputError
+from .input_ranks import is_unbatched
 from .adapters import AttentionAdapter, register_adapter, traced_whole
 from .attend import attend_heads, split_for_options
 from .local_term import add_local_term
@@ -223,6 +224,8 @@ class LinearMultiheadAttention(AttentionAdapter, nn.Module):
         that need it (``agent``), when the model does not provide it (``patch`` / ``track_token_grid``).
         """
         self.method.before_forward(self)
+        if query.is_nested and query.dim() != 3:  # an empty one has no rows: 1-D, which torch refuses too
+            is_unbatched(query, key, value, key_padding_mask, attn_mask, self.num_heads)
         if query.is_nested or key.is_nested or value.is_nested:
             return self._forward_nested(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal)
         q, k, v, extra_keys, kpm, mask, layout = self._prepare(query, key, value, key_padding_mask, attn_mask)
@@ -282,15 +285,7 @@ class LinearMultiheadAttention(AttentionAdapter, nn.Module):
     def _prepare(self, query, key, value, key_padding_mask, attn_mask):
         """Validate nn.MHA-style inputs and project them to heads (B, H, ., head_dim); the extra keys of add_bias_kv /
         add_zero_attn come back apart, as (k, v) heads of 1 or 2 positions, or None."""
-        if query.dim() not in (2, 3):
-            raise InputError(f"query must be 3-D (batched) or 2-D (unbatched (L, E)), got a {query.dim()}-D tensor "
-                             f"of shape {tuple(query.shape)}")
-        unbatched = query.dim() == 2
-        expected_dim = 2 if unbatched else 3
-        for name, t in (("query", query), ("key", key), ("value", value)):
-            if t.dim() != expected_dim:
-                raise InputError(f"query, key and value must all be batched (3-D) or all unbatched (2-D); "
-                                 f"query is {query.dim()}-D but {name} is {t.dim()}-D")
+        unbatched = is_unbatched(query, key, value, key_padding_mask, attn_mask, self.num_heads)
         for name, t, width in (("query", query, self.embed_dim), ("key", key, self.kdim), ("value", value, self.vdim)):
             if t.shape[-1] != width:
                 raise InputError(f"{name} has feature size {t.shape[-1]}, expected {width}"
@@ -355,6 +350,9 @@ class LinearMultiheadAttention(AttentionAdapter, nn.Module):
         by the split, in place, rather than by autograd into a new tensor."""
         E, H = self.embed_dim, self.num_heads
         b = self.in_proj_bias
+        weight = self.in_proj_weight if self._qkv_same_embed_dim else self.q_proj_weight
+        if b is not None and b.dtype != weight.dtype:  # torch adds a bias of another dtype in the weights' dtype
+            b = b.to(weight.dtype)
         bq, bk, bv = (None, None, None) if b is None else (b[:E], b[E:2 * E], b[2 * E:])
 
         def heads(t):

@@ -74,7 +74,7 @@ def test_mask_shapes_are_checked():
 
 def test_inputs_are_checked():
     m = LinearMultiheadAttention(E, H, mode="kernel")
-    with pytest.raises(ValueError, match="all be batched"):
+    with pytest.raises(ValueError, match="expected `key` and `value` to be 3-D but found 2-D and 3-D tensors"):
         m(x(), x()[:, 0], x())
     with pytest.raises(ValueError, match="key has feature size 6, expected 8"):
         m(x(), x(e=6), x())
@@ -150,9 +150,10 @@ def test_every_option_default_passes_its_own_check(mode):
 def test_query_of_the_wrong_rank_is_named_with_its_shape():
     m = LinearMultiheadAttention(E, H)
     q = torch.randn(1, 4, 2, E)
-    with pytest.raises(ValueError, match=r"query must be 3-D .* got a 4-D tensor of shape \(1, 4, 2, 8\)"):
+    with pytest.raises(ValueError, match=r"received 4-D query tensor \(shape \(1, 4, 2, 8\)\); query, key and value "
+                                         r"are all batched"):
         m(q, q, q)
-    with pytest.raises(ValueError, match="key is 2-D"):
+    with pytest.raises(ValueError, match="expected `key` and `value` to be 3-D but found 2-D and 2-D tensors"):
         m(x(), x()[0], x()[0])
 
 
@@ -280,8 +281,9 @@ def test_malformed_inputs_raise_what_torch_raises_with_our_message(case):
                                                          or "key" in str(caught.value))
 
 
-def test_an_empty_nested_tensor_gives_an_empty_batch_back():
+def test_an_empty_nested_tensor_is_refused_as_torch_refuses_it():
+    """torch.nested.nested_tensor([]) is 1-D: torch's MultiheadAttention raises AssertionError with this message."""
     m = LinearMultiheadAttention(8, 2, mode="kernel", batch_first=True).eval()
     empty = torch.nested.nested_tensor([], dtype=torch.float32)
-    out, weights = m(empty, empty, empty)
-    assert out.is_nested and out.size(0) == 0 and weights is None
+    with pytest.raises(AssertionError, match="query should be unbatched 2D or batched 3D tensor but received 1-D"):
+        m(empty, empty, empty)
