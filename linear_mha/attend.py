@@ -18,8 +18,14 @@ MODULE_OPTIONS = ("dwc_kernel", "output_gate")  # options of the attention modul
 
 
 def needs_token_grid(module: nn.Module) -> bool:
-    """Whether ``module`` (an attention module holding a method) reads the token grid of its input."""
+    """Whether ``module`` (an attention module holding a method) cannot run without the token grid of its input."""
     return getattr(module, "dwc_weight", None) is not None or module.method.needs_grid
+
+
+def reads_token_grid(module: nn.Module) -> bool:
+    """Whether ``module`` uses the token grid of its input where one is known (softmax's rope: 2-D on a grid, 1-D
+    on a sequence), needing it or not."""
+    return needs_token_grid(module) or module.method.reads_grid
 
 
 def split_for_options(module: nn.Module, projected: Tensor, parts: int, q_at: Optional[int] = None,
@@ -70,6 +76,8 @@ def attend_heads(method: AttentionMethod, state: Mapping[str, Optional[Tensor]],
         if token_grid is None:
             who = f"mode={method.name!r}" if type(method).needs_grid else method.describe()  # or an option's need
             raise ValueError(f"{who} {NO_GRID}")
+        kwargs["token_grid"] = token_grid
+    elif method.reads_grid:
         kwargs["token_grid"] = token_grid
     if extra_keys is not None:
         if not method.extra_keys:

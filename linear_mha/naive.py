@@ -39,16 +39,21 @@ def scaled_scores(q: Tensor, k: Tensor) -> Tensor:
 
 
 def rotated_similarity(phi_q: Tensor, phi_k: Tensor, grid) -> Tensor:
-    """(R_i phi_q_i) . (R_j phi_k_j) (B, H, L, S) with explicit per-position rotation matrices (``rope``): the last
-    R = 4 floor(F / 4) features turn in pairs (F - R + m, F - R/2 + m), the first half of the pairs by the grid row y
-    and the second by the column x, at 10000^(-m / P) for P pairs per axis; prefix tokens do not turn."""
-    features, pairs = phi_q.shape[-1], phi_q.shape[-1] // 4
+    """(R_i phi_q_i) . (R_j phi_k_j) (B, H, L, S) with explicit per-position rotation matrices (``rope``). On a token
+    grid the last R = 4 floor(F / 4) features turn in pairs (F - R + m, F - R/2 + m), the first half of the pairs by
+    the grid row y and the second by the column x, at 10000^(-m / P) for P pairs per axis; prefix tokens do not turn.
+    With ``grid`` None (a sequence), the last R = 2 floor(F / 2) features turn by the position n, P = R / 2 pairs."""
+    features = phi_q.shape[-1]
+    pairs = features // 4 if grid is not None else features // 2
+    turning = 4 * pairs if grid is not None else 2 * pairs
     rotations = torch.eye(features, dtype=phi_q.dtype, device=phi_q.device).repeat(phi_k.shape[-2], 1, 1)
-    for n in range(grid.prefix, phi_k.shape[-2]):
-        y, x = divmod(n - grid.prefix, grid.width)
-        for pair in range(2 * pairs):
-            angle = (y if pair < pairs else x) * 10000.0 ** (-(pair % pairs) / pairs)
-            i, j = features - 4 * pairs + pair, features - 2 * pairs + pair
+    for n in range(grid.prefix if grid is not None else 0, phi_k.shape[-2]):
+        if grid is not None:
+            y, x = divmod(n - grid.prefix, grid.width)
+        for pair in range(turning // 2):
+            position = (y if pair < pairs else x) if grid is not None else n
+            angle = position * 10000.0 ** (-(pair % pairs) / pairs)
+            i, j = features - turning + pair, features - turning // 2 + pair
             c, s = math.cos(angle), math.sin(angle)
             rotations[n, i, i], rotations[n, i, j], rotations[n, j, i], rotations[n, j, j] = c, -s, s, c
     turned_q = (rotations @ phi_q[..., None])[..., 0]

@@ -220,6 +220,18 @@ class AttentionMethod:
         raise NotImplementedError(f"method {self.name!r} does not return attention weights")
 
     @property
+    def computes_torch_attention(self) -> bool:
+        """Whether this configured method computes what nn.MultiheadAttention computes (exact softmax without an
+        option that changes the scores): the tests then hold it to torch's own module."""
+        return self.exact
+
+    @property
+    def reads_grid(self) -> bool:
+        """Whether the method uses the token grid when the module knows one (``token_grid=`` is then passed, None
+        where there is none); ``needs_grid`` methods cannot run without it."""
+        return self.needs_grid
+
+    @property
     def self_attention_only(self) -> bool:
         """Whether queries and keys must be the same positions (a grid of tokens, a window of neighbours):
         cross-attention is then refused before the method runs."""

@@ -63,6 +63,8 @@ def test_variant_names_become_trainer_options():
         "--attention", "focused", "--dwc-kernel", "5", "--attention-option", "focusing_factor=2",
         "--attention-option", "learnable_scale=False"]
     assert detr_compare.variant_args("linformer-shared")[:2] == ["--attention", "linformer"]
+    assert detr_compare.variant_args("softmax-dwc3:rope=True") == [  # the strongest softmax baseline
+        "--attention", "softmax", "--dwc-kernel", "3", "--attention-option", "rope=True"]
     with pytest.raises(ValueError, match="mode must be one of"):
         detr_compare.variant_args("kernal")
 

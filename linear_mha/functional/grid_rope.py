@@ -26,10 +26,21 @@ def grid_angles(height: int, width: int, prefix: int, pairs_per_axis: int, base:
                 device=None, dtype=torch.float32) -> Tensor:
     """(prefix + height * width, 2 * pairs_per_axis) rotation angles: y * f_m then x * f_m; zero for prefix tokens."""
     freq = base ** (-torch.arange(pairs_per_axis, device=device, dtype=dtype) / max(pairs_per_axis, 1))
-    y = torch.arange(height, device=device, dtype=dtype).repeat_interleave(width)
-    x = torch.arange(width, device=device, dtype=dtype).repeat(height)
+    # Rows and columns broadcast, then flattened: repeat_interleave / repeat by a symbolic width exports to an ONNX
+    # graph that onnxruntime cannot run (an Expand of the wrong shape), which this form does not.
+    y = torch.arange(height, device=device, dtype=dtype)[:, None].expand(height, width).reshape(-1)
+    x = torch.arange(width, device=device, dtype=dtype)[None, :].expand(height, width).reshape(-1)
     angles = torch.cat([y[:, None] * freq, x[:, None] * freq], dim=1)
     return torch.cat([angles.new_zeros(prefix, angles.shape[1]), angles])
+
+
+def sequence_tables(length: int, features: int, like: Tensor, base: float = ROPE_BASE) -> Tuple[Tensor, Tensor]:
+    """1-D rotary position (RoFormer) for rows of ``features``: the (cos, sin) tables, (length, 2 P) with
+    P = features // 2 pairs, of position n at frequencies base^(-m / P), for ``rotate``."""
+    pairs = features // 2
+    freq = base ** (-torch.arange(pairs, device=like.device, dtype=like.dtype) / max(pairs, 1))
+    angles = torch.arange(length, device=like.device, dtype=like.dtype)[:, None] * freq
+    return tuple(t.contiguous() for t in rotation_tables(angles))
 
 
 def rotation_tables(angles: Tensor) -> Tuple[Tensor, Tensor]:

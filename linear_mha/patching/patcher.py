@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..adapters import ATTACHED, UnknownLength, adapter_classes, adapter_for
-from ..attend import needs_token_grid, validate_options
+from ..attend import needs_token_grid, reads_token_grid, validate_options
 from ..registry import DEFAULT_MODE, AttentionMethod, method_class
 from ..token_grid import GridTracker, attach_tracker, feature_map_grid
 from .nested_tensor import disable_nested_tensor, restore_nested_tensor
@@ -142,10 +142,12 @@ def _track_grids(model: nn.Module, plans, built, grid_source, grid_prefix, grid_
     """Give every new module that reads its token grid a tracker of it; returns the trackers."""
     trackers = {}
     for plan, new in zip(plans, built):
-        if not needs_token_grid(new):
+        if not reads_token_grid(new):
             continue
         found = ((grid_source, feature_map_grid(grid_prefix, grid_stride)) if grid_source is not None
                  else _grid_source(model, plan))
+        if found is None and not needs_token_grid(new):
+            continue  # it runs on the sequence alone
         if found is None:
             raise ValueError(f"patch(): {plan.name!r} needs the token grid (dwc_kernel, or mode={new.mode!r}), and no "
                              f"DETR transformer or timm / torchvision ViT encloses it; pass grid_source='<module whose "
