@@ -12,7 +12,7 @@ from .functional.packed_heads import split_heads
 from .local_term import check_dwc_kernel
 from .output_gate import check_output_gate
 from .registry import AttentionMethod, causal_methods, method_class
-from .token_grid import NO_GRID, TokenGrid
+from .token_grid import NO_GRID, TokenGrid, check_traced_grid
 
 MODULE_OPTIONS = ("dwc_kernel", "output_gate")  # options of the attention modules themselves, for every method
 
@@ -79,6 +79,8 @@ def attend_heads(method: AttentionMethod, state: Mapping[str, Optional[Tensor]],
         kwargs["token_grid"] = token_grid
     elif method.reads_grid:
         kwargs["token_grid"] = token_grid
+    if kwargs.get("token_grid") is not None:
+        k = check_traced_grid(k, token_grid)
     if extra_keys is not None:
         if not method.extra_keys:
             raise ValueError(f"mode={method.name!r} does not handle the extra keys of add_bias_kv / add_zero_attn")

@@ -12,7 +12,7 @@ from .functional import native_maps
 from .functional._common import compiling, functorch_active, needs_grad
 from .functional.backend import NATIVE, local_term_backend
 from .functional.grid_conv import check_grid_shapes, token_grid_conv
-from .token_grid import NO_GRID, TokenGrid, resolve_token_grid
+from .token_grid import NO_GRID, TokenGrid, check_traced_grid, resolve_token_grid
 
 LOCAL_TERM_STATE = ("dwc_weight", "dwc_bias")
 
@@ -53,6 +53,7 @@ def add_local_term(module: nn.Module, out: Tensor, v: Tensor, key_padding_mask: 
     grid = resolve_token_grid(module, token_grid)
     if grid is None:
         raise ValueError(f"dwc_kernel {NO_GRID}")
+    v = check_traced_grid(v, grid)
     if key_padding_mask is not None:
         key_padding_mask = masks.to_forbidden(key_padding_mask, "key_padding_mask", "with dwc_kernel")
     weight, bias = module.dwc_weight, module.dwc_bias

@@ -9,8 +9,9 @@ a caller can also pass ``token_grid=TokenGrid(h, w)`` to LinearMultiheadAttentio
 """
 import functools
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
+import torch
 from torch import SymInt, Tensor, nn
 
 from .functional._common import _is_compiling
@@ -39,6 +40,17 @@ class TokenGrid:
     @property
     def tokens(self) -> int:
         return self.prefix + self.height * self.width
+
+
+# torch.export takes a TokenGrid among a call's inputs as a constant of the graph (its sizes are fixed there, as a
+# trace fixes them; a call with another grid is refused by the exported program's input check).
+if hasattr(torch.utils._pytree, "register_constant"):
+    torch.utils._pytree.register_constant(TokenGrid)
+else:  # torch < 2.7: a node without leaves, the sizes its context
+    torch.utils._pytree.register_pytree_node(
+        TokenGrid, lambda grid: ([], (grid.height, grid.width, grid.prefix)), lambda _, sizes: TokenGrid(*sizes),
+        serialized_type_name="linear_mha.TokenGrid",
+        flatten_with_keys_fn=lambda grid: ([], (grid.height, grid.width, grid.prefix)))
 
 
 @dataclass(frozen=True)
@@ -77,9 +89,15 @@ class GridTracker:
             self.handle = source.register_forward_pre_hook(self.record_input, with_kwargs=True)
         return self
 
-    def record_input(self, module, args, kwargs) -> None:
+    def record_input(self, module, args, kwargs):
         first = args[0] if args else next(iter(kwargs.values()), None)
         self.grid = self.grid_of(first)
+        if self.grid is not None and torch.jit.is_tracing() and args:  # the trace fixes the grid: check its input
+            height, width = _size(first.shape[-2]), _size(first.shape[-1])
+            checked = traced_sizes_checked(first, {-2: height, -1: width},
+                                           f"a {height} x {width} input to {self.source_name or 'the model'}")
+            return (checked,) + tuple(args[1:]), kwargs
+        return None
 
     def follow(self, source: nn.Module, args) -> None:
         # Hook the convolution of now, should it have been replaced (timm's set_input_size swaps it), and let go of
@@ -99,11 +117,13 @@ class GridTracker:
             self.conv_handle = conv.register_forward_hook(self.record_output)
         self.conv = conv
 
-    def record_output(self, conv, args, output) -> None:
+    def record_output(self, conv, args, output):
         if isinstance(output, Tensor) and output.dim() == 4:
             self.grid = TokenGrid(_size(output.shape[-2]), _size(output.shape[-1]), self.grid_of.prefix)
-        else:
-            self.grid = None
+            return traced_sizes_checked(output, {-2: self.grid.height, -1: self.grid.width},
+                                        f"a {self.grid.height} x {self.grid.width} patch grid")
+        self.grid = None
+        return None
 
     def remove(self) -> None:
         for handle in (self.handle, self.conv_handle):
@@ -135,6 +155,41 @@ def _feature_map_grid(prefix: int, stride: int, round_up: bool, x) -> Optional[T
     if round_up:
         return TokenGrid(-(-h // stride), -(-w // stride), prefix)
     return TokenGrid(h // stride, w // stride, prefix)
+
+
+def check_traced_grid(x: Tensor, grid: TokenGrid) -> Tensor:
+    """x (B, H, N, d), checked to have the grid's N tokens inside a torch.jit.trace, and returned (use the returned
+    tensor: a trace keeps only what the outputs depend on). A trace fixes the grid's sizes at the traced input's, as
+    it fixes every shape: with this check (and the tracker's on the image's height and width) the traced model run
+    at another size stops with a message that says so, instead of a shape error inside TorchScript or a grid of the
+    same count in another shape. Outside a trace x comes back as it is."""
+    return traced_sizes_checked(x, {2: grid.tokens}, f"a {grid.height} x {grid.width} token grid ({grid.tokens} "
+                                                      f"tokens)")
+
+
+def traced_sizes_checked(x: Tensor, sizes: dict, what: str) -> Tensor:
+    """x, with a check recorded in a torch.jit.trace that its sizes ({dim: size}) are the traced ones (a scripted
+    function, whose branch the trace keeps); as it is outside a trace, and in the legacy ONNX exporter, which cannot
+    carry the check (torch.export and torch.compile keep sizes symbolic and need none)."""
+    if not torch.jit.is_tracing() or torch.onnx.is_in_onnx_export():
+        return x
+    return _size_check()(x, list(sizes), list(sizes.values()), (
+        f"this model was traced (torch.jit.trace) at {what}, which a trace fixes, and was called at another size. "
+        f"Trace it at each input size, or export it with dynamic sizes (torch.export, or "
+        f"torch.onnx.export(..., dynamo=True); docs/deploy.md)"))
+
+
+@functools.lru_cache(maxsize=None)
+def _size_check():
+    """Scripted on first use (a trace records a call to it, branch included), not at import."""
+    return torch.jit.script(_sizes_are)
+
+
+def _sizes_are(x: Tensor, dims: List[int], sizes: List[int], message: str) -> Tensor:
+    for dim, size in zip(dims, sizes):
+        if x.size(dim) != size:
+            raise RuntimeError(message)
+    return x
 
 
 def resolve_token_grid(module: nn.Module, token_grid: Optional[TokenGrid]) -> Optional[TokenGrid]:

@@ -159,47 +159,6 @@ def test_a_patched_transformer_encoder_exports_with_its_padding_mask():
 
 
 @needs_is_exporting
-@pytest.mark.parametrize("attention", [["--attention", "taylor", "--dwc-kernel", "3"], ["--attention", "linformer"]])
-def test_linear_detr_exports_padded_batches_at_any_size(attention):
-    """DETR's encoder over a padded batch, height and width dynamic: the local term's token grid stays symbolic."""
-    from integrations.detr.attention import apply_attention
-    from integrations.detr.config import parse_args
-    from integrations.detr.detr import build_model
-    from integrations.detr.misc import NestedTensor
-
-    args = parse_args(["--backbone", "tiny", "--hidden-dim", "32", "--nheads", "4", "--enc-layers", "1",
-                       "--dec-layers", "1", "--dim-feedforward", "64", "--num-queries", "5", "--num-classes", "4",
-                       *attention])
-    torch.manual_seed(0)
-    detr, _, _ = build_model(args)
-    apply_attention(detr, args, max_tokens=4096)
-    detr.eval()
-
-    class Detector(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.detr = detr
-
-        def forward(self, images, mask):
-            out = self.detr(NestedTensor(images, mask))
-            return out["pred_logits"], out["pred_boxes"]
-
-    def padded_batch(height, width, seed, pad):
-        g = torch.Generator().manual_seed(seed)
-        images, mask = torch.randn(2, 3, height, width, generator=g), torch.zeros(2, height, width, dtype=torch.bool)
-        mask[1, :, width - pad:] = mask[1, height - pad:, :] = True
-        return images.masked_fill(mask[:, None], 0.0), mask
-
-    rows, cols = torch.export.Dim("rows", min=4, max=64), torch.export.Dim("cols", min=4, max=64)
-    shapes = ({2: 8 * rows, 3: 8 * cols}, {1: 8 * rows, 2: 8 * cols})  # the tiny backbone's stride is 8
-    with torch.no_grad():
-        exported = torch.export.export(Detector(), padded_batch(64, 64, 0, 16), dynamic_shapes=shapes).module()
-        other = padded_batch(96, 80, 1, 24)
-        for got, expected in zip(exported(*other), Detector()(*other)):
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-
-
-@needs_is_exporting
 @pytest.mark.parametrize("name", modes.VARIANTS)
 def test_onnx_export_runs_in_onnxruntime_as_eager(name, tmp_path):
     """torch.onnx.export(dynamo=True) with a key padding mask, batch and length dynamic where export allows it, run

@@ -40,12 +40,15 @@ class DETR(nn.Module):
         self.aux_loss = aux_loss
 
     def forward(self, samples):
-        """samples: NestedTensor (B, 3, H, W) + mask, or a list of (3, H, W) images.
+        """samples: NestedTensor (B, 3, H, W) + mask, a (B, 3, H, W) batch of images of one size (nothing padded:
+        the form torch.jit.trace and the exporters take), or a list of (3, H, W) images.
 
         Returns pred_logits (B, Q, num_classes + 1), pred_boxes (B, Q, 4) as normalised cxcywh,
         and, with aux_loss, aux_outputs: the same for every decoder layer but the last.
         """
-        if not isinstance(samples, NestedTensor):
+        if isinstance(samples, torch.Tensor) and samples.dim() == 4:
+            samples = NestedTensor(samples, torch.zeros_like(samples[:, 0], dtype=torch.bool))
+        elif not isinstance(samples, NestedTensor):
             samples = nested_tensor_from_tensor_list(list(samples))
         features, pos = self.backbone(samples)
         src, mask = features[-1].decompose()
@@ -53,7 +56,7 @@ class DETR(nn.Module):
         outputs_class = self.class_embed(hs)
         outputs_coord = self.bbox_embed(hs).sigmoid()
         out = {"pred_logits": outputs_class[-1], "pred_boxes": outputs_coord[-1]}
-        if self.aux_loss:
+        if self.aux_loss and len(hs) > 1:  # one decoder layer has no intermediate outputs (trace takes no [])
             out["aux_outputs"] = [{"pred_logits": a, "pred_boxes": b}
                                   for a, b in zip(outputs_class[:-1], outputs_coord[:-1])]
         return out
