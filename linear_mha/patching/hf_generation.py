@@ -11,7 +11,7 @@ refused with that reason (generate without ``assistant_model`` keeps transformer
 """
 import functools
 import inspect
-from typing import Optional
+from typing import Callable, Optional
 
 from torch import Tensor
 
@@ -138,9 +138,12 @@ def cache_keyword(model) -> Optional[str]:
     return next((name for name in ("cache", "past_key_values") if name in parameters), None)
 
 
-def install(model) -> bool:
-    """Make ``model.generate`` decode with a new LinearStateCache when the caller passes no cache (and no assistant,
-    whose drafts need a cache that can be cropped). Returns whether generate was wrapped."""
+def install(model, runs_linear: Callable[[], bool]) -> bool:
+    """Make ``model.generate`` decode with a new LinearStateCache when the caller asks for no cache of its own (none
+    given, no ``cache_implementation``, no assistant, whose drafts need a cache that can be cropped) and
+    ``runs_linear()`` says the model's attention still goes through linear_mha (a user can switch a config back to
+    sdpa or eager, as assisted decoding does to its assistant: generate is then transformers' own). Returns whether
+    generate was wrapped."""
     generate = getattr(model, "generate", None)
     keyword = cache_keyword(model)
     if generate is None or keyword is None or _WRAPPED in model.__dict__:
@@ -148,14 +151,22 @@ def install(model) -> bool:
 
     @functools.wraps(generate)
     def generate_with_linear_state(*args, **kwargs):
-        own = {"cache", "past_key_values", "assistant_model", "prompt_lookup_num_tokens"}
-        if not (own & set(kwargs)) and kwargs.get("use_cache", True) is not False:
+        if _wants_linear_state(model, kwargs) and runs_linear():
             kwargs[keyword] = LinearStateCache()
         return generate(*args, **kwargs)
 
     model.__dict__["generate"] = generate_with_linear_state  # the instance's own: unpatch removes it
     model.__dict__[_WRAPPED] = True
     return True
+
+
+def _wants_linear_state(model, kwargs) -> bool:
+    """Whether this generate call leaves the choice of cache to us."""
+    own = {"cache", "past_key_values", "assistant_model", "prompt_lookup_num_tokens", "cache_implementation"}
+    if own & {key for key, value in kwargs.items() if value is not None} or kwargs.get("use_cache", True) is False:
+        return False
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    return getattr(config, "cache_implementation", None) is None and getattr(config, "use_cache", True) is not False
 
 
 def uninstall(model) -> None:

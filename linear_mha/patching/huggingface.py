@@ -36,7 +36,7 @@ from ..token_grid import feature_map_grid, resolve_token_grid
 from . import hf_generation
 
 NAME = "linear_mha"
-_SAVED = "_linear_mha_saved_implementation"  # on a config: what it ran before patch
+_SAVED = "_linear_mha_saved_implementation"  # on the modules a config runs: what it ran before patch
 REFUSED = {"sliding_window": "a sliding attention window", "softcap": "logit softcapping", "s_aux": "attention sinks",
            "sinks": "attention sinks", "position_bias": "a position bias added to the scores"}
 
@@ -72,21 +72,28 @@ def geometry(module: nn.Module):
 class HFMask:
     """What linear_mha's mask function gives the attention function: the padding of the keys of this call (B, S) bool,
     True = a real token (None: no padding), whether the model asked for a causal (True) or bidirectional (False)
-    pattern (None: another one), and, made on demand, the mask the original implementation would have had, for the
-    attention modules patch left alone."""
+    pattern (None: another one), where the first query sits among the keys (``query_offset``, an int or a 0-d
+    tensor; None: the queries are the last keys), and, made on demand, the mask the original implementation would
+    have had, for the attention modules patch left alone.
+
+    ``ndim`` is 4 so that transformers takes it as a mask made already when generate hands it back to the model
+    (generate makes the mask once per step for compilable caches such as StaticCache); the mask function then
+    reads the 2-D mask it was made from (``linear_mha_mask``)."""
     padding: Optional[Tensor]
     causal: Optional[bool]
     pattern: str
     arguments: dict = field(repr=False)
-    _original: Any = field(default=None, repr=False)
+    query_offset: Any = None
+    _original: dict = field(default_factory=dict, repr=False)
+    ndim = 4
 
-    def original(self):
-        if self._original is None:
+    def original(self, implementation: str):
+        """The mask ``implementation``'s own mask function makes of the same arguments."""
+        if implementation not in self._original:
             from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-            implementation = _saved_implementation(self.arguments.get("config"))
             build = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(implementation)
-            self._original = build(**self.arguments) if build is not None else None
-        return self._original
+            self._original[implementation] = build(**self.arguments) if build is not None else None
+        return self._original[implementation]
 
 
 def linear_mha_mask(**arguments) -> HFMask:
@@ -95,6 +102,8 @@ def linear_mha_mask(**arguments) -> HFMask:
     of it for the original implementation's mask function."""
     from transformers import masking_utils
     causal = {masking_utils.causal_mask_function: True, masking_utils.bidirectional_mask_function: False}
+    if isinstance(arguments.get("attention_mask"), HFMask):  # made by generate, handed back: its 2-D mask
+        arguments["attention_mask"] = arguments["attention_mask"].arguments.get("attention_mask")
     mask_function, attention_mask = arguments.get("mask_function"), arguments.get("attention_mask")
     padding = None
     if attention_mask is not None:
@@ -107,7 +116,18 @@ def linear_mha_mask(**arguments) -> HFMask:
         # "no padding" is a shortcut eager takes; a graph keeps the mask, exact for every batch (and for none)
         padding = kept if compiling() or not bool(kept.all()) else None
     return HFMask(padding, causal.get(mask_function), getattr(mask_function, "__qualname__", str(mask_function)),
-                  arguments)
+                  arguments, _query_offset(arguments))
+
+
+def _query_offset(arguments: dict):
+    """Where the first query of this call sits among its keys: q_offset (transformers 5.2x) or the first cache position
+    (earlier 5.x), less kv_offset; None where neither is given (the queries are then the last keys)."""
+    offset = arguments.get("q_offset")
+    if offset is None and isinstance(arguments.get("cache_position"), Tensor) and arguments["cache_position"].numel():
+        offset = arguments["cache_position"][0]
+    if offset is None:
+        return None
+    return offset - arguments.get("kv_offset", 0)
 
 
 def _padding_and_causality(mask, queries: int, keys: int, causal: bool):
@@ -188,12 +208,13 @@ class LinearHFAttention(AttentionAdapter, nn.Module):
                 raise ValueError(f"{type(module).__name__} asks for {what} ({name}=...), which linear attention cannot "
                                  f"apply; keep these modules on softmax (patch(..., exclude=[...]))")
         default_causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", False)))
+        query_offset = None
         if isinstance(attention_mask, HFMask):
             if attention_mask.causal is None:
                 raise ValueError(f"the model builds an attention pattern other than causal or bidirectional "
                                  f"({attention_mask.pattern}), which linear attention cannot apply; keep these modules "
                                  f"on softmax (patch(..., exclude=[...]))")
-            padding, causal = attention_mask.padding, attention_mask.causal
+            padding, causal, query_offset = attention_mask.padding, attention_mask.causal, attention_mask.query_offset
         else:
             padding, causal = _padding_and_causality(attention_mask, query.shape[2], key.shape[2], default_causal)
         layer = hf_generation.decoding_layer(key)  # before anything makes a new tensor of the marked keys
@@ -204,19 +225,33 @@ class LinearHFAttention(AttentionAdapter, nn.Module):
         self.method.before_forward(self)
         if layer is not None:
             out = self._decode(layer, query, key, value, masked, causal)
+        elif causal and query.shape[2] != key.shape[2]:
+            out = self._attend_cached(query, key, value, masked, dropout, query_offset)
         else:
             out = self._attend(query, key, value, masked, causal, dropout)
         return out.transpose(1, 2).contiguous()
 
     def _attend(self, q, k, v, masked, causal, dropout):
-        L, S = q.shape[2], k.shape[2]
-        if causal and L != S:  # the queries are the last L positions (a KV cache holds the others): pad them in front
-            q = torch.cat([q.new_zeros(*q.shape[:2], S - L, q.shape[-1]), q], dim=2)
         grid = resolve_token_grid(self, None)
         out, _ = attend_heads(self.method, self.method.state(self), q, k, v, key_padding_mask=masked, is_causal=causal,
                               dropout_p=dropout, token_grid=grid)
-        out = apply_output_gate(self, add_local_term(self, out, v, masked, None, causal, grid), q, inplace=True)
-        return out[:, :, S - L:] if causal else out
+        return apply_output_gate(self, add_local_term(self, out, v, masked, None, causal, grid), q, inplace=True)
+
+    def _attend_cached(self, q, k, v, masked, dropout, query_offset):
+        """Causal attention of L queries over S > L keys that a transformers cache holds: query i sits at key position
+        query_offset + i (the last L positions where the mask does not say: a DynamicCache), and sees the keys up to
+        it; a StaticCache's empty slots lie after the last query, where no query looks."""
+        L, S = q.shape[2], k.shape[2]
+        offset = S - L if query_offset is None else query_offset
+        positions = torch.arange(L, device=q.device) + (offset.to(q.device) if isinstance(offset, Tensor) else offset)
+        if self.method.any_mask:  # every query's row of keys at once: an L x S mask
+            future = torch.arange(S, device=q.device)[None, :] > positions[:, None]
+            out, _ = attend_heads(self.method, self.method.state(self), q, k, v, key_padding_mask=masked,
+                                  attn_mask=future, dropout_p=dropout)
+            return apply_output_gate(self, out, q, inplace=True)
+        # The queries at their positions among S (zeros elsewhere, whose rows are dropped): causal over the keys
+        spread = q.new_zeros(*q.shape[:2], S, q.shape[-1]).index_copy(2, positions, q)
+        return self._attend(spread, k, v, masked, True, dropout).index_select(2, positions)
 
     def _decode(self, layer, q, k, v, masked, causal):
         """Positions after those ``layer`` (linear_mha's cache layer) has seen: the method's own decoding."""
@@ -276,14 +311,20 @@ class LinearHFAttention(AttentionAdapter, nn.Module):
         _register()
         notes = []
         for config in {id(m.config): m.config for m in modules}.values():  # configs do not hash
-            if _SAVED not in config.__dict__:
-                config.__dict__[_SAVED] = config._attn_implementation
+            config.__dict__.pop(_SAVED, None)  # where releases before 0.2 kept it (saved into config.json with it)
+            runs = [m for m in model.modules() if getattr(m, "config", None) is config and cls.matches(m)]
+            if config._attn_implementation != NAME:
+                saved = config._attn_implementation
                 _set_implementation(config, NAME)
-                notes.append(f"{type(config).__name__}: attention implementation {config.__dict__[_SAVED]!r} -> "
-                             f"{NAME!r} (modules left out of the selection run {config.__dict__[_SAVED]!r})")
+                notes.append(f"{type(config).__name__}: attention implementation {saved!r} -> {NAME!r} (modules "
+                             f"left out of the selection run {saved!r})")
+            else:  # patched before: what its modules remember
+                saved = next((m.__dict__[_SAVED] for m in runs if _SAVED in m.__dict__), "sdpa")
+            for module in runs:  # on the modules, not the config, which save_pretrained writes out
+                module.__dict__[_SAVED] = saved
         causal = [m for m in model.modules() if cls.matches(m) and getattr(m, "is_causal", False)]
         if causal and all(isinstance(m._modules.get(ATTACHED), cls) for m in causal):
-            if hf_generation.install(model):  # every layer that caches keys is linear: none needs the keys back
+            if hf_generation.install(model, lambda: all(m.config._attn_implementation == NAME for m in causal)):
                 notes.append("generate() decodes with linear_mha's cache: a fixed-size state per layer")
         return notes
 
@@ -292,10 +333,12 @@ class LinearHFAttention(AttentionAdapter, nn.Module):
         notes = []
         for module in model.modules():
             config = getattr(module, "config", None)
-            if config is not None and _SAVED in config.__dict__ and not _still_patched(model, config):
-                _set_implementation(config, config.__dict__.pop(_SAVED))
-                notes.append(f"{type(config).__name__}: attention implementation {config._attn_implementation!r} "
-                             f"restored")
+            if _SAVED not in module.__dict__ or config is None or _still_patched(model, config):
+                continue
+            saved = module.__dict__.pop(_SAVED)
+            if config._attn_implementation == NAME:  # not switched by the user since
+                _set_implementation(config, saved)
+                notes.append(f"{type(config).__name__}: attention implementation {saved!r} restored")
         if not any(isinstance(m, cls) for m in model.modules()):
             hf_generation.uninstall(model)
         return notes
@@ -314,8 +357,9 @@ def _still_patched(model, config) -> bool:
                for m in model.modules())
 
 
-def _saved_implementation(config) -> str:
-    return getattr(config, "__dict__", {}).get(_SAVED, "sdpa")
+def _saved_implementation(module) -> str:
+    """What ``module``'s config ran before patch pointed it at linear_mha's function."""
+    return module.__dict__.get(_SAVED, "sdpa")
 
 
 def _set_implementation(config, name: str) -> None:
@@ -331,9 +375,10 @@ def run_original(module, query, key, value, attention_mask=None, dropout=0.0, sc
     """The module's original implementation (what its config ran before patch), with the mask in its own form."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    function: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(_saved_implementation(module.config), eager)
+    implementation = _saved_implementation(module)
+    function: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager)
     if isinstance(attention_mask, HFMask):
-        attention_mask = attention_mask.original()
+        attention_mask = attention_mask.original(implementation)
     return function(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
