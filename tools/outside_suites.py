@@ -1,10 +1,12 @@
-"""Run another project's own tests against linear_mha: PyTorch's MultiheadAttention tests with every
-nn.MultiheadAttention built as a LinearMultiheadAttention, each test run twice (the original class, then ours), and
-a table of what changed.
+"""Run another project's own tests against linear_mha, with every nn.MultiheadAttention built as a
+LinearMultiheadAttention: PyTorch's MultiheadAttention tests and the official DETR's test_all.py. Each suite runs
+twice (the original class, then ours) and a table says what changed.
 
     # a PyTorch checkout of the installed release (git clone --depth 1 -b v2.14.1 https://github.com/pytorch/pytorch)
     python -m tools.outside_suites torch --checkout ~/src/pytorch --json runs/outside/torch_mha.json
     python -m tools.outside_suites torch --checkout ~/src/pytorch --mode kernel     # an approximation's differences
+    # the official DETR (git clone https://github.com/facebookresearch/detr); --offline: no ImageNet download
+    python -m tools.outside_suites detr --checkout ~/src/detr --offline
 
 The suites are not shipped with linear_mha (nor fetched by it): point --checkout at a clone. Each run is a pytest
 process of its own; as a pytest plugin (``-p tools.outside_suites``) this module rebinds nn.MultiheadAttention for
@@ -21,19 +23,30 @@ import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 SUITES = {
-    # PyTorch's file imports torch.testing._internal, which ships with torch: the checkout gives the file only.
+    # PyTorch's file imports torch.testing._internal, which ships with torch (and needs `pip install expecttest`).
     "torch": "test/nn/test_multihead_attention.py",
+    "detr": "test_all.py",  # run from the checkout's root, which it imports (models, util, hubconf)
 }
-# Tests that mock torch's private fused kernel (torch._native_multi_head_attention) to see that torch's own fast
-# path was taken: a stand-in never calls it, by design.
-BY_DESIGN = {"torch": ["test_multihead_self_attn_two_masks_fast_path_mock"]}
+BY_DESIGN = {  # tests that cannot pass with a stand-in, and why (docs/conformance.md)
+    # mocks torch's private fused kernel (torch._native_multi_head_attention) to see torch's own fast path taken
+    "torch": {"test_multihead_self_attn_two_masks_fast_path_mock": "mocks torch's private fused kernel"},
+    # torch.jit.script compiles Python source, which LinearMultiheadAttention's forward is not written for: it
+    # refuses with what to use instead (torch.export or torch.jit.trace)
+    "detr": {"test_model_script_detection": "torch.jit.script", "test_model_script_panoptic": "torch.jit.script",
+             "test_warpped_model_script_detection": "torch.jit.script"},
+}
 MODE_VARIABLE = "LINEAR_MHA_OUTSIDE_MODE"
+OFFLINE_VARIABLE = "LINEAR_MHA_OUTSIDE_OFFLINE"
 _active = None
 
 
 def pytest_configure(config):
-    """As a pytest plugin: every nn.MultiheadAttention built in this session is a LinearMultiheadAttention."""
+    """As a pytest plugin: every nn.MultiheadAttention built in this session is a LinearMultiheadAttention; offline,
+    the weights a suite would download are a seeded random initialisation."""
     global _active
+    if os.environ.get(OFFLINE_VARIABLE):
+        import torch
+        torch.hub.load_state_dict_from_url = _random_torchvision_weights
     mode = os.environ.get(MODE_VARIABLE)
     if mode:
         import linear_mha
@@ -41,18 +54,33 @@ def pytest_configure(config):
         _active.__enter__()
 
 
+def _random_torchvision_weights(url, *args, **kwargs):
+    """What torch.hub would download for a torchvision classifier's URL (".../resnet50-0676ba61.pth"), as a seeded
+    random initialisation of that architecture: the suites compare code paths, not accuracy."""
+    import torch
+    import torchvision
+    name = url.rsplit("/", 1)[-1].split("-")[0]
+    if not hasattr(torchvision.models, name):
+        raise RuntimeError(f"--offline: no torchvision architecture named {name!r} for {url}; run with the network")
+    torch.manual_seed(0)
+    return getattr(torchvision.models, name)(weights=None).state_dict()
+
+
 def pytest_unconfigure(config):
     if _active is not None:
         _active.__exit__(None, None, None)
 
 
-def run_suite(test_file: Path, mode, report: Path, extra=()) -> dict:
+def run_suite(test_file: Path, mode, report: Path, offline=False, extra=()) -> dict:
     """One pytest process over test_file, with linear_mha's stand-in when ``mode`` is given: {test id: outcome}."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent),
                                                          os.environ.get("PYTHONPATH", "")])}
     env.pop(MODE_VARIABLE, None)
+    env.pop(OFFLINE_VARIABLE, None)
     if mode:
         env[MODE_VARIABLE] = mode
+    if offline:
+        env[OFFLINE_VARIABLE] = "1"
     command = [sys.executable, "-m", "pytest", str(test_file), "-q", "-p", "no:cacheprovider", "-p",
                "tools.outside_suites", f"--junitxml={report}", "-o", "junit_family=xunit2", *extra]
     subprocess.run(command, env=env, cwd=test_file.parent, check=False)
@@ -65,27 +93,30 @@ def run_suite(test_file: Path, mode, report: Path, extra=()) -> dict:
     return outcomes
 
 
-def compare(suite: str, test_file: Path, mode: str, out_dir: Path) -> dict:
+def compare(suite: str, test_file: Path, mode: str, out_dir: Path, offline=False) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
-    original = run_suite(test_file, None, out_dir / f"{suite}_original.xml")
-    ours = run_suite(test_file, mode, out_dir / f"{suite}_{mode}.xml")
+    original = run_suite(test_file, None, out_dir / f"{suite}_original.xml", offline)
+    ours = run_suite(test_file, mode, out_dir / f"{suite}_{mode}.xml", offline)
+    if not original or not ours:
+        raise SystemExit(f"{test_file}: pytest collected no test (see its output above: a missing package?)")
     rows = []
     for name in sorted(set(original) | set(ours)):
-        by_design = any(name.endswith(test) or f"::{test}" in name for test in BY_DESIGN.get(suite, ()))
+        why = next((why for test, why in BY_DESIGN.get(suite, {}).items() if test in name), None)
         rows.append({"test": name, "original": original.get(name, "absent"), "linear_mha": ours.get(name, "absent"),
-                     "by_design": by_design})
+                     "by_design": why})
     count = {side: sum(r[side] == "passed" for r in rows) for side in ("original", "linear_mha")}
     regressions = [r["test"] for r in rows if r["original"] == "passed" and r["linear_mha"] != "passed"
                    and not r["by_design"]]
-    return {"suite": suite, "file": str(test_file), "mode": mode, "passed": count, "regressions": regressions,
-            "tests": rows}
+    import torch
+    return {"suite": suite, "file": SUITES[suite], "mode": mode, "torch": torch.__version__, "offline": offline,
+            "passed": count, "regressions": regressions, "tests": rows}
 
 
 def print_table(result: dict) -> None:
     print(f"\n{result['suite']} ({result['file']}), linear_mha mode={result['mode']!r}")
-    print(f"| test | torch's class | linear_mha |\n|---|---|---|")
+    print("| test | original | linear_mha |\n|---|---|---|")
     for r in result["tests"]:
-        note = " (by design: mocks torch's fused kernel)" if r["by_design"] else ""
+        note = f" (by design: {r['by_design']})" if r["by_design"] else ""
         print(f"| {r['test']} | {r['original']} | {r['linear_mha']}{note} |")
     print(f"passed: original {result['passed']['original']}, linear_mha {result['passed']['linear_mha']}; "
           f"regressions (not by design): {result['regressions'] or 'none'}")
@@ -99,11 +130,13 @@ def main(argv=None):
     parser.add_argument("--mode", default="softmax", help="linear_mha's method (default: softmax, the exact one)")
     parser.add_argument("--out", type=Path, default=Path("runs/outside"), help="pytest reports (default: %(default)s)")
     parser.add_argument("--json", type=Path, help="write the comparison here")
+    parser.add_argument("--offline", action="store_true",
+                        help="weights a suite downloads (DETR's ImageNet ResNet) become a seeded random initialisation")
     args = parser.parse_args(argv)
     test_file = args.checkout / SUITES[args.suite]
     if not test_file.is_file():
         parser.error(f"--checkout: {test_file} does not exist; clone the project (see --help) and pass its root")
-    result = compare(args.suite, test_file.resolve(), args.mode, args.out)
+    result = compare(args.suite, test_file.resolve(), args.mode, args.out, args.offline)
     print_table(result)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
