@@ -251,9 +251,9 @@ def patch(model: nn.Module, mode: str = DEFAULT_MODE, *, include=None, exclude=N
     for tracker in trackers:
         if tracker.reads_convolution:
             conv = ".".join(part for part in (tracker.source_name, tracker.grid_of.conv) if part)
-            report.notes.append(f"token grid for dwc_kernel read from the output of {conv!r}")
+            report.notes.append(f"token grid (local term, rope, grid methods) read from the output of {conv!r}")
         else:
-            report.notes.append(f"token grid for dwc_kernel read from the input of {tracker.source_name or '<root>'!r}")
+            report.notes.append(f"token grid (local term, rope, grid methods) read from the input of {tracker.source_name or '<root>'!r}")
     for name in disable_nested_tensor(model, _is_adapter):
         report.notes.append(f"nn.TransformerEncoder {name or '<root>'!r}: use_nested_tensor set to False (its "
                             f"nested-tensor fast path would run softmax attention)")
