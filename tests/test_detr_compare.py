@@ -38,8 +38,9 @@ def test_compare_runs_every_variant_and_seed_from_one_pretrained_backbone_and_re
     assert summary["softmax"]["AP"] == 0 or summary["softmax"]["AP_vs_softmax"] == pytest.approx(1.0)
     saved = json.loads(records.read_text())
     assert set(saved) >= {"machine", "torch", "command", "records"} and len(saved["records"]) == 4
-    assert set(saved["records"][0]) == {"variant", "seed", "AP", "AP50", "AP75", "APs", "APm", "APl",
-                                        "sec_per_iter", "peak_mib"}
+    assert set(saved["records"][0]) == {"variant", "seed", "epochs", "AP", "AP50", "AP75", "APs", "APm", "APl",
+                                        "sec_per_iter", "peak_mib", "machine", "AP_per_epoch"}
+    assert saved["records"][0]["epochs"] == 1 and len(saved["records"][0]["AP_per_epoch"]) == 1
     assert (tmp_path / "ap_curves.png").stat().st_size > 0
 
     # A second call finds every run finished: it resumes instead of training again, same table.

@@ -88,3 +88,27 @@ def test_switching_a_patched_model_back_to_transformers_attention_gives_generate
     with torch.no_grad():
         linear = model.generate(**x, **GREEDY)
         assert torch.equal(linear, model.generate(**x, **GREEDY, **{cache_keyword(model): DynamicCache()}))
+
+
+def test_softmax_keeps_transformers_cache_and_a_recurrent_method_its_state():
+    """linear_mha's cache is for methods with a state of their own; softmax keeps every key anyway, so generate keeps
+    transformers' cache (what it returns has the keys tests and users read: past_key_values.layers[i].keys)."""
+    x = ids()
+    with torch.no_grad():
+        softmax = patched("softmax").generate(**x, **GREEDY, return_dict_in_generate=True)
+        kernel = patched("kernel").generate(**x, **GREEDY, return_dict_in_generate=True)
+    assert isinstance(softmax.past_key_values, DynamicCache) and softmax.past_key_values.layers[0].keys is not None
+    assert type(kernel.past_key_values).__name__ == "LinearStateCache"
+
+
+def test_packed_sequences_run_in_softmax_mode_and_are_refused_by_name_in_a_linear_one():
+    """position_ids restarting inside a row (padding-free batches): transformers masks each sequence from the
+    others, a pattern softmax applies as the original does and a linear method refuses."""
+    a, b = torch.randint(1, 64, (1, 5)), torch.randint(1, 64, (1, 4))
+    packed, positions = torch.cat([a, b], 1), torch.cat([torch.arange(5), torch.arange(4)])[None]
+    model = patched("softmax")
+    with torch.no_grad():
+        separate = torch.cat([model(a).logits, model(b).logits], dim=1)
+        torch.testing.assert_close(model(packed, position_ids=positions, use_cache=False).logits, separate)
+        with pytest.raises(ValueError, match="other than causal or bidirectional"):
+            patched("kernel")(packed, position_ids=positions, use_cache=False)

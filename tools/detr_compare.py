@@ -16,8 +16,9 @@ runs can go in parallel processes (after the backbone is pretrained) and a last 
 tables. The backbone is pretrained once, on the first seed's training images, and shared by every run.
 
 Outputs: <out>/results.json (every run, and the summary), <out>/ap_curves.png (mean val AP per epoch, one band of
-+-1 std over seeds per variant), and with --records a list of {"variant", "seed", "AP", "AP50", "AP75", "APs",
-"APm", "APl", "sec_per_iter", "peak_mib"} records (APl is -1 where the set has no large objects) with the machine, torch version and command. sec_per_iter comes from
++-1 std over seeds per variant), and with --records a list of {"variant", "seed", "epochs", "AP", "AP50", "AP75",
+"APs", "APm", "APl", "sec_per_iter", "peak_mib", "machine", "AP_per_epoch"} records (APl is -1 where the set has no
+large objects) with the machine, torch version and command. sec_per_iter comes from
 --timing-iters iterations of each variant run alone after training (the training runs may share the machine).
 Peak memory is CUDA's max_memory_allocated, or on CPU the peak extra RSS of a 2-iteration run of the variant in a
 fresh process (tools/measure.py).
@@ -186,7 +187,7 @@ def train_run(a, name, seed, device, weights):
     return {"variant": name, "seed": seed, "AP": last["test_AP"], "AP50": last["test_AP50"],
             "AP75": last["test_AP75"], **{k: last.get(f"test_{k}") for k in ("APs", "APm", "APl")},
             "train_s_per_epoch": sum(e["epoch_train_seconds"] for e in log) / len(log),
-            "peak_mib": peak, "log": [e["test_AP"] for e in log]}
+            "peak_mib": peak, "epochs": len(log), "log": [e["test_AP"] for e in log]}
 
 
 def _timed_iterations(a, device, extra):
@@ -277,13 +278,14 @@ def plot_curves(rows, path):
 
 
 def write_records(a, rows, path, argv):
-    records = [{key: r.get(key) for key in ("variant", "seed", "AP", "AP50", "AP75", "APs", "APm", "APl",
-                                            "sec_per_iter", "peak_mib")}
+    machine = f"{platform.processor() or platform.machine()} ({measure.cpu_name()}), {torch.get_num_threads()} threads"
+    records = [{**{key: r.get(key) for key in ("variant", "seed", "epochs", "AP", "AP50", "AP75", "APs", "APm", "APl",
+                                               "sec_per_iter", "peak_mib")},
+                "machine": machine, "AP_per_epoch": r.get("log")}
                for r in rows]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"machine": f"{platform.processor() or platform.machine()} ({measure.cpu_name()}), "
-                                           f"{torch.get_num_threads()} threads", "torch": torch.__version__,
+    path.write_text(json.dumps({"machine": machine, "torch": torch.__version__,
                                 "device": a.device, "command": "python -m tools.detr_compare " + " ".join(argv),
                                 "records": records, "summary": summarize(rows)}, indent=1))
 

@@ -210,6 +210,9 @@ class LinearHFAttention(AttentionAdapter, nn.Module):
         default_causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", False)))
         query_offset = None
         if isinstance(attention_mask, HFMask):
+            if attention_mask.causal is None and self.computes_original():  # any pattern: as the original does
+                return run_original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                    **kwargs)[0]
             if attention_mask.causal is None:
                 raise ValueError(f"the model builds an attention pattern other than causal or bidirectional "
                                  f"({attention_mask.pattern}), which linear attention cannot apply; keep these modules "
@@ -230,6 +233,12 @@ class LinearHFAttention(AttentionAdapter, nn.Module):
         else:
             out = self._attend(query, key, value, masked, causal, dropout)
         return out.transpose(1, 2).contiguous()
+
+    def computes_original(self) -> bool:
+        """Whether this adapter computes what the module's original implementation does (exact softmax, nothing
+        added): where the method cannot take a mask's pattern (packed sequences), the original then runs."""
+        return (self.method.computes_torch_attention and getattr(self, "dwc_weight", None) is None
+                and getattr(self, "gate_weight", None) is None)
 
     def _attend(self, q, k, v, masked, causal, dropout):
         grid = resolve_token_grid(self, None)
@@ -323,7 +332,10 @@ class LinearHFAttention(AttentionAdapter, nn.Module):
             for module in runs:  # on the modules, not the config, which save_pretrained writes out
                 module.__dict__[_SAVED] = saved
         causal = [m for m in model.modules() if cls.matches(m) and getattr(m, "is_causal", False)]
-        if causal and all(isinstance(m._modules.get(ATTACHED), cls) for m in causal):
+        # Every layer that caches keys runs a method with a state of its own (softmax keeps every key, as
+        # transformers' own caches do, and so keeps them, with what generate returns made of them).
+        if causal and all(isinstance(m._modules.get(ATTACHED), cls) and m._modules[ATTACHED].method.recurrent
+                          for m in causal):
             if hf_generation.install(model, lambda: all(m.config._attn_implementation == NAME for m in causal)):
                 notes.append("generate() decodes with linear_mha's cache: a fixed-size state per layer")
         return notes
