@@ -269,7 +269,23 @@ def append_extra_keys(k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor], 
 
 # ---------------------------------------------------------------------------------------------- registry
 _METHODS: Dict[str, Type[AttentionMethod]] = {}
-DEFAULT_MODE = "linformer"  # LinearMultiheadAttention's, patch's and patched's default
+DEFAULT_MODE = None  # LinearMultiheadAttention's, patch's and patched's default: chosen by default_mode
+SEQUENCE_DEFAULT = "taylor"  # what a module built with no mode runs: any length, causal or not
+
+
+def default_mode(options: Mapping[str, Any]) -> str:
+    """The method of a module built without ``mode=``: Linformer when given one of its options (``seq_len``,
+    ``proj_k``, ``param_sharing``: the call of the linear-attention-transformer / linformer packages this descends
+    from), else ``taylor``, which takes any sequence length, causal or not."""
+    linformer = _METHODS.get("linformer")
+    if linformer is not None and any(key in linformer.options for key in options):
+        return "linformer"
+    return SEQUENCE_DEFAULT
+
+
+def resolve_mode(mode: Optional[str], options: Mapping[str, Any]) -> str:
+    """``mode``, or the default for these options when it is None."""
+    return default_mode(options) if mode is None else mode
 
 
 def register_method(cls: Type[AttentionMethod] = None, *, replace: bool = False):
@@ -323,9 +339,10 @@ def method_class(name: str) -> Type[AttentionMethod]:
                          f"linear_mha.register_method; got {name!r}{hint}") from None
 
 
-def create_method(mode: str, options: Mapping[str, Any]) -> AttentionMethod:
-    """A configured instance of method ``mode``; its options are checked against that method's."""
-    return method_class(mode)(**options)
+def create_method(mode: Optional[str], options: Mapping[str, Any]) -> AttentionMethod:
+    """A configured instance of method ``mode`` (None: ``default_mode(options)``); its options are checked against
+    that method's."""
+    return method_class(resolve_mode(mode, options))(**options)
 
 
 def method_presets(linear_only: bool = True, variants: bool = False) -> Dict[str, Dict[str, Any]]:
@@ -353,8 +370,11 @@ def _unknown_options_message(cls, unknown) -> str:
     for key in unknown:
         owners = [name for name, other in _METHODS.items() if key in other.options]
         close = difflib.get_close_matches(key, list(cls.options), n=1)
+        elsewhere = {option: name for name, other in _METHODS.items() if other is not cls for option in other.options}
+        near = difflib.get_close_matches(key, list(elsewhere), n=1)
         hint = (f" (did you mean {close[0]!r}?)" if close else
-                f" (an option of {', '.join(map(repr, owners))})" if owners else "")
+                f" (an option of {', '.join(map(repr, owners))})" if owners else
+                f" (did you mean {near[0]!r}, an option of mode={elsewhere[near[0]]!r}?)" if near else "")
         parts.append(f"{key!r}{hint}")
     known = ", ".join(cls.options) or "none"
     return f"mode={cls.name!r} has no option {', '.join(parts)}; its options are: {known}"

@@ -169,7 +169,7 @@ def test_positional_arguments_follow_nn_mha_order():
     assert (ours.dropout, ours.in_proj_bias, ours.add_zero_attn, ours.kdim, ours.vdim, ours.batch_first) == \
         (0.25, None, True, 6, 5, True)
     assert ours.bias_k is not None and ours.q_proj_weight.dtype == torch.float64
-    assert LinearMultiheadAttention(E, HEADS).mode == "linformer"
+    assert LinearMultiheadAttention(E, HEADS).mode == "taylor"  # the default takes any length
 
 
 def test_from_torch_copy_false_shares_parameters_and_keeps_train_state():

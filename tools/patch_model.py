@@ -27,7 +27,7 @@ import torch
 from integrations.console import HelpFormatter
 from linear_mha import available_methods, method_class
 from linear_mha.patching import calibrate, patch
-from linear_mha.registry import DEFAULT_MODE
+from linear_mha.registry import DEFAULT_MODE, resolve_mode
 
 from . import measure as M
 
@@ -53,7 +53,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m tools.patch_model", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("model", help="timm model name, or torchvision:<name>")
     p.add_argument("--mode", default=DEFAULT_MODE, choices=available_methods(),
-                   help="the attention method (linear_mha.available_methods())")
+                   help="the attention method (linear_mha.available_methods(); default: taylor, or linformer when "
+                        "its options are given)")
     p.add_argument("--option", action="append", metavar="KEY=VALUE",
                    help="LinearMultiheadAttention option, repeatable (e.g. proj_k=64, feature_map=favor)")
     p.add_argument("--model-arg", action="append", metavar="KEY=VALUE",
@@ -179,6 +180,7 @@ def compare(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     options = _key_values(args.option, "--option")
+    args.mode = resolve_mode(args.mode, options)
     model_args = _key_values(args.model_arg, "--model-arg")
     original, library = build_model(args.model, model_args)
     original = original.to(device=device, dtype=dtype).eval()

@@ -5,7 +5,7 @@ import sys
 
 from ..attention import LinearMultiheadAttention
 from ..attend import validate_options
-from ..registry import DEFAULT_MODE
+from ..registry import DEFAULT_MODE, resolve_mode
 from ..torch_models import TORCH_MHA as _TORCH_MHA
 
 
@@ -38,6 +38,7 @@ def patched(mode: str = DEFAULT_MODE, **options):
     ``LinearMultiheadAttention(..., mode=mode, **options)``. Restored on exit, also when the block raises.
     Modules built inside keep being linear after the block. Only the name ``MultiheadAttention`` is rebound: a
     module that imported it under another name (``import ... as MHA``) keeps torch's class."""
+    mode = resolve_mode(mode, options)
     validate_options(mode, options)  # fail before anything is rebound
     stand_in = _stand_in({"mode": mode, **options})
     # Every loaded module that bound the name to torch's class at import time (torch.nn, torch.nn.modules.

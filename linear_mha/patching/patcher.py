@@ -11,7 +11,7 @@ from torch import nn
 
 from ..adapters import ATTACHED, UnknownLength, adapter_classes, adapter_for
 from ..attend import needs_token_grid, reads_token_grid, validate_options
-from ..registry import DEFAULT_MODE, AttentionMethod, method_class
+from ..registry import DEFAULT_MODE, AttentionMethod, method_class, resolve_mode
 from ..token_grid import GridTracker, attach_tracker, feature_map_grid
 from .nested_tensor import disable_nested_tensor, restore_nested_tensor
 from .report import PatchReport
@@ -200,6 +200,7 @@ def patch(model: nn.Module, mode: str = DEFAULT_MODE, *, include=None, exclude=N
     reported, never touched.
     """
     _check_model(model, "patch")
+    mode = resolve_mode(mode, options)
     selection = Selection(include, exclude, filter, options_for)
     base = {"mode": mode, **options}
     report = PatchReport(mode=mode)
