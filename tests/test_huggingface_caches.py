@@ -112,3 +112,21 @@ def test_packed_sequences_run_in_softmax_mode_and_are_refused_by_name_in_a_linea
         torch.testing.assert_close(model(packed, position_ids=positions, use_cache=False).logits, separate)
         with pytest.raises(ValueError, match="other than causal or bidirectional"):
             patched("kernel")(packed, position_ids=positions, use_cache=False)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(torch.compiler, "is_exporting"), reason="needs the dynamo of torch >= 2.6")
+@pytest.mark.parametrize("mode", ["softmax", "kernel"])
+def test_compiled_generate_with_a_static_cache_compiles_once(mode):
+    """generate() makes the mask once per step for a static cache and hands it back to the compiled forward: the
+    2-D mask inside grew every step, and torch.compile recompiled the forward at each token."""
+    from transformers.generation import CompileConfig
+    model, x = patched(mode), ids(padded=True)
+    config = CompileConfig(fullgraph=True, dynamic=False, backend="eager")
+    config._compile_all_devices = True  # generate compiles on CUDA only, unless told
+    with torch.no_grad():
+        expected = model.generate(**x, **GREEDY, cache_implementation="static")
+        torch._dynamo.reset()
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            got = model.generate(**x, **GREEDY, cache_implementation="static", compile_config=config)
+    assert hasattr(model, "_compiled_call") and torch.equal(got, expected)

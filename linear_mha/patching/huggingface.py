@@ -84,6 +84,7 @@ class HFMask:
     pattern: str
     arguments: dict = field(repr=False)
     query_offset: Any = None
+    window: Any = None  # (kv_offset, kv_length): the keys ``padding`` covers
     _original: dict = field(default_factory=dict, repr=False)
     ndim = 4
 
@@ -92,7 +93,10 @@ class HFMask:
         if implementation not in self._original:
             from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
             build = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(implementation)
-            self._original[implementation] = build(**self.arguments) if build is not None else None
+            arguments = dict(self.arguments)
+            while isinstance(arguments.get("attention_mask"), HFMask):  # a mask generate made, handed back
+                arguments["attention_mask"] = arguments["attention_mask"].arguments.get("attention_mask")
+            self._original[implementation] = build(**arguments) if build is not None else None
         return self._original[implementation]
 
 
@@ -102,12 +106,20 @@ def linear_mha_mask(**arguments) -> HFMask:
     of it for the original implementation's mask function."""
     from transformers import masking_utils
     causal = {masking_utils.causal_mask_function: True, masking_utils.bidirectional_mask_function: False}
-    if isinstance(arguments.get("attention_mask"), HFMask):  # made by generate, handed back: its 2-D mask
-        arguments["attention_mask"] = arguments["attention_mask"].arguments.get("attention_mask")
     mask_function, attention_mask = arguments.get("mask_function"), arguments.get("attention_mask")
+    pattern = getattr(mask_function, "__qualname__", str(mask_function))
+    kv_offset, kv_length = arguments.get("kv_offset", 0), arguments["kv_length"]
+    if isinstance(attention_mask, HFMask):  # made by generate for this step and handed back to the model
+        handed = attention_mask
+        if handed.window == (kv_offset, kv_length):  # its padding covers these keys: reused, and the 2-D mask it
+            # was made from, which grows every step (a StaticCache's window does not), is not read, so that a
+            # compiled forward does not guard on its size (the original's mask function reads it, if ever asked)
+            return HFMask(handed.padding, causal.get(mask_function), pattern, arguments, _query_offset(arguments),
+                          handed.window)
+        attention_mask = handed.arguments.get("attention_mask")
+        arguments = {**arguments, "attention_mask": attention_mask}
     padding = None
     if attention_mask is not None:
-        kv_offset, kv_length = arguments.get("kv_offset", 0), arguments["kv_length"]
         kept = attention_mask.to(torch.bool)
         end = kv_offset + kv_length
         if kept.shape[-1] < end:  # the 2-D mask may stop at the last real token: what follows is not padding
@@ -115,8 +127,8 @@ def linear_mha_mask(**arguments) -> HFMask:
         kept = kept[:, kv_offset:end]
         # "no padding" is a shortcut eager takes; a graph keeps the mask, exact for every batch (and for none)
         padding = kept if compiling() or not bool(kept.all()) else None
-    return HFMask(padding, causal.get(mask_function), getattr(mask_function, "__qualname__", str(mask_function)),
-                  arguments, _query_offset(arguments))
+    return HFMask(padding, causal.get(mask_function), pattern, arguments, _query_offset(arguments),
+                  (kv_offset, kv_length))
 
 
 def _query_offset(arguments: dict):
