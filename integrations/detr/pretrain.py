@@ -1,7 +1,7 @@
 """Pretrain a small backbone (`tiny` or `small`) on a COCO-format detection set, as ImageNet does for DETR's ResNet.
 
-    python -m integrations.detr.pretrain --iters 3000 --output-dir runs/backbone -- --synthetic-train 4000
-    python -m integrations.detr.train --backbone small --backbone-weights runs/backbone/backbone.pth ...
+    python -m linear_mha.integrations.detr.pretrain --iters 3000 --output-dir runs/backbone -- --synthetic-train 4000
+    python -m linear_mha.integrations.detr.train --backbone small --backbone-weights runs/backbone/backbone.pth ...
 
 DETR trained with a backbone learned from scratch stays stuck where every query predicts the mean box
 and the class prior (a well-known failure on small data; the released models start from ImageNet). The
@@ -94,7 +94,7 @@ def _rates(hits, empty=float("nan")):
 
 
 def get_args_parser():
-    p = argparse.ArgumentParser("python -m integrations.detr.pretrain", description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser("python -m linear_mha.integrations.detr.pretrain", description=__doc__, formatter_class=HelpFormatter)
     a = p.add_argument
     a("--backbone", default="small", choices=tuple(SMALL_BODIES))
     a("--iters", type=int, default=3000)
