@@ -45,7 +45,7 @@ def safe_load(path, flag: str, *, map_location="cpu", extra_classes: Iterable[ty
                 f"{flag} {path} was refused: loading it would need the class or function {wanted.group(1)}, and a "
                 f"checkpoint may only hold tensors and plain values (the file could run code as it loads; nothing in "
                 f"it was run). If it is a checkpoint this project wrote before version 0.2 and you trust it, convert "
-                f"it once with: python -m integrations.checkpoint_io {path} converted.pth --trust") from None
+                f"it once with: python -m linear_mha.integrations.checkpoint_io {path} converted.pth --trust") from None
         raise ValueError(f"{flag} {path} is not a readable checkpoint ({_reason(exc)})") from None
     except Exception as exc:  # torn, empty or foreign files: the unpickler fails in many ways (IndexError, ...)
         raise ValueError(f"{flag} {path} is not a readable checkpoint ({_reason(exc)})") from None

@@ -38,6 +38,6 @@ def __getattr__(name):
         return available_methods()
     if name == "keep_freed_memory":
         raise AttributeError("linear_mha.keep_freed_memory moved out of the library (it sets the process's allocator, "
-                             "it is not attention): call tools.cpu_allocator.keep_freed_memory() from the repository "
-                             "root; see docs/cpu_allocator.md")
+                             "it is not attention): call linear_mha.tools.cpu_allocator.keep_freed_memory(); see "
+                             "docs/cpu_allocator.md")
     raise AttributeError(f"module 'linear_mha' has no attribute {name!r}")

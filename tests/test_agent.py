@@ -62,7 +62,7 @@ def test_the_module_needs_the_grid_and_patch_gives_it():
     with pytest.raises(ValueError, match="mode='agent' needs the token grid"):
         m(x, x, x)
     assert m(x, x, x, token_grid=TokenGrid(2, 3))[0].shape == (1, 6, 8)
-    from integrations.detr.transformer import Transformer
+    from linear_mha.integrations.detr.transformer import Transformer
     wrapper = nn.Module()
     wrapper.transformer = Transformer(d_model=16, nhead=4, num_encoder_layers=1, num_decoder_layers=1,
                                       dim_feedforward=32, dropout=0.0)

@@ -16,10 +16,10 @@ from torch.utils.flop_counter import FlopCounterMode
 import linear_mha.functional as LF
 from linear_mha.functional import native
 
-from tools import benchmark
-from tools import benchmark_cases, benchmark_flops
-from tools import cpu_allocator
-from tools import measure
+from linear_mha.tools import benchmark
+from linear_mha.tools import benchmark_cases, benchmark_flops
+from linear_mha.tools import cpu_allocator
+from linear_mha.tools import measure
 
 QUICK = ["--quick", "--threads", "1"]
 
@@ -169,7 +169,7 @@ def test_memory_child_drops_settings_that_keep_freed_memory():
         "TCMALLOC_RELEASE_RATE": "0", "MALLOC_ARENA_MAX": "1"})
     assert env == {"PATH": "/bin", "LD_PRELOAD": "/opt/libiomp5.so", "GLIBC_TUNABLES": "glibc.rtld.nns=2",
                    "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536",
-                   "PYTHONPATH": str(measure.REPO_ROOT)}  # the child runs `python -m tools.measure`
+                   "PYTHONPATH": str(measure.REPO_ROOT)}  # the child runs `python -m linear_mha.tools.measure`
     assert "LD_PRELOAD" not in measure.memory_child_environment({"LD_PRELOAD": "libtcmalloc.so"})
 
 
@@ -183,7 +183,7 @@ def test_a_memory_child_that_keeps_a_malloc_library_reports_an_error(monkeypatch
         proc.stdout = json.dumps(measured) + "\n"
         return proc
     monkeypatch.setattr(measure.subprocess, "run", run_reporting_tcmalloc)
-    mem = measure.peak_extra_memory({"builder": "tools.measure:allocation_case", "kwargs": {"mib": 8}})
+    mem = measure.peak_extra_memory({"builder": "linear_mha.tools.measure:allocation_case", "kwargs": {"mib": 8}})
     assert "libtcmalloc.so.4" in mem["error"] and "extra_bytes" not in mem
 
 
@@ -270,7 +270,7 @@ def test_each_method_is_set_against_the_fast_path_in_its_own_rounds(quick_run, c
         assert r["flop_ratio"] == pytest.approx(r["flops"] / base["flops"])
     taylor = next(r for r in compared if r["method"] == "taylor" and r["level"] == "core")
     assert taylor["flop_ratio"] > 1.0  # d + 1 features where elu has d
-    from tools import benchmark_report
+    from linear_mha.tools import benchmark_report
     benchmark_report.print_against(result)
     assert "time x kernel_elu, per round" in capsys.readouterr().out
 
@@ -477,7 +477,7 @@ def test_optional_peers_are_benchmarked_and_their_failures_reported(monkeypatch,
 def test_fresh_process_memory_sees_a_known_allocation(keep_freed, monkeypatch):
     if keep_freed:  # the README's faster glibc setting keeps freed blocks; the child must not inherit it
         monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967295")
-    mem = measure.peak_extra_memory({"builder": "tools.measure:allocation_case", "kwargs": {"mib": 200}})
+    mem = measure.peak_extra_memory({"builder": "linear_mha.tools.measure:allocation_case", "kwargs": {"mib": 200}})
     assert "error" not in mem, mem
     assert 150 * measure.MIB <= mem["extra_bytes"] <= 260 * measure.MIB, mem
     assert measure.peak_extra_memory({"builder": "measure:no_such_case"})["error"].startswith("memory child failed")
@@ -488,7 +488,7 @@ def test_fresh_process_memory_sees_an_output_the_kernels_cache_keeps():
     call reuses it and the block's memory is counted in the baseline, not as the call's."""
     if not native.available():
         pytest.skip(f"kernels not built: {native.build_error()}")
-    mem = measure.peak_extra_memory({"builder": "tools.measure:allocation_case", "kwargs": {"mib": 64, "cached": True}})
+    mem = measure.peak_extra_memory({"builder": "linear_mha.tools.measure:allocation_case", "kwargs": {"mib": 64, "cached": True}})
     assert "error" not in mem, mem
     assert 48 * measure.MIB <= mem["extra_bytes"] <= 100 * measure.MIB, mem
 
@@ -532,9 +532,9 @@ def test_the_cuda_run_says_it_needs_a_gpu_before_doing_anything(tmp_path):
 
 
 def test_module_profile_gives_each_variant_its_own_ops(tmp_path, capsys):
-    """tools.module_profile: one column per variant, the gate's own ops only in the gated one, the dwc variant's
+    """linear_mha.tools.module_profile: one column per variant, the gate's own ops only in the gated one, the dwc variant's
     convolution only in its own, a table and a JSON file; an unknown option is refused by name."""
-    from tools import module_profile
+    from linear_mha.tools import module_profile
     out = tmp_path / "profile.json"
     columns = module_profile.main(["--n", "64", "--variants", "kernel", "kernel+gate", "taylor+dwc3", "--steps", "1",
                                    "--json", str(out)])
@@ -556,7 +556,7 @@ def test_ab_builds_times_both_builds_and_hands_this_ones_back(tmp_path, capsys, 
     another path: a second, separate library, as another checkout's would be, without compiling anything."""
     import shutil
     from linear_mha.functional import output_cache
-    from tools import ab_builds
+    from linear_mha.tools import ab_builds
     mine, threads = native._library, torch.get_num_threads()
     before = tmp_path / "before"
     (before / "linear_mha" / "functional").mkdir(parents=True)
@@ -624,7 +624,7 @@ def test_ab_builds_times_both_builds_and_hands_this_ones_back(tmp_path, capsys, 
 
 
 def test_module_options_ab_times_each_option_beside_the_plain_module(tmp_path):
-    from tools import module_options_ab
+    from linear_mha.tools import module_options_ab
     rows = module_options_ab.main(["--methods", "taylor", "--n", "64", "--heads", "2", "--dim", "8", "--repeats", "1",
                                    "--threads", "1", "--json", str(tmp_path / "ab.json")])
     full_fwd = [r["method"] for r in rows if not r["causal"] and r["pass_"] == "fwd"]

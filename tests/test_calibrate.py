@@ -182,7 +182,7 @@ def test_a_timm_vit_is_calibrated_against_its_own_attention():
 @pytest.mark.slow
 def test_the_detr_trainer_calibrates_a_pretrained_softmax_detr(tmp_path):
     import json
-    from integrations.detr.train import main
+    from linear_mha.integrations.detr.train import main
     from test_detr_train import TINY
     main(TINY + ["--epochs", "1", "--max-iters", "2", "--output-dir", str(tmp_path / "softmax")])
     with pytest.raises(ValueError, match="--calibrate-steps .*--pretrained"):
@@ -209,7 +209,7 @@ def test_detr_distillation_compares_each_query_with_the_teachers():
     """--distill's loss: 0 when the student predicts what the teacher does; each term grows with its own error;
     query i is compared with query i (a permutation of the queries is an error, though a matcher would forgive it);
     auxiliary layers get their own terms."""
-    from integrations.detr.distill import DistillationCriterion
+    from linear_mha.integrations.detr.distill import DistillationCriterion
     g = torch.Generator().manual_seed(0)
 
     def outputs():
@@ -239,7 +239,7 @@ def test_detr_distillation_compares_each_query_with_the_teachers():
 
 def test_the_bench_reports_accuracy_kept_on_a_vit_trained_here(tmp_path):
     pytest.importorskip("sklearn")
-    from tools import calibrate_bench
+    from linear_mha.tools import calibrate_bench
     result = calibrate_bench.main(["vit", "--seeds", "0", "--train-steps", "20", "--calibration-steps", "3",
                                    "--finetune-after", "3", "--finetune-steps", "2", "--distill-steps", "1",
                                    "--out", str(tmp_path), "--json", str(tmp_path / "records.json")])
@@ -254,7 +254,7 @@ def test_the_bench_reports_accuracy_kept_on_a_vit_trained_here(tmp_path):
 @pytest.mark.slow
 def test_the_bench_resumes_with_the_earlier_seeds_records_and_refuses_other_options(tmp_path):
     pytest.importorskip("sklearn")
-    from tools import calibrate_bench
+    from linear_mha.tools import calibrate_bench
     common = ["vit", "--train-steps", "20", "--calibration-steps", "3", "--finetune-after", "3",
               "--finetune-steps", "2", "--out", str(tmp_path)]
     first = calibrate_bench.main(common + ["--seeds", "0"])
@@ -273,7 +273,7 @@ def test_the_bench_resumes_with_the_earlier_seeds_records_and_refuses_other_opti
 @pytest.mark.parametrize("lm", ["torch", "stack"])
 def test_the_bench_calibrates_a_causal_lm(lm, tmp_path):
     """--lm torch: built on nn.TransformerEncoder; --lm stack: linear_mha.lm's exact-softmax LM."""
-    from tools import calibrate_bench
+    from linear_mha.tools import calibrate_bench
     result = calibrate_bench.main(["lm", "--lm", lm, "--seeds", "0", "--train-steps", "6", "--calibration-steps", "2",
                                    "--finetune-after", "2", "--finetune-steps", "2", "--out", str(tmp_path),
                                    "--option", "window=3"])
@@ -289,7 +289,7 @@ def test_the_bench_calibrates_a_causal_lm(lm, tmp_path):
 
 
 def test_a_misspelt_method_option_fails_before_any_training(tmp_path):
-    from tools import calibrate_bench
+    from linear_mha.tools import calibrate_bench
     with pytest.raises(ValueError, match="windw"):
         calibrate_bench.main(["lm", "--seeds", "0", "--train-steps", "100000", "--out", str(tmp_path),
                               "--option", "windw=3"])
@@ -297,7 +297,7 @@ def test_a_misspelt_method_option_fails_before_any_training(tmp_path):
 
 @pytest.mark.parametrize("options", [{}, {"window": 3}], ids=["maps", "window"])
 def test_a_patched_causal_lm_never_sees_the_future(options):
-    from tools.calibrate_lm import TorchCausalLM
+    from linear_mha.tools.calibrate_lm import TorchCausalLM
     torch.manual_seed(0)
     model = TorchCausalLM(dim=32, depth=1, heads=2, seq_len=16).eval()
     patch(model, "hedgehog", **options)
@@ -314,10 +314,10 @@ def test_a_patched_causal_lm_never_sees_the_future(options):
 def test_the_detr_bench_hands_its_calibration_options_to_the_trainer(monkeypatch, tmp_path):
     """--lr is calibration's learning rate for every model: for DETR it must reach the trainer's --calibrate-lr
     (it once fell back silently to the trainer's default)."""
-    import integrations.detr.checkpoint as checkpoint
-    import integrations.detr.plots as plots
-    import integrations.detr.train as train
-    from tools import calibrate_bench
+    import linear_mha.integrations.detr.checkpoint as checkpoint
+    import linear_mha.integrations.detr.plots as plots
+    import linear_mha.integrations.detr.train as train
+    from linear_mha.tools import calibrate_bench
     calls = []
     monkeypatch.setattr(checkpoint, "load_checkpoint", lambda path, what: {
         "epoch": 0, "args": {"synthetic_train": 80, "batch_size": 8, "max_iters": None, "train_ann": None}})
@@ -342,7 +342,7 @@ def test_the_detr_bench_hands_its_calibration_options_to_the_trainer(monkeypatch
 def test_the_detr_bench_counts_the_original_training_steps(tmp_path):
     """The budget's denominator (it was None for every DETR record: a synthetic run's --train-ann is set)."""
     import json
-    from tools.calibrate_bench import original_training_steps
+    from linear_mha.tools.calibrate_bench import original_training_steps
     ann = tmp_path / "run" / "synthetic-coco" / "annotations" / "instances_train.json"
     ann.parent.mkdir(parents=True)
     ann.write_text(json.dumps({"images": [{"id": i} for i in range(100)]}))
@@ -356,7 +356,7 @@ def test_the_detr_bench_counts_the_original_training_steps(tmp_path):
 
 
 def test_a_fine_tune_from_a_calibration_the_bench_does_not_run_is_refused(tmp_path, capsys):
-    from tools import calibrate_bench
+    from linear_mha.tools import calibrate_bench
     with pytest.raises(SystemExit):
         calibrate_bench.main(["vit", "--calibration-steps", "3", "--finetune-after", "3", "--distill-steps", "2",
                               "--distill-after", "5", "--out", str(tmp_path)])
@@ -364,7 +364,7 @@ def test_a_fine_tune_from_a_calibration_the_bench_does_not_run_is_refused(tmp_pa
 
 
 def test_a_detr_resume_without_explicit_seeds_is_refused(tmp_path, capsys):
-    from tools import calibrate_bench
+    from linear_mha.tools import calibrate_bench
     with pytest.raises(SystemExit):
         calibrate_bench.main(["detr", "--checkpoints", str(tmp_path / "c.pth"), "--resume", "--out", str(tmp_path)])
     assert "--checkpoint-seeds" in capsys.readouterr().err
@@ -382,7 +382,7 @@ def test_calibration_trains_the_window_mix_with_the_maps():
 
 def test_the_bench_saves_each_seed_as_it_finishes_so_an_interrupted_run_keeps_them(tmp_path, monkeypatch):
     """Hours of seeds must not be lost to a crash in the last one: results.json holds every finished seed."""
-    from tools import calibrate_bench
+    from linear_mha.tools import calibrate_bench
 
     def records(a, seed):
         if seed == 2:

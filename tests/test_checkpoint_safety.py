@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from integrations import checkpoint_io
-from integrations.detr import distributed
-from integrations.detr.checkpoint import load_checkpoint, load_pretrained, rng_state, set_rng_state
+from linear_mha.integrations import checkpoint_io
+from linear_mha.integrations.detr import distributed
+from linear_mha.integrations.detr.checkpoint import load_checkpoint, load_pretrained, rng_state, set_rng_state
 
 
 class Payload:
@@ -40,7 +40,7 @@ def test_a_crafted_checkpoint_is_refused_by_every_detr_path_and_runs_nothing(tmp
 
 @pytest.mark.parametrize("flag", ["--pretrained", "--resume"])
 def test_the_trainer_refuses_a_crafted_checkpoint(tmp_path, flag):
-    from integrations.detr.train import main
+    from linear_mha.integrations.detr.train import main
     from test_detr_train import TINY
     marker = tmp_path / "ran"
     path = crafted(tmp_path / "evil.pth", marker)
@@ -50,7 +50,7 @@ def test_the_trainer_refuses_a_crafted_checkpoint(tmp_path, flag):
 
 
 def test_backbone_pretraining_refuses_a_crafted_checkpoint(tmp_path):
-    from integrations.detr.pretrain import main
+    from linear_mha.integrations.detr.pretrain import main
     marker = tmp_path / "ran"
     crafted(tmp_path / "checkpoint.pth", marker)
     with pytest.raises(ValueError, match="was refused"):
@@ -60,7 +60,7 @@ def test_backbone_pretraining_refuses_a_crafted_checkpoint(tmp_path):
 
 
 def test_the_lm_trainer_refuses_a_crafted_checkpoint(tmp_path):
-    from tools import train_lm
+    from linear_mha.tools import train_lm
     marker = tmp_path / "ran"
     crafted(tmp_path / "checkpoint.pt", marker)
     with pytest.raises(ValueError, match="--resume .*checkpoint.pt was refused"):
@@ -109,8 +109,8 @@ def test_damaged_checkpoints_give_one_clear_error_without_the_unsafe_advice(tmp_
 
 
 def _detr_r50():
-    from integrations.detr.config import parse_args
-    from integrations.detr.detr import build_model
+    from linear_mha.integrations.detr.config import parse_args
+    from linear_mha.integrations.detr.detr import build_model
     return build_model(parse_args(["--coco-path", "unused", "--num-classes", "91"]))[0]
 
 
@@ -147,7 +147,7 @@ def test_an_old_checkpoint_is_refused_with_the_conversion_and_converts(tmp_path)
     torch.save({"model": {"w": torch.ones(2)}, "rng": [{"python": (3, tuple(range(625)), None),
                                                           "numpy": np.random.get_state(),
                                                           "torch": torch.get_rng_state()}]}, old)
-    with pytest.raises(ValueError, match=r"numpy.*python -m integrations.checkpoint_io .*old.pth converted.pth "
+    with pytest.raises(ValueError, match=r"numpy.*python -m linear_mha.integrations.checkpoint_io .*old.pth converted.pth "
                                          r"--trust"):
         load_checkpoint(old)
     with pytest.raises(SystemExit):  # never without --trust
@@ -170,7 +170,7 @@ def test_values_sent_between_processes_survive_json_exactly():
 
 
 def test_resuming_with_options_that_change_the_model_is_refused_by_name(tmp_path):
-    from integrations.detr.train import main
+    from linear_mha.integrations.detr.train import main
     from test_detr_train import TINY
     run = ["--epochs", "1", "--max-iters", "1", "--output-dir", str(tmp_path / "detr")]
     main(TINY + run)
@@ -180,7 +180,7 @@ def test_resuming_with_options_that_change_the_model_is_refused_by_name(tmp_path
     with pytest.raises(ValueError, match=r"--hidden-dim 32; this run has --hidden-dim 16"):
         main(TINY + run + ["--resume", ckpt, "--hidden-dim", "16", "--nheads", "4"])
 
-    from tools import train_lm
+    from linear_mha.tools import train_lm
     lm = ["--corpus-bytes", "60000", "--steps", "1", "--depth", "1", "--seq-len", "32", "--batch-size", "2",
           "--eval-every", "1", "--val-bytes", "256", "--test-bytes", "256", "--out", str(tmp_path / "lm"),
           "--no-progress"]

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tools import compare_trees
+from linear_mha.tools import compare_trees
 
 ROOT = Path(__file__).resolve().parents[1]
 

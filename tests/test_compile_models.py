@@ -54,10 +54,10 @@ def test_a_patched_timm_vit_compiles_as_one_graph(options):
                                        ["--attention", "taylor", "--dwc-kernel", "3", "--attention-option",
                                         "rope=True"]])
 def test_our_detr_compiles_as_one_graph_with_padded_images(attention):
-    from integrations.detr.attention import apply_attention
-    from integrations.detr.config import parse_args
-    from integrations.detr.detr import build_model
-    from integrations.detr.misc import NestedTensor
+    from linear_mha.integrations.detr.attention import apply_attention
+    from linear_mha.integrations.detr.config import parse_args
+    from linear_mha.integrations.detr.detr import build_model
+    from linear_mha.integrations.detr.misc import NestedTensor
     base = ["--backbone", "tiny", "--hidden-dim", "32", "--nheads", "4", "--enc-layers", "2", "--dec-layers", "1",
             "--dim-feedforward", "64", "--num-queries", "5", "--num-classes", "4"]
     torch.manual_seed(0)

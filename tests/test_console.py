@@ -4,7 +4,7 @@ import argparse
 import pytest
 import torch
 
-from integrations.console import HelpFormatter, choose_threads, eta, other_runnable_tasks
+from linear_mha.integrations.console import HelpFormatter, choose_threads, eta, other_runnable_tasks
 
 
 def test_other_tasks_are_the_runnable_count_now_less_this_process(tmp_path):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 
-from tools import cpu_allocator
+from linear_mha.tools import cpu_allocator
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # room it grows by less than the block.
 CHILD = textwrap.dedent("""
     import ctypes, json, sys, torch
-    from tools import cpu_allocator
+    from linear_mha.tools import cpu_allocator
 
     class MallInfo2(ctypes.Structure):
         _fields_ = [(name, ctypes.c_size_t) for name in
@@ -140,7 +140,7 @@ def test_a_mallopt_that_refuses_is_an_error_naming_the_launch_time_setting(unkep
 
 
 def test_the_benchmark_names_the_setting_and_refuses_a_flag_it_cannot_honour(tmp_path, monkeypatch):
-    from tools import benchmark
+    from linear_mha.tools import benchmark
     maps = tmp_path / "maps"
     maps.write_text("7f00-7f01 r-xp 00000000 08:01 12 /usr/lib/libc.so.6\n")
     monkeypatch.setattr(cpu_allocator, "_setting_made", True)

@@ -3,12 +3,12 @@ import pytest
 import torch
 from torch import nn
 
-from integrations.detr.attention import apply_attention, parse_targets
-from integrations.detr.config import parse_args
-from integrations.detr.detr import build_model
-from integrations.detr.misc import NestedTensor
-from integrations.detr.position_encoding import PositionEmbeddingSine
-from integrations.detr.transformer import Transformer
+from linear_mha.integrations.detr.attention import apply_attention, parse_targets
+from linear_mha.integrations.detr.config import parse_args
+from linear_mha.integrations.detr.detr import build_model
+from linear_mha.integrations.detr.misc import NestedTensor
+from linear_mha.integrations.detr.position_encoding import PositionEmbeddingSine
+from linear_mha.integrations.detr.transformer import Transformer
 import modes
 from linear_mha import method_class
 
@@ -49,7 +49,7 @@ def test_the_synthetic_default_is_taylor_with_its_local_term_and_rope_and_an_exp
 
 
 def test_the_output_gate_flag_pairs_with_the_method_and_reaches_every_patched_module():
-    from integrations.detr.config import RECOMMENDED_OUTPUT_GATE
+    from linear_mha.integrations.detr.config import RECOMMENDED_OUTPUT_GATE
     assert parse_args([]).output_gate is RECOMMENDED_OUTPUT_GATE  # the preset's gate belongs to its method
     assert parse_args(["--attention", "efficient"]).output_gate is False
     assert parse_args(["--coco-path", "/data/coco"]).output_gate is False

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from tools import detr_compare
+from linear_mha.tools import detr_compare
 
 TRAIN = ["--synthetic-train", "8", "--synthetic-val", "4", "--batch-size", "4", "--hidden-dim", "32",
          "--backbone", "tiny", "--pretrain-backbone", "0",

@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from integrations.detr.coco_eval import CocoEvaluator
-from integrations.detr.config import parse_args
-from integrations.detr.datasets import CocoDetection, build_dataset, load_coco
-from integrations.detr.synthetic import make_synthetic_coco
-from integrations.detr.transforms import feature_tokens, hflip, max_padded_hw, resized_hw
+from linear_mha.integrations.detr.coco_eval import CocoEvaluator
+from linear_mha.integrations.detr.config import parse_args
+from linear_mha.integrations.detr.datasets import CocoDetection, build_dataset, load_coco
+from linear_mha.integrations.detr.synthetic import make_synthetic_coco
+from linear_mha.integrations.detr.transforms import feature_tokens, hflip, max_padded_hw, resized_hw
 
 
 @pytest.fixture(scope="module")

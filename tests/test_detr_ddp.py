@@ -6,12 +6,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from integrations.detr.coco_eval import CocoEvaluator
-from integrations.detr.config import parse_args
-from integrations.detr.datasets import load_coco
-from integrations.detr.detr import build_model
-from integrations.detr.misc import nested_tensor_from_tensor_list
-from integrations.detr.synthetic import make_synthetic_coco
+from linear_mha.integrations.detr.coco_eval import CocoEvaluator
+from linear_mha.integrations.detr.config import parse_args
+from linear_mha.integrations.detr.datasets import load_coco
+from linear_mha.integrations.detr.detr import build_model
+from linear_mha.integrations.detr.misc import nested_tensor_from_tensor_list
+from linear_mha.integrations.detr.synthetic import make_synthetic_coco
 
 ARGS = ["--backbone", "tiny", "--hidden-dim", "32", "--nheads", "4", "--enc-layers", "1", "--dec-layers", "2",
         "--dim-feedforward", "64", "--num-queries", "5", "--num-classes", "4", "--dropout", "0"]
@@ -96,8 +96,8 @@ def test_two_process_gloo_step_and_eval_equal_single_process(tmp_path):
 def _train_worker(rank, world, port, out_dir):
     """main() under torchrun's environment; only rank 1 is sent SIGINT, during its second training batch."""
     import signal
-    from integrations.detr import engine
-    from integrations.detr.train import main
+    from linear_mha.integrations.detr import engine
+    from linear_mha.integrations.detr.train import main
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)

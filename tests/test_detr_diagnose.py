@@ -6,8 +6,8 @@ import torch
 
 import linear_mha
 import user_method
-from integrations.detr.train import main as train
-from tools import detr_diagnose
+from linear_mha.integrations.detr.train import main as train
+from linear_mha.tools import detr_diagnose
 
 TINY = ["--synthetic-train", "8", "--synthetic-val", "4", "--batch-size", "4", "--num-workers", "0",
         "--backbone", "tiny", "--pretrain-backbone", "0", "--attention", "softmax", "--hidden-dim", "32",

@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from integrations.detr import box_ops
-from integrations.detr.criterion import SetCriterion
-from integrations.detr.matcher import HungarianMatcher
+from linear_mha.integrations.detr import box_ops
+from linear_mha.integrations.detr.criterion import SetCriterion
+from linear_mha.integrations.detr.matcher import HungarianMatcher
 
 
 def test_giou_hand_computed_values():

@@ -4,11 +4,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from integrations.detr.config import parse_args
-from integrations.detr.detr import PostProcess, build_model
-from integrations.detr.misc import NestedTensor, nested_tensor_from_tensor_list
-from integrations.detr.position_encoding import PositionEmbeddingLearned, PositionEmbeddingSine
-from integrations.detr.transformer import Transformer
+from linear_mha.integrations.detr.config import parse_args
+from linear_mha.integrations.detr.detr import PostProcess, build_model
+from linear_mha.integrations.detr.misc import NestedTensor, nested_tensor_from_tensor_list
+from linear_mha.integrations.detr.position_encoding import PositionEmbeddingLearned, PositionEmbeddingSine
+from linear_mha.integrations.detr.transformer import Transformer
 
 # The official DETR-R50 checkpoint's keys and shapes (facts copied from the release into the repository).
 REFERENCE = Path(__file__).with_name("data") / "detr_r50_state_dict.txt"
@@ -130,9 +130,9 @@ def test_bad_options_name_the_argument():
 
 @pytest.mark.parametrize("name", ["tiny", "small"])
 def test_small_backbones_have_the_stride_the_data_bound_assumes(name):
-    from integrations.detr.backbone import Backbone, backbone_stride
-    from integrations.detr.misc import nested_tensor_from_tensor_list
-    from integrations.detr.transforms import feature_tokens
+    from linear_mha.integrations.detr.backbone import Backbone, backbone_stride
+    from linear_mha.integrations.detr.misc import nested_tensor_from_tensor_list
+    from linear_mha.integrations.detr.transforms import feature_tokens
     body = Backbone(name, train_backbone=True, dilation=False)
     images = nested_tensor_from_tensor_list([torch.rand(3, 100, 70), torch.rand(3, 64, 129)])
     feature = body(images)["0"].tensors

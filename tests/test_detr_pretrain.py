@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from integrations.detr import pretrain
-from integrations.detr.config import parse_args
-from integrations.detr.detr import build_model
+from linear_mha.integrations.detr import pretrain
+from linear_mha.integrations.detr.config import parse_args
+from linear_mha.integrations.detr.detr import build_model
 
 DATA = ["--", "--synthetic-train", "16", "--synthetic-val", "4", "--scales", "64,80", "--max-size", "96",
         "--no-crop", "--val-size", "64"]
@@ -95,7 +95,7 @@ def test_a_signal_stops_after_a_step_with_a_checkpoint_that_resumes_exactly(tmp_
 
 @pytest.mark.slow
 def test_the_trainer_pretrains_its_backbone_once_per_data_and_reuses_it(tmp_path, monkeypatch, capsys):
-    from integrations.detr.train import main
+    from linear_mha.integrations.detr.train import main
     from test_detr_train import TINY
     monkeypatch.setenv("LINEAR_MHA_CACHE", str(tmp_path / "cache"))
     calls, real = [], pretrain.main

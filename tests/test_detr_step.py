@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("torchvision")
 pytest.importorskip("scipy")
-from tools import detr_step  # noqa: E402
+from linear_mha.tools import detr_step  # noqa: E402
 
 
 def test_rows_for_every_variant_with_ratios_against_softmax(tmp_path, capsys):

@@ -7,8 +7,8 @@ import signal
 import pytest
 import torch
 
-from integrations.detr import engine
-from integrations.detr.train import main
+from linear_mha.integrations.detr import engine
+from linear_mha.integrations.detr.train import main
 
 TINY = ["--synthetic-train", "16", "--synthetic-val", "4", "--batch-size", "4", "--num-workers", "0",
         "--backbone", "tiny", "--pretrain-backbone", "0", "--attention", "softmax", "--crop", "--lr", "3e-4",

@@ -156,10 +156,10 @@ def test_language_model_decodes_and_stays_causal(device, config):
 def test_detr_in_float32_on_the_device_matches_float64_on_the_cpu(device, attention):
     pytest.importorskip("torchvision")
     pytest.importorskip("scipy")
-    from integrations.detr.attention import apply_attention
-    from integrations.detr.backbone import backbone_stride
-    from integrations.detr.config import parse_args
-    from integrations.detr.detr import build_model
+    from linear_mha.integrations.detr.attention import apply_attention
+    from linear_mha.integrations.detr.backbone import backbone_stride
+    from linear_mha.integrations.detr.config import parse_args
+    from linear_mha.integrations.detr.detr import build_model
     torch.manual_seed(0)
     args = parse_args([
         "--backbone", "tiny", "--hidden-dim", "32", "--nheads", "4", "--enc-layers", "1", "--dec-layers", "2",

@@ -305,7 +305,7 @@ def test_the_export_benchmark_checks_each_graph_and_writes_its_table(tmp_path):
     pytest.importorskip("onnxscript")
     pytest.importorskip("onnxruntime")
     pytest.importorskip("matplotlib")
-    from tools import export_bench
+    from linear_mha.tools import export_bench
 
     export_bench.main(["--grid", "4x6", "--repeats", "1", "--threads", "1", "--layers", "1",
                        "--json", str(tmp_path / "r.json"), "--png", str(tmp_path / "r.png")])

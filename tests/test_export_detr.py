@@ -19,9 +19,9 @@ ENCODERS = {  # what a user exports: the recommended Linear-DETR, softmax with i
 
 
 def build_detr(attention):
-    from integrations.detr.attention import apply_attention
-    from integrations.detr.config import parse_args
-    from integrations.detr.detr import build_model
+    from linear_mha.integrations.detr.attention import apply_attention
+    from linear_mha.integrations.detr.config import parse_args
+    from linear_mha.integrations.detr.detr import build_model
     args = parse_args(["--backbone", "tiny", "--hidden-dim", "32", "--nheads", "4", "--enc-layers", "1",
                        "--dec-layers", "1", "--dim-feedforward", "64", "--num-queries", "5",
                        "--num-classes", "4", *attention])
@@ -39,7 +39,7 @@ class Detector(nn.Module):
         self.detr = detr
 
     def forward(self, images, mask):
-        from integrations.detr.misc import NestedTensor
+        from linear_mha.integrations.detr.misc import NestedTensor
         out = self.detr(NestedTensor(images, mask))
         return out["pred_logits"], out["pred_boxes"]
 

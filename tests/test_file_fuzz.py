@@ -14,12 +14,12 @@ import pytest
 import torch
 from PIL import Image
 
-from integrations.checkpoint_io import write_text_atomic
-from integrations.detr.datasets import CocoDetection
-from integrations.detr.plots import read_log, truncate_log
-from integrations.detr.synthetic import make_synthetic_coco
-from tools.calibrate_bench import previous_records
-from tools.train_lm import load_splits
+from linear_mha.integrations.checkpoint_io import write_text_atomic
+from linear_mha.integrations.detr.datasets import CocoDetection
+from linear_mha.integrations.detr.plots import read_log, truncate_log
+from linear_mha.integrations.detr.synthetic import make_synthetic_coco
+from linear_mha.tools.calibrate_bench import previous_records
+from linear_mha.tools.train_lm import load_splits
 
 WRONG_VALUES = [None, "x", "", -1, 0, 1.5, True, [], {}, [1, 2], float("nan"), float("inf"), 10 ** 12]
 

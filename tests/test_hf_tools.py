@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tools import calibrate_bench, hf_generation_bench  # noqa: E402
+from linear_mha.tools import calibrate_bench, hf_generation_bench  # noqa: E402
 
 
 def test_generation_bench_shows_a_flat_state_and_a_growing_kv_cache(tmp_path):

@@ -7,7 +7,7 @@ import signal
 import pytest
 import torch
 
-from tools import train_lm as train_lm_tool
+from linear_mha.tools import train_lm as train_lm_tool
 
 
 @pytest.fixture(scope="module")

@@ -146,9 +146,9 @@ def test_an_original_checkpoint_loads_and_the_term_starts_at_zero():
 def test_detr_transformer_feeds_its_grid_and_variable_image_sizes_stay_exact():
     """Our DETR (official-code layout) patched with a local term: a batch padded to its largest image gives each
     image the outputs it gets alone."""
-    from integrations.detr.misc import NestedTensor
-    from integrations.detr.position_encoding import PositionEmbeddingSine
-    from integrations.detr.transformer import Transformer
+    from linear_mha.integrations.detr.misc import NestedTensor
+    from linear_mha.integrations.detr.position_encoding import PositionEmbeddingSine
+    from linear_mha.integrations.detr.transformer import Transformer
     torch.manual_seed(0)
     model = Transformer(d_model=16, nhead=4, num_encoder_layers=2, num_decoder_layers=1, dim_feedforward=32,
                         dropout=0.0, return_intermediate_dec=True)

@@ -1,11 +1,11 @@
-"""tools.outside_suites: another project's test file runs as it is and with every nn.MultiheadAttention built as
+"""linear_mha.tools.outside_suites: another project's test file runs as it is and with every nn.MultiheadAttention built as
 LinearMultiheadAttention, and the table names what the stand-in changed (here a stand-in suite made for the test:
 the real ones are clones the user gives)."""
 import json
 
 import pytest
 
-from tools import outside_suites
+from linear_mha.tools import outside_suites
 
 SUITE = '''
 import torch

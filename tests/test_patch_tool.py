@@ -5,7 +5,7 @@ import json
 import pytest
 
 pytest.importorskip("timm")
-from tools import patch_model
+from linear_mha.tools import patch_model
 
 TINY = ["vit_tiny_patch16_224", "--model-arg", "depth=1", "--model-arg", "img_size=32", "--batch-sizes", "1", "2",
         "--repeats", "1", "--threads", "1"]

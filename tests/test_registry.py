@@ -13,7 +13,7 @@ import linear_mha
 import modes
 import user_method
 
-from integrations.detr import config as detr_config
+from linear_mha.integrations.detr import config as detr_config
 from linear_mha import LinearMultiheadAttention, patch, registry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,7 +81,7 @@ def test_patch_and_patched_build_a_user_method(registered):
 
 
 def test_the_detr_trainer_trains_with_a_user_method(registered, tmp_path):
-    from integrations.detr.train import main
+    from linear_mha.integrations.detr.train import main
     from test_detr_train import TINY
     result = main(TINY + ["--attention", registered, "--attention-option", "eps=0.05", "--epochs", "1",
                           "--max-iters", "2", "--output-dir", str(tmp_path)])
@@ -92,7 +92,7 @@ def test_the_detr_trainer_trains_with_a_user_method(registered, tmp_path):
 
 def test_the_benchmark_measures_a_user_method(tmp_path, monkeypatch):
     """`--import user_method_plugin` registers it in the benchmark and in the fresh processes that measure memory."""
-    from tools import benchmark
+    from linear_mha.tools import benchmark
     monkeypatch.chdir(Path(__file__).parent)  # where the user's module lies
     monkeypatch.delitem(sys.modules, "user_method_plugin", raising=False)
     try:

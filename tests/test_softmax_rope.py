@@ -111,10 +111,10 @@ def test_rope_needs_self_attention_and_says_so():
 
 def test_detr_runs_softmax_with_rope_and_the_local_term_on_the_grid():
     """`--attention softmax --attention-option rope=True --dwc-kernel 3`: the baseline issue 62's table needs."""
-    from integrations.detr.attention import apply_attention
-    from integrations.detr.config import parse_args
-    from integrations.detr.detr import build_model
-    from integrations.detr.misc import NestedTensor
+    from linear_mha.integrations.detr.attention import apply_attention
+    from linear_mha.integrations.detr.config import parse_args
+    from linear_mha.integrations.detr.detr import build_model
+    from linear_mha.integrations.detr.misc import NestedTensor
     base = ["--backbone", "tiny", "--hidden-dim", "32", "--nheads", "4", "--enc-layers", "1", "--dec-layers", "1",
             "--dim-feedforward", "64", "--num-queries", "5", "--num-classes", "4"]
     torch.manual_seed(0)

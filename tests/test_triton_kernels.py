@@ -174,7 +174,7 @@ def test_the_gpu_benchmark_checks_exactness_and_writes_its_table(tmp_path):
     timing row for the PyTorch path and the Triton kernels, and the JSON written."""
     import json
 
-    from tools import triton_bench
+    from linear_mha.tools import triton_bench
     triton_bench.main(["--device", "cpu", "--n", "32", "--batch", "1", "--heads", "2", "--dim", "16", "--blocks",
                        "16", "--repeats", "1", "--dtypes", "float32", "--exact-shape", "1", "2", "21", "19", "16", "16",
                        "--json", str(tmp_path / "r.json")])

@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("timm")
 pytest.importorskip("sklearn")
 
-from tools import vit_scratch  # noqa: E402
+from linear_mha.tools import vit_scratch  # noqa: E402
 
 
 def test_variant_names_parse_and_a_wrong_one_is_refused_by_name(capsys):
@@ -27,7 +27,7 @@ def test_runs_write_records_that_a_later_call_reuses(tmp_path):
     assert summary[0]["vs_softmax"] == 1.0 and 0 <= summary[1]["top1"] <= 1
     written = json.loads((tmp_path / "r.json").read_text())
     assert [r["variant"] for r in written["records"]] == ["softmax", "inline-dwc3:output_gate=True"]
-    assert written["command"].startswith("python -m tools.vit_scratch --variants softmax")
+    assert written["command"].startswith("python -m linear_mha.tools.vit_scratch --variants softmax")
     assert (tmp_path / "p.png").stat().st_size > 0
     record = tmp_path / "runs" / "softmax" / "seed0.json"
     changed = dict(json.loads(record.read_text()), top1=0.123)

@@ -1,5 +1,5 @@
 """Benchmarks, trainers and reports that use linear_mha (never imported by it). Run each from the repository root
-as a module, e.g. ``python -m tools.benchmark --quick``; every one prints its defaults with ``--help``.
+as a module, e.g. ``python -m linear_mha.tools.benchmark --quick``; every one prints its defaults with ``--help``.
 
     benchmark        speed, memory and accuracy of every method against SDPA / nn.MultiheadAttention and peers
     benchmark_cases  the cases benchmark times: methods, FLOP formulas, inputs, float64 references

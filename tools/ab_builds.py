@@ -7,7 +7,7 @@ through this checkout's Python wrappers on the same inputs, interleaved round by
 The entry points' C signatures must agree between the two checkouts.
 
     git worktree add /tmp/before <commit>
-    python -m tools.ab_builds --before /tmp/before --methods kernel_elu taylor --json runs/ab.json
+    python -m linear_mha.tools.ab_builds --before /tmp/before --methods kernel_elu taylor --json runs/ab.json
 
 Besides the benchmark's core methods, --methods takes ``output_gate`` and ``local_term``: the modules' compiled
 output gate, or their 3 x 3 local term on a square token grid, alone, on an attention output and the queries or
@@ -29,8 +29,8 @@ import torch
 
 from linear_mha.functional import native, native_maps, output_cache
 from linear_mha.functional.packed_heads import split_heads
-from tools import measure
-from tools.benchmark_cases import build_runner, methods
+from linear_mha.tools import measure
+from linear_mha.tools.benchmark_cases import build_runner, methods
 
 CASES = {"fwd": (False, "fwd"), "fwdbwd": (False, "fwdbwd"), "causal_fwd": (True, "fwd"),
          "causal_fwdbwd": (True, "fwdbwd")}

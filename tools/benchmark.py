@@ -2,9 +2,9 @@
 are installed, linear-attention-transformer / performer-pytorch / linformer, and flash-linear-attention's causal
 kernel on CUDA), over sequence length N, in ONE process, round-robin, with the thread count pinned and reported.
 
-    python -m tools.benchmark --threads 2 --json runs/bench/cpu.json --png runs/bench/cpu.png --resume
-    python -m tools.benchmark --quick --json /tmp/quick.json --png /tmp/quick.png     # tiny smoke run
-    python -m tools.benchmark --device cuda --dtype bfloat16 --json runs/bench/cuda.json --png runs/bench/cuda.png
+    python -m linear_mha.tools.benchmark --threads 2 --json runs/bench/cpu.json --png runs/bench/cpu.png --resume
+    python -m linear_mha.tools.benchmark --quick --json /tmp/quick.json --png /tmp/quick.png     # tiny smoke run
+    python -m linear_mha.tools.benchmark --device cuda --dtype bfloat16 --json runs/bench/cuda.json --png runs/bench/cuda.png
 
 Levels. core: the attention function on q, k, v (B, H, N, d): linear_mha.functional, raw SDPA, and exact softmax
 with materialised weights (what nn.MultiheadAttention(need_weights=True) computes inside). module:
@@ -47,8 +47,8 @@ from typing import Optional
 
 import torch
 
-from integrations.checkpoint_io import write_text_atomic
-from integrations.console import HelpFormatter
+from linear_mha.integrations.checkpoint_io import write_text_atomic
+from linear_mha.integrations.console import HelpFormatter
 from linear_mha.functional import fla_causal, native, output_cache
 
 from . import cpu_allocator
@@ -232,7 +232,7 @@ CUDA = dict(FULL, n=[1024 * 2 ** i for i in range(7)],
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m tools.benchmark", description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m linear_mha.tools.benchmark", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny shapes (seconds); explicit options still win")
     # The defaults below in parentheses are the CPU grid's; --device cuda without --quick starts from CUDA's.
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -422,7 +422,7 @@ def main(argv=None):
                     print(f"  {rec['key']:<52} float64 reference failed: {rec['rel_err_error']}", flush=True)
                 save(a.json, finalize(result, beyond, flop_counts))
             if needs_memory(c, a) and "mem_extra_mib" not in rec and "mem_error" not in rec:
-                spec = dict(builder="tools.benchmark_cases:memory_case", imports=a.imports, paths=[os.getcwd()],
+                spec = dict(builder="linear_mha.tools.benchmark_cases:memory_case", imports=a.imports, paths=[os.getcwd()],
                             kwargs=dict(case=c, device=a.device, dtype=a.dtype, threads=threads))
                 mem = M.peak_extra_memory(spec, device)
                 if "error" in mem:

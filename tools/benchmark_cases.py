@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import linear_mha.functional as LF
-from integrations.detr.attention import parse_attention_options
+from linear_mha.integrations.detr.attention import parse_attention_options
 from linear_mha import LinearMultiheadAttention, TokenGrid, method_class
 from linear_mha.attend import attend_heads, needs_token_grid
 from linear_mha.registry import create_method, method_presets
@@ -384,12 +384,12 @@ def decode_step_times(heads, dim, contexts, steps, repeats, seed, device, dtype)
 
 
 def main(argv=None):
-    """``python -m tools.benchmark_cases``: list the methods tools.benchmark can time (--methods) and the peers."""
+    """``python -m linear_mha.tools.benchmark_cases``: list the methods tools.benchmark can time (--methods) and the peers."""
     import argparse
-    from integrations.console import HelpFormatter
-    argparse.ArgumentParser(prog="python -m tools.benchmark_cases", formatter_class=HelpFormatter,
+    from linear_mha.integrations.console import HelpFormatter
+    argparse.ArgumentParser(prog="python -m linear_mha.tools.benchmark_cases", formatter_class=HelpFormatter,
                             description=__doc__ + "\nRun as a command, it lists the methods and peers; "
-                                                  "python -m tools.benchmark times them.").parse_args(argv)
+                                                  "python -m linear_mha.tools.benchmark times them.").parse_args(argv)
     rows = sorted(methods().items())
     for (level, name), method in rows:
         forms = {(True, True): "causal and not", (True, False): "causal only", (False, True): "non-causal only"}

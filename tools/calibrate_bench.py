@@ -1,11 +1,11 @@
 """How much of a softmax model's accuracy linear attention keeps after ``linear_mha.calibrate``, on models trained
 here (nothing is downloaded): plain patch, attention transfer alone, and transfer plus a short fine-tune.
 
-    python -m tools.calibrate_bench vit --seeds 0 1 2 --out runs/calib_vit --json docs/results/calibrate_vit.json
-    python -m tools.calibrate_bench detr --checkpoints runs/detr_cmp/softmax/seed42/checkpoint.pth ... \\
+    python -m linear_mha.tools.calibrate_bench vit --seeds 0 1 2 --out runs/calib_vit --json docs/results/calibrate_vit.json
+    python -m linear_mha.tools.calibrate_bench detr --checkpoints runs/detr_cmp/softmax/seed42/checkpoint.pth ... \\
         --out runs/calib_detr --json docs/results/calibrate_detr.json -- --backbone small --synthetic-train 2000 ...
 
-    python -m tools.calibrate_bench lm --seeds 0 1 2 --out runs/calib_lm --json docs/results/calibrate_lm.json
+    python -m linear_mha.tools.calibrate_bench lm --seeds 0 1 2 --out runs/calib_lm --json docs/results/calibrate_lm.json
 
 vit: a small timm ViT (--vit timm) or transformers ViT (--vit hf) trained from scratch on scikit-learn's handwritten
 digits (1,797 8 x 8 images, upsampled to 32 x 32; 80/20 split by seed), then patched with --mode (hedgehog) and
@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from integrations.checkpoint_io import write_text_atomic
-from integrations.console import HelpFormatter
-from integrations.detr.attention import parse_attention_options
+from linear_mha.integrations.checkpoint_io import write_text_atomic
+from linear_mha.integrations.console import HelpFormatter
+from linear_mha.integrations.detr.attention import parse_attention_options
 from linear_mha import calibrate, method_class
 
 from . import measure as M
@@ -121,9 +121,9 @@ def original_training_steps(args: dict, last_epoch: int):
 
 
 def detr_records(a, seed, checkpoint):
-    from integrations.detr.checkpoint import load_checkpoint
-    from integrations.detr.plots import read_log
-    from integrations.detr.train import main as train_main
+    from linear_mha.integrations.detr.checkpoint import load_checkpoint
+    from linear_mha.integrations.detr.plots import read_log
+    from linear_mha.integrations.detr.train import main as train_main
     saved = load_checkpoint(checkpoint, "--checkpoints")
     log = read_log(Path(checkpoint).with_name("log.jsonl"))
     base, args = log[-1]["test_AP"], saved["args"]
@@ -246,7 +246,7 @@ def write_results(a, argv, metric, records):
               **({"vit": a.vit} if a.model == "vit" else {}), "mode": a.mode, "options": a.options,
               "machine": f"{M.cpu_name()} ({platform.machine()})", "threads": torch.get_num_threads(),
               "torch": torch.__version__, **_transformers_version(a),
-              "command": "python -m tools.calibrate_bench " + " ".join(argv), "argv": list(argv), "records": records,
+              "command": "python -m linear_mha.tools.calibrate_bench " + " ".join(argv), "argv": list(argv), "records": records,
               "summary": summarize(records, metric)}
     write_text_atomic(a.out / "results.json", json.dumps(result, indent=1))
     return result
@@ -261,7 +261,7 @@ def _transformers_version(a):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(prog="python -m tools.calibrate_bench", description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m linear_mha.tools.calibrate_bench", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("model", choices=["vit", "detr", "lm"])
     p.add_argument("--mode", default="hedgehog", help="the linear method patched in (a learnable one)")
     p.add_argument("--option", action="append", default=[], metavar="NAME=VALUE",
@@ -319,7 +319,7 @@ def main(argv=None):
         metric, runs = "bpb", [(seed, lambda seed=seed: lm_records(a, seed)) for seed in a.seeds]
     else:
         if not a.checkpoints:
-            p.error("detr needs --checkpoints (softmax DETRs trained by integrations.detr.train)")
+            p.error("detr needs --checkpoints (softmax DETRs trained by linear-mha-detr-train)")
         seeds = a.checkpoint_seeds or list(range(42, 42 + len(a.checkpoints)))
         metric = "AP"
         runs = [(seed, lambda seed=seed, ckpt=ckpt: detr_records(a, seed, ckpt))

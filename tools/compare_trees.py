@@ -1,7 +1,7 @@
 """Speed of two checkouts of linear_mha in ONE process: did a change make anything slower?
 
     git worktree add /tmp/before <commit>
-    python -m tools.compare_trees /tmp/before --rounds 11 --json docs/results/compare_trees.json --png cmp.png
+    python -m linear_mha.tools.compare_trees /tmp/before --rounds 11 --json docs/results/compare_trees.json --png cmp.png
 
 The older checkout's ``linear_mha`` is copied into a temporary folder as ``linear_mha_before`` and imported beside
 the current one (the package imports itself relatively), so both sides run in the same process, on the same
@@ -12,7 +12,7 @@ term, the recurrent decoding step, and an LM's generation, plain and patched wit
 keeps the cases whose names contain one of its words. Each row has the ratio of the medians and the median of the
 per-round ratios (``measure.paired_ratio``); ratios after/before near 1 are noise; the JSON keeps every run.
 
-    python -m tools.compare_trees /tmp/before --only "training step" --rounds 15
+    python -m linear_mha.tools.compare_trees /tmp/before --only "training step" --rounds 15
 """
 import argparse
 import atexit
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from integrations.console import HelpFormatter
+from linear_mha.integrations.console import HelpFormatter
 
 from . import measure as M
 
@@ -157,7 +157,7 @@ def plot(rows: dict, path: Path) -> None:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m tools.compare_trees", description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m linear_mha.tools.compare_trees", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("before", type=Path, help="root of the older checkout (e.g. a git worktree)")
     p.add_argument("--rounds", type=int, default=11, help="interleaved runs of every case on each side")
     p.add_argument("--n", type=int, default=16384, help="sequence length of the attention cases")
@@ -195,7 +195,7 @@ def main(argv=None):
                       "before_round_ms": before["round_ms"], "after_round_ms": after["round_ms"]}
         print(f"{name:<62} {b:>9.2f} {t:>9.2f} {t / b:>12.3f} {paired['median']:>9.3f} ({paired['q1']:.3f}-"
               f"{paired['q3']:.3f})")
-    result = {"command": "python -m tools.compare_trees " + " ".join(sys.argv[1:] if argv is None else argv),
+    result = {"command": "python -m linear_mha.tools.compare_trees " + " ".join(sys.argv[1:] if argv is None else argv),
               "machine": f"{M.cpu_name()} ({platform.machine()})", "threads": torch.get_num_threads(),
               "torch": torch.__version__, "rows": rows,
               "geometric_mean_ratio": statistics.geometric_mean([r["ratio"] for r in rows.values() if "ratio" in r])}

@@ -161,17 +161,17 @@ def plain_glibc_environment(environ: Optional[Mapping[str, str]] = None) -> Dict
 
 
 def main(argv=None):
-    """``python -m tools.cpu_allocator``: say which allocator this Python process runs under and how to change it."""
+    """``python -m linear_mha.tools.cpu_allocator``: say which allocator this Python process runs under and how to change it."""
     import argparse
-    from integrations.console import HelpFormatter
-    argparse.ArgumentParser(prog="python -m tools.cpu_allocator", formatter_class=HelpFormatter,
+    from linear_mha.integrations.console import HelpFormatter
+    argparse.ArgumentParser(prog="python -m linear_mha.tools.cpu_allocator", formatter_class=HelpFormatter,
                             description=__doc__ + "\nRun as a command, it prints the allocator a Python process "
                                                   "started here gets, and the settings that change it.").parse_args(argv)
     print(f"this process: {describe()}")
     print("keep freed memory at launch (either):\n"
           "  LD_PRELOAD=<path to libtcmalloc_minimal.so.4> python ...\n"
           "  GLIBC_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967295 python ...\n"
-          "or from inside a process: from tools.cpu_allocator import keep_freed_memory; keep_freed_memory()")
+          "or from inside a process: from linear_mha.tools.cpu_allocator import keep_freed_memory; keep_freed_memory()")
 
 
 if __name__ == "__main__":

@@ -20,14 +20,14 @@ mkdir -p "$out"
 tests=passed
 "$py" -m pytest -q -p no:cacheprovider -rfE tests 2>&1 | tee "$out/pytest.log" || tests="FAILED (see $out/pytest.log)"
 for dtype in bfloat16 float32; do
-    "$py" -m tools.benchmark --device cuda --dtype "$dtype" --resume --json "$out/bench_$dtype.json" \
+    "$py" -m linear_mha.tools.benchmark --device cuda --dtype "$dtype" --resume --json "$out/bench_$dtype.json" \
         --png "$out/bench_$dtype.png" 2>&1 | tee "$out/bench_$dtype.log"
-    LINEAR_MHA_FLA=1 "$py" -m tools.benchmark --device cuda --dtype "$dtype" --resume --methods kernel_elu \
+    LINEAR_MHA_FLA=1 "$py" -m linear_mha.tools.benchmark --device cuda --dtype "$dtype" --resume --methods kernel_elu \
         --masks causal --json "$out/bench_${dtype}_fla_on.json" 2>&1 | tee "$out/bench_${dtype}_fla_on.log"
 done
-"$py" -m tools.triton_bench --methods elu taylor focused hedgehog taylor_rope --json "$out/triton_bench.json" 2>&1 \
+"$py" -m linear_mha.tools.triton_bench --methods elu taylor focused hedgehog taylor_rope --json "$out/triton_bench.json" 2>&1 \
     | tee "$out/triton_bench.log"
-"$py" -m tools.detr_step --device cuda --dc5 --batch 2 --json "$out/detr_step.json"
-"$py" -m tools.detr_step --device cuda --dc5 --batch 2 --variants softmax kernel taylor-dwc3:rope=True \
+"$py" -m linear_mha.tools.detr_step --device cuda --dc5 --batch 2 --json "$out/detr_step.json"
+"$py" -m linear_mha.tools.detr_step --device cuda --dc5 --batch 2 --variants softmax kernel taylor-dwc3:rope=True \
     --json "$out/detr_step_recommended.json"
 echo "results in $out; tests $tests"

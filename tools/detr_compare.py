@@ -1,12 +1,12 @@
 """DETR (softmax) against Linear-DETRs on the synthetic set, with the same data, budget, backbone and seeds for every
 variant, and (--encoder) an encoder time / memory table at growing image sizes through DETR's real call path.
 
-    python -m tools.detr_compare          # DETR and the recommended Linear-DETR on the trainer's default run
-    python -m tools.detr_compare --out runs/detr_cmp --epochs 16 --pretrain-iters 2000 --seeds 42 43 44 \\
+    python -m linear_mha.tools.detr_compare          # DETR and the recommended Linear-DETR on the trainer's default run
+    python -m linear_mha.tools.detr_compare --out runs/detr_cmp --epochs 16 --pretrain-iters 2000 --seeds 42 43 44 \\
         --variants softmax kernel focused focused-dwc3 --records docs/results/linear_detr.json --timing-iters 40 \\
         -- --backbone small --synthetic-train 2000 --synthetic-val 200 --no-crop --lr 3e-4 --lr-backbone 3e-5 \\
         --lr-drop 12
-    python -m tools.detr_compare --out runs/detr_enc --encoder-only --sizes 256,512,800 --dc5 --variants softmax focused-dwc3
+    python -m linear_mha.tools.detr_compare --out runs/detr_enc --encoder-only --sizes 256,512,800 --dc5 --variants softmax focused-dwc3
 
 A variant is a method of linear_mha's registry for the encoder's self-attention ("kernel", "focused", or your own
 registered one), optionally with the local term ("-dwc3": a 3 x 3 depthwise convolution of the values over the
@@ -34,15 +34,15 @@ from pathlib import Path
 
 import torch
 
-from integrations.console import HelpFormatter
-from integrations.detr.attention import apply_attention
-from integrations.detr.backbone import backbone_stride
-from integrations.detr.detr import build_model
-from integrations.detr.config import RECOMMENDED, RECOMMENDED_DWC_KERNEL, RECOMMENDED_OPTIONS, parse_args
-from integrations.detr.plots import read_log
-from integrations.detr.pretrain import main as pretrain_main
-from integrations.detr.train import main as train_main
-from integrations.detr.transforms import feature_tokens, resized_hw
+from linear_mha.integrations.console import HelpFormatter
+from linear_mha.integrations.detr.attention import apply_attention
+from linear_mha.integrations.detr.backbone import backbone_stride
+from linear_mha.integrations.detr.detr import build_model
+from linear_mha.integrations.detr.config import RECOMMENDED, RECOMMENDED_DWC_KERNEL, RECOMMENDED_OPTIONS, parse_args
+from linear_mha.integrations.detr.plots import read_log
+from linear_mha.integrations.detr.pretrain import main as pretrain_main
+from linear_mha.integrations.detr.train import main as train_main
+from linear_mha.integrations.detr.transforms import feature_tokens, resized_hw
 from linear_mha import TokenGrid, method_class
 
 from . import measure
@@ -81,7 +81,7 @@ def check_variants(parser, names) -> None:
 
 def _cpu_peak_mib(builder, **kwargs):
     """Peak extra RSS (MiB) of one call of a case of this file, in a fresh process (tools/measure.py)."""
-    return measure.peak_extra_mib({"builder": f"tools.detr_compare:{builder}", "kwargs": kwargs})
+    return measure.peak_extra_mib({"builder": f"linear_mha.tools.detr_compare:{builder}", "kwargs": kwargs})
 
 
 def training_case(argv):
@@ -286,12 +286,12 @@ def write_records(a, rows, path, argv):
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"machine": machine, "torch": torch.__version__,
-                                "device": a.device, "command": "python -m tools.detr_compare " + " ".join(argv),
+                                "device": a.device, "command": "python -m linear_mha.tools.detr_compare " + " ".join(argv),
                                 "records": records, "summary": summarize(rows)}, indent=1))
 
 
 def parse(argv):
-    p = argparse.ArgumentParser(prog="python -m tools.detr_compare", description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m linear_mha.tools.detr_compare", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--out", default="runs/detr_compare", help="run directories, results.json and ap_curves.png")
     p.add_argument("--epochs", type=int, help="training epochs of every run (default: the trainer's preset)")
     p.add_argument("--max-iters", type=int, default=0, help="cap on iterations per epoch (0 = whole epoch)")

@@ -1,7 +1,7 @@
 """Why linear attention loses AP in DETR's encoder: each method's attention on the exact inputs a trained DETR's
 encoder sees (positions added to queries and keys, image padding masked), against that DETR's own softmax attention.
 
-    python -m tools.detr_diagnose runs/detr_cmp/softmax/seed42/checkpoint.pth --images 32 --json diag.json
+    python -m linear_mha.tools.detr_diagnose runs/detr_cmp/softmax/seed42/checkpoint.pth --images 32 --json diag.json
 
 For every encoder layer of the (softmax-trained) checkpoint, on validation images: the norms of q and k per head and
 the spread of the softmax scores (how peaked trained attention is), then for every linear method of the registry
@@ -19,15 +19,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from integrations.console import HelpFormatter
+from linear_mha.integrations.console import HelpFormatter
 from linear_mha import TokenGrid, method_class
 from linear_mha.registry import method_presets
 from linear_mha.attend import attend_heads
-from integrations.detr.checkpoint import load_checkpoint
-from integrations.detr.config import parse_args
-from integrations.detr.datasets import build_dataset
-from integrations.detr.detr import build_model
-from integrations.detr.misc import collate_fn
+from linear_mha.integrations.detr.checkpoint import load_checkpoint
+from linear_mha.integrations.detr.config import parse_args
+from linear_mha.integrations.detr.datasets import build_dataset
+from linear_mha.integrations.detr.detr import build_model
+from linear_mha.integrations.detr.misc import collate_fn
 
 
 def registry_variants(names=None) -> dict:
@@ -123,8 +123,8 @@ def diagnose_layer(q, k, v, kpm, grid, variants):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m tools.detr_diagnose", description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("checkpoint", help="a softmax DETR checkpoint written by integrations.detr.train")
+    p = argparse.ArgumentParser(prog="python -m linear_mha.tools.detr_diagnose", description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("checkpoint", help="a softmax DETR checkpoint written by linear-mha-detr-train")
     p.add_argument("--images", type=int, default=32, help="validation images to run (one batch)")
     p.add_argument("--json", help="write the numbers here")
     p.add_argument("--methods", nargs="+", help="these registry methods / presets only (default: every linear one)")

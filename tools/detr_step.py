@@ -1,6 +1,6 @@
 """Time and peak memory of DETR training steps, softmax against linear encoders, through the trainer's own engine.
 
-    python -m tools.detr_step --device cuda --variants softmax efficient taylor-dwc3 --batch 2 --dc5 \\
+    python -m linear_mha.tools.detr_step --device cuda --variants softmax efficient taylor-dwc3 --batch 2 --dc5 \\
         --json runs/detr_step/cuda.json
 
 Each variant is DETR-R50 (DC5 with --dc5) as `integrations.detr.train` builds it, with the variant's attention in
@@ -20,15 +20,15 @@ from pathlib import Path
 
 import torch
 
-from integrations.console import HelpFormatter
-from integrations.detr.attention import apply_attention
-from integrations.detr.backbone import backbone_stride
-from integrations.detr.config import parse_args
-from integrations.detr.detr import build_model
-from integrations.detr.engine import train_one_epoch
-from integrations.detr.misc import nested_tensor_from_tensor_list
-from integrations.detr.train import param_groups
-from integrations.detr.transforms import feature_tokens
+from linear_mha.integrations.console import HelpFormatter
+from linear_mha.integrations.detr.attention import apply_attention
+from linear_mha.integrations.detr.backbone import backbone_stride
+from linear_mha.integrations.detr.config import parse_args
+from linear_mha.integrations.detr.detr import build_model
+from linear_mha.integrations.detr.engine import train_one_epoch
+from linear_mha.integrations.detr.misc import nested_tensor_from_tensor_list
+from linear_mha.integrations.detr.train import param_groups
+from linear_mha.integrations.detr.transforms import feature_tokens
 
 from . import measure
 from .detr_compare import check_variants, variant_args
@@ -100,7 +100,7 @@ def time_variant(name, a, device, batch, tokens):
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(prog="python -m tools.detr_step", description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m linear_mha.tools.detr_step", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--variants", nargs="+", default=["softmax", "efficient", "taylor-dwc3"])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--backbone", default="resnet50")
@@ -135,7 +135,7 @@ def main(argv=None):
     batch = make_batch(a.batch, hw, a.objects, 91, a.seed, device)
     meta = {"torch": torch.__version__, "device": str(device), "backbone": a.backbone, "dc5": a.dc5,
             "batch": a.batch, "image": f"{hw[0]}x{hw[1]}", "encoder_tokens": tokens,
-            "command": "python -m tools.detr_step " + " ".join(sys.argv[1:] if argv is None else argv)}
+            "command": "python -m linear_mha.tools.detr_step " + " ".join(sys.argv[1:] if argv is None else argv)}
     if device.type == "cuda":
         meta["gpu"] = torch.cuda.get_device_name(device)
     else:

@@ -2,7 +2,7 @@
 encoders, at the feature maps of an 800 x 1333 image (CPU). Each variant is also timed in eager PyTorch, and each
 exported graph is checked against eager on a second padded batch.
 
-    python -m tools.export_bench --threads 2 --json docs/results/export_detr_encoder.json --png r.png
+    python -m linear_mha.tools.export_bench --threads 2 --json docs/results/export_detr_encoder.json --png r.png
 
 The encoder is DETR's (6 layers of 256 by default, --layers; 8 heads, feed-forward 2048, random weights) over the
 backbone's last feature map: 25 x 42 tokens for ResNet-50 (stride 32) and 50 x 84 with DC5 (stride 16), batch 1.
@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from integrations.console import HelpFormatter
-from integrations.detr.transformer import TransformerEncoder, TransformerEncoderLayer
+from linear_mha.integrations.console import HelpFormatter
+from linear_mha.integrations.detr.transformer import TransformerEncoder, TransformerEncoderLayer
 from linear_mha import patch
 
 from . import measure as M
@@ -131,7 +131,7 @@ def plot(records, grids, png):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(prog="python -m tools.export_bench", description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m linear_mha.tools.export_bench", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--threads", type=int, default=None, help="torch and onnxruntime intra-op threads")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--layers", type=int, default=6, help="encoder layers (DETR's 6; fewer export faster)")
@@ -151,7 +151,7 @@ def main(argv=None):
         import onnxruntime
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(dict(
-            command="python -m tools.export_bench " + " ".join(argv), machine=f"{M.cpu_name()} ({platform.machine()})",
+            command="python -m linear_mha.tools.export_bench " + " ".join(argv), machine=f"{M.cpu_name()} ({platform.machine()})",
             threads=threads, layers=a.layers, torch=torch.__version__, onnxruntime=onnxruntime.__version__,
             records=records), indent=1))
         print(f"wrote {a.json}", file=sys.stderr)

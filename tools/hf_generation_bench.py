@@ -1,7 +1,7 @@
 """Per-token decoding cost of a transformers Llama-style model, patched with linear attention and decoding with its
 fixed-size state, against the same model with SDPA and its KV cache, at growing contexts (CPU).
 
-    python -m tools.hf_generation_bench --contexts 1024 2048 4096 8192 16384 32768 --json r.json --png r.png
+    python -m linear_mha.tools.hf_generation_bench --contexts 1024 2048 4096 8192 16384 32768 --json r.json --png r.png
 
 For each context c: a prompt of c random tokens is prefilled (not timed), then --steps tokens are decoded one forward
 at a time, each timed; the table gives the median ms per token and the cache's bytes after the steps (a KV cache's
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from integrations.console import HelpFormatter
+from linear_mha.integrations.console import HelpFormatter
 from linear_mha import patch
 from linear_mha.patching import LinearStateCache
 from linear_mha.patching.hf_generation import cache_classes, cache_keyword
@@ -86,7 +86,7 @@ def plot(records, path: Path) -> None:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m tools.hf_generation_bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m linear_mha.tools.hf_generation_bench", description=__doc__,
                                 formatter_class=HelpFormatter)
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
     p.add_argument("--steps", type=int, default=16, help="tokens decoded (and timed) after each prompt")
@@ -117,7 +117,7 @@ def main(argv=None):
                           cache_bytes=size, cache_mib=size / 2 ** 20)
             records.append(record)
             print(f"{context:>8} {name:<22} {record['ms_per_token']:>9.2f} {record['cache_mib']:>10.3f}", flush=True)
-    result = {"command": "python -m tools.hf_generation_bench " + " ".join(sys.argv[1:] if argv is None else argv),
+    result = {"command": "python -m linear_mha.tools.hf_generation_bench " + " ".join(sys.argv[1:] if argv is None else argv),
               "machine": f"{M.cpu_name()} ({platform.machine()})", "threads": torch.get_num_threads(),
               "torch": torch.__version__, "transformers": __import__("transformers").__version__,
               "model": dict(dim=a.dim, depth=a.depth, heads=a.heads, kv_heads=a.kv_heads), "records": records}

@@ -2,18 +2,18 @@
 """Attention ablation for the LM: Baseline (plain linear attention) vs Conv_Only vs Gate_Only vs Full_Improved
 (gate + conv) vs a softmax transformer with the same parameters; same corpus, same token budget, several seeds.
 
-Each run is ``python -m tools.train_lm`` with --variant baseline/conv/gate/full/softmax; this script prints a table of
+Each run is ``python -m linear_mha.tools.train_lm`` with --variant baseline/conv/gate/full/softmax; this script prints a table of
 mean +- sample standard deviation of test BPC over seeds and the parameter counts, and writes
 OUT/ablation.json and OUT/ablation.png. Every extra argument is passed to train_lm.py (model size, steps, data).
 
-Example:  python -m tools.lm_ablation --seeds 0 1 2 --out runs/ablation -- --steps 2000 --dim 256 --depth 4
+Example:  python -m linear_mha.tools.lm_ablation --seeds 0 1 2 --out runs/ablation -- --steps 2000 --dim 256 --depth 4
 """
 import argparse
 import json
 import os
 import statistics
 
-from integrations.console import HelpFormatter
+from linear_mha.integrations.console import HelpFormatter
 from . import train_lm
 
 LABELS = {"baseline": "Baseline", "conv": "Conv_Only", "gate": "Gate_Only", "full": "Full_Improved",
@@ -37,7 +37,7 @@ def run_once(trainer, extra, variant, seed, out):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m tools.lm_ablation", description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m linear_mha.tools.lm_ablation", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--variants", nargs="+", default=list(LABELS), choices=list(LABELS))
     p.add_argument("--out", default="runs/ablation")

@@ -1,16 +1,16 @@
 """CLI: generate the synthetic COCO-format shapes detection set (see integrations/detr/synthetic.py).
 
-    python -m tools.make_synthetic_coco --out data/synthetic --num-train 240 --num-val 48 --seed 0
+    python -m linear_mha.tools.make_synthetic_coco --out data/synthetic --num-train 240 --num-val 48 --seed 0
 """
 import argparse
 import json
 
-from integrations.console import HelpFormatter
-from integrations.detr.synthetic import make_synthetic_coco
+from linear_mha.integrations.console import HelpFormatter
+from linear_mha.integrations.detr.synthetic import make_synthetic_coco
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m tools.make_synthetic_coco", description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m linear_mha.tools.make_synthetic_coco", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--out", required=True, help="output root directory")
     p.add_argument("--num-train", type=int, default=240)
     p.add_argument("--num-val", type=int, default=48)

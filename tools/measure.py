@@ -19,7 +19,7 @@ replacement malloc library in itself (one in /etc/ld.so.preload, say) reports an
 Where clear_refs is not writable the child falls back to ``ru_maxrss`` (which then also covers the input build:
 an upper bound).
 
-    python -m tools.measure --memory-spec '{"builder": "tools.measure:allocation_case", "kwargs": {"mib": 200}}'
+    python -m linear_mha.tools.measure --memory-spec '{"builder": "linear_mha.tools.measure:allocation_case", "kwargs": {"mib": 200}}'
 """
 import argparse
 import gc
@@ -37,7 +37,7 @@ from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 
-from integrations.console import HelpFormatter
+from linear_mha.integrations.console import HelpFormatter
 from linear_mha.functional import native, output_cache
 from . import cpu_allocator
 
@@ -69,7 +69,7 @@ def cpu_name() -> str:
 
 def memory_child_environment(environ=None) -> Dict[str, str]:
     """The environment of a memory-measuring child: the parent's on plain glibc malloc, which returns every freed
-    block above 64 KiB at once (see the module docstring), with the repository on its path (``-m tools.measure``)."""
+    block above 64 KiB at once (see the module docstring), with the repository on its path (``-m linear_mha.tools.measure``)."""
     env = dict(cpu_allocator.plain_glibc_environment(environ), MALLOC_MMAP_THRESHOLD_="65536",
                MALLOC_TRIM_THRESHOLD_="65536")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
@@ -279,7 +279,7 @@ def peak_extra_memory(spec: dict, device="cpu", timeout_s: float = 1800.0) -> di
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory: reported in the table, the run goes on
             return {"error": f"{type(exc).__name__}: {exc}"[:300]}
     env = memory_child_environment()
-    cmd = [sys.executable, "-m", "tools.measure", "--memory-spec", json.dumps(spec)]
+    cmd = [sys.executable, "-m", "linear_mha.tools.measure", "--memory-spec", json.dumps(spec)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -363,7 +363,7 @@ def to_float64(tensors: Iterable[torch.Tensor]):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m tools.measure", description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m linear_mha.tools.measure", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--memory-spec", required=True, help="JSON spec of the case to measure in THIS process")
     args = p.parse_args(argv)
     print(json.dumps(measure_in_this_process(json.loads(args.memory_spec))))

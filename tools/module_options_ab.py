@@ -8,7 +8,7 @@ option's module and the plain one run round by round (``measure.round_robin``), 
 option's time is also set against the plain module's of the same round (``measure.paired_ratio``: the median of
 those ratios, and their quartiles).
 
-    python -m tools.module_options_ab --methods taylor kernel_elu --repeats 9 --json runs/options.json
+    python -m linear_mha.tools.module_options_ab --methods taylor kernel_elu --repeats 9 --json runs/options.json
 """
 import argparse
 import json
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from integrations.console import HelpFormatter
-from tools import measure
-from tools.benchmark_cases import MODULE_OPTION_ROWS, build_runner, methods
+from linear_mha.integrations.console import HelpFormatter
+from linear_mha.tools import measure
+from linear_mha.tools.benchmark_cases import MODULE_OPTION_ROWS, build_runner, methods
 
 PASSES = (("full", False, "fwd"), ("full", False, "fwdbwd"), ("causal", True, "fwd"), ("causal", True, "fwdbwd"))
 
@@ -48,7 +48,7 @@ def compare(method: str, causal: bool, which: str, n: int, heads: int, dim: int,
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(prog="python -m tools.module_options_ab", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m linear_mha.tools.module_options_ab", description=__doc__,
                                 formatter_class=HelpFormatter)
     p.add_argument("--methods", nargs="+", default=["taylor", "kernel_elu"],
                    help="methods with module option rows (tools.benchmark_cases.module_option_methods)")
@@ -79,7 +79,7 @@ def main(argv=None):
                       f"{row['vs_plain_q3']:.3f}) |", flush=True)
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
-        meta = dict(command="python -m tools.module_options_ab " + " ".join(argv), torch=torch.__version__,
+        meta = dict(command="python -m linear_mha.tools.module_options_ab " + " ".join(argv), torch=torch.__version__,
                     cpu=measure.cpu_name(), threads=threads, n=a.n, heads=a.heads, dim=a.dim, repeats=a.repeats)
         a.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         print(f"wrote {a.json}", file=sys.stderr)

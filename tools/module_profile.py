@@ -1,7 +1,7 @@
 """Where a LinearMultiheadAttention's time goes: torch.profiler over forward + backward (or forward alone) of
 self-attention at one size, the ops' own CPU time per step, one column per module variant.
 
-    python -m tools.module_profile --n 16384 --variants kernel kernel+gate taylor+dwc3 --json runs/profile.json
+    python -m linear_mha.tools.module_profile --n 16384 --variants kernel kernel+gate taylor+dwc3 --json runs/profile.json
 
 A variant is a mode, optionally with module options: "+gate" (output_gate=True), "+dwc3" (dwc_kernel=3, on a square
 token grid). Rows are profiler op names (the compiled kernels show as their autograd Functions, e.g.
@@ -30,7 +30,7 @@ def build(variant: str, embed_dim: int, heads: int, n: int):
         elif option.startswith("dwc"):
             kwargs["dwc_kernel"] = int(option[3:])
         else:
-            raise SystemExit(f"tools.module_profile: unknown option {option!r} in {variant!r} (gate, dwc<k>)")
+            raise SystemExit(f"linear_mha.tools.module_profile: unknown option {option!r} in {variant!r} (gate, dwc<k>)")
     module = LinearMultiheadAttention(embed_dim, heads, mode=mode, batch_first=True, **kwargs)
     if "output_gate" in kwargs:
         with torch.no_grad():  # a trained gate, not the identity it starts as
@@ -39,7 +39,7 @@ def build(variant: str, embed_dim: int, heads: int, n: int):
     grid = None
     if "dwc_kernel" in kwargs:
         if side * side != n:
-            raise SystemExit(f"tools.module_profile: dwc variants need a square token grid; {n} is not a square")
+            raise SystemExit(f"linear_mha.tools.module_profile: dwc variants need a square token grid; {n} is not a square")
         from linear_mha.token_grid import TokenGrid
         grid = TokenGrid(side, side)
     return module, grid
@@ -66,7 +66,7 @@ def profile_variant(variant, embed_dim, heads, n, steps, backward):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m tools.module_profile", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m linear_mha.tools.module_profile", description=__doc__,
                                 formatter_class=HelpFormatter)
     p.add_argument("--variants", nargs="+", default=["kernel", "kernel+gate"])
     p.add_argument("--n", type=int, default=16384, help="tokens")
@@ -100,7 +100,7 @@ def main(argv=None):
     print("| total | " + " | ".join(f"{sum(c.values()):.1f}" for c in columns.values()) + " |")
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
-        command = "python -m tools.module_profile " + " ".join(sys.argv[1:] if argv is None else argv)
+        command = "python -m linear_mha.tools.module_profile " + " ".join(sys.argv[1:] if argv is None else argv)
         a.json.write_text(json.dumps(dict(command=command, torch=torch.__version__, threads=torch.get_num_threads(),
                                           n=a.n, embed_dim=a.embed_dim, heads=a.heads, backward=not a.forward_only,
                                           ms_per_step=columns), indent=1))

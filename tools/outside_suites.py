@@ -3,12 +3,12 @@ test_all.py with every nn.MultiheadAttention built as a LinearMultiheadAttention
 every model they build patched. Each suite runs twice (as it is, then with linear_mha) and a table says what changed.
 
     # a PyTorch checkout of the installed release (git clone --depth 1 -b v2.14.1 https://github.com/pytorch/pytorch)
-    python -m tools.outside_suites torch --checkout ~/src/pytorch --json runs/outside/torch_mha.json
-    python -m tools.outside_suites torch --checkout ~/src/pytorch --mode kernel     # an approximation's differences
+    python -m linear_mha.tools.outside_suites torch --checkout ~/src/pytorch --json runs/outside/torch_mha.json
+    python -m linear_mha.tools.outside_suites torch --checkout ~/src/pytorch --mode kernel     # an approximation's differences
     # the official DETR (git clone https://github.com/facebookresearch/detr); --offline: no ImageNet download
-    python -m tools.outside_suites detr --checkout ~/src/detr --offline
+    python -m linear_mha.tools.outside_suites detr --checkout ~/src/detr --offline
     # transformers at the installed release (its tests/ folder and test dependencies: pip install parameterized)
-    python -m tools.outside_suites transformers --checkout ~/src/transformers --families llama gpt2 vit bert
+    python -m linear_mha.tools.outside_suites transformers --checkout ~/src/transformers --families llama gpt2 vit bert
 
 The suites are not shipped with linear_mha (nor fetched by it): point --checkout at a clone. Each run is a pytest
 process of its own with this module as a plugin (``-p tools.outside_suites``): it rebinds nn.MultiheadAttention for
@@ -150,7 +150,7 @@ def run_suite(checkout: Path, files, mode, report: Path, offline=False, extra=()
         env[OFFLINE_VARIABLE] = "1"
     cwd = checkout / Path(files[0]).parent if len(files) == 1 and files[0].startswith("test/") else checkout
     command = [sys.executable, "-m", "pytest", *(str(checkout / f) for f in files), "-q", "-p", "no:cacheprovider",
-               "-p", "tools.outside_suites", f"--junitxml={report}", "-o", "junit_family=xunit2", *extra]
+               "-p", "linear_mha.tools.outside_suites", f"--junitxml={report}", "-o", "junit_family=xunit2", *extra]
     subprocess.run(command, env=env, cwd=cwd, check=False)
     outcomes = {}
     for case in ElementTree.parse(report).getroot().iter("testcase"):

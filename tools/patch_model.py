@@ -2,10 +2,10 @@
 the original: the patch report, then per input size the output deviation, forward time and peak memory before
 and after, as a table (optionally JSON and a PNG).
 
-    python -m tools.patch_model vit_tiny_patch16_224 --mode linformer --option proj_k=64 --batch-sizes 1 8
-    python -m tools.patch_model vit_small_patch16_224 --model-arg dynamic_img_size=True --img-sizes 224 448 \\
+    python -m linear_mha.tools.patch_model vit_tiny_patch16_224 --mode linformer --option proj_k=64 --batch-sizes 1 8
+    python -m linear_mha.tools.patch_model vit_small_patch16_224 --model-arg dynamic_img_size=True --img-sizes 224 448 \\
         --mode kernel --option feature_map='"favor"' --png vit_favor.png --json vit_favor.json
-    python -m tools.patch_model torchvision:vit_b_16 --mode efficient
+    python -m linear_mha.tools.patch_model torchvision:vit_b_16 --mode efficient
 
 Names: a timm model name, or a torchvision one (prefix ``torchvision:`` when both libraries know the name).
 Deviation: max |patched - original| / max |original| and the mean cosine similarity, on the model output (logits)
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from integrations.console import HelpFormatter
+from linear_mha.integrations.console import HelpFormatter
 from linear_mha import available_methods, method_class
 from linear_mha.patching import calibrate, patch
 from linear_mha.registry import DEFAULT_MODE, resolve_mode
@@ -50,7 +50,7 @@ def _key_values(items, flag):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m tools.patch_model", description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m linear_mha.tools.patch_model", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("model", help="timm model name, or torchvision:<name>")
     p.add_argument("--mode", default=DEFAULT_MODE, choices=available_methods(),
                    help="the attention method (linear_mha.available_methods(); default: taylor, or linformer when "
@@ -160,7 +160,7 @@ def peak_mib(args, model_args, options, img, batch, patched, device, model):
         x = torch.randn(batch, 3, img, img, device=device, dtype=getattr(torch, args.dtype))
         mem = M.cuda_peak_extra(lambda: model(x), device)
     else:
-        mem = M.peak_extra_memory({"builder": "tools.patch_model:forward_case", "kwargs": dict(
+        mem = M.peak_extra_memory({"builder": "linear_mha.tools.patch_model:forward_case", "kwargs": dict(
             model=args.model, model_args=model_args, mode=args.mode, options=options, img=img, batch=batch,
             dtype=args.dtype, seed=args.seed, patched=patched)})
     return None if "error" in mem else mem["extra_bytes"] / M.MIB

@@ -16,7 +16,7 @@ Variants (--variant) for the attention ablation: baseline (plain global linear h
 (attn_gate), full (gate + conv), softmax (every head local with window = seq_len, i.e. exact causal softmax
 attention with the same parameters).
 
-Example:  python -m tools.train_lm --steps 2000 --out runs/lm_baseline
+Example:  python -m linear_mha.tools.train_lm --steps 2000 --out runs/lm_baseline
 """
 import argparse
 import json
@@ -30,9 +30,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from integrations.checkpoint_io import check_same_args, safe_load, write_text_atomic
-from integrations.console import HelpFormatter, banner, choose_threads, duration, refuse_overwrite
-from integrations.stop import StopRequest
+from linear_mha.integrations.checkpoint_io import check_same_args, safe_load, write_text_atomic
+from linear_mha.integrations.console import HelpFormatter, banner, choose_threads, duration, refuse_overwrite
+from linear_mha.integrations.stop import StopRequest
 from linear_mha.lm import AutoregressiveWrapper, LinearAttentionTransformerLM
 from linear_mha.progress import progress_bar
 
@@ -128,7 +128,7 @@ def plot(log, path):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m tools.train_lm", description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m linear_mha.tools.train_lm", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--enwik8", help="path to enwik8 (else the standard-library corpus)")
     p.add_argument("--corpus-bytes", type=int, default=12_000_000, help="size of the standard-library corpus")
     p.add_argument("--variant", choices=sorted(VARIANTS), default="baseline", help="attention variant (see above)")

@@ -1,7 +1,7 @@
 """The fused Triton kernels (linear_mha/functional/triton_kernel.py) on a GPU: exactness against float64, then time
 against the PyTorch path they would replace, SDPA's own choice and SDPA's flash kernel, in one run.
 
-    python -m tools.triton_bench --json docs/results/cuda/triton_bench.json
+    python -m linear_mha.tools.triton_bench --json docs/results/cuda/triton_bench.json
 
 Non-causal attention (--methods: elu, relu, taylor, focused, hedgehog, taylor_rope) on (B, H, N, d) tensors, forward
 (no autograd) and forward + backward of a fixed random output gradient, medians of CUDA-event timings after warm-up.
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from integrations.console import HelpFormatter
+from linear_mha.integrations.console import HelpFormatter
 from linear_mha import functional as LF
 from linear_mha.functional import triton_kernel
 from linear_mha.functional.grid_rope import grid_rope_kernel
@@ -166,7 +166,7 @@ def _flash(q, k, v):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(prog="python -m tools.triton_bench", description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m linear_mha.tools.triton_bench", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=list(DTYPES))
     p.add_argument("--n", type=int, nargs="+", default=[4096, 16384])
@@ -182,10 +182,10 @@ def main(argv=None):
     a = p.parse_args(argv)
     device = torch.device(a.device)
     if device.type == "cpu" and not triton_kernel.interpreted():
-        raise SystemExit("tools.triton_bench: on CPU the kernels run only under TRITON_INTERPRET=1 (tiny sizes)")
+        raise SystemExit("linear_mha.tools.triton_bench: on CPU the kernels run only under TRITON_INTERPRET=1 (tiny sizes)")
     timed = timer(device)
     bandwidth = copy_bandwidth(device, timed)
-    record = dict(command="python -m tools.triton_bench " + " ".join(argv), torch=torch.__version__,
+    record = dict(command="python -m linear_mha.tools.triton_bench " + " ".join(argv), torch=torch.__version__,
                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
                   copy_bandwidth_gbps=bandwidth / 1e9, exactness=[], timings=[])
     print(f"{record['device']}, torch {torch.__version__}, copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)

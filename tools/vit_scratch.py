@@ -4,7 +4,7 @@ upsampled to 32 x 32, an 80/20 split by seed; timm's VisionTransformer, patch 4 
 d = 96, 4 layers, 4 heads), with each variant's attention in every layer from the first step. Same data, steps,
 learning rate and seeds for every variant; top-1 on the held-out fifth.
 
-    python -m tools.vit_scratch --variants softmax taylor-dwc3 inline-dwc3 --seeds 0 1 2 \\
+    python -m linear_mha.tools.vit_scratch --variants softmax taylor-dwc3 inline-dwc3 --seeds 0 1 2 \\
         --out runs/vit_scratch --json docs/results/vit_scratch.json
 
 A variant is 'softmax' (timm's own attention) or '<method>[-dwc<K>][:<option>=<value>,...]' as in
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from integrations.checkpoint_io import write_text_atomic
-from integrations.console import HelpFormatter
-from integrations.detr.attention import parse_attention_options
+from linear_mha.integrations.checkpoint_io import write_text_atomic
+from linear_mha.integrations.console import HelpFormatter
+from linear_mha.integrations.detr.attention import parse_attention_options
 from linear_mha import method_class, patch
 
 from . import measure
@@ -98,7 +98,7 @@ def plot(summary, path):
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(prog="python -m tools.vit_scratch", description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m linear_mha.tools.vit_scratch", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--variants", nargs="+", default=["softmax", "taylor-dwc3"])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=2000, help="training steps of every run (batch 64)")
@@ -135,7 +135,7 @@ def main(argv=None):
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(a.json, json.dumps({
             "machine": f"{measure.cpu_name()}, {torch.get_num_threads()} threads", "torch": torch.__version__,
-            "command": "python -m tools.vit_scratch " + " ".join(sys.argv[1:] if argv is None else argv),
+            "command": "python -m linear_mha.tools.vit_scratch " + " ".join(sys.argv[1:] if argv is None else argv),
             "records": records, "summary": summary}, indent=1))
         print(f"records: {a.json}")
     if a.plot:

@@ -79,12 +79,12 @@ class Backbone(nn.Module):
             if dilation:
                 raise ValueError(f"dilation=True (DC5) needs a ResNet backbone, not backbone={name!r}")
             self.body = TinyBody(**SMALL_BODIES[name])
-            if weights_path:  # from integrations.detr.pretrain
+            if weights_path:  # from linear_mha.integrations.detr.pretrain
                 try:
                     self.body.load_state_dict(_load_weights(weights_path, name))
                 except RuntimeError as exc:
                     raise ValueError(f"--backbone-weights {weights_path} does not fit backbone {name!r} ({exc}); "
-                                     f"make it with python -m integrations.detr.pretrain --backbone {name}") from None
+                                     f"make it with python -m linear_mha.integrations.detr.pretrain --backbone {name}") from None
             self.num_channels = self.body.num_channels
             for p in self.body.parameters():
                 p.requires_grad_(train_backbone)

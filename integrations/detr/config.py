@@ -1,4 +1,4 @@
-"""Command-line options of `python -m integrations.detr.train`, with two presets of defaults.
+"""Command-line options of `python -m linear_mha.integrations.detr.train`, with two presets of defaults.
 
 `coco` (any dataset given): the official DETR-R50 recipe, softmax attention. `synthetic` (no dataset given): a small
 DETR with the recommended linear attention on generated images, its backbone pretrained on them first (cached), so
@@ -54,7 +54,7 @@ class _Preset(str):
 
 
 def get_args_parser():
-    p = argparse.ArgumentParser("python -m integrations.detr.train", description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser("python -m linear_mha.integrations.detr.train", description=__doc__, formatter_class=HelpFormatter)
 
     def a(*flags, **kw):
         action = p.add_argument(*flags, **kw)
@@ -74,7 +74,7 @@ def get_args_parser():
     # model
     a("--backbone", help=_Preset("resnet18|resnet34|resnet50|resnet101|tiny|small"))
     a("--backbone-weights", help="local state_dict to start the backbone from (never downloaded): a torchvision "
-                                 "ResNet's, or tiny/small weights from integrations.detr.pretrain")
+                                 "ResNet's, or tiny/small weights from linear_mha.integrations.detr.pretrain")
     a("--pretrain-backbone", type=int, metavar="ITERS",
       help=_Preset("without --backbone-weights, first pretrain the tiny/small backbone on the training images for "
                    "ITERS iterations (cached under $LINEAR_MHA_CACHE/detr-backbones; 0 = start from random)"))

@@ -1,7 +1,7 @@
 """Pretrain a small backbone (`tiny` or `small`) on a COCO-format detection set, as ImageNet does for DETR's ResNet.
 
-    python -m integrations.detr.pretrain --iters 3000 --output-dir runs/backbone -- --synthetic-train 4000
-    python -m integrations.detr.train --backbone small --backbone-weights runs/backbone/backbone.pth ...
+    python -m linear_mha.integrations.detr.pretrain --iters 3000 --output-dir runs/backbone -- --synthetic-train 4000
+    python -m linear_mha.integrations.detr.train --backbone small --backbone-weights runs/backbone/backbone.pth ...
 
 DETR trained with a backbone learned from scratch stays stuck where every query predicts the mean box
 and the class prior (a well-known failure on small data; the released models start from ImageNet). The
@@ -9,7 +9,7 @@ small backbones have no released weights, so this gives them a pretext task on t
 label each cell of the backbone's feature map with the category of the object covering its centre
 (the smallest one where objects overlap; 0 = background; padding ignored) and train the backbone
 with a 1x1 classifier on top. The features then say what is where; learning the set prediction is
-left to DETR. Options after `--` choose the data, exactly as for `integrations.detr.train`.
+left to DETR. Options after `--` choose the data, exactly as for `linear-mha-detr-train`.
 Writes backbone.pth (the body's state_dict), log.jsonl (loss and cell accuracy) and checkpoint.pth
 (every --save-every iterations, and when Ctrl-C or SIGTERM stops the run after a step; --resume continues
 from it).
@@ -94,7 +94,7 @@ def _rates(hits, empty=float("nan")):
 
 
 def get_args_parser():
-    p = argparse.ArgumentParser("python -m integrations.detr.pretrain", description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser("python -m linear_mha.integrations.detr.pretrain", description=__doc__, formatter_class=HelpFormatter)
     a = p.add_argument
     a("--backbone", default="small", choices=tuple(SMALL_BODIES))
     a("--iters", type=int, default=3000)
@@ -107,7 +107,7 @@ def get_args_parser():
     a("--num-workers", type=int, default=2)
     a("--device", default=None)
     a("--no-progress", dest="progress", action="store_false")
-    a("data_args", nargs=argparse.REMAINDER, help="after --: data options of integrations.detr.train")
+    a("data_args", nargs=argparse.REMAINDER, help="after --: data options of linear-mha-detr-train")
     return p
 
 

@@ -1,10 +1,10 @@
 """Train or evaluate DETR / Linear-DETR.
 
-    python -m integrations.detr.train                                   # synthetic set, tiny model, CPU minutes
-    python -m integrations.detr.train --coco-path /data/coco --attention linformer
-    torchrun --nproc_per_node=2 -m integrations.detr.train --coco-path /data/coco
-    python -m integrations.detr.train --resume runs/detr/checkpoint.pth   # continue exactly
-    python -m integrations.detr.train --eval --pretrained detr-r50-e632da11.pth --coco-path /data/coco
+    python -m linear_mha.integrations.detr.train                                   # synthetic set, tiny model, CPU minutes
+    python -m linear_mha.integrations.detr.train --coco-path /data/coco --attention linformer
+    torchrun --nproc_per_node=2 -m linear_mha.integrations.detr.train --coco-path /data/coco
+    python -m linear_mha.integrations.detr.train --resume runs/detr/checkpoint.pth   # continue exactly
+    python -m linear_mha.integrations.detr.train --eval --pretrained detr-r50-e632da11.pth --coco-path /data/coco
 
 A checkpoint is written after every epoch, and when a signal (Ctrl-C, SIGTERM; torchrun passes the one it gets on
 to its workers) stops the run: every process finishes its step, or drops the evaluation under way, the
