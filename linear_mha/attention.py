@@ -13,6 +13,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
+from torch.nn.utils.rnn import pad_sequence
 
 from . import masks, torch_models
 from .errors import InputError
@@ -390,7 +391,8 @@ class LinearMultiheadAttention(AttentionAdapter, nn.Module):
         k_lens = [t.shape[0] for t in key.unbind()]
         if not q_lens:  # no sequences at all: nothing to attend, an empty batch back
             return query, None
-        pad = {id(t): t.to_padded_tensor(0.0) for t in (query, key, value)}  # (B, len, E) each
+        # unbind + pad_sequence rather than to_padded_tensor: jagged-layout tensors lack it before torch 2.6
+        pad = {id(t): pad_sequence(t.unbind(), batch_first=True) for t in (query, key, value)}  # (B, len, E) each
         q_pad, k_pad, v_pad = pad[id(query)], pad[id(key)], pad[id(value)]
         kpm = torch.arange(k_pad.shape[1], device=k_pad.device)[None] >= torch.tensor(k_lens, device=k_pad.device)[:, None]
         if not self.batch_first:
@@ -400,7 +402,7 @@ class LinearMultiheadAttention(AttentionAdapter, nn.Module):
         out, weights = self.forward(q_pad, k_pad, v_pad, key_padding_mask=kpm, need_weights=need_weights,
                                     is_causal=is_causal)
         out = out if self.batch_first else out.transpose(0, 1)
-        return torch.nested.as_nested_tensor([o[:n] for o, n in zip(out, q_lens)]), weights
+        return torch.nested.as_nested_tensor([o[:n] for o, n in zip(out, q_lens)], layout=query.layout), weights
 
 
 _PARAMETERS = ("in_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "in_proj_bias", "bias_k", "bias_v")

@@ -57,9 +57,14 @@ def test_inputs_of_the_wrong_rank_raise_torchs_assertion_and_message(mode, case,
 @pytest.mark.parametrize("mode", MODES)
 def test_an_empty_nested_tensor_is_refused_and_jagged_ones_are_attended(mode):
     mha = _module(mode, 10, 5, batch_first=True).eval()
-    jagged = torch.nested.nested_tensor([torch.randn(4, 10), torch.randn(6, 10)], layout=torch.jagged)
-    out, _ = mha(jagged, jagged, jagged)
-    assert out.is_nested and [t.shape for t in out.unbind()] == [(4, 10), (6, 10)]
+    sequences = [torch.randn(4, 10), torch.randn(6, 10)]
+    for layout in (torch.strided, torch.jagged):
+        nested = torch.nested.nested_tensor(sequences, layout=layout)
+        out, _ = mha(nested, nested, nested)
+        assert out.is_nested and out.layout == layout
+        for got, seq in zip(out.unbind(), sequences):  # each sequence attends to itself alone, padding unseen
+            alone, _ = mha(seq[None], seq[None], seq[None])
+            torch.testing.assert_close(got, alone[0])
     empty = torch.nested.nested_tensor([])
     with pytest.raises(AssertionError, match="query should be unbatched 2D or batched 3D tensor but received 1-D"):
         mha(empty, empty, empty)
