@@ -12,6 +12,10 @@
     token_grid_conv  the local term: a depthwise convolution of the values over the token grid
     agent_attention  softmax through a x a agent tokens pooled from the queries over the token grid (Han et al.)
     block_local_attention  softmax within blocks of w positions and the block before (and after): local heads
+    gated_linear_attention  causal: a state that decays per key dimension or per head before each write (GLA,
+               Mamba-2's decay, RetNet's retention), chunked, with its recurrence and step
+    delta_rule_attention  causal: a state that overwrites what a key held (DeltaNet, Gated DeltaNet), in the
+               chunked WY form, with its recurrence and step
     causal_linear_product / causal_linear_step  the chunked causal product and its recurrent form
     append_ones / split_normalise / drop_keys   the building blocks other layers reuse with the product
     backend    which implementation runs a call (compiled CPU code, fla, fused causal, blocked, chunked, composed)
@@ -44,6 +48,8 @@ from .feature_maps import (
 )
 from .kernel import (causal_linear_product, causal_linear_state, causal_linear_step, kernel, kernel_state,
                      kernel_step)
+from .delta_rule import delta_rule_attention, delta_rule_recurrent, delta_rule_step
+from .gated_linear import gated_linear_attention, gated_linear_recurrent, gated_linear_step
 from .linformer import linformer
 from .softmax import softmax
 from .taylor import taylor
@@ -53,6 +59,8 @@ __all__ = [
     "softmax", "linformer", "kernel", "centred_kernel", "kernel_state", "kernel_step", "efficient_attention", "taylor", "taylor2", "focused",
     "focused_feature_map", "token_grid_conv", "agent_attention", "pool_agents", "block_local_attention", "hedgehog", "hedgehog_features",
     "causal_linear_product", "causal_linear_state", "causal_linear_step",
+    "gated_linear_attention", "gated_linear_recurrent", "gated_linear_step",
+    "delta_rule_attention", "delta_rule_recurrent", "delta_rule_step",
     "append_ones", "split_normalise", "drop_keys",
     "FEATURE_MAPS", "apply_feature_map", "resolve_feature_map", "default_num_favor_features",
     "elu_feature_map", "relu_feature_map", "taylor_feature_map", "taylor2_feature_map", "favor_feature_map", "orthogonal_random_features",

@@ -1,0 +1,126 @@
+"""Gated linear attention: a state that decays before every write, S_t = diag(a_t) S_{t-1} + k_t v_tᵀ, o_t = S_tᵀ q_t.
+
+One recurrence serves the decaying family: a gate a_t = exp(g_t) per key dimension and data-dependent is GLA (Yang
+et al. 2024), one scalar per head and position is Mamba-2's decay, and a constant per head is RetNet's retention (Sun
+et al. 2023). The output is not normalised (the methods apply their own output norm).
+
+Three forms, one definition:
+    gated_linear_recurrent  the recurrence itself, position by position: the reference (run it in float64)
+    gated_linear_step       one position of it: what decoding runs
+    gated_linear_attention  the chunked form training runs: inside a chunk the products are formed pairwise with
+                            every decay as exp(b_i - b_j) <= 1 (b the cumulative log gate), so nothing overflows;
+                            between chunks the (d_k, d_v) state carries the past
+A masked position is an identity step: it neither writes to the state nor decays it.
+"""
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+PAIRWISE_CHUNK = 16  # gates per key dimension: the pairwise decays are (C, C, d_k) per chunk, so chunks stay short
+SCALAR_CHUNK = 64    # one gate per position: the decays are (C, C)
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)  # half inputs accumulate in float32
+
+
+def _masked_inputs(k, v, log_gate, key_padding_mask):
+    """k, v, log_gate with masked positions made identity steps: no key, no value, no decay."""
+    if key_padding_mask is None:
+        return k, v, log_gate
+    pad = key_padding_mask[:, None, :, None]  # (B, 1, L, 1)
+    return k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0), log_gate.masked_fill(pad, 0.0)
+
+
+def _check(q, k, v, log_gate, initial_state):
+    if q.dim() != 4 or k.shape != q.shape or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"q and k must be (B, H, L, d_k) and v (B, H, L, d_v) of the same B, H, L; got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if log_gate.dim() != 4 or log_gate.shape[-1] not in (1, q.shape[-1]):
+        raise ValueError(f"log_gate must be (B, H, L, d_k) (a gate per key dimension) or (B, H, L, 1) (one per "
+                         f"position), broadcastable; got {tuple(log_gate.shape)} for q {tuple(q.shape)}")
+    if initial_state is not None and initial_state.shape[-2:] != (q.shape[-1], v.shape[-1]):
+        raise ValueError(f"initial_state must be (B, H, d_k, d_v) = (..., {q.shape[-1]}, {v.shape[-1]}); got "
+                         f"{tuple(initial_state.shape)}")
+
+
+def gated_linear_step(q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor,
+                      state: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """One position: q, k (B, H, d_k), v (B, H, d_v), log_gate (B, H, d_k) or (B, H, 1), <= 0; state (B, H, d_k, d_v)
+    or None (empty). Returns (o (B, H, d_v), the new state)."""
+    write = k[..., :, None] * v[..., None, :]  # (B, H, d_k, d_v)
+    state = write if state is None else torch.exp(log_gate)[..., None] * state + write
+    return (q[..., None, :] @ state.to(q.dtype))[..., 0, :], state
+
+
+def gated_linear_recurrent(q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor, *,
+                           key_padding_mask: Optional[Tensor] = None,
+                           initial_state: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """The recurrence position by position (the reference): shapes as :func:`gated_linear_attention`; returns
+    (out (B, H, L, d_v), final state (B, H, d_k, d_v))."""
+    _check(q, k, v, log_gate, initial_state)
+    log_gate = log_gate.expand(*q.shape[:3], log_gate.shape[-1])
+    k, v, log_gate = _masked_inputs(k, v, log_gate, key_padding_mask)
+    state = initial_state
+    if state is None:
+        state = q.new_zeros(*q.shape[:2], q.shape[-1], v.shape[-1])
+    outs = []
+    for t in range(q.shape[2]):
+        out, state = gated_linear_step(q[:, :, t], k[:, :, t], v[:, :, t], log_gate[:, :, t], state)
+        outs.append(out)
+    return torch.stack(outs, dim=2), state
+
+
+def gated_linear_attention(q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor, *,
+                           key_padding_mask: Optional[Tensor] = None, initial_state: Optional[Tensor] = None,
+                           chunk_size: Optional[int] = None,
+                           output_final_state: bool = False) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Causal gated linear attention in chunks.
+
+    q, k: (B, H, L, d_k); v: (B, H, L, d_v); log_gate: (B, H, L, d_k) or (B, H, L, 1) (or anything broadcastable to
+    one of them, e.g. (1, H, 1, 1) for a fixed decay per head), log of the gate, <= 0. key_padding_mask: (B, L)
+    bool, True = a padded position (an identity step). initial_state: (B, H, d_k, d_v), the state before position 0.
+    Returns out (B, H, L, d_v) in q's dtype, and with ``output_final_state`` the state after the last position
+    (float32 or wider).
+    """
+    _check(q, k, v, log_gate, initial_state)
+    batch, heads, length, d_k = q.shape
+    d_v, out_dtype, dtype = v.shape[-1], q.dtype, _compute_dtype(q)
+    gate_dim = log_gate.shape[-1]
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    log_gate = log_gate.to(dtype).expand(batch, heads, length, gate_dim)
+    k, v, log_gate = _masked_inputs(k, v, log_gate, key_padding_mask)
+
+    chunk = chunk_size or (SCALAR_CHUNK if gate_dim == 1 else PAIRWISE_CHUNK)
+    chunks = -(-length // chunk)
+    extra = chunks * chunk - length  # zero steps after the end: no write, no decay, outputs dropped
+
+    def chunked(x):  # (B, H, L, X) -> (B, H, n, C, X)
+        return F.pad(x, (0, 0, 0, extra)).reshape(batch, heads, chunks, chunk, x.shape[-1])
+    q, k, v, log_gate = chunked(q), chunked(k), chunked(v), chunked(log_gate)
+
+    decay = log_gate.cumsum(-2)  # b: (B, H, n, C, G), log of the product of the chunk's gates up to each position
+    seen = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()  # key j <= query i
+    if gate_dim == 1:
+        pair = (decay - decay.transpose(-1, -2)).masked_fill(~seen, float("-inf"))  # (B, H, n, C, C)
+        scores = (q @ k.transpose(-1, -2)) * torch.exp(pair)
+    else:
+        pair = decay[..., :, None, :] - decay[..., None, :, :]  # (B, H, n, C, C, d_k)
+        pair = pair.masked_fill(~seen[..., None], float("-inf"))
+        scores = torch.einsum("...id,...jd,...ijd->...ij", q, k, torch.exp(pair))
+    within = scores @ v  # (B, H, n, C, d_v)
+
+    last = decay[..., -1:, :]  # (B, H, n, 1, G)
+    writes = (k * torch.exp(last - decay)).transpose(-1, -2) @ v  # (B, H, n, d_k, d_v): each chunk's own writes
+    carried = torch.exp(last).transpose(-1, -2)  # (B, H, n, G, 1): how much of the state a chunk keeps
+    state = (initial_state.to(dtype) if initial_state is not None
+             else q.new_zeros(batch, heads, d_k, d_v))
+    entering = []
+    for c in range(chunks):
+        entering.append(state)
+        state = carried[:, :, c] * state + writes[:, :, c]
+    from_past = (q * torch.exp(decay)) @ torch.stack(entering, dim=2)  # (B, H, n, C, d_v)
+    out = (within + from_past).reshape(batch, heads, chunks * chunk, d_v)[:, :, :length].to(out_dtype)
+    return (out, state) if output_final_state else out
