@@ -1,6 +1,7 @@
-"""torch.distributed helpers: torchrun initialisation (nccl on CUDA, gloo on CPU), reductions, and a gather of
-plain Python values that goes through JSON, never pickle: what one process sends another cannot make it run code
-(torch's all_gather_object unpickles)."""
+"""torch.distributed helpers shared by the trainers launched with torchrun (DETR's integrations/detr/train.py and
+the LM's tools/train_lm.py): initialisation (nccl on CUDA, gloo on CPU), reductions, and a gather of plain Python
+values that goes through JSON, never pickle: what one process sends another cannot make it run code (torch's
+all_gather_object unpickles)."""
 import json
 import os
 
