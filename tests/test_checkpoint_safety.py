@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from linear_mha.integrations import checkpoint_io
-from linear_mha.integrations.detr import distributed
+from linear_mha.integrations import distributed
 from linear_mha.integrations.detr.checkpoint import load_checkpoint, load_pretrained, rng_state, set_rng_state
 
 

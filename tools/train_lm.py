@@ -12,6 +12,11 @@ Outputs in --out: log.jsonl (one JSON object per eval, the checkpoint's own reco
 with --resume; written every --checkpoint-every steps and when Ctrl-C or SIGTERM stops the run), curves.png,
 results.json (final val/test BPC, parameter count, config).
 
+Several processes (DDP): ``torchrun --nproc_per_node=N -m linear_mha.tools.train_lm ...`` (gloo on the CPU, nccl
+on CUDA with one GPU per process). --batch-size stays the global batch, split evenly over the processes, and every
+process draws the same global batches from --seed: N processes train as one does, and --resume continues a run on
+any number of processes that divides --batch-size. Process 0 alone prints and writes the files.
+
 Variants (--variant) for the attention ablation: baseline (plain global linear heads), conv (local_conv), gate
 (attn_gate), full (gate + conv), softmax (every head local with window = seq_len, i.e. exact causal softmax
 attention with the same parameters).
@@ -29,9 +34,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from linear_mha.integrations.checkpoint_io import check_same_args, safe_load, write_text_atomic
 from linear_mha.integrations.console import HelpFormatter, banner, choose_threads, duration, refuse_overwrite
+from linear_mha.integrations.distributed import (all_reduce_mean_, init_distributed_mode, launched_world_size,
+                                                 leave_process_group)
 from linear_mha.integrations.stop import StopRequest
 from linear_mha.lm import AutoregressiveWrapper, LinearAttentionTransformerLM
 from linear_mha.progress import progress_bar
@@ -88,26 +96,37 @@ def build_model(args):
                                         dim_head=args.dim // args.heads, causal=True, **kw)
 
 
-def random_batch(split, args, gen):
+def random_batch(split, args, gen, rank=0, world=1):
+    """This process's share of the next global batch of --batch-size windows. Every process draws the whole
+    global batch from the same generator and keeps its own slice: the global batches, and the generator state a
+    checkpoint holds, are the same whatever the number of processes."""
     starts = torch.randint(0, len(split) - args.seq_len - 1, (args.batch_size,), generator=gen).numpy()
+    share = args.batch_size // world
+    starts = starts[rank * share:(rank + 1) * share]
     return torch.from_numpy(np.stack([split[s:s + args.seq_len + 1] for s in starts]).astype(np.int64))
 
 
 @torch.no_grad()
-def evaluate(wrapper, split, args, max_bytes):
-    """BPC over consecutive non-overlapping windows covering the first max_bytes of the split (all if None)."""
+def evaluate(wrapper, split, args, max_bytes, rank=0, world=1):
+    """BPC over consecutive non-overlapping windows covering the first max_bytes of the split (all if None).
+    Several processes share the batches round-robin and sum their totals: each batch is the one a single process
+    scores, so every process gets the single-process BPC up to the order of the sum."""
     wrapper.eval()
     n = len(split) if max_bytes is None else min(len(split), max_bytes)
     windows = (n - 1) // args.seq_len
     starts = np.arange(windows) * args.seq_len
     total, count = 0.0, 0
-    for i in range(0, windows, args.batch_size):
+    for i in range(rank * args.batch_size, windows, world * args.batch_size):
         batch = np.stack([split[s:s + args.seq_len + 1] for s in starts[i:i + args.batch_size]])
         x = torch.from_numpy(batch.astype(np.int64)).to(args.device)
         loss = wrapper(x, return_loss=True)
         total += loss.item() * x.shape[0] * args.seq_len
         count += x.shape[0] * args.seq_len
     wrapper.train()
+    if world > 1:
+        sums = torch.tensor([total, count], dtype=torch.float64, device=args.device)
+        torch.distributed.all_reduce(sums)
+        total, count = sums.tolist()
     return total / max(count, 1) / math.log(2)
 
 
@@ -136,7 +155,8 @@ def parse_args(argv=None):
     p.add_argument("--depth", type=int, default=4, help="layers")
     p.add_argument("--heads", type=int, default=4, help="attention heads (dim must divide by it)")
     p.add_argument("--seq-len", type=int, default=256, help="bytes per training sequence")
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per step")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per step, over all processes under "
+                                                             "torchrun (each takes an equal share)")
     p.add_argument("--steps", type=int, default=2000, help="optimizer steps")
     p.add_argument("--lr", type=float, default=5e-4, help="AdamW learning rate (100 warm-up steps)")
     p.add_argument("--eval-every", type=int, default=200, help="steps between validation scores")
@@ -156,11 +176,12 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def save_state(args, path, model, opt, gen, step, log, train_losses, seconds):
-    # Written to a temporary file and renamed, so an interruption never leaves a torn checkpoint.
+def save_state(args, path, model, opt, gen, step, log, train_losses, seconds, processes=1):
+    # Written to a temporary file and renamed, so an interruption never leaves a torn checkpoint. The model is the
+    # one inside DDP (no "module." prefix): a checkpoint resumes on any number of processes.
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
-                "step": step, "log": log, "train_losses": train_losses, "seconds": seconds, "args": vars(args)},
-               path + ".tmp")
+                "step": step, "log": log, "train_losses": train_losses, "seconds": seconds, "args": vars(args),
+                "processes": processes}, path + ".tmp")
     os.replace(path + ".tmp", path)
     # The log is rewritten from the checkpoint's own records: a fresh run into an old --out, or a resume after
     # a crash, never leaves records that the checkpoint does not have.
@@ -168,8 +189,9 @@ def save_state(args, path, model, opt, gen, step, log, train_losses, seconds):
     write_text_atomic(log_path, "".join(json.dumps(record) + "\n" for record in log))
 
 
-def check_args(args):
-    """Clear errors for settings that would otherwise crash deep inside or score nothing."""
+def check_args(args, world=1):
+    """Clear errors for settings that would otherwise crash deep inside or score nothing; world: the processes
+    torchrun started, checked before they meet, so that every one of them refuses at once."""
     for name in ("corpus_bytes", "dim", "depth", "heads", "seq_len", "batch_size", "steps", "eval_every",
                  "val_bytes"):
         if getattr(args, name) < 1:
@@ -180,6 +202,10 @@ def check_args(args):
         raise ValueError(f"--lr must be > 0, got {args.lr}")
     if args.dim % args.heads:
         raise ValueError(f"--dim ({args.dim}) must be divisible by --heads ({args.heads})")
+    if args.batch_size % world:
+        raise ValueError(f"--batch-size {args.batch_size} is the global batch (sequences per step over all "
+                         f"processes) and must divide by the {world} processes torchrun started: pass a multiple of "
+                         f"{world}, or start a number of processes that divides {args.batch_size}")
 
 
 def check_splits(splits, args):
@@ -199,13 +225,17 @@ def check_splits(splits, args):
 
 def main(argv=None):
     args = parse_args(argv)
-    check_args(args)
+    check_args(args, launched_world_size())
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise ValueError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
     checkpoint_every = args.checkpoint_every or args.eval_every
     threads = choose_threads(args.threads)
-    if not (args.resume or args.overwrite):
+    if not (args.resume or args.overwrite):  # before the processes meet, so before any of them has written
         refuse_overwrite(args.out, ("checkpoint.pt", "log.jsonl"), resume_hint="--resume", out_flag="--out")
+    rank, world, local = init_distributed_mode(args.device)
+    if world > 1 and str(args.device).startswith("cuda"):
+        args.device = f"cuda:{local}"
+    main_process = rank == 0
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(args.seed)
     splits = load_splits(args)
@@ -216,7 +246,7 @@ def main(argv=None):
     gen = torch.Generator().manual_seed(args.seed)
     step, log, train_losses, seconds_before = 0, [], [], 0.0
     ckpt_path = os.path.join(args.out, "checkpoint.pt")
-    if args.resume and os.path.exists(ckpt_path):
+    if args.resume and os.path.exists(ckpt_path):  # every process loads it: --out must be on a shared filesystem
         ckpt = safe_load(ckpt_path, "--resume", map_location="cpu")
         if not isinstance(ckpt, dict) or not {"model", "optimizer", "generator", "step", "log"} <= set(ckpt):
             raise ValueError(f"--resume: {ckpt_path} is not a checkpoint written by tools/train_lm.py (it lacks "
@@ -227,63 +257,78 @@ def main(argv=None):
         gen.set_state(ckpt["generator"])
         step, log = ckpt["step"], ckpt["log"]
         train_losses, seconds_before = ckpt.get("train_losses", []), ckpt.get("seconds", 0.0)
-        print(f"resumed from {ckpt_path} at step {step}", file=sys.stderr)
-    elif args.resume:
+        if main_process:
+            print(f"resumed from {ckpt_path} at step {step} (written by {ckpt.get('processes', 1)} process(es), "
+                  f"continued by {world})", file=sys.stderr)
+    elif args.resume and main_process:
         print(f"--resume: no checkpoint at {ckpt_path} yet; starting at step 0", file=sys.stderr)
+    # Under torchrun the wrapper runs inside DDP, whose backward averages the gradients over the processes: with
+    # equal shares of the global batch, the gradient of the global batch's mean loss.
+    train_wrapper = wrapper if world == 1 else DistributedDataParallel(
+        wrapper, device_ids=[local] if str(args.device).startswith("cuda") else None)
     n_params = sum(p.numel() for p in model.parameters())
-    banner("byte-level linear-attention LM training", {
-        "data": args.enwik8 or f"standard-library corpus, {len(splits['train']):,} / {len(splits['val']):,} / "
-                               f"{len(splits['test']):,} bytes (train / val / test)",
-        "model": f"{args.variant}: dim {args.dim}, depth {args.depth}, {args.heads} heads, {n_params:,} parameters",
-        "schedule": f"{args.steps} steps of {args.batch_size} x {args.seq_len} bytes"
-                    + (f", from step {step}" if step else "") + f"; validation every {args.eval_every}",
-        "device": f"{args.device}, threads {threads}",
-        "output": f"{args.out}/ (checkpoint.pt, log.jsonl, curves.png, results.json)"}, stream=sys.stderr)
-    bar = progress_bar(total=args.steps, initial=step, disable=args.no_progress,
+    if main_process:
+        shares = f"; {world} processes (DDP), {args.batch_size // world} sequences each" if world > 1 else ""
+        banner("byte-level linear-attention LM training", {
+            "data": args.enwik8 or f"standard-library corpus, {len(splits['train']):,} / {len(splits['val']):,} / "
+                                   f"{len(splits['test']):,} bytes (train / val / test)",
+            "model": f"{args.variant}: dim {args.dim}, depth {args.depth}, {args.heads} heads, {n_params:,} parameters",
+            "schedule": f"{args.steps} steps of {args.batch_size} x {args.seq_len} bytes"
+                        + (f", from step {step}" if step else "") + f"; validation every {args.eval_every}",
+            "device": f"{args.device}, threads {threads}{shares}",
+            "output": f"{args.out}/ (checkpoint.pt, log.jsonl, curves.png, results.json)"}, stream=sys.stderr)
+    bar = progress_bar(total=args.steps, initial=step, disable=args.no_progress or not main_process,
                        desc=f"{args.variant} seed {args.seed}")
     start = time.time() - seconds_before  # "seconds" in the log counts training time across resumes
     with StopRequest() as stop:
         while step < args.steps:
-            x = random_batch(splits["train"], args, gen).to(args.device)
+            x = random_batch(splits["train"], args, gen, rank, world).to(args.device)
             lr = args.lr * min(1.0, (step + 1) / 100)  # short warm-up
             for group in opt.param_groups:
                 group["lr"] = lr
-            loss = wrapper(x, return_loss=True)
+            loss = train_wrapper(x, return_loss=True)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # of the averaged gradients: same on every process
             opt.step()
             step += 1
-            train_losses.append(loss.item())
+            train_losses.append(all_reduce_mean_(loss.detach().clone()).item())  # the global batch's loss
             bar.update(1)
             if step % args.eval_every == 0 or step == args.steps:
                 record = {"step": step, "train_bpc": float(np.mean(train_losses)) / math.log(2),
-                          "val_bpc": evaluate(wrapper, splits["val"], args, args.val_bytes),
+                          "val_bpc": evaluate(wrapper, splits["val"], args, args.val_bytes, rank, world),
                           "seconds": time.time() - start}
                 train_losses = []
                 log.append(record)
                 bar.set_postfix(val_bpc=f"{record['val_bpc']:.3f}")
-            stopping = stop.agreed() and step < args.steps  # read once: a signal between two reads would exit unsaved
-            if step % checkpoint_every == 0 or step % args.eval_every == 0 or step == args.steps or stopping:
-                save_state(args, ckpt_path, model, opt, gen, step, log, train_losses, time.time() - start)
+            # Read once: a signal between two reads would exit unsaved.
+            stopping = stop.agreed(args.device) and step < args.steps
+            if main_process and (step % checkpoint_every == 0 or step % args.eval_every == 0 or step == args.steps
+                                 or stopping):
+                save_state(args, ckpt_path, model, opt, gen, step, log, train_losses, time.time() - start, world)
             if stopping:
                 bar.close()
-                print(f"stopped at step {step} of {args.steps}; {ckpt_path} holds it, and --resume continues "
-                      "from there", file=sys.stderr)
+                leave_process_group()  # after process 0 has written the checkpoint
+                if main_process:
+                    print(f"stopped at step {step} of {args.steps}; {ckpt_path} holds it, and --resume continues "
+                          "from there", file=sys.stderr)
                 raise SystemExit(130)
     bar.close()
     results = {"variant": args.variant, "seed": args.seed, "params": n_params, "steps": step,
                "tokens_seen": step * args.batch_size * args.seq_len,
-               "val_bpc": evaluate(wrapper, splits["val"], args, None if args.test_bytes is None else args.test_bytes),
-               "test_bpc": evaluate(wrapper, splits["test"], args, args.test_bytes),
-               "data": args.enwik8 or f"stdlib corpus, {args.corpus_bytes} bytes", "config": vars(args)}
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump(results, f, indent=2)
-    if log:
-        plot(log, os.path.join(args.out, "curves.png"))
-    print(f"{args.variant}: val {results['val_bpc']:.4f} / test {results['test_bpc']:.4f} bits per character after "
-          f"{step} steps ({duration(time.time() - start)} training); files in {args.out}/", file=sys.stderr)
-    print(json.dumps({k: results[k] for k in ("variant", "seed", "params", "val_bpc", "test_bpc")}))
+               "val_bpc": evaluate(wrapper, splits["val"], args, args.test_bytes, rank, world),
+               "test_bpc": evaluate(wrapper, splits["test"], args, args.test_bytes, rank, world),
+               "data": args.enwik8 or f"stdlib corpus, {args.corpus_bytes} bytes", "processes": world,
+               "config": vars(args)}
+    if main_process:
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump(results, f, indent=2)
+        if log:
+            plot(log, os.path.join(args.out, "curves.png"))
+        print(f"{args.variant}: val {results['val_bpc']:.4f} / test {results['test_bpc']:.4f} bits per character "
+              f"after {step} steps ({duration(time.time() - start)} training); files in {args.out}/", file=sys.stderr)
+        print(json.dumps({k: results[k] for k in ("variant", "seed", "params", "val_bpc", "test_bpc")}))
+    leave_process_group()
     return results
 
 

@@ -15,7 +15,7 @@ import torch
 
 from linear_mha.functional.native_build import configured_cache_dir
 
-from . import distributed as dist_utils
+from .. import distributed as dist_utils
 from .backbone import SMALL_BODIES
 
 

@@ -7,7 +7,7 @@ import numpy as np
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
-from .distributed import all_gather_json
+from ..distributed import all_gather_json
 
 STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
 # What each of the 12 numbers averages over, as COCOeval.summarize() labels them.

@@ -4,7 +4,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import box_ops
-from .distributed import all_reduce_mean_
+from ..distributed import all_reduce_mean_
 from .matcher import build_matcher
 
 

@@ -8,7 +8,7 @@ import torch
 from linear_mha.progress import progress_bar
 
 from .coco_eval import STAT_NAMES, CocoEvaluator
-from .distributed import is_main_process, reduce_dict
+from ..distributed import is_main_process, reduce_dict
 
 
 def _targets_to(targets, device):

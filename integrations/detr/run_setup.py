@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import distributed as dist_utils
+from .. import distributed as dist_utils
 from .synthetic import make_synthetic_coco
 
 

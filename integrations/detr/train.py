@@ -29,7 +29,7 @@ from linear_mha.progress import progress_bar
 
 from ..console import choose_threads, duration, eta, refuse_overwrite
 from ..stop import StopRequest
-from . import distributed as dist_utils
+from .. import distributed as dist_utils
 from .attention import apply_attention
 from .backbone import backbone_stride
 from .backbone_cache import pretrained_backbone, wants_pretraining

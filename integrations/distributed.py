@@ -1,6 +1,7 @@
-"""torch.distributed helpers: torchrun initialisation (nccl on CUDA, gloo on CPU), reductions, and a gather of
-plain Python values that goes through JSON, never pickle: what one process sends another cannot make it run code
-(torch's all_gather_object unpickles)."""
+"""torch.distributed helpers shared by the trainers launched with torchrun (DETR's integrations/detr/train.py and
+the LM's tools/train_lm.py): initialisation (nccl on CUDA, gloo on CPU), reductions, and a gather of plain Python
+values that goes through JSON, never pickle: what one process sends another cannot make it run code (torch's
+all_gather_object unpickles)."""
 import json
 import os
 
@@ -24,19 +25,56 @@ def is_main_process():
     return get_rank() == 0
 
 
+def launched_world_size():
+    """Processes torchrun started (its RANK / WORLD_SIZE environment), 1 without torchrun; known before the process
+    group exists, so settings that cannot split over the processes are refused before any rendezvous."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return 1
+    return int(os.environ["WORLD_SIZE"])
+
+
+def _check_backend(use_cuda, world, local):
+    """A clear error instead of one from deep inside init_process_group (or a hang) when the backend is missing."""
+    launched = f"launched by torchrun with {world} process(es)"
+    if not dist.is_available():
+        raise RuntimeError(f"{launched}, but this torch build has no torch.distributed; run without torchrun")
+    if use_cuda:
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"{launched} on --device cuda, but CUDA is not available here; pass --device cpu to "
+                               "train on the CPU (gloo)")
+        if not dist.is_nccl_available():
+            raise RuntimeError(f"{launched} on --device cuda, but this torch build has no NCCL backend; pass "
+                               "--device cpu to train on the CPU (gloo)")
+        if local >= torch.cuda.device_count():
+            raise RuntimeError(f"{launched}: LOCAL_RANK {local} has no GPU, {torch.cuda.device_count()} visible; "
+                               f"start at most {torch.cuda.device_count()} process(es) per node (--nproc_per_node)")
+    elif not dist.is_gloo_available():
+        raise RuntimeError(f"{launched} on the CPU, but this torch build has no gloo backend; run without torchrun")
+
+
 def init_distributed_mode(device="cpu"):
-    """Initialises the process group when launched by torchrun (RANK/WORLD_SIZE set); returns (rank, world, local)."""
+    """Initialises the process group when launched by torchrun (RANK/WORLD_SIZE set): nccl with this process on
+    cuda:LOCAL_RANK for a CUDA device, gloo on the CPU. Returns (rank, world, local); (0, 1, 0) without torchrun."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return 0, 1, 0
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", 0))
     use_cuda = str(device).startswith("cuda")
+    _check_backend(use_cuda, world, local)
     if use_cuda:
         torch.cuda.set_device(local)
     dist.init_process_group(backend="nccl" if use_cuda else "gloo", init_method="env://",
                             world_size=world, rank=rank)
     dist.barrier()
     return rank, world, local
+
+
+def leave_process_group():
+    """Every process waits for the others (so the first one finishes writing its files before any exits: torchrun
+    stops the rest when one exits with an error status), then the group is destroyed. No-op when not distributed."""
+    if is_dist_avail_and_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def all_reduce_mean_(tensor):
