@@ -10,6 +10,8 @@ import argparse
 from linear_mha import available_methods
 
 from ..console import HelpFormatter
+from .backbone import SMALL_BODIES
+from .backbone_weights import IMAGENET, RANDOM
 
 # The synthetic preset's linear attention, its local term and its options: the most accurate Linear-DETR of
 # docs/detr.md (taylor + DWC 3x3 + 2-D RoPE: 127% of softmax's AP over 3 seeds at 16 epochs, where taylor + DWC alone
@@ -73,11 +75,18 @@ def get_args_parser():
     a("--max-iters", type=int, default=0, help="cap on iterations per epoch (0 = whole epoch), for quick runs")
     # model
     a("--backbone", help=_Preset("resnet18|resnet34|resnet50|resnet101|tiny|small"))
-    a("--backbone-weights", help="local state_dict to start the backbone from (never downloaded): a torchvision "
-                                 "ResNet's, or tiny/small weights from linear_mha.integrations.detr.pretrain")
+    a("--backbone-weights", metavar=f"{IMAGENET}|{RANDOM}|PATH",
+      help=f"what the backbone starts from. {IMAGENET}: torchvision's ImageNet-1k weights of the ResNet "
+           "(IMAGENET1K_V1, as the official DETR), downloaded once into $TORCH_HOME/hub/checkpoints (default "
+           "~/.cache/torch); the default for a ResNet without --pretrained or --resume. PATH: a local state_dict: "
+           "torchvision's file (without a network: e.g. resnet50-0676ba61.pth, fetched elsewhere from "
+           "https://download.pytorch.org/models/), a DETR checkpoint's backbone, or tiny/small weights from "
+           f"linear_mha.integrations.detr.pretrain. {RANDOM}: random initialisation. Default for tiny/small: "
+           "--pretrain-backbone's")
     a("--pretrain-backbone", type=int, metavar="ITERS",
       help=_Preset("without --backbone-weights, first pretrain the tiny/small backbone on the training images for "
-                   "ITERS iterations (cached under $LINEAR_MHA_CACHE/detr-backbones; 0 = start from random)"))
+                   "ITERS iterations (cached under $LINEAR_MHA_CACHE/detr-backbones; 0 = start from random; a "
+                   "ResNet takes ImageNet weights instead)"))
     a("--pretrained", help="DETR checkpoint (file with 'model') loaded strictly before training/eval")
     a("--dilation", action="store_true", help="DC5: dilate layer4 instead of striding (stride 16)")
     a("--position-embedding", default="sine", choices=("sine", "learned"))
@@ -160,6 +169,9 @@ def resolve_preset(args):
     """Fills every option left unset from the preset matching the data source; returns args."""
     has_data = bool(args.coco_path or args.train_ann or args.val_ann)
     args.preset = "coco" if has_data else "synthetic"
+    backbone = args.backbone or PRESETS[args.preset]["backbone"]
+    if args.pretrain_backbone is None and backbone not in SMALL_BODIES:
+        args.pretrain_backbone = 0  # the preset's pretraining is its small backbone's; a ResNet has ImageNet's
     if args.attention is not None and args.dwc_kernel is None:
         args.dwc_kernel = 0  # the preset's kernel belongs to the preset's method
     if args.attention is not None and args.output_gate is None:

@@ -3,6 +3,7 @@ where the files go) and the end summary (COCOeval table, time per iteration, pea
 from pathlib import Path
 
 from ..console import banner, duration, peak_memory_mib
+from .backbone_weights import describe as describe_backbone_weights
 from .coco_eval import format_stats
 
 
@@ -28,11 +29,11 @@ def _attention_line(args, attention_report):
 
 
 def start_banner(args, datasets, attention_report, device, threads, world, iterations_per_epoch, out_dir, start_epoch):
-    weights = args.backbone_weights or ("from --pretrained" if args.pretrained else "random init")
     rows = {
         "data": _data_line(args, datasets),
-        "model": f"DETR, backbone {args.backbone} ({weights}), d={args.hidden_dim}, {args.enc_layers} encoder + "
-                 f"{args.dec_layers} decoder layers, {args.nheads} heads, {args.num_queries} queries",
+        "model": f"DETR, backbone {args.backbone} ({describe_backbone_weights(args)}), d={args.hidden_dim}, "
+                 f"{args.enc_layers} encoder + {args.dec_layers} decoder layers, {args.nheads} heads, "
+                 f"{args.num_queries} queries",
         "attention": _attention_line(args, attention_report),
     }
     if args.eval:

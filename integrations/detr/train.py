@@ -6,6 +6,8 @@
     python -m linear_mha.integrations.detr.train --resume runs/detr/checkpoint.pth   # continue exactly
     python -m linear_mha.integrations.detr.train --eval --pretrained detr-r50-e632da11.pth --coco-path /data/coco
 
+A ResNet backbone starts from torchvision's ImageNet weights, downloaded once (offline: --backbone-weights PATH).
+
 A checkpoint is written after every epoch, and when a signal (Ctrl-C, SIGTERM; torchrun passes the one it gets on
 to its workers) stops the run: every process finishes its step, or drops the evaluation under way, the
 checkpoint records how far into the epoch it got, and --resume continues with the next batch or the evaluation
@@ -33,6 +35,7 @@ from . import distributed as dist_utils
 from .attention import apply_attention
 from .backbone import backbone_stride
 from .backbone_cache import pretrained_backbone, wants_pretraining
+from .backbone_weights import resolve_backbone_weights
 from ..checkpoint_io import check_same_args
 from .checkpoint import load_checkpoint, load_pretrained, rng_state, save_atomic, set_rng_state
 from .distill import DistillationCriterion, build_teacher
@@ -168,6 +171,7 @@ def main(argv=None):
     out_dir.mkdir(parents=True, exist_ok=True)
     seed_everything(args.seed + rank)
 
+    resolve_backbone_weights(args)  # a ResNet's ImageNet weights, fetched now: offline, stop before anything is built
     prepare_data_args(args)
     if wants_pretraining(args):
         args.backbone_weights = str(pretrained_backbone(args))
