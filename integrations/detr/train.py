@@ -1,10 +1,11 @@
 """Train or evaluate DETR / Linear-DETR.
 
     python -m linear_mha.integrations.detr.train                                   # synthetic set, tiny model, CPU minutes
-    python -m linear_mha.integrations.detr.train --coco-path /data/coco --attention linformer
+    python -m linear_mha.integrations.detr.train --coco-path /data/coco            # DETR-R50 recipe, linear encoder
+    python -m linear_mha.integrations.detr.train --coco-path /data/coco --attention softmax   # DETR as released
     torchrun --nproc_per_node=2 -m linear_mha.integrations.detr.train --coco-path /data/coco
     python -m linear_mha.integrations.detr.train --resume runs/detr/checkpoint.pth   # continue exactly
-    python -m linear_mha.integrations.detr.train --eval --pretrained detr-r50-e632da11.pth --coco-path /data/coco
+    python -m linear_mha.integrations.detr.train --eval --pretrained detr-r50.pth --coco-path /data/coco --attention softmax
 
 A ResNet backbone starts from torchvision's ImageNet weights, downloaded once (offline: --backbone-weights PATH).
 
@@ -37,7 +38,8 @@ from .backbone import backbone_stride
 from .backbone_cache import pretrained_backbone, wants_pretraining
 from .backbone_weights import resolve_backbone_weights
 from ..checkpoint_io import check_same_args
-from .checkpoint import load_checkpoint, load_pretrained, rng_state, save_atomic, set_rng_state
+from .checkpoint import (check_pretrained_attention, load_checkpoint, load_pretrained, rng_state, save_atomic,
+                         set_rng_state)
 from .distill import DistillationCriterion, build_teacher
 from .config import parse_args
 from .datasets import build_dataset
@@ -155,6 +157,7 @@ def main(argv=None):
     'stopped_at': (epoch, batches done) when a signal stopped it, else None}."""
     args = parse_args(argv)
     check_conversion_args(args)
+    check_pretrained_attention(args)
     if args.eval and not (args.resume or args.pretrained):
         raise ValueError("--eval evaluates trained weights: pass --resume (a checkpoint of this trainer) or --pretrained "
                          "(a DETR checkpoint); without one it would score a random model")
