@@ -44,15 +44,61 @@ def test_the_synthetic_default_is_taylor_with_its_local_term_and_rope_and_an_exp
     assert refined.attention == "taylor" and refined.attention_option == ["rope=True", "rope=False"]
     report = apply_attention(build_model(parse_args(ARGS))[0], refined, max_tokens=20)
     assert report[0]["options"]["rope"] is False
+    # COCO takes the same attention (--coco-path alone must not turn it into softmax); --attention softmax is DETR
     coco = parse_args(["--coco-path", "/data/coco"])
-    assert (coco.attention, coco.dwc_kernel, coco.attention_option) == ("softmax", 0, [])  # the official recipe
+    assert (coco.preset, coco.attention, coco.dwc_kernel, coco.attention_option) == ("coco", "taylor", 3, ["rope=True"])
+    official = parse_args(["--coco-path", "/data/coco", "--attention", "softmax"])
+    assert (official.attention, official.dwc_kernel, official.attention_option, official.output_gate) == \
+        ("softmax", 0, [], False)
+    coco.attention_option.append("eps=0.1")  # a run's lists are its own: the next run still gets the preset's
+    assert parse_args(["--coco-path", "/data/coco"]).attention_option == ["rope=True"]
+
+
+def test_the_banner_names_the_preset_the_attention_and_where_the_backbone_starts(capsys):
+    from linear_mha.integrations.detr.run_report import start_banner
+
+    def banner(argv, report):
+        args = parse_args(argv)
+        start_banner(args, {"train": [0] * 3, "val": [0] * 2}, report, "cpu", 2, 1, 10, "out", 0)
+        return capsys.readouterr().out
+    linear = [{"target": "encoder", "mode": "taylor", "options": {"dwc_kernel": 3, "rope": True}}]
+    out = banner(["--coco-path", "/data/coco", "--backbone-weights", "imagenet"], linear)
+    assert "preset     coco: the official DETR-R50 recipe" in out
+    assert "backbone resnet50 (ImageNet: torchvision's ResNet50_Weights.IMAGENET1K_V1)" in out
+    assert ("attention  encoder: taylor (dwc_kernel=3, rope=True); the rest softmax. The recommended Linear-DETR, "
+            "by default (--attention softmax: DETR as released)") in out
+    softmax = [{"target": "encoder", "mode": "softmax", "options": {}}]
+    out = banner(["--coco-path", "/data/coco", "--attention", "softmax", "--backbone-weights", "none"], softmax)
+    assert "softmax everywhere (nn.MultiheadAttention, as in DETR)" in out
+    assert "backbone resnet50 (random init: --backbone-weights none)" in out
+    assert "preset     synthetic: a small DETR" in banner([], linear)
+
+
+def test_a_pretrained_softmax_detr_is_not_given_the_default_linear_attention_silently(tmp_path):
+    """The official release records no --attention: it is softmax. The default linear attention would load into it
+    (its added weights start at zero) and score near zero, so the run refuses, naming --attention softmax."""
+    import argparse
+    from linear_mha.integrations.detr.checkpoint import check_pretrained_attention
+    release = tmp_path / "detr-r50.pth"
+    torch.save({"model": {}, "args": argparse.Namespace(lr=1e-4, backbone="resnet50")}, release)
+    with pytest.raises(ValueError, match=r"--pretrained .*detr-r50.pth holds a DETR trained with --attention "
+                                         r"'softmax'.* Pass --attention softmax"):
+        check_pretrained_attention(parse_args(["--coco-path", "c", "--eval", "--pretrained", str(release)]))
+    check_pretrained_attention(parse_args(["--coco-path", "c", "--pretrained", str(release), "--attention", "softmax"]))
+    check_pretrained_attention(parse_args(["--coco-path", "c", "--pretrained", str(release), "--attention", "hedgehog"]))
+    ours = tmp_path / "checkpoint.pth"  # this trainer's checkpoint of the default run: its attention is the default
+    torch.save({"model": {}, "args": vars(parse_args(["--coco-path", "c"]))}, ours)
+    check_pretrained_attention(parse_args(["--coco-path", "c", "--pretrained", str(ours)]))
+    with pytest.raises(ValueError, match="--attention-option \\['rope=True', 'rope=False'\\]"):
+        check_pretrained_attention(parse_args(["--coco-path", "c", "--pretrained", str(ours),
+                                               "--attention-option", "rope=False"]))
 
 
 def test_the_output_gate_flag_pairs_with_the_method_and_reaches_every_patched_module():
     from linear_mha.integrations.detr.config import RECOMMENDED_OUTPUT_GATE
     assert parse_args([]).output_gate is RECOMMENDED_OUTPUT_GATE  # the preset's gate belongs to its method
     assert parse_args(["--attention", "efficient"]).output_gate is False
-    assert parse_args(["--coco-path", "/data/coco"]).output_gate is False
+    assert parse_args(["--coco-path", "/data/coco"]).output_gate is RECOMMENDED_OUTPUT_GATE
     args = parse_args(ARGS + ["--attention", "taylor", "--output-gate", "--attention-on", "encoder,cross"])
     model = build_model(args)[0]
     report = apply_attention(model, args, max_tokens=20)

@@ -1,4 +1,6 @@
-"""ResNet backbones (torchvision, never downloaded) with frozen BatchNorm, and the backbone+position Joiner.
+"""ResNet backbones (torchvision) with frozen BatchNorm, two small CNNs, and the backbone+position Joiner.
+
+Their weights come from --backbone-weights (backbone_weights: ImageNet by name, a file, or none).
 
 The module tree mirrors the official DETR (`backbone.0.body.layer4...`, `backbone.1` = position
 encoding) so released checkpoints load with strict=True.
@@ -10,6 +12,7 @@ from torch import nn
 from torchvision.models._utils import IntermediateLayerGetter
 from torchvision.ops.misc import FrozenBatchNorm2d
 
+from .backbone_weights import IMAGENET, initial_state
 from .misc import NestedTensor
 from .position_encoding import build_position_encoding
 
@@ -61,17 +64,29 @@ SMALL_BODIES = {"tiny": dict(widths=(16, 32, 64, 64, 128), blocks=(0, 0, 0, 0, 0
 BACKBONES = RESNETS + tuple(SMALL_BODIES)
 
 
-def _load_weights(path, name):
+def _source(weights):
+    """How an error names where the weights came from."""
+    return "torchvision's ImageNet weights" if weights == IMAGENET else f"--backbone-weights {weights}"
+
+
+def _load_resnet(net, state, weights, name):
+    """Loads a ResNet state_dict, refusing one of another depth: a deeper ResNet's file fits every layer of a
+    shallower one's, and only its keys left over tell them apart."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"--backbone-weights {path} does not exist") from None
-    except Exception as exc:
-        raise ValueError(f"--backbone-weights {path} is not a state_dict file for {name!r} ({exc})") from None
+        missing, unexpected = net.load_state_dict(state, strict=False)
+    except RuntimeError as exc:  # shapes differ: another architecture's file
+        raise ValueError(f"{_source(weights)} does not fit backbone {name!r} ({exc}); pass a torchvision {name} "
+                         "state_dict") from None
+    missing = [k for k in missing if not k.startswith("fc.")]  # DETR drops the classifier; its checkpoints lack it
+    if missing or unexpected:
+        raise ValueError(f"{_source(weights)} does not fit backbone {name!r}: missing {missing[:3]}, unexpected "
+                         f"{unexpected[:3]} (of {len(missing)} and {len(unexpected)}); pass a torchvision {name} "
+                         "state_dict")
 
 
 class Backbone(nn.Module):
-    def __init__(self, name, train_backbone, dilation, weights_path=None):
+    def __init__(self, name, train_backbone, dilation, weights=None):
+        """weights: a --backbone-weights value (`imagenet`, a path, `none`), or None for random initialisation."""
         super().__init__()
         if name not in BACKBONES:
             raise ValueError(f"backbone={name!r} is not supported; choose one of {BACKBONES}")
@@ -79,11 +94,12 @@ class Backbone(nn.Module):
             if dilation:
                 raise ValueError(f"dilation=True (DC5) needs a ResNet backbone, not backbone={name!r}")
             self.body = TinyBody(**SMALL_BODIES[name])
-            if weights_path:  # from linear_mha.integrations.detr.pretrain
+            state = initial_state(weights, name)
+            if state is not None:  # from linear_mha.integrations.detr.pretrain
                 try:
-                    self.body.load_state_dict(_load_weights(weights_path, name))
+                    self.body.load_state_dict(state)
                 except RuntimeError as exc:
-                    raise ValueError(f"--backbone-weights {weights_path} does not fit backbone {name!r} ({exc}); "
+                    raise ValueError(f"--backbone-weights {weights} does not fit backbone {name!r} ({exc}); "
                                      f"make it with python -m linear_mha.integrations.detr.pretrain --backbone {name}") from None
             self.num_channels = self.body.num_channels
             for p in self.body.parameters():
@@ -91,16 +107,12 @@ class Backbone(nn.Module):
             return
         if dilation and name in ("resnet18", "resnet34"):
             raise ValueError(f"dilation=True (DC5) needs a bottleneck ResNet (resnet50/resnet101), not {name!r}")
-        # weights=None: nothing is ever downloaded; pretrained weights come from --backbone-weights.
+        # Built empty, then loaded: ImageNet by name and a local file take the same checks (_load_resnet).
         net = getattr(torchvision.models, name)(
             weights=None, replace_stride_with_dilation=[False, False, dilation], norm_layer=FrozenBatchNorm2d)
-        if weights_path:
-            state = _load_weights(weights_path, name)
-            missing, unexpected = net.load_state_dict(state, strict=False)
-            missing = [k for k in missing if not k.startswith("fc.")]
-            if missing:
-                raise ValueError(f"backbone weights {weights_path} lack keys {missing[:5]}...; "
-                                 f"pass a torchvision {name} state_dict")
+        state = initial_state(weights, name)
+        if state is not None:
+            _load_resnet(net, state, weights, name)
         # As in DETR: the stem and layer1 stay frozen even when the backbone trains.
         for pname, p in net.named_parameters():
             if not train_backbone or not any(f"layer{i}" in pname for i in (2, 3, 4)):

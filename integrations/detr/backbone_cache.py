@@ -55,7 +55,8 @@ def wants_pretraining(args) -> bool:
         return False
     if args.backbone not in SMALL_BODIES:
         raise ValueError(f"--pretrain-backbone pretrains the small backbones ({', '.join(SMALL_BODIES)}); a ResNet "
-                         f"takes ImageNet weights with --backbone-weights PATH, or pass --pretrain-backbone 0")
+                         f"starts from torchvision's ImageNet weights by default, or from a file with --backbone-weights "
+                         f"PATH: leave --pretrain-backbone out")
     return True
 
 

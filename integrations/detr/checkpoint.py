@@ -1,4 +1,5 @@
-"""Atomic checkpoints holding everything `--resume` needs to continue a run bit-for-bit."""
+"""Atomic checkpoints holding everything `--resume` needs to continue a run bit-for-bit, and --pretrained DETRs."""
+import argparse
 import os
 import random
 from pathlib import Path
@@ -46,3 +47,27 @@ def load_pretrained(model, path):
     """Loads a DETR checkpoint's weights (official release or ours) strictly."""
     ckpt = load_checkpoint(path, "--pretrained")
     model.load_state_dict(ckpt["model"], strict=True)
+
+
+# The options that make a model's attention; a checkpoint records them in its 'args' (this trainer's do).
+ATTENTION_ARGS = ("attention", "attention_on", "dwc_kernel", "attention_option", "output_gate")
+
+
+def check_pretrained_attention(args):
+    """--pretrained without --attention: the checkpoint must hold the attention this run defaults to. The default
+    linear attention would load into a softmax DETR (the official release) without a word, its added weights
+    starting at zero, and score near zero."""
+    if not args.pretrained or not args.attention_is_default:
+        return
+    saved = load_checkpoint(args.pretrained, "--pretrained").get("args")
+    saved = vars(saved) if isinstance(saved, argparse.Namespace) else saved if isinstance(saved, dict) else {}
+    # The official release predates --attention: its DETR is softmax.
+    recorded = {"attention": "softmax", **{k: saved[k] for k in ATTENTION_ARGS if k in saved}}
+    changed = {k: v for k, v in recorded.items() if v != getattr(args, k)}
+    if changed:
+        flags = lambda values: ", ".join(f"--{k.replace('_', '-')} {v!r}" for k, v in values.items())  # noqa: E731
+        now = flags({k: getattr(args, k) for k in changed})
+        raise ValueError(f"--pretrained {args.pretrained} holds a DETR trained with {flags(changed)}; this run, "
+                         f"without --attention, would give it {now} (the default attention). Pass --attention "
+                         f"{recorded['attention']} (and its other options) to evaluate or fine-tune it as it is, or "
+                         "another --attention to convert it")

@@ -1,17 +1,20 @@
 """Command-line options of `python -m linear_mha.integrations.detr.train`, with two presets of defaults.
 
-`coco` (any dataset given): the official DETR-R50 recipe, softmax attention. `synthetic` (no dataset given): a small
-DETR with the recommended linear attention on generated images, its backbone pretrained on them first (cached), so
-a fresh machine trains a detector that learns in about ten minutes on 2 CPU cores. Any option given explicitly
-overrides the preset.
+`coco` (any dataset given: --coco-path, --train-ann, ...): the official DETR-R50 recipe (ResNet-50 from torchvision's
+ImageNet weights, 6 + 6 layers, 300 epochs). `synthetic` (no dataset given): a small DETR on generated images, its
+backbone pretrained on them first (cached), so a fresh machine trains a detector that learns in about ten minutes on
+2 CPU cores. Both use the recommended linear attention in the encoder (taylor + a 3x3 depthwise-convolution local
+term + rope); `--attention softmax` trains DETR as released. Any option given explicitly overrides the preset.
 """
 import argparse
 
 from linear_mha import available_methods
 
 from ..console import HelpFormatter
+from .backbone import SMALL_BODIES
+from .backbone_weights import IMAGENET, RANDOM
 
-# The synthetic preset's linear attention, its local term and its options: the most accurate Linear-DETR of
+# Both presets' linear attention, its local term and its options: the most accurate Linear-DETR of
 # docs/detr.md (taylor + DWC 3x3 + 2-D RoPE: 127% of softmax's AP over 3 seeds at 16 epochs, where taylor + DWC alone
 # kept 97%). They go together: an explicit --attention without --dwc-kernel gets no local term and none of these
 # options, so `--attention efficient` stays plain; --attention-option without --attention adds to them.
@@ -19,19 +22,20 @@ RECOMMENDED = "taylor"
 RECOMMENDED_DWC_KERNEL = 3
 RECOMMENDED_OPTIONS = ("rope=True",)
 RECOMMENDED_OUTPUT_GATE = False
+RECOMMENDED_ATTENTION = dict(attention=RECOMMENDED, dwc_kernel=RECOMMENDED_DWC_KERNEL,
+                             output_gate=RECOMMENDED_OUTPUT_GATE, attention_option=list(RECOMMENDED_OPTIONS))
 
 PRESETS = {
     "coco": dict(backbone="resnet50", hidden_dim=256, enc_layers=6, dec_layers=6, dim_feedforward=2048, nheads=8,
                  num_queries=100, epochs=300, lr_drop=200, lr=1e-4, lr_backbone=1e-5, batch_size=2,
                  scales=list(range(480, 801, 32)), max_size=1333, crop_sizes=[400, 500, 600], crop_min=384,
-                 crop_max=600, val_size=800, dropout=0.1, crop=True, attention="softmax", dwc_kernel=0,
-                 output_gate=False, attention_option=[], pretrain_backbone=0, num_workers=2),
+                 crop_max=600, val_size=800, dropout=0.1, crop=True, pretrain_backbone=0, num_workers=2,
+                 **RECOMMENDED_ATTENTION),
     "synthetic": dict(backbone="small", hidden_dim=64, enc_layers=2, dec_layers=2, dim_feedforward=128, nheads=4,
                       num_queries=12, epochs=12, lr_drop=9, lr=5e-4, lr_backbone=5e-5, batch_size=8,
                       scales=[96, 112, 128, 144, 160], max_size=192, crop_sizes=[96, 112, 128], crop_min=64,
-                      crop_max=128, val_size=128, dropout=0.0, crop=False, attention=RECOMMENDED,
-                      dwc_kernel=RECOMMENDED_DWC_KERNEL, output_gate=RECOMMENDED_OUTPUT_GATE,
-                      attention_option=list(RECOMMENDED_OPTIONS), pretrain_backbone=1000, num_workers=0),
+                      crop_max=128, val_size=128, dropout=0.0, crop=False, pretrain_backbone=1000, num_workers=0,
+                      **RECOMMENDED_ATTENTION),
 }
 
 
@@ -45,7 +49,9 @@ def _int_list(text):
 def _preset_help(dest, extra=""):
     """The help of an option a preset fills: both presets' values, so --help shows what a run will use."""
     show = lambda v: (",".join(map(str, v)) or "none") if isinstance(v, list) else v  # noqa: E731
-    values = f"default {show(PRESETS['synthetic'][dest])} (synthetic data) / {show(PRESETS['coco'][dest])} (COCO)"
+    synthetic, coco = show(PRESETS["synthetic"][dest]), show(PRESETS["coco"][dest])
+    values = f"default {synthetic} (synthetic data and COCO)" if synthetic == coco else \
+        f"default {synthetic} (synthetic data) / {coco} (COCO)"
     return f"{extra}; {values}" if extra else values
 
 
@@ -73,11 +79,18 @@ def get_args_parser():
     a("--max-iters", type=int, default=0, help="cap on iterations per epoch (0 = whole epoch), for quick runs")
     # model
     a("--backbone", help=_Preset("resnet18|resnet34|resnet50|resnet101|tiny|small"))
-    a("--backbone-weights", help="local state_dict to start the backbone from (never downloaded): a torchvision "
-                                 "ResNet's, or tiny/small weights from linear_mha.integrations.detr.pretrain")
+    a("--backbone-weights", metavar=f"{IMAGENET}|{RANDOM}|PATH",
+      help=f"what the backbone starts from. {IMAGENET}: torchvision's ImageNet-1k weights of the ResNet "
+           "(IMAGENET1K_V1, as the official DETR), downloaded once into $TORCH_HOME/hub/checkpoints (default "
+           "~/.cache/torch); the default for a ResNet without --pretrained or --resume. PATH: a local state_dict: "
+           "torchvision's file (without a network: e.g. resnet50-0676ba61.pth, fetched elsewhere from "
+           "https://download.pytorch.org/models/), a DETR checkpoint's backbone, or tiny/small weights from "
+           f"linear_mha.integrations.detr.pretrain. {RANDOM}: random initialisation. Default for tiny/small: "
+           "--pretrain-backbone's")
     a("--pretrain-backbone", type=int, metavar="ITERS",
       help=_Preset("without --backbone-weights, first pretrain the tiny/small backbone on the training images for "
-                   "ITERS iterations (cached under $LINEAR_MHA_CACHE/detr-backbones; 0 = start from random)"))
+                   "ITERS iterations (cached under $LINEAR_MHA_CACHE/detr-backbones; 0 = start from random; a "
+                   "ResNet takes ImageNet weights instead)"))
     a("--pretrained", help="DETR checkpoint (file with 'model') loaded strictly before training/eval")
     a("--dilation", action="store_true", help="DC5: dilate layer4 instead of striding (stride 16)")
     a("--position-embedding", default="sine", choices=("sine", "learned"))
@@ -93,7 +106,8 @@ def get_args_parser():
     a("--num-classes", type=int, help="largest category id + 1 (default: from the training annotations)")
     # attention (applied through linear_mha.patch)
     a("--attention", choices=available_methods(),
-      help=_Preset("attention method of the patched modules (linear_mha's registry, read when the parser is built)"))
+      help=_Preset("attention method of the patched modules (linear_mha's registry, read when the parser is built); "
+                   "softmax: DETR as released"))
     a("--attention-on", default="encoder", help="comma list of encoder,decoder,cross or all")
     a("--proj-k", type=int, default=256, help="linformer projected length")
     a("--param-sharing", default="layerwise", choices=("none", "headwise", "kv", "layerwise"),
@@ -123,7 +137,8 @@ def get_args_parser():
     a("--giou-loss-coef", type=float, default=2.0)
     a("--eos-coef", type=float, default=0.1, help="weight of the no-object class in the CE loss")
     # data
-    a("--coco-path", help="COCO root with train2017/, val2017/, annotations/instances_{train,val}2017.json")
+    a("--coco-path", help="COCO root with train2017/, val2017/, annotations/instances_{train,val}2017.json; any "
+                          "data given selects the coco preset (the DETR-R50 recipe)")
     a("--train-images", help="images dir of any COCO-format training set (with --train-ann)")
     a("--train-ann", help="instances json of the training set")
     a("--val-images", help="images dir of the validation set (with --val-ann)")
@@ -160,6 +175,10 @@ def resolve_preset(args):
     """Fills every option left unset from the preset matching the data source; returns args."""
     has_data = bool(args.coco_path or args.train_ann or args.val_ann)
     args.preset = "coco" if has_data else "synthetic"
+    args.attention_is_default = args.attention is None  # the banner says so; --pretrained checks it
+    backbone = args.backbone or PRESETS[args.preset]["backbone"]
+    if args.pretrain_backbone is None and backbone not in SMALL_BODIES:
+        args.pretrain_backbone = 0  # the preset's pretraining is its small backbone's; a ResNet has ImageNet's
     if args.attention is not None and args.dwc_kernel is None:
         args.dwc_kernel = 0  # the preset's kernel belongs to the preset's method
     if args.attention is not None and args.output_gate is None:
@@ -171,7 +190,7 @@ def resolve_preset(args):
         args.attention_option = PRESETS[args.preset]["attention_option"] + args.attention_option
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key, None) is None:
-            setattr(args, key, value)
+            setattr(args, key, list(value) if isinstance(value, list) else value)  # a run's lists are its own
     return args
 
 

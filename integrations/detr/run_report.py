@@ -3,7 +3,12 @@ where the files go) and the end summary (COCOeval table, time per iteration, pea
 from pathlib import Path
 
 from ..console import banner, duration, peak_memory_mib
+from .backbone_weights import describe as describe_backbone_weights
 from .coco_eval import format_stats
+from .config import RECOMMENDED_ATTENTION
+
+_PRESETS = {"coco": "the official DETR-R50 recipe (ResNet-50, 300 epochs, batch 2), as data was given",
+            "synthetic": "a small DETR that learns in minutes on CPU, as no data was given"}
 
 
 def _data_line(args, datasets):
@@ -24,15 +29,26 @@ def _attention_line(args, attention_report):
         shown = ", ".join(f"{k}={v}" for k, v in entry["options"].items())
         parts.append(f"{entry['target']}: {entry['mode']}" + (f" ({shown})" if shown else ""))
     untouched = "" if args.attention_on == "all" else "; the rest softmax"
-    return "; ".join(parts) + untouched
+    return "; ".join(parts) + untouched + _attention_origin(args)
+
+
+def _attention_origin(args):
+    """Whether the attention is the recommended one, and whether the run chose it or took the default."""
+    recommended = args.attention_on == "encoder" and all(getattr(args, k) == v
+                                                         for k, v in RECOMMENDED_ATTENTION.items())
+    if args.attention_is_default:
+        what = "The recommended Linear-DETR" if recommended else "The recommended method, with the options given"
+        return f". {what}, by default (--attention softmax: DETR as released)"
+    return ". The recommended Linear-DETR" if recommended else ""
 
 
 def start_banner(args, datasets, attention_report, device, threads, world, iterations_per_epoch, out_dir, start_epoch):
-    weights = args.backbone_weights or ("from --pretrained" if args.pretrained else "random init")
     rows = {
         "data": _data_line(args, datasets),
-        "model": f"DETR, backbone {args.backbone} ({weights}), d={args.hidden_dim}, {args.enc_layers} encoder + "
-                 f"{args.dec_layers} decoder layers, {args.nheads} heads, {args.num_queries} queries",
+        "preset": f"{args.preset}: {_PRESETS[args.preset]}; options given override it",
+        "model": f"DETR, backbone {args.backbone} ({describe_backbone_weights(args)}), d={args.hidden_dim}, "
+                 f"{args.enc_layers} encoder + {args.dec_layers} decoder layers, {args.nheads} heads, "
+                 f"{args.num_queries} queries",
         "attention": _attention_line(args, attention_report),
     }
     if args.eval:

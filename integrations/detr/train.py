@@ -1,10 +1,13 @@
 """Train or evaluate DETR / Linear-DETR.
 
     python -m linear_mha.integrations.detr.train                                   # synthetic set, tiny model, CPU minutes
-    python -m linear_mha.integrations.detr.train --coco-path /data/coco --attention linformer
+    python -m linear_mha.integrations.detr.train --coco-path /data/coco            # DETR-R50 recipe, linear encoder
+    python -m linear_mha.integrations.detr.train --coco-path /data/coco --attention softmax   # DETR as released
     torchrun --nproc_per_node=2 -m linear_mha.integrations.detr.train --coco-path /data/coco
     python -m linear_mha.integrations.detr.train --resume runs/detr/checkpoint.pth   # continue exactly
-    python -m linear_mha.integrations.detr.train --eval --pretrained detr-r50-e632da11.pth --coco-path /data/coco
+    python -m linear_mha.integrations.detr.train --eval --pretrained detr-r50.pth --coco-path /data/coco --attention softmax
+
+A ResNet backbone starts from torchvision's ImageNet weights, downloaded once (offline: --backbone-weights PATH).
 
 A checkpoint is written after every epoch, and when a signal (Ctrl-C, SIGTERM; torchrun passes the one it gets on
 to its workers) stops the run: every process finishes its step, or drops the evaluation under way, the
@@ -33,8 +36,10 @@ from .. import distributed as dist_utils
 from .attention import apply_attention
 from .backbone import backbone_stride
 from .backbone_cache import pretrained_backbone, wants_pretraining
+from .backbone_weights import resolve_backbone_weights
 from ..checkpoint_io import check_same_args
-from .checkpoint import load_checkpoint, load_pretrained, rng_state, save_atomic, set_rng_state
+from .checkpoint import (check_pretrained_attention, load_checkpoint, load_pretrained, rng_state, save_atomic,
+                         set_rng_state)
 from .distill import DistillationCriterion, build_teacher
 from .config import parse_args
 from .datasets import build_dataset
@@ -152,6 +157,7 @@ def main(argv=None):
     'stopped_at': (epoch, batches done) when a signal stopped it, else None}."""
     args = parse_args(argv)
     check_conversion_args(args)
+    check_pretrained_attention(args)
     if args.eval and not (args.resume or args.pretrained):
         raise ValueError("--eval evaluates trained weights: pass --resume (a checkpoint of this trainer) or --pretrained "
                          "(a DETR checkpoint); without one it would score a random model")
@@ -168,6 +174,7 @@ def main(argv=None):
     out_dir.mkdir(parents=True, exist_ok=True)
     seed_everything(args.seed + rank)
 
+    resolve_backbone_weights(args)  # a ResNet's ImageNet weights, fetched now: offline, stop before anything is built
     prepare_data_args(args)
     if wants_pretraining(args):
         args.backbone_weights = str(pretrained_backbone(args))
