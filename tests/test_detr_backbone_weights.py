@@ -7,7 +7,8 @@ import pytest
 import torch
 import torchvision
 
-from linear_mha.integrations.detr import backbone_weights, distributed as dist_utils
+from linear_mha.integrations import distributed as dist_utils
+from linear_mha.integrations.detr import backbone_weights
 from linear_mha.integrations.detr.backbone_weights import WeightsUnavailable, fetch_on_main_first, imagenet_weights
 from linear_mha.integrations.detr.config import parse_args
 from linear_mha.integrations.detr.detr import build_model

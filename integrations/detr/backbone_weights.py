@@ -15,7 +15,7 @@ import torch
 import torchvision
 
 from ..checkpoint_io import safe_load
-from . import distributed as dist_utils
+from .. import distributed as dist_utils
 
 IMAGENET = "imagenet"
 RANDOM = "none"
