@@ -14,6 +14,7 @@ COMMANDS = {  # command -> module (setup.cfg's console_scripts name these functi
     "linear-mha-patch-model": "linear_mha.tools.patch_model",
     "linear-mha-calibrate-bench": "linear_mha.tools.calibrate_bench",
     "linear-mha-train-lm": "linear_mha.tools.train_lm",
+    "linear-mha-mqar": "linear_mha.tools.mqar",
 }
 
 
@@ -33,3 +34,4 @@ benchmark = _command(COMMANDS["linear-mha-benchmark"])
 patch_model = _command(COMMANDS["linear-mha-patch-model"])
 calibrate_bench = _command(COMMANDS["linear-mha-calibrate-bench"])
 train_lm = _command(COMMANDS["linear-mha-train-lm"])
+mqar = _command(COMMANDS["linear-mha-mqar"])

@@ -26,7 +26,6 @@ fresh process (tools/measure.py).
 import argparse
 import json
 import platform
-import re
 import statistics
 import sys
 import tempfile
@@ -46,6 +45,7 @@ from linear_mha.integrations.detr.transforms import feature_tokens, resized_hw
 from linear_mha import TokenGrid, method_class
 
 from . import measure
+from .variant_names import split_variant
 
 VARIANTS = {"linformer-shared": ["--attention", "linformer", "--param-sharing", "layerwise", "--proj-k", "64"]}
 # DETR and the trainer's default Linear-DETR, spelled as variant names
@@ -54,18 +54,15 @@ DEFAULT_VARIANTS = ["softmax", f"{RECOMMENDED}-dwc{RECOMMENDED_DWC_KERNEL}:{','.
 
 def variant_args(name: str) -> list:
     """Trainer options of a variant: '<method or named variant>[-dwc<K>][:<option>=<value>,...]'."""
-    base, _, options = name.partition(":")
-    local = re.fullmatch(r"(.+)-dwc(\d+)", base)
-    if local:
-        base = local.group(1)
+    base, dwc_kernel, options = split_variant(name)
     if base in VARIANTS:
         args = list(VARIANTS[base])
     else:
         method_class(base)  # an unknown method raises, listing the registered ones
         args = ["--attention", base]
-    if local:
-        args += ["--dwc-kernel", local.group(2)]
-    for option in filter(None, options.split(",")):
+    if dwc_kernel is not None:
+        args += ["--dwc-kernel", str(dwc_kernel)]
+    for option in options:
         args += ["--attention-option", option]
     return args
 

@@ -33,14 +33,14 @@ def parse_targets(text):
     return [n for n in TARGETS if n in names]
 
 
-def parse_attention_options(items):
+def parse_attention_options(items, flag="--attention-option"):
     """['proj_k=64', 'feature_map=relu'] -> {'proj_k': 64, 'feature_map': 'relu'}: values are Python literals where
-    they parse as one, else strings."""
+    they parse as one, else strings. ``flag`` names where the items came from in an error."""
     options = {}
     for item in items or ():
         name, sep, text = item.partition("=")
         if not sep or not name.strip().isidentifier():
-            raise ValueError(f"--attention-option {item!r}: expected NAME=VALUE, e.g. proj_k=64")
+            raise ValueError(f"{flag} {item!r}: expected NAME=VALUE, e.g. proj_k=64")
         try:
             value = ast.literal_eval(text.strip())
         except (ValueError, SyntaxError):

@@ -1,0 +1,114 @@
+"""MQAR (tools/mqar.py, tools/mqar_data.py): the sequences are Zoology's task, a run leaves its record and a rerun
+reuses it, and settings that cannot make the task are refused naming the option."""
+import json
+
+import pytest
+import torch
+
+from linear_mha.tools import mqar
+from linear_mha.tools.mqar_data import IGNORE, mqar_examples
+
+VOCAB, SEQ, PAIRS = 64, 32, 4
+
+
+@pytest.fixture(scope="module")
+def examples():
+    return mqar_examples(VOCAB, SEQ, PAIRS, 300, seed=0)
+
+
+def test_keys_and_values_come_from_disjoint_halves_of_the_vocabulary(examples):
+    x, _ = examples
+    keys, values = x[:, 0:2 * PAIRS:2], x[:, 1:2 * PAIRS:2]
+    assert ((keys >= 1) & (keys < VOCAB // 2)).all()  # token 0 is never a key
+    assert ((values >= VOCAB // 2) & (values < VOCAB)).all()
+    for row_keys, row_values in zip(keys.tolist(), values.tolist()):
+        assert len(set(row_keys)) == PAIRS and len(set(row_values)) == PAIRS  # a key binds one value
+
+
+def test_each_query_targets_the_value_bound_earlier_and_comes_after_the_pairs(examples):
+    x, y = examples
+    for row_x, row_y in zip(x.tolist(), y.tolist()):
+        bound = dict(zip(row_x[0:2 * PAIRS:2], row_x[1:2 * PAIRS:2]))
+        queries = [t for t, target in enumerate(row_y) if target != IGNORE]
+        assert min(queries) >= 2 * PAIRS  # no query before (or among) its pairs
+        assert all((t - 2 * PAIRS) % 2 == 0 for t in queries)  # in the slots: even offsets of the query region
+        # the input at a query is a key and its next-token target the value bound to that key, every key asked once
+        assert sorted(row_x[t] for t in queries) == sorted(bound)
+        assert all(row_y[t] == bound[row_x[t]] for t in queries)
+
+
+def test_every_position_but_the_queries_is_ignored(examples):
+    _, y = examples
+    assert ((y != IGNORE).sum(dim=1) == PAIRS).all()
+    assert (y[:, :2 * PAIRS] == IGNORE).all()
+
+
+def test_query_placement_is_deterministic_under_a_seed_and_follows_the_power_law():
+    first, again, other = (mqar_examples(1024, 64, 8, 2000, seed) for seed in (5, 5, 6))
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    assert not torch.equal(first[1], other[1])
+
+    def slot_frequency(power_a):  # how often each of the 24 slots holds a query
+        _, y = mqar_examples(1024, 64, 8, 2000, 0, power_a=power_a)
+        return (y[:, 16::2] != IGNORE).float().mean(dim=0)
+
+    zoology, uniform = slot_frequency(0.01), slot_frequency(1.0)
+    assert zoology[0] > 0.9 and zoology[-1] < 0.25  # near slots far likelier (weights i ** -0.99)
+    assert 0.25 < uniform[0] < 0.42 and 0.25 < uniform[-1] < 0.42  # power_a = 1: 8 of 24 slots, evenly
+
+
+def test_settings_that_cannot_make_the_task_name_the_argument():
+    with pytest.raises(ValueError, match="seq_len 16 is too short for 8 key-value pairs"):
+        mqar_examples(1024, 16, 8, 4, 0)
+    with pytest.raises(ValueError, match="vocab_size 16 is too small for 8 key-value pairs"):
+        mqar_examples(16, 64, 8, 4, 0)
+    with pytest.raises(ValueError, match="--seq-lens 16 is too short"):
+        mqar.main(["--seq-lens", "64", "16", "--kv-pairs", "8"])
+    with pytest.raises(ValueError, match="--kv-pairs 16 is too short"):
+        mqar.main(["--kv-pairs", "64:8", "16:8"])
+    with pytest.raises(ValueError, match="--vocab 16 is too small"):
+        mqar.main(["--vocab", "16"])
+    with pytest.raises(ValueError, match="--seq-lens and seq_len:pairs"):
+        mqar.main(["--seq-lens", "64", "--kv-pairs", "64:8"])
+    with pytest.raises(ValueError, match="--methods 'kernal'.*did you mean 'kernel'"):
+        mqar.main(["--methods", "kernal"])
+    with pytest.raises(ValueError, match="--methods 'efficient'.*no causal form"):
+        mqar.main(["--methods", "efficient"])
+    with pytest.raises(ValueError, match="--methods 'kernel-dwc5'.*-dwc3"):
+        mqar.main(["--methods", "kernel-dwc5"])
+
+
+def test_method_names_take_options_and_the_local_convolution():
+    method = mqar.parse_method("kernel-dwc3:feature_map=relu", dim=16, heads=2)
+    assert (method.mode, method.options, method.local_conv) == ("kernel", {"feature_map": "relu"}, True)
+    model = mqar.RecallModel(method, VOCAB, SEQ, dim=16, depth=1, heads=2)
+    layers = [m for m in model.modules() if isinstance(m, mqar.SelfAttention)]
+    assert layers and all(layer.conv is not None and layer.global_method.feature_map == "relu" for layer in layers)
+
+
+TINY = ["--methods", "kernel", "--seq-lens", str(SEQ), "--kv-pairs", str(PAIRS), "--vocab", str(VOCAB), "--dim", "16",
+        "--depth", "1", "--heads", "2", "--steps", "4", "--batch-size", "8", "--train-examples", "32",
+        "--test-examples", "16", "--eval-every", "2", "--log-every", "1", "--no-progress"]
+
+
+def test_a_run_writes_its_record_and_log_and_a_rerun_skips_it(tmp_path, monkeypatch):
+    out, records = tmp_path / "mqar", tmp_path / "results" / "mqar.json"
+    first = mqar.main(TINY + ["--out", str(out), "--json", str(records)])
+    run_dir = out / "kernel" / f"seq{SEQ}_kv{PAIRS}" / "seed0"
+    record = json.loads((run_dir / "record.json").read_text())
+    assert {"method": "kernel", "seed": 0, "seq_len": SEQ, "num_kv_pairs": PAIRS, "steps": 4, "lr": 1e-3}.items() \
+        <= record.items()
+    assert 0.0 <= record["acc"] <= 1.0 and record["seconds"] > 0 and record["torch"] == torch.__version__
+    assert record["machine"]
+    log = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+    assert [entry["step"] for entry in log] == [1, 2, 3, 4] and all("loss" in entry for entry in log)
+    assert [entry["step"] for entry in log if "acc" in entry] == [2, 4] and log[-1]["acc"] == record["acc"]
+    assert json.loads(records.read_text())["records"] == [record] and (out / "mqar.png").stat().st_size > 0
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a run with a record was trained again")
+    monkeypatch.setattr(mqar, "train_run", no_training)
+    again = mqar.main(TINY + ["--out", str(out)])
+    assert again["records"] == first["records"] and again["summary"] == first["summary"]
+    with pytest.raises(ValueError, match="--steps 4.*--steps 5"):  # a record of other settings is not reused
+        mqar.main(TINY + ["--out", str(out), "--steps", "5"])

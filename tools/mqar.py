@@ -1,0 +1,358 @@
+#!/usr/bin/env python
+"""Multi-query associative recall (MQAR, Zoology: Arora, Eyuboglu et al. 2023): can a causal LM whose global heads
+run a given method recall, at each query, the value bound to a key earlier in the sequence? Exact softmax attention
+(``softmax``) is the ceiling; a linear method holds the whole context in a fixed-size state and may not.
+
+    linear-mha-mqar                                   # softmax and kernel, sequence 64 with 8 pairs, seed 0
+    linear-mha-mqar --methods softmax kernel focused hedgehog:window=16 kernel-dwc3 --kv-pairs 64:8 128:16 256:32 \\
+        --seeds 0 1 2 --threads 1 --out runs/mqar --json docs/results/mqar.json
+
+Data (tools/mqar_data.py): --train-examples sequences for training (drawn from the run's seed) and a held-out set of
+--test-examples (its own seed, the same for every run of a task). Model: ``linear_mha.lm``'s causal
+LinearAttentionTransformerLM of --vocab tokens, width --dim, --depth layers of --heads heads, learned positions, every
+head global and running the method. Methods are named as in detr_compare, '<method>[-dwc3][:option=value,...]':
+a registry method (any with a causal form), '-dwc3' adding the LM's local term (``local_conv``: a causal 3-tap
+depthwise convolution of the values beside attention), options going to the method. Training: AdamW (--lr,
+--weight-decay), a linear warm-up over the first 2% of --steps then a cosine decay to 0, gradients clipped at 1, the
+cross-entropy of the query positions only. Score: recall accuracy, the fraction of the test set's query positions
+whose most likely next token is the bound value.
+
+Every (method, seq_len, pairs, seed) run lives in OUT/<method>/seq<L>_kv<P>/seed<S>/: log.jsonl (step, training
+loss, learning rate, seconds; the test accuracy every --eval-every steps) as it trains, and record.json when it is
+done. A later call skips every run that has its record (refusing one written with other settings), so an
+interrupted grid continues where it stopped (a run cut short starts over). At the end: a table of accuracy (mean
+± std over seeds) per method and task, OUT/mqar.png (accuracy against sequence length per method), and
+OUT/results.json (with --json, also there): the records, each with steps, lr, seconds, machine and torch version.
+"""
+import argparse
+import json
+import math
+import platform
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from linear_mha.integrations.checkpoint_io import check_same_args, write_text_atomic
+from linear_mha.integrations.console import HelpFormatter, banner, choose_threads, duration
+from linear_mha.integrations.detr.attention import parse_attention_options
+from linear_mha.lm import LinearAttentionTransformerLM
+from linear_mha.lm.self_attention import SelfAttention
+from linear_mha.progress import progress_bar
+from linear_mha.registry import method_class
+
+from .measure import cpu_name
+from .mqar_data import IGNORE, POWER_A, check_task, mqar_examples
+from .variant_names import split_variant
+
+LOCAL_CONV_TAPS = 3  # SelfAttention's local_conv: a fixed 3-tap causal depthwise convolution
+TEST_DATA_SEED = 1   # odd: never the seed of a training set (2 x the run's seed)
+# Settings that change a run's result: a record written with others is refused, not reused
+RUN_SETTINGS = ("method", "vocab", "dim", "depth", "heads", "steps", "batch_size", "lr", "weight_decay",
+                "train_examples", "test_examples", "power_a")
+
+
+class Method(NamedTuple):
+    name: str        # as written in --methods: the runs' label
+    mode: str        # the registry method of the global heads
+    options: dict    # its options
+    local_conv: bool
+
+
+def parse_method(name: str, dim: int, heads: int) -> Method:
+    """A --methods entry checked by building the attention layer it names: an unknown method or option, or a method
+    without a causal form, raises ValueError naming the entry (and the layer's reason, from the registry)."""
+    mode, dwc_kernel, items = split_variant(name)
+    if dwc_kernel not in (None, LOCAL_CONV_TAPS):
+        raise ValueError(f"--methods {name!r}: the LM's local term (local_conv) is a causal convolution of "
+                         f"{LOCAL_CONV_TAPS} taps; write -dwc{LOCAL_CONV_TAPS} or leave it out")
+    options = parse_attention_options(items, flag=f"--methods {name!r}:")
+    try:
+        SelfAttention(dim, heads=heads, causal=True, local_conv=dwc_kernel is not None, global_mode=mode,
+                      global_options=options)
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"--methods {name!r}: {err}") from None
+    return Method(name, mode, options, dwc_kernel is not None)
+
+
+def task_grid(seq_lens, kv_pairs, vocab):
+    """[(seq_len, pairs)]: --kv-pairs counts crossed with --seq-lens (default 64), or --kv-pairs items 'L:P'."""
+    explicit = [item for item in kv_pairs if ":" in item]
+    if explicit:
+        if len(explicit) != len(kv_pairs):
+            raise ValueError(f"--kv-pairs {' '.join(kv_pairs)}: give pair counts (crossed with --seq-lens) or "
+                             f"seq_len:pairs items, not both")
+        if seq_lens is not None:
+            raise ValueError("--seq-lens and seq_len:pairs items in --kv-pairs both set the lengths; give one")
+        if not all(re.fullmatch(r"\d+:\d+", item) for item in kv_pairs):
+            raise ValueError(f"--kv-pairs {' '.join(kv_pairs)}: expected seq_len:pairs items such as 64:8 128:16")
+        tasks, seq_name = [tuple(int(v) for v in item.split(":")) for item in kv_pairs], "--kv-pairs"
+    else:
+        if not all(item.isdigit() for item in kv_pairs):
+            raise ValueError(f"--kv-pairs {' '.join(kv_pairs)}: expected pair counts such as 8 16, or seq_len:pairs")
+        tasks, seq_name = [(seq_len, int(p)) for seq_len in (seq_lens or [64]) for p in kv_pairs], "--seq-lens"
+    for seq_len, pairs in tasks:
+        check_task(vocab, seq_len, pairs, names=("--vocab", seq_name, "--kv-pairs"))
+    return list(dict.fromkeys(tasks))
+
+
+class RecallModel(nn.Module):
+    """``linear_mha.lm``'s causal LM up to its normalised hidden states, then the next-token head (the LM's own:
+    LayerNorm, then Linear) applied only where a target is scored: at width 64 projecting every position onto the
+    vocabulary costs about as much as the layers, and 7 positions in 8 have no target."""
+
+    def __init__(self, method: Method, vocab: int, seq_len: int, dim: int, depth: int, heads: int):
+        super().__init__()
+        self.lm = LinearAttentionTransformerLM(vocab, dim, depth, seq_len, heads=heads, dim_head=dim // heads,
+                                               causal=True, return_embeddings=True, global_mode=method.mode,
+                                               global_options=method.options, local_conv=method.local_conv)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens, targets):
+        """tokens, targets (B, N) -> logits (Q, vocab) at the Q query positions, and their targets (Q,)."""
+        hidden = self.lm(tokens)  # (B, N, dim), normalised
+        scored = targets != IGNORE
+        return self.head(hidden[scored]), targets[scored]
+
+
+def shuffled_batches(count: int, batch_size: int, gen: torch.Generator):
+    """Index batches (batch_size,) over a fresh permutation of the training set each epoch; endless."""
+    while True:
+        order = torch.randperm(count, generator=gen)
+        for start in range(0, count - batch_size + 1, batch_size):
+            yield order[start:start + batch_size]
+
+
+def learning_rate(step: int, steps: int, peak: float) -> float:
+    """Linear warm-up over the first 2% of the steps, then a cosine decay to 0 (step counts from 0)."""
+    warmup = max(1, steps // 50)
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+
+@torch.no_grad()
+def recall_accuracy(model, inputs, targets, batch_size: int, device) -> float:
+    """Fraction of the query positions of (inputs, targets) (M, N) whose most likely next token is the target."""
+    model.eval()
+    right = total = 0
+    for start in range(0, len(inputs), batch_size):
+        logits, wanted = model(inputs[start:start + batch_size].to(device, torch.long),
+                               targets[start:start + batch_size].to(device, torch.long))
+        right += int((logits.argmax(-1) == wanted).sum())
+        total += wanted.numel()
+    model.train()
+    return right / total
+
+
+def run_settings(args, method: Method) -> dict:
+    return {"method": method.name, "vocab": args.vocab, "dim": args.dim, "depth": args.depth, "heads": args.heads,
+            "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "weight_decay": args.weight_decay,
+            "train_examples": args.train_examples, "test_examples": args.test_examples, "power_a": POWER_A}
+
+
+def train_run(args, method: Method, seq_len: int, pairs: int, seed: int, run_dir: Path, device) -> dict:
+    """Train one model on one task from scratch; the log goes to run_dir/log.jsonl. Returns the run's record."""
+    start = time.time()
+    train_x, train_y = mqar_examples(args.vocab, seq_len, pairs, args.train_examples, 2 * seed)
+    test_x, test_y = mqar_examples(args.vocab, seq_len, pairs, args.test_examples, TEST_DATA_SEED)
+    torch.manual_seed(seed)
+    model = RecallModel(method, args.vocab, seq_len, args.dim, args.depth, args.heads).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    batches = shuffled_batches(args.train_examples, args.batch_size, torch.Generator().manual_seed(seed))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    bar = progress_bar(total=args.steps, disable=args.no_progress, desc=f"{method.name} L{seq_len} kv{pairs} s{seed}")
+    losses, acc = [], None
+    with open(run_dir / "log.jsonl", "w") as log:  # a run cut short starts over, and so does its log
+        for step in range(1, args.steps + 1):
+            lr = learning_rate(step - 1, args.steps, args.lr)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            index = next(batches)
+            logits, wanted = model(train_x[index].to(device, torch.long), train_y[index].to(device, torch.long))
+            loss = F.cross_entropy(logits, wanted)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            losses.append(loss.item())
+            bar.update(1)
+            evaluate = step % args.eval_every == 0 or step == args.steps
+            if evaluate or step % args.log_every == 0:
+                entry = {"step": step, "loss": statistics.mean(losses), "lr": lr, "seconds": time.time() - start}
+                losses = []
+                if evaluate:
+                    acc = entry["acc"] = recall_accuracy(model, test_x, test_y, 4 * args.batch_size, device)
+                    bar.set_postfix(loss=f"{entry['loss']:.3f}", acc=f"{acc:.3f}")
+                log.write(json.dumps(entry) + "\n")
+                log.flush()
+    bar.close()
+    return {**run_settings(args, method), "seed": seed, "seq_len": seq_len, "num_kv_pairs": pairs, "acc": acc,
+            "params": sum(p.numel() for p in model.parameters()), "seconds": time.time() - start,
+            "machine": machine(device), "torch": torch.__version__, "device": str(device)}
+
+
+def machine(device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{platform.processor() or platform.machine()} ({cpu_name()}), {torch.get_num_threads()} threads"
+
+
+def run_dir_of(out, method: Method, seq_len: int, pairs: int, seed: int) -> Path:
+    # the method name as a folder name: ':' and ',' (options) become '_'
+    return Path(out) / re.sub(r"[^\w.=+-]", "_", method.name) / f"seq{seq_len}_kv{pairs}" / f"seed{seed}"
+
+
+def run_grid(args, methods, tasks, device):
+    """Every (method, task, seed) run's record: read where it exists (with the same settings), else trained."""
+    runs = [(method, seq_len, pairs, seed) for method in methods for seq_len, pairs in tasks for seed in args.seeds]
+    records = []
+    for number, (method, seq_len, pairs, seed) in enumerate(runs, start=1):
+        run_dir = run_dir_of(args.out, method, seq_len, pairs, seed)
+        record_path = run_dir / "record.json"
+        label = f"[{number}/{len(runs)}] {method.name}, seq {seq_len}, {pairs} pairs, seed {seed}"
+        if record_path.exists():
+            record = json.loads(record_path.read_text())
+            check_same_args(record, run_settings(args, method), RUN_SETTINGS, "--out", record_path)
+            print(f"{label}: done before (accuracy {record['acc']:.4f}), skipped", file=sys.stderr)
+        else:
+            print(f"{label}: training", file=sys.stderr)
+            record = train_run(args, method, seq_len, pairs, seed, run_dir, device)
+            write_text_atomic(record_path, json.dumps(record, indent=1))
+            print(f"{label}: accuracy {record['acc']:.4f} in {duration(record['seconds'])}", file=sys.stderr)
+        records.append(record)
+    return records
+
+
+def summarize(records, methods):
+    """Accuracy mean and sample std over seeds per (method, seq_len, pairs), in the order of the runs."""
+    exact = {m.name: method_class(m.mode).exact for m in methods}
+    summary = []
+    for method, seq_len, pairs in dict.fromkeys((r["method"], r["seq_len"], r["num_kv_pairs"]) for r in records):
+        accs = [r["acc"] for r in records if (r["method"], r["seq_len"], r["num_kv_pairs"]) == (method, seq_len, pairs)]
+        summary.append({"method": method, "exact": exact[method], "seq_len": seq_len, "num_kv_pairs": pairs,
+                        "acc": statistics.mean(accs), "acc_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
+                        "seeds": len(accs)})
+    return summary
+
+
+def print_table(summary):
+    print("method | seq_len | kv pairs | recall accuracy (mean ± std over seeds) | seeds")
+    print("--- | --- | --- | --- | ---")
+    for row in summary:
+        name = row["method"] + (" (exact)" if row["exact"] else "")
+        print(f"{name} | {row['seq_len']} | {row['num_kv_pairs']} | {row['acc']:.4f} ± {row['acc_std']:.4f} | "
+              f"{row['seeds']}")
+
+
+def plot(summary, path):
+    """Accuracy against sequence length, a line per method (per method and pair count when a length has several)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    several = any(len({r["num_kv_pairs"] for r in summary if r["seq_len"] == row["seq_len"]}) > 1 for row in summary)
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for line in dict.fromkeys((r["method"], r["num_kv_pairs"] if several else None) for r in summary):
+        rows = sorted((r for r in summary if (r["method"], r["num_kv_pairs"] if several else None) == line),
+                      key=lambda r: r["seq_len"])
+        label = line[0] if line[1] is None else f"{line[0]}, {line[1]} pairs"
+        ax.errorbar([r["seq_len"] for r in rows], [r["acc"] for r in rows], yerr=[r["acc_std"] for r in rows],
+                    marker="o", capsize=3, label=label)
+    lengths = sorted({r["seq_len"] for r in summary})
+    pairs_of = {r["seq_len"]: r["num_kv_pairs"] for r in summary}
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [str(n) if several else f"{n}\n({pairs_of[n]} pairs)" for n in lengths])
+    ax.set(xlabel="sequence length", ylabel="recall accuracy (held-out, ±1 std over seeds)", ylim=(0, 1.02),
+           title="MQAR: multi-query associative recall")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m linear_mha.tools.mqar", description=__doc__,
+                                formatter_class=HelpFormatter)
+    p.add_argument("--methods", nargs="+", default=["softmax", "kernel"],
+                   help="registry methods of the global heads: '<method>[-dwc3][:option=value,...]'")
+    p.add_argument("--seq-lens", type=int, nargs="+", help="sequence lengths, crossed with --kv-pairs (default: 64)")
+    p.add_argument("--kv-pairs", nargs="+", default=["8"],
+                   help="key-value pairs per sequence, or seq_len:pairs items (e.g. 64:8 128:16 256:32)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run per seed: initialisation and data")
+    p.add_argument("--vocab", type=int, default=1024, help="tokens; keys the lower half, values the upper")
+    p.add_argument("--dim", type=int, default=64, help="model width")
+    p.add_argument("--depth", type=int, default=2, help="layers")
+    p.add_argument("--heads", type=int, default=1, help="heads per layer, all global (Zoology's attention has 1)")
+    p.add_argument("--steps", type=int, default=4000, help="optimizer steps")
+    p.add_argument("--batch-size", type=int, default=64, help="sequences per step")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate")
+    p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (Zoology's)")
+    p.add_argument("--train-examples", type=int, default=100_000, help="training sequences per run (Zoology's)")
+    p.add_argument("--test-examples", type=int, default=3_000, help="held-out sequences scored (Zoology's)")
+    p.add_argument("--eval-every", type=int, default=500, help="steps between test accuracies in the log")
+    p.add_argument("--log-every", type=int, default=50, help="steps between training-loss entries in the log")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; the free cores on a shared "
+                                               "machine)")
+    p.add_argument("--out", default="runs/mqar", help="run folders, results.json and mqar.png")
+    p.add_argument("--json", help="also write the results (records and summary) to this file")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    check_args(args)
+    return args
+
+
+def check_args(args):
+    """Clear errors, naming the option, for settings that would fail deep inside or train on nothing."""
+    for name in ("vocab", "dim", "depth", "heads", "steps", "batch_size", "train_examples", "test_examples",
+                 "eval_every", "log_every"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not args.lr > 0 or args.weight_decay < 0:
+        raise ValueError(f"--lr must be > 0 and --weight-decay >= 0, got {args.lr} and {args.weight_decay}")
+    if args.dim % args.heads:
+        raise ValueError(f"--dim ({args.dim}) must be divisible by --heads ({args.heads})")
+    if args.train_examples < args.batch_size:
+        raise ValueError(f"--train-examples ({args.train_examples}) must hold one batch of --batch-size "
+                         f"({args.batch_size})")
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    tasks = task_grid(args.seq_lens, args.kv_pairs, args.vocab)
+    methods = [parse_method(name, args.dim, args.heads) for name in dict.fromkeys(args.methods)]
+    threads = choose_threads(args.threads)
+    device = torch.device(args.device)
+    banner("MQAR: multi-query associative recall", {
+        "methods": ", ".join(m.name for m in methods),
+        "tasks": ", ".join(f"seq {n} / {p} pairs" for n, p in tasks) + f"; seeds {' '.join(map(str, args.seeds))}",
+        "model": f"vocab {args.vocab}, width {args.dim}, {args.depth} layers of {args.heads} head(s)",
+        "schedule": f"{args.steps} steps of {args.batch_size} sequences, lr {args.lr}; {args.train_examples:,} "
+                    f"training / {args.test_examples:,} test sequences",
+        "device": f"{device}, threads {threads}",
+        "output": f"{args.out}/ (a folder per run, results.json, mqar.png)"}, stream=sys.stderr)
+    records = run_grid(args, methods, tasks, device)
+    summary = summarize(records, methods)
+    print_table(summary)
+    results = {"command": "python -m linear_mha.tools.mqar " + " ".join(argv), "machine": machine(device),
+               "torch": torch.__version__, "device": str(device), "records": records, "summary": summary}
+    out = Path(args.out)
+    write_text_atomic(out / "results.json", json.dumps(results, indent=1))
+    plot(summary, out / "mqar.png")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(args.json, json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()
