@@ -59,6 +59,10 @@ class AttentionAdapter:
                     output_gate: bool = False) -> None:
         """Hold ``method`` (``registry.create_method``), register its state, the local term of ``dwc_kernel`` and the
         ``output_gate``."""
+        if dwc_kernel is not None and not method.bidirectional:
+            raise ValueError(f"dwc_kernel mixes neighbouring tokens over an image grid in every direction, and "
+                             f"mode={method.name!r} is causal only: build the module without dwc_kernel, or with a "
+                             f"method that attends the whole sequence")
         self.method, self.method_heads = method, (num_heads, head_dim)
         method.install(self, num_heads, head_dim, factory_kwargs)
         install_local_term(self, num_heads * head_dim, dwc_kernel, factory_kwargs)

@@ -11,7 +11,7 @@ from . import masks
 from .functional.packed_heads import split_heads
 from .local_term import check_dwc_kernel
 from .output_gate import check_output_gate
-from .registry import AttentionMethod, causal_methods, method_class
+from .registry import AttentionMethod, causal_methods, causal_only_message, method_class
 from .token_grid import NO_GRID, TokenGrid, check_traced_grid
 
 MODULE_OPTIONS = ("dwc_kernel", "output_gate")  # options of the attention modules themselves, for every method
@@ -99,6 +99,8 @@ def attend_heads(method: AttentionMethod, state: Mapping[str, Optional[Tensor]],
                                  f"build the module without the option that needs the whole sequence")
             raise ValueError(f"mode={method.name!r} has no causal form (its keys are mixed across the sequence); "
                              f"causal attention is supported by modes {causal_methods()}")
+        if not causal and not method.bidirectional:
+            raise ValueError(causal_only_message(method.name))
         if causal and L != S:
             raise ValueError(f"causal attention needs as many queries as keys, got L={L}, S={S}")
         kwargs.update(key_padding_mask=key_padding_mask, causal=causal)

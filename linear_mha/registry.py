@@ -87,7 +87,8 @@ class AttentionMethod:
 
     Masks. Every method must honour key padding exactly: a masked key adds nothing to any output or gradient.
     ``causal = True`` declares a causal form (``attend(..., causal=True)``: query i sees keys j <= i, never later
-    ones). ``any_mask = True`` declares that the method applies any ``attn_mask`` exactly, additive float biases
+    ones); ``bidirectional = False`` declares that it has no other (a state run along the sequence in order: the
+    non-causal call is refused). ``any_mask = True`` declares that the method applies any ``attn_mask`` exactly, additive float biases
     included: such a method receives the masks combined into ``attn_bias`` and never ``key_padding_mask`` or
     ``causal``. Anything a method does not declare is refused before it is called, with an error naming the
     methods that support it.
@@ -96,6 +97,7 @@ class AttentionMethod:
     name: ClassVar[str] = ""
     options: ClassVar[Mapping[str, Option]] = {}
     causal: ClassVar[bool] = False           # has a causal form
+    bidirectional: ClassVar[bool] = True     # has a non-causal form (False: causal only, a state run in order)
     any_mask: ClassVar[bool] = False         # applies any attn_mask / additive bias exactly (exact softmax)
     returns_weights: ClassVar[bool] = False  # can return the (B, H, L, S) weights: implements attend_with_weights
     extra_keys: ClassVar[bool] = False       # handles add_bias_kv / add_zero_attn keys (``extra_keys=(k, v)``)
@@ -363,6 +365,18 @@ def method_presets(linear_only: bool = True, variants: bool = False) -> Dict[str
 
 def causal_methods() -> Tuple[str, ...]:
     return tuple(name for name, cls in _METHODS.items() if cls.causal)
+
+
+def bidirectional_methods() -> Tuple[str, ...]:
+    """The methods with a non-causal form: every query sees every key."""
+    return tuple(name for name, cls in _METHODS.items() if cls.bidirectional)
+
+
+def causal_only_message(name: str) -> str:
+    """Why a causal-only method refuses a non-causal call, and what to do instead."""
+    return (f"mode={name!r} is causal only (its state runs along the sequence in order): call it with "
+            f"is_causal=True (or a causal attn_mask); for attention over the whole sequence use one of "
+            f"{bidirectional_methods()}")
 
 
 def _unknown_options_message(cls, unknown) -> str:

@@ -7,9 +7,12 @@ BUILT_IN = linear_mha.available_methods()  # at collection, before any test regi
 # Methods that attend over an image's token grid (agent) need one in every call: the generic checks below run on
 # plain sequences, and the checks that take VARIANTS give them a grid (``grid_for``).
 GRID = [m for m in BUILT_IN if linear_mha.method_class(m).needs_grid]
-SEQUENCE = [m for m in BUILT_IN if m not in GRID]
+# Causal-only methods (a state run along the sequence in order) refuse non-causal calls: the generic checks over
+# SEQUENCE run non-causal, so they join only the causal lists below.
+CAUSAL_ONLY = [m for m in BUILT_IN if not linear_mha.method_class(m).bidirectional]
+SEQUENCE = [m for m in BUILT_IN if m not in GRID and m not in CAUSAL_ONLY]
 LINEAR = [m for m in SEQUENCE if not linear_mha.method_class(m).exact]
-LINEAR_CAUSAL = [m for m in LINEAR if linear_mha.method_class(m).causal]
+LINEAR_CAUSAL = [m for m in LINEAR if linear_mha.method_class(m).causal] + CAUSAL_ONLY
 LINEAR_NON_CAUSAL = [m for m in LINEAR if not linear_mha.method_class(m).causal]
 
 
@@ -45,10 +48,12 @@ def method_of(options):
 # grid or for self-attention (rope, key_reweight) leaves its preset to ALL_VARIANTS' checks, which give both.
 VARIANTS = {name: options for name, options in _variants(SEQUENCE, False).items()  # "kernel_favor" -> {"mode": ...}
             if method_of(options).self_attention_only == method_of({"mode": options["mode"]}).self_attention_only}
-CAUSAL_VARIANTS = [name for name, options in VARIANTS.items() if method_of(options).causal]
 # Every preset and variant of every built-in method, grid methods included: the checks against each method's own
 # float64 reference run all of them.
 ALL_VARIANTS = _variants(BUILT_IN, True)
+CAUSAL_VARIANTS = ([name for name, options in VARIANTS.items() if method_of(options).causal]
+                   + [name for name, options in _variants(CAUSAL_ONLY, False).items()])
+BIDIRECTIONAL = [name for name, options in ALL_VARIANTS.items() if method_of(options).bidirectional]
 
 
 def needs_grid(options):
@@ -69,3 +74,9 @@ def grid_for(mode, tokens):
         return None
     height = max(f for f in range(1, int(tokens ** 0.5) + 1) if tokens % f == 0)
     return TokenGrid(height, tokens // height)
+
+
+def causal_if_required(module):
+    """The call's ``is_causal`` for a generic check that runs non-causal: True for a causal-only method (which
+    refuses anything else), nothing for the others."""
+    return {} if module.method.bidirectional else {"is_causal": True}

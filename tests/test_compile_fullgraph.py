@@ -27,7 +27,7 @@ def _attention_case(mode, mask, tokens=L):
         padding[1, tokens * 2 // 3:] = True
         kwargs["key_padding_mask"] = padding if mask == "bool padding" else torch.zeros(B, tokens).masked_fill(
             padding, float("-inf"))
-    if mask == "causal":
+    if mask == "causal" or not module.method.bidirectional:  # a causal-only method takes every mask causally
         kwargs.update(attn_mask=nn.Transformer.generate_square_subsequent_mask(tokens), is_causal=True)
 
     def attend(x):

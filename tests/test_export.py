@@ -30,7 +30,8 @@ class SelfAttention(nn.Module):
         self.grid = modes.grid_for(self.attn, tokens)
 
     def forward(self, x, key_padding_mask=None):
-        return self.attn(x, x, x, key_padding_mask=key_padding_mask, need_weights=False, token_grid=self.grid)[0]
+        return self.attn(x, x, x, key_padding_mask=key_padding_mask, need_weights=False, token_grid=self.grid,
+                         **modes.causal_if_required(self.attn))[0]
 
 
 def _inputs(tokens, seed, padded_rows):

@@ -15,7 +15,7 @@ N, E, H = 36, 32, 4
 EXTRAS = {"plain": {}, "gate": dict(output_gate=True), "local": dict(dwc_kernel=3)}
 WITH_EXTRAS = ("kernel", "softmax", "hedgehog", "linformer")  # the gate and the local term are one code for all
 CASES = [(name, causal, extra) for name in modes.ALL_VARIANTS for causal in (False, True) for extra in EXTRAS
-         if (not causal or name in modes.ALL_CAUSAL) and not (causal and extra == "local")
+         if (name in modes.ALL_CAUSAL if causal else name in modes.BIDIRECTIONAL) and not (causal and extra == "local")
          and (extra == "plain" or name in WITH_EXTRAS)]
 
 

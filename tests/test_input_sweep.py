@@ -33,7 +33,8 @@ def cases(draw):
     cls = method_class(options["mode"])
     L = draw(st.integers(1, 9))
     S = L if draw(st.booleans()) else draw(st.integers(1, 9))  # L != S often: refused where unsupported
-    return dict(name=name, options=options, causal=cls.causal and draw(st.booleans()), L=L, S=S,
+    causal = cls.causal and (not cls.bidirectional or draw(st.booleans()))  # causal-only methods: always
+    return dict(name=name, options=options, causal=causal, L=L, S=S,
                 batch=draw(st.integers(1, 3)), heads=draw(st.integers(1, 2)), head_dim=draw(st.integers(1, 4)),
                 mask=draw(st.sampled_from(MASKS)), dtype=draw(st.sampled_from(DTYPES[1:])),
                 contiguous=draw(st.booleans()), seed=draw(st.integers(0, 2 ** 16)))

@@ -40,7 +40,7 @@ def project(m, x, which):
     return y.reshape(y.shape[0], y.shape[1], m.num_heads, m.head_dim).permute(1, 2, 0, 3)
 
 
-REFERENCE_CASES = [(n, False) for n in modes.ALL_VARIANTS] + [(n, True) for n in modes.ALL_CAUSAL]
+REFERENCE_CASES = [(n, False) for n in modes.BIDIRECTIONAL] + [(n, True) for n in modes.ALL_CAUSAL]
 
 
 @pytest.mark.parametrize("name,causal", REFERENCE_CASES, ids=[f"{n}-{'causal' if c else 'full'}"
@@ -97,13 +97,14 @@ def test_padding_with_masked_garbage_changes_nothing_and_gets_no_gradient(name, 
     kpm = torch.zeros(B, 6, dtype=torch.bool)
     kpm[0, 4:] = True
     windowed = m.method.self_attention_only  # a sliding window needs self-attention
-    base, _ = m(mem if windowed else x, mem, mem, key_padding_mask=kpm, need_weights=False)
+    causal = modes.causal_if_required(m)
+    base, _ = m(mem if windowed else x, mem, mem, key_padding_mask=kpm, need_weights=False, **causal)
     garbage = torch.randn(3, B, E, generator=g, dtype=torch.float64) * 1e3
     if garbage_kind == "nonfinite":  # uninitialised padding: a masked key must contribute nothing, NaN included
         garbage[0], garbage[1, :, ::2], garbage[2] = float("nan"), float("inf"), float("-inf")
     padded = torch.cat([mem, garbage]).requires_grad_(True)
     kpm_padded = torch.cat([kpm, torch.ones(B, 3, dtype=torch.bool)], dim=1)
-    out, _ = m(padded if windowed else x, padded, padded, key_padding_mask=kpm_padded, need_weights=False)
+    out, _ = m(padded if windowed else x, padded, padded, key_padding_mask=kpm_padded, need_weights=False, **causal)
     if windowed:  # the padded queries' own rows are padding's (softmax computes them as torch does): left out
         out, base = (t.masked_fill(kpm.t()[:, :, None], 0.0) for t in (out[:6], base))
     torch.testing.assert_close(out, base, rtol=1e-9, atol=1e-9)
@@ -118,10 +119,10 @@ def test_samples_in_a_batch_do_not_mix(name):
     m = module(name)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(6, B, E, generator=g, dtype=torch.float64)
-    out, _ = m(x, x, x)
+    out, _ = m(x, x, x, **modes.causal_if_required(m))
     x2 = x.clone()
     x2[:, 2] += torch.randn(6, E, generator=g, dtype=torch.float64)
-    out2, _ = m(x2, x2, x2)
+    out2, _ = m(x2, x2, x2, **modes.causal_if_required(m))
     torch.testing.assert_close(out2[:, :2], out[:, :2], rtol=0, atol=0)
     assert not torch.allclose(out2[:, 2], out[:, 2])
 
@@ -192,7 +193,8 @@ class _LargestTensor(TorchDispatchMode):
 LINEAR = [name for name in MODES if name not in EXACT]
 
 
-@pytest.mark.parametrize("name,causal", [(n, False) for n in LINEAR] + [(n, True) for n in LINEAR if n in CAUSAL])
+@pytest.mark.parametrize("name,causal", [(n, False) for n in LINEAR if n in modes.BIDIRECTIONAL]
+                         + [(n, True) for n in LINEAR if n in CAUSAL])
 def test_default_need_weights_never_forms_an_l_by_s_matrix(name, causal):
     N = 2048  # large against every window a method keeps (block_local: 3 x 128 keys per query)
     m = LinearMultiheadAttention(E, HEADS, **modes.sized_variant(MODES[name], N))
@@ -266,7 +268,7 @@ def test_fully_masked_sample_gives_zero_attention_not_nan():
         x = torch.randn(4, 2, E, dtype=torch.float64)
         kpm = torch.zeros(2, 4, dtype=torch.bool)
         kpm[1] = True
-        out, _ = m(x, x, x, key_padding_mask=kpm)
+        out, _ = m(x, x, x, key_padding_mask=kpm, **modes.causal_if_required(m))
         torch.testing.assert_close(out[:, 1], m.out_proj.bias.expand(4, E).detach())
 
 
@@ -277,7 +279,8 @@ def test_gradcheck_through_the_module(name):
     x = torch.randn(5, 2, 4, generator=g, dtype=torch.float64, requires_grad=True)
     mem = torch.randn(5, 2, 4, generator=g, dtype=torch.float64, requires_grad=True)
     kpm = torch.tensor([[False] * 5, [False, False, False, True, True]])
-    assert torch.autograd.gradcheck(lambda a, b: m(a, b, b, key_padding_mask=kpm)[0], (x, mem))
+    causal = modes.causal_if_required(m)
+    assert torch.autograd.gradcheck(lambda a, b: m(a, b, b, key_padding_mask=kpm, **causal)[0], (x, mem))
 
 
 @pytest.mark.parametrize("native_on", [True, False])
@@ -290,7 +293,8 @@ def test_empty_batches_and_sequences_give_empty_or_zero_outputs(name, native_on,
     for dtype in (torch.float32, torch.float64):
         m = module(name, dtype=dtype, batch_first=True)
         for b, n_q, n_k in ((0, 5, 5), (2, 0, 5), (2, 5, 0), (2, 0, 0)):
-            causal_options = [False, True] if name in CAUSAL and n_q == n_k else [False]
+            causal_options = [c for c in ((False, True) if name in CAUSAL and n_q == n_k else (False,))
+                              if c or m.method.bidirectional] or [True]
             for causal, grad in ((c, g) for c in causal_options for g in (False, True)):
                 q = torch.randn(b, n_q, E, dtype=dtype, requires_grad=grad)
                 kv = torch.randn(b, n_k, E, dtype=dtype, requires_grad=grad)
@@ -323,7 +327,7 @@ def test_nonfinite_padding_reaches_no_parameter_gradient(name, self_attention):
     kpm[0, 4:] = True
     kpm[1, 5] = True
     x = mem if self_attention else torch.randn(6, B, E, generator=g, dtype=torch.float64)
-    out, _ = m(x, mem, mem, key_padding_mask=kpm, need_weights=False)
+    out, _ = m(x, mem, mem, key_padding_mask=kpm, need_weights=False, **modes.causal_if_required(m))
     valid = ~kpm.T if self_attention else torch.ones(6, B, dtype=torch.bool)
     out[valid].sum().backward()  # a loss on the valid positions, as a model with padding has
     assert torch.isfinite(out[valid]).all()

@@ -73,7 +73,13 @@ def module(mode, k=3, **kw):
     return m
 
 
-@pytest.mark.parametrize("mode", modes.BUILT_IN)
+def test_a_causal_only_method_refuses_the_local_term_when_built():
+    for mode in modes.CAUSAL_ONLY:
+        with pytest.raises(ValueError, match="dwc_kernel .* causal only"):
+            LinearMultiheadAttention(E, H, mode=mode, dwc_kernel=3)
+
+
+@pytest.mark.parametrize("mode", [m for m in modes.BUILT_IN if m not in modes.CAUSAL_ONLY])
 def test_the_local_term_is_added_to_every_methods_output(mode):  # grid methods too: the grid below serves both
     m = module(mode)
     x = torch.randn(2, 13, E, dtype=torch.float64)

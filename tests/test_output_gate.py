@@ -28,12 +28,13 @@ def test_the_gate_multiplies_every_methods_heads_by_two_sigmoid_of_the_queries(m
     m = gated_module(mode)
     x = torch.randn(2, 12, E, dtype=torch.float64)
     grid = modes.grid_for(m, 12)
-    gated, _ = m(x, x, x, need_weights=False, token_grid=grid)
+    causal = modes.causal_if_required(m)
+    gated, _ = m(x, x, x, need_weights=False, token_grid=grid, **causal)
     weight, bias = m.gate_weight, m.gate_bias
     m.gate_weight, m.gate_bias = None, None
     plain_heads = []
     m.out_proj.register_forward_pre_hook(lambda mod, args: plain_heads.append(args[0]))
-    m(x, x, x, need_weights=False, token_grid=grid)
+    m(x, x, x, need_weights=False, token_grid=grid, **causal)
     q = nn.functional.linear(x, m.in_proj_weight[:E], m.in_proj_bias[:E]).view(2, 12, H, E // H).transpose(1, 2)
     gate = 2 * torch.sigmoid(torch.einsum("bhld,hde->bhle", q, weight) + bias)
     heads = plain_heads[0].view(2, 12, H, E // H).transpose(1, 2) * gate

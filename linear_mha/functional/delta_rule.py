@@ -100,6 +100,11 @@ def delta_rule_attention(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_deca
     k, v, beta, log_decay = _masked_inputs(q, k, v, beta, log_decay, key_padding_mask)
     q, k, v, beta, log_decay = (x.to(dtype) for x in (q, k, v, beta, log_decay))
 
+    if length == 0:  # no position: nothing read, the state as it came
+        state = initial_state.to(dtype) if initial_state is not None else q.new_zeros(batch, heads, d_k, d_v)
+        out = v.new_zeros(batch, heads, 0, d_v).to(out_dtype) + 0 * q.sum()  # keeps q's graph for autograd
+        return (out, state) if output_final_state else out
+
     chunk = chunk_size or CHUNK
     chunks = -(-length // chunk)
     extra = chunks * chunk - length  # identity steps after the end (beta 0, no decay); their outputs are dropped

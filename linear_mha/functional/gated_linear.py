@@ -93,6 +93,11 @@ def gated_linear_attention(q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor, *,
     log_gate = log_gate.to(dtype).expand(batch, heads, length, gate_dim)
     k, v, log_gate = _masked_inputs(k, v, log_gate, key_padding_mask)
 
+    if length == 0:  # no position: nothing read, the state as it came
+        state = initial_state.to(dtype) if initial_state is not None else q.new_zeros(batch, heads, d_k, d_v)
+        out = v.new_zeros(batch, heads, 0, d_v).to(out_dtype) + 0 * q.sum()  # keeps q's graph for autograd
+        return (out, state) if output_final_state else out
+
     chunk = chunk_size or (SCALAR_CHUNK if gate_dim == 1 else PAIRWISE_CHUNK)
     chunks = -(-length // chunk)
     extra = chunks * chunk - length  # zero steps after the end: no write, no decay, outputs dropped

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from ..attend import attend_heads, prefill_heads, step_heads
 from ..methods.kernel import FeatureMapMethod
-from ..registry import causal_methods, create_method
+from ..registry import bidirectional_methods, causal_methods, create_method
 from .blindspot import bucket_attention, bucket_prefill, bucket_step
 from .padding import padding_of_layer
 from .positional import apply_rotary, rotary_cos_sin
@@ -105,6 +105,9 @@ class SelfAttention(nn.Module):
         if self.causal and not method.causal:
             raise ValueError(f"global_mode={method.name!r} has no causal form and this layer is causal; causal "
                              f"methods: {', '.join(causal_methods())}")
+        if not self.causal and not method.bidirectional:
+            raise ValueError(f"global_mode={method.name!r} is causal only and this layer is not causal; build the "
+                             f"model with causal=True, or pick a method of {', '.join(bidirectional_methods())}")
         if method.self_attention_only and self.receives_context:
             raise ValueError(f"global_mode={method.name!r} needs self-attention, and this layer attends to a context")
         if method.needs_grid:
