@@ -237,6 +237,13 @@ class AttentionMethod:
         cross-attention is then refused before the method runs."""
         return self.needs_grid
 
+    @property
+    def triton_map(self) -> Optional[str]:
+        """The map of the fused Triton kernels (``functional.triton_kernel.MAPS``) that this configured method's
+        non-causal attention runs in on CUDA, or None where they do not take it: the kernels' tests and
+        ``tools/triton_bench`` run every method that names one."""
+        return None
+
     # ------------------------------------------------------------------ facts (tests, benchmarks, docs)
     def reference_weights(self, q: Tensor, k: Tensor, state: Mapping[str, Optional[Tensor]], *,
                           key_padding_mask: Optional[Tensor] = None, causal: bool = False,
