@@ -102,6 +102,7 @@ class AttentionMethod:
     exact: ClassVar[bool] = False            # computes exact softmax attention: the reference, not a linear method
     needs_grid: ClassVar[bool] = False       # attends over the image's token grid: receives ``token_grid=``
     sequence_length_option: ClassVar[Optional[str]] = None  # option bounding the key length (Linformer's seq_len)
+    exports_dynamic_length: ClassVar[bool] = True  # torch.export may leave the sequence length dynamic
     presets: ClassVar[Mapping[Optional[str], dict]] = {}  # named option sets worth comparing (benchmarks and tests
     # run each); the key None names the defaults' row "<method>" itself (a method without presets has only that row)
     variants: ClassVar[Mapping[str, dict]] = {}  # option sets that take other code paths (the tests run each too)
