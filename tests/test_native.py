@@ -384,7 +384,7 @@ def test_torch_func_transforms_use_plain_torch_ops(causal, feature_map):
     # functorch rules: under torch.func every path falls back to plain differentiable ops.
     g = torch.Generator().manual_seed(6)
     q, k, v = (torch.randn(3, 1, 2, 70, 4, generator=g) for _ in range(3))
-    state = torch.rand(1, 2, 5 if feature_map == "taylor" else 4, 5, generator=g)
+    state = torch.rand(1, 2, native.feature_count(feature_map, 4), 5, generator=g)
 
     def attend(a, b, c):
         return LF.kernel(a, b, c, feature_map, causal=causal, initial_state=state, chunk_size=16)
