@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import linear_mha.functional as LF
-from linear_mha.functional import native
+from linear_mha.functional import native, native_library
 
 from linear_mha.tools import benchmark
 from linear_mha.tools import benchmark_cases, benchmark_flops
@@ -557,7 +557,7 @@ def test_ab_builds_times_both_builds_and_hands_this_ones_back(tmp_path, capsys, 
     import shutil
     from linear_mha.functional import output_cache
     from linear_mha.tools import ab_builds
-    mine, threads = native._library, torch.get_num_threads()
+    mine, threads = native_library._library, torch.get_num_threads()
     before = tmp_path / "before"
     (before / "linear_mha" / "functional").mkdir(parents=True)
     copy = shutil.copy(native.library_path(), tmp_path / "copy.so")
@@ -570,7 +570,7 @@ def test_ab_builds_times_both_builds_and_hands_this_ones_back(tmp_path, capsys, 
             run = build(c, device, dtype, **kwargs)
 
             def call():
-                seen.append(native._library._name)
+                seen.append(native_library._library._name)
                 run()
             return call
         return runner
@@ -581,7 +581,7 @@ def test_ab_builds_times_both_builds_and_hands_this_ones_back(tmp_path, capsys, 
                     "--json", str(out)])
     assert {str(copy), mine._name} == set(seen)  # both builds were timed
     # and afterwards this process runs this checkout's code, with its output cache and its thread count
-    assert native._library is mine and output_cache._library is mine
+    assert native_library._library is mine and output_cache._library is mine
     assert torch.get_num_threads() == threads
     result = json.loads(out.read_text())
     assert result["meta"]["before_library"] == str(copy)
@@ -603,7 +603,7 @@ def test_ab_builds_times_both_builds_and_hands_this_ones_back(tmp_path, capsys, 
         monkeypatch.setattr(ab_builds, runner, runner_of(getattr(ab_builds, runner)))
         rows = ab_builds.main(["--before", str(before), "--methods", method, "--n", n, "--heads", "2", "--dim", "8",
                                "--repeats", "2", "--threads", "1", "--cases", "fwd", "fwdbwd", "causal_fwd"])
-        assert {str(copy), mine._name} == set(seen) and native._library is mine
+        assert {str(copy), mine._name} == set(seen) and native_library._library is mine
         assert [(r["method"], r["case"]) for r in rows] == [(method, "fwd"), (method, "fwdbwd")]
     # the benchmark's module rows, projections included; the local term's has no causal form
     seen.clear()

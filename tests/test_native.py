@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import linear_mha.functional as LF
-from linear_mha.functional import backend, native, native_build
+from linear_mha.functional import backend, native, native_build, native_library
 from linear_mha.functional._common import append_ones, split_normalise
 from linear_mha.functional.feature_maps import apply_feature_map
 
@@ -342,7 +342,7 @@ def test_a_failed_build_warns_once_and_falls_back(tmp_path):
     script = textwrap.dedent("""
         import warnings, torch
         import linear_mha.functional as LF
-        from linear_mha.functional import backend, native, native_build
+        from linear_mha.functional import backend, native, native_build, native_library
         q = torch.randn(1, 2, 16, 8)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -403,7 +403,7 @@ def test_an_unwritable_home_builds_in_the_temporary_directory(tmp_path):
         pytest.skip("no C compiler on this machine")
     script = textwrap.dedent("""
         import tempfile
-        from linear_mha.functional import backend, native, native_build
+        from linear_mha.functional import backend, native, native_build, native_library
         assert native.available(), native.build_error()
         assert native.library_path().startswith(tempfile.gettempdir()), native.library_path()
     """)
@@ -540,7 +540,7 @@ def test_package_data_ships_every_kernel_source():
 def test_a_build_without_openmp_leaves_threaded_sequences_to_torch(monkeypatch):
     q = torch.randn(1, 2, 32, 8)
     assert native.why_not_kernel("elu", q) is None
-    monkeypatch.setattr(native, "_threaded", False)
+    monkeypatch.setattr(native_library, "_threaded", False)
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
@@ -715,8 +715,8 @@ def test_a_focused_scale_per_position_takes_the_composed_map():
 
 
 def _compiled_exp(x: torch.Tensor) -> torch.Tensor:
-    """The kernels' exp through its test-only entry point, which native.py does not declare."""
-    entry = native._lib().lm_exp_nonpositive_f32
+    """The kernels' exp through its test-only entry point, which native_library.py does not declare."""
+    entry = native_library._lib().lm_exp_nonpositive_f32
     entry.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long]
     out = torch.empty_like(x)
     assert entry(x.data_ptr(), out.data_ptr(), x.numel()) == 0
