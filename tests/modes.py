@@ -50,10 +50,12 @@ def drawn_state(method, heads, head_dim, seed=0, noise=0.0):
     learnable maps), drawn from ``seed`` in float64 and detached, and the names of the learnable ones
     (nn.Parameters), each moved off its start by ``noise`` times Gaussian noise so that gradients through it say
     something (through an identity map, or a zero bias, they may not)."""
-    torch.manual_seed(seed)  # what a method draws for itself comes from the global generator
+    with torch.random.fork_rng(devices=[]):  # what a method draws for itself comes from the global generator
+        torch.manual_seed(seed)
+        drawn = method.init_state(heads, head_dim, {"device": None, "dtype": torch.float64})
     g = torch.Generator().manual_seed(seed)
     state, learnable = {}, []
-    for key, t in method.init_state(heads, head_dim, {"device": None, "dtype": torch.float64}).items():
+    for key, t in drawn.items():
         if isinstance(t, nn.Parameter):
             learnable.append(key)
             t = t + noise * torch.randn(t.shape, generator=g, dtype=t.dtype)
