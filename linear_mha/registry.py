@@ -104,6 +104,7 @@ class AttentionMethod:
     exact: ClassVar[bool] = False            # computes exact softmax attention: the reference, not a linear method
     needs_grid: ClassVar[bool] = False       # attends over the image's token grid: receives ``token_grid=``
     sequence_length_option: ClassVar[Optional[str]] = None  # option bounding the key length (Linformer's seq_len)
+    exports_dynamic_length: ClassVar[bool] = True  # torch.export may leave the sequence length dynamic
     presets: ClassVar[Mapping[Optional[str], dict]] = {}  # named option sets worth comparing (benchmarks and tests
     # run each); the key None names the defaults' row "<method>" itself (a method without presets has only that row)
     variants: ClassVar[Mapping[str, dict]] = {}  # option sets that take other code paths (the tests run each too)
@@ -238,6 +239,13 @@ class AttentionMethod:
         """Whether queries and keys must be the same positions (a grid of tokens, a window of neighbours):
         cross-attention is then refused before the method runs."""
         return self.needs_grid
+
+    @property
+    def triton_map(self) -> Optional[str]:
+        """The map of the fused Triton kernels (``functional.triton_kernel.MAPS``) that this configured method's
+        non-causal attention runs in on CUDA, or None where they do not take it: the kernels' tests and
+        ``tools/triton_bench`` run every method that names one."""
+        return None
 
     # ------------------------------------------------------------------ facts (tests, benchmarks, docs)
     def reference_weights(self, q: Tensor, k: Tensor, state: Mapping[str, Optional[Tensor]], *,

@@ -1,7 +1,11 @@
 """The built-in attention methods as the tests enumerate them: read from linear_mha's registry, so a method added
 to the library is tested by every parametrized check without editing a list here."""
+import torch
+from torch import nn
+
 import linear_mha
 from linear_mha import TokenGrid
+from linear_mha.attend import attend_heads
 
 BUILT_IN = linear_mha.available_methods()  # at collection, before any test registers a method of its own
 # Methods that attend over an image's token grid (agent) need one in every call: the generic checks below run on
@@ -42,6 +46,31 @@ def _variants(methods, variants):
 def method_of(options):
     """The configured method of a variant's options (``mode`` and the method's options)."""
     return linear_mha.registry.create_method(options["mode"], {k: v for k, v in options.items() if k != "mode"})
+
+
+def drawn_state(method, heads, head_dim, seed=0, noise=0.0):
+    """(state, learnable): the tensors ``method`` owns for these heads (FAVOR+'s projection, Linformer's E and F,
+    learnable maps), drawn from ``seed`` in float64 and detached, and the names of the learnable ones
+    (nn.Parameters), each moved off its start by ``noise`` times Gaussian noise so that gradients through it say
+    something (through an identity map, or a zero bias, they may not)."""
+    with torch.random.fork_rng(devices=[]):  # what a method draws for itself comes from the global generator
+        torch.manual_seed(seed)
+        drawn = method.init_state(heads, head_dim, {"device": None, "dtype": torch.float64})
+    g = torch.Generator().manual_seed(seed)
+    state, learnable = {}, []
+    for key, t in drawn.items():
+        if isinstance(t, nn.Parameter):
+            learnable.append(key)
+            t = t + noise * torch.randn(t.shape, generator=g, dtype=t.dtype)
+        state[key] = None if t is None else t.detach()
+    return state, learnable
+
+
+def attend_with(method, state, q, k, v, **call):
+    """``method``'s attention of (B, H, N, d) heads as every module runs it (``attend.attend_heads``: masks, is_causal,
+    token_grid), its state in q's dtype and on q's device (through ``.to``, so gradients reach the tensors given)."""
+    own = {key: None if t is None else t.to(q) for key, t in state.items()}
+    return attend_heads(method, own, q, k, v, **call)[0]
 
 
 # The presets of the sequence methods that attend any sequence, cross-attention included: an option that asks for a

@@ -1,36 +1,22 @@
 """tools/benchmark.py and tools/measure.py: a --quick run end to end (JSON keys, PNG, extrapolation, errors
-against float64), FLOP formulas against torch's FLOP counter, the slope fit, --resume, optional peers through
-fake modules, and the fresh-process memory measurement on a known allocation."""
+against float64), FLOP formulas against torch's FLOP counter, the slope fit, --resume, rows that cannot run and rows
+with options, and the peak GEMM timed in a case's rounds. Beside this file: the optional peers
+(test_benchmark_peers.py), the fresh-process memory measurement (test_benchmark_memory.py) and the A/B and profile
+tools (test_ab_and_profile_tools.py)."""
 import json
 import math
 import statistics
-import sys
 import types
 from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
-
-import linear_mha.functional as LF
-from linear_mha.functional import native
 
 from linear_mha.tools import benchmark
 from linear_mha.tools import benchmark_cases, benchmark_flops
-from linear_mha.tools import cpu_allocator
 from linear_mha.tools import measure
-
-QUICK = ["--quick", "--threads", "1"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def keep_global_torch_state():
-    """The benchmark pins threads and seeds torch's RNG in-process; other test modules must not inherit that."""
-    threads = torch.get_num_threads()
-    with torch.random.fork_rng():
-        yield
-    torch.set_num_threads(threads)
+from benchmark_checks import QUICK, by_key, keep_global_torch_state  # noqa: F401  (a module fixture)
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +24,6 @@ def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     argv = QUICK + ["--json", str(out / "r.json"), "--png", str(out / "r.png")]
     return argv, benchmark.main(argv), out
-
-
-def _by_key(result):
-    return {r["key"]: r for r in result["records"]}
 
 
 def test_quick_run_writes_json_and_png(quick_run):
@@ -52,7 +34,7 @@ def test_quick_run_writes_json_and_png(quick_run):
     assert meta["threads"] == 1 and meta["device"] == "cpu" and meta["dtype"] == "float32"
     assert meta["matmul_peak_gflops"] > 0 and set(meta["peers"]) == {"linear_attention_transformer", "linformer",
                                                                      "performer_pytorch", "fla"}
-    recs = _by_key(saved)
+    recs = by_key(saved)
     levels_methods = {(r["level"], r["method"]) for r in recs.values()}
     assert {("core", m) for m in ("kernel_elu", "kernel_favor", "taylor", "efficient", "linformer", "sdpa",
                                   "softmax_weights")} <= levels_methods
@@ -138,53 +120,6 @@ def test_flop_formula_values_on_a_tiny_case():
     padded = -(-8 // chunk) * chunk
     assert kernel(dict(c, causal=True)) == 4 * 2 * padded * 4 * 5 + 2 * 2 * padded * chunk * 9
     assert benchmark_flops.method_flops("linformer")(c) == 8 * 2 * 8 * 3 * 4  # the case's --proj-k
-
-
-def test_allocator_is_named_from_the_mapped_libraries_and_the_environment(tmp_path):
-    maps = tmp_path / "maps"
-    maps.write_text("7f00-7f01 r-xp 00000000 08:01 12 /usr/lib/libc.so.6\n7f02-7f03 rw-p 00000000 00:00 0\n")
-    glibc = cpu_allocator.describe({}, str(maps))
-    assert glibc in ("glibc malloc (defaults)", "platform malloc")
-    env = {"GLIBC_TUNABLES": "glibc.rtld.nns=2:glibc.malloc.trim_threshold=9:glibc.malloc.mmap_max=0",
-           "MALLOC_ARENA_MAX": "2", "THP_MEM_ALLOC_ENABLE": "1"}
-    if glibc.startswith("glibc"):  # sorted, so the same settings in another order compare equal
-        assert cpu_allocator.describe(env, str(maps)) == (
-            "glibc malloc (glibc.malloc.mmap_max=0, glibc.malloc.trim_threshold=9, MALLOC_ARENA_MAX=2), "
-            "THP_MEM_ALLOC_ENABLE=1")
-    # A path with spaces, a library replaced on disk while mapped, and the library's own settings.
-    maps.write_text(maps.read_text() + "7f04-7f05 r-xp 00000000 08:01 13 /opt/my libs/libtcmalloc_minimal.so.4 "
-                                       "(deleted)\n")
-    assert cpu_allocator.describe({"TCMALLOC_RELEASE_RATE": "0", "MALLOC_ARENA_MAX": "2"}, str(maps)) == (
-        "libtcmalloc_minimal.so.4, TCMALLOC_RELEASE_RATE=0")
-    # No maps to read: LD_PRELOAD names the library; MALLOC_CONF is jemalloc's, not glibc's.
-    missing = str(tmp_path / "no_maps")
-    assert cpu_allocator.describe({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2", "MALLOC_CONF": "retain:true"},
-                                  missing) == "libjemalloc.so.2, MALLOC_CONF=retain:true"
-
-
-def test_memory_child_drops_settings_that_keep_freed_memory():
-    env = measure.memory_child_environment({
-        "PATH": "/bin", "LD_PRELOAD": "/usr/lib/libjemalloc.so.2:/opt/libiomp5.so", "MALLOC_CONF": "retain:true",
-        "GLIBC_TUNABLES": "glibc.malloc.mmap_max=0:glibc.rtld.nns=2", "THP_MEM_ALLOC_ENABLE": "1",
-        "TCMALLOC_RELEASE_RATE": "0", "MALLOC_ARENA_MAX": "1"})
-    assert env == {"PATH": "/bin", "LD_PRELOAD": "/opt/libiomp5.so", "GLIBC_TUNABLES": "glibc.rtld.nns=2",
-                   "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536",
-                   "PYTHONPATH": str(measure.REPO_ROOT)}  # the child runs `python -m linear_mha.tools.measure`
-    assert "LD_PRELOAD" not in measure.memory_child_environment({"LD_PRELOAD": "libtcmalloc.so"})
-
-
-def test_a_memory_child_that_keeps_a_malloc_library_reports_an_error(monkeypatch):
-    """A library the environment cannot remove (/etc/ld.so.preload, linked in) must not yield a number."""
-    real_run = measure.subprocess.run
-
-    def run_reporting_tcmalloc(cmd, **kwargs):
-        proc = real_run(cmd, **kwargs)
-        measured = dict(json.loads(proc.stdout.strip().splitlines()[-1]), allocator="libtcmalloc.so.4")
-        proc.stdout = json.dumps(measured) + "\n"
-        return proc
-    monkeypatch.setattr(measure.subprocess, "run", run_reporting_tcmalloc)
-    mem = measure.peak_extra_memory({"builder": "linear_mha.tools.measure:allocation_case", "kwargs": {"mib": 8}})
-    assert "libtcmalloc.so.4" in mem["error"] and "extra_bytes" not in mem
 
 
 def test_the_garbage_collector_never_runs_inside_a_timed_call():
@@ -296,7 +231,7 @@ def test_resume_skips_finished_cases(quick_run, monkeypatch):
     monkeypatch.setattr(benchmark, "time_decode", must_not_run)
     resumed = benchmark.main([a for a in argv if a not in ("--png", str(out / "r.png"))] + ["--resume"])
     assert sorted(timed) == sorted(dropped)
-    before, after = _by_key(first), _by_key(resumed)
+    before, after = by_key(first), by_key(resumed)
     assert set(before) == set(after)
     kept = [k for k in before if k not in dropped and not before[k].get("extrapolated")]
     assert all(after[k]["median_ms"] == before[k]["median_ms"] for k in kept)
@@ -321,85 +256,6 @@ def test_resume_skips_finished_cases(quick_run, monkeypatch):
     path.write_text(json.dumps(saved))
     resumed = benchmark.main([a for a in argv if a not in ("--png", str(out / "r.png"))] + ["--resume"])
     assert resumed["meta"]["allocator"] == "not recorded"
-
-
-def _fake_peers(monkeypatch):
-    lat = types.ModuleType("linear_attention_transformer")
-    sub = types.ModuleType("linear_attention_transformer.linear_attention_transformer")
-    sub.linear_attn = lambda q, k, v: torch.softmax(q, -1) @ (torch.softmax(k, -2).transpose(-2, -1) @ v)
-    sub.causal_linear_attn = lambda q, k, v: torch.cumsum(v, dim=-2) * torch.sigmoid(q)
-    lat.linear_attention_transformer = sub
-    performer = types.ModuleType("performer_pytorch")
-
-    class BrokenFastAttention:  # a peer whose API changed: cannot even be built
-        def __init__(self, **kwargs):
-            raise TypeError("unexpected keyword argument 'dim_heads'")
-    performer.FastAttention = BrokenFastAttention
-    linformer = types.ModuleType("linformer")
-
-    class FailingLinformer(nn.Module):  # builds, then fails when called
-        def __init__(self, dim, seq_len, heads, k):
-            super().__init__()
-            self.proj = nn.Linear(dim, dim)
-
-        def forward(self, x):
-            raise RuntimeError("fake peer failure")
-    linformer.LinformerSelfAttention = FailingLinformer
-    for name, module in ((lat.__name__, lat), (sub.__name__, sub), ("performer_pytorch", performer),
-                         ("linformer", linformer)):
-        monkeypatch.setitem(sys.modules, name, module)
-    _fake_fla(monkeypatch, "current")
-
-
-def _fake_fla(monkeypatch, version: str):
-    """fla.ops.linear_attn with one of flash-linear-attention's calling conventions and its normalised causal
-    linear attention in plain ops (the real one is Triton, CUDA only). "current": (B, T, H, K) with cu_seqlens;
-    "switch": versions with head_first, False by default (True raises in some); "oldest": (B, H, T, K) only."""
-    def attend(q, k, v, scale):  # (B, H, T, K)
-        q = q * scale
-        out = torch.matmul(torch.matmul(q, k.transpose(-2, -1)).tril(), v)
-        return out / ((q * k.cumsum(-2)).sum(-1, keepdim=True) + 1e-10)
-
-    def time_major(q, k, v, scale):
-        return attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale).transpose(1, 2)
-
-    if version == "current":
-        def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True,
-                              cu_seqlens=None):
-            return time_major(q, k, v, scale), None
-    elif version == "switch":
-        def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True,
-                              head_first=False):
-            if head_first:
-                raise DeprecationWarning("head_first is deprecated")
-            return time_major(q, k, v, scale), None
-    else:
-        def chunk_linear_attn(q, k, v, scale=None, initial_state=None, output_final_state=False, normalize=True):
-            return attend(q, k, v, scale), None
-    fla, ops, linear_attn = (types.ModuleType(n) for n in ("fla", "fla.ops", "fla.ops.linear_attn"))
-    linear_attn.chunk_linear_attn = chunk_linear_attn
-    fla.ops, ops.linear_attn = ops, linear_attn
-    for module in (fla, ops, linear_attn):
-        monkeypatch.setitem(sys.modules, module.__name__, module)
-
-
-FLA_CASE = dict(level="core", method="peer_fla", B=2, H=3, d=8, N=70, causal=True, proj_k=4, seed=0,
-                **{"pass": "fwd"})
-
-
-@pytest.mark.parametrize("version", ["current", "switch"])
-def test_the_fla_peer_computes_kernel_elu(version, monkeypatch):
-    _fake_fla(monkeypatch, version)
-    q, k, v = benchmark_cases.make_inputs(FLA_CASE, torch.float64, "cpu")
-    fn, _ = benchmark_cases.build_method(FLA_CASE, torch.float64, "cpu")
-    torch.testing.assert_close(fn(q, k, v), LF.kernel(q, k, v, "elu", causal=True), rtol=1e-9, atol=1e-9)
-    assert benchmark_cases.reference_error(dict(FLA_CASE, N=16), "cpu", torch.float32) < 1e-5
-
-
-def test_the_fla_peer_refuses_an_fla_without_its_current_layout(monkeypatch):
-    _fake_fla(monkeypatch, "oldest")
-    with pytest.raises(RuntimeError, match="too old"):
-        benchmark_cases.build_method(FLA_CASE, torch.float64, "cpu")
 
 
 def test_what_cannot_run_is_reported_not_dropped(tmp_path, capsys):
@@ -443,56 +299,6 @@ def test_a_row_with_options_changed_runs_with_them_at_both_levels(tmp_path, caps
             benchmark.main(QUICK + ["--methods", wrong, "--no-memory"])
 
 
-def test_the_fla_peer_runs_only_causal_and_only_on_cuda(monkeypatch):
-    _fake_fla(monkeypatch, "current")
-    assert benchmark_cases.available_peers("cpu")["fla"] == "not for cpu"  # not even imported
-    assert benchmark_cases.available_peers("cuda")["fla"] == "available"
-    a = benchmark.parse_args(QUICK + ["--methods", "peer_fla", "kernel_elu"])
-    peers = {"fla": "available"}
-
-    def planned():
-        return {(c["method"], c["causal"]) for group in benchmark.plan(a, peers)[0] for c in group}
-    assert planned() == {("kernel_elu", False), ("kernel_elu", True)}
-    a.device = "cuda"
-    assert planned() == {("kernel_elu", False), ("kernel_elu", True), ("peer_fla", True)}
-
-
-def test_optional_peers_are_benchmarked_and_their_failures_reported(monkeypatch, tmp_path):
-    _fake_peers(monkeypatch)
-    result = benchmark.main(QUICK + ["--n", "64", "128", "--passes", "fwd", "--no-memory", "--decode-contexts", "16",
-                                     "--methods", "peer_lat", "peer_performer", "peer_linformer", "sdpa",
-                                     "mha_sdpa", "--json", str(tmp_path / "p.json")])
-    assert result["meta"]["peers"] == {"fla": "not for cpu", "linear_attention_transformer": "available",
-                                       "linformer": "available", "performer_pytorch": "available"}
-    recs = _by_key(result)
-    lat = [r for r in recs.values() if r["method"] == "peer_lat"]
-    assert len(lat) == 4 and all(r["median_ms"] > 0 and r["ratio_vs_sdpa"] > 0 for r in lat)
-    assert all(r["rel_err"] < 1e-4 for r in lat)  # against the same (fake) peer in float64
-    assert all("build failed" in r["error"] for r in recs.values() if r["method"] == "peer_performer")
-    assert all("fake peer failure" in r["error"] for r in recs.values() if r["method"] == "peer_linformer")
-    assert recs["core/sdpa/B1/H2/d16/N64/full/fwd"]["median_ms"] > 0
-
-
-@pytest.mark.parametrize("keep_freed", [False, True])
-def test_fresh_process_memory_sees_a_known_allocation(keep_freed, monkeypatch):
-    if keep_freed:  # the README's faster glibc setting keeps freed blocks; the child must not inherit it
-        monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4294967295")
-    mem = measure.peak_extra_memory({"builder": "linear_mha.tools.measure:allocation_case", "kwargs": {"mib": 200}})
-    assert "error" not in mem, mem
-    assert 150 * measure.MIB <= mem["extra_bytes"] <= 260 * measure.MIB, mem
-    assert measure.peak_extra_memory({"builder": "measure:no_such_case"})["error"].startswith("memory child failed")
-
-
-def test_fresh_process_memory_sees_an_output_the_kernels_cache_keeps():
-    """The warm-up's freed output stays in the compiled code's cache: unless the child empties it, the measured
-    call reuses it and the block's memory is counted in the baseline, not as the call's."""
-    if not native.available():
-        pytest.skip(f"kernels not built: {native.build_error()}")
-    mem = measure.peak_extra_memory({"builder": "linear_mha.tools.measure:allocation_case", "kwargs": {"mib": 64, "cached": True}})
-    assert "error" not in mem, mem
-    assert 48 * measure.MIB <= mem["extra_bytes"] <= 100 * measure.MIB, mem
-
-
 def test_largest_output_counts_each_row_up_to_its_own_cap():
     a = benchmark.parse_args(["--rows", "core:1x64", "core:4x64:4096", "--n", "1024", "16384"])
     assert benchmark.largest_output_bytes(a, torch.float32) == 8 * 64 * 16384 * 4  # 32 MiB: row 1 at 16k
@@ -531,116 +337,6 @@ def test_the_cuda_run_says_it_needs_a_gpu_before_doing_anything(tmp_path):
     assert not (tmp_path / "out").exists()  # nothing was run or written
 
 
-def test_module_profile_gives_each_variant_its_own_ops(tmp_path, capsys):
-    """linear_mha.tools.module_profile: one column per variant, the gate's own ops only in the gated one, the dwc variant's
-    convolution only in its own, a table and a JSON file; an unknown option is refused by name."""
-    from linear_mha.tools import module_profile
-    out = tmp_path / "profile.json"
-    columns = module_profile.main(["--n", "64", "--variants", "kernel", "kernel+gate", "taylor+dwc3", "--steps", "1",
-                                   "--json", str(out)])
-    gate_ops = [k for k in columns["kernel+gate"] if "OutputGate" in k and columns["kernel+gate"][k] > 0]
-    assert gate_ops and not any(columns["kernel"].get(k, 0) for k in gate_ops)
-    # the local term: the compiled Function on float32 CPU tensors, torch's convolution elsewhere
-    local_ops = [k for k in columns["taylor+dwc3"] if ("LocalTerm" in k or "convolution" in k)
-                 and columns["taylor+dwc3"][k] > 0]
-    assert local_ops and not any(columns["kernel"].get(k, 0) for k in local_ops)
-    assert json.loads(out.read_text())["ms_per_step"].keys() == columns.keys()
-    assert "| op | kernel | kernel+gate | taylor+dwc3 |" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="unknown option 'fast'"):
-        module_profile.main(["--n", "64", "--variants", "kernel+fast"])
-
-
-@pytest.mark.skipif(not native.available(), reason="needs the compiled CPU code")
-def test_ab_builds_times_both_builds_and_hands_this_ones_back(tmp_path, capsys, monkeypatch):
-    """The 'before' checkout here is a stand-in whose build module loads a copy of this build's library from
-    another path: a second, separate library, as another checkout's would be, without compiling anything."""
-    import shutil
-    from linear_mha.functional import output_cache
-    from linear_mha.tools import ab_builds
-    mine, threads = native._library, torch.get_num_threads()
-    before = tmp_path / "before"
-    (before / "linear_mha" / "functional").mkdir(parents=True)
-    copy = shutil.copy(native.library_path(), tmp_path / "copy.so")
-    (before / "linear_mha" / "functional" / "native_build.py").write_text(
-        f"import ctypes\ndef build():\n    return ctypes.CDLL({str(copy)!r}), True\n")
-    seen = []  # the library each timed call ran
-
-    def runner_of(build):
-        def runner(c, device, dtype, **kwargs):
-            run = build(c, device, dtype, **kwargs)
-
-            def call():
-                seen.append(native._library._name)
-                run()
-            return call
-        return runner
-    monkeypatch.setattr(ab_builds, "build_runner", runner_of(benchmark_cases.build_runner))
-    out = tmp_path / "ab.json"
-    ab_builds.main(["--before", str(before), "--methods", "kernel_elu", "efficient", "--n", "96", "--heads", "2",
-                    "--dim", "8", "--repeats", "2", "--threads", "1", "--cases", "fwd", "causal_fwd",
-                    "--json", str(out)])
-    assert {str(copy), mine._name} == set(seen)  # both builds were timed
-    # and afterwards this process runs this checkout's code, with its output cache and its thread count
-    assert native._library is mine and output_cache._library is mine
-    assert torch.get_num_threads() == threads
-    result = json.loads(out.read_text())
-    assert result["meta"]["before_library"] == str(copy)
-    rows = result["rows"]
-    assert [(r["method"], r["case"]) for r in rows] == [("kernel_elu", "fwd"), ("kernel_elu", "causal_fwd"),
-                                                         ("efficient", "fwd")]
-    assert all(r[f"{s}_median_ms"] > 0 for r in rows for s in ("before", "after"))
-    assert "| efficient | causal_fwd | - | - | no causal form |" in capsys.readouterr().out
-    # q, k, v as a module's projection views, both builds timed on them, and the rows say so
-    seen.clear()
-    monkeypatch.setattr(ab_builds, "module_runner", runner_of(ab_builds.module_runner))
-    views = ab_builds.main(["--before", str(before), "--methods", "kernel_elu", "--n", "96", "--heads", "2",
-                            "--dim", "8", "--repeats", "2", "--threads", "1", "--cases", "fwdbwd",
-                            "--layout", "module"])
-    assert {str(copy), mine._name} == set(seen) and [r["layout"] for r in views] == ["module"]
-    # the compiled output gate and local term alone (on a square grid), which have no causal form
-    for method, runner, n in (("output_gate", "gate_runner", "96"), ("local_term", "local_term_runner", "100")):
-        seen.clear()
-        monkeypatch.setattr(ab_builds, runner, runner_of(getattr(ab_builds, runner)))
-        rows = ab_builds.main(["--before", str(before), "--methods", method, "--n", n, "--heads", "2", "--dim", "8",
-                               "--repeats", "2", "--threads", "1", "--cases", "fwd", "fwdbwd", "causal_fwd"])
-        assert {str(copy), mine._name} == set(seen) and native._library is mine
-        assert [(r["method"], r["case"]) for r in rows] == [(method, "fwd"), (method, "fwdbwd")]
-    # the benchmark's module rows, projections included; the local term's has no causal form
-    seen.clear()
-    rows = ab_builds.main(["--before", str(before), "--methods", "taylor+dwc3", "--level", "module", "--n", "16",
-                           "--heads", "2", "--dim", "8", "--repeats", "2", "--threads", "1", "--cases", "fwdbwd",
-                           "causal_fwd"])
-    assert {str(copy), mine._name} == set(seen) and [(r["level"], r["case"]) for r in rows] == [("module", "fwdbwd")]
-    with pytest.raises(SystemExit, match="not a module-level method"):
-        ab_builds.main(["--before", str(before), "--methods", "local_term", "--level", "module"])
-    with pytest.raises(SystemExit):  # a module makes its own q, k, v: --layout is the core level's
-        ab_builds.main(["--before", str(before), "--methods", "taylor", "--level", "module", "--layout", "module"])
-    with pytest.raises(SystemExit, match="square token grid"):
-        ab_builds.main(["--before", str(before), "--methods", "local_term", "--n", "96", "--cases", "fwd"])
-    with pytest.raises(SystemExit, match="no linear_mha/functional/native_build.py"):
-        ab_builds.main(["--before", str(tmp_path)])
-    with pytest.raises(SystemExit, match="--methods kernal_elu: not a core-level method"):
-        ab_builds.main(["--before", str(before), "--methods", "kernal_elu"])
-
-
-def test_module_options_ab_times_each_option_beside_the_plain_module(tmp_path):
-    from linear_mha.tools import module_options_ab
-    rows = module_options_ab.main(["--methods", "taylor", "--n", "64", "--heads", "2", "--dim", "8", "--repeats", "1",
-                                   "--threads", "1", "--json", str(tmp_path / "ab.json")])
-    full_fwd = [r["method"] for r in rows if not r["causal"] and r["pass_"] == "fwd"]
-    assert full_fwd == ["taylor", "taylor+dwc3", "taylor+gate"]
-    plain = next(r for r in rows if r["method"] == "taylor")
-    assert plain["vs_plain_paired"] == 1.0 and len(plain["round_ms"]) == 1
-    # the local term has no causal form
-    assert [r["method"] for r in rows if r["causal"] and r["pass_"] == "fwd"] == ["taylor", "taylor+gate"]
-    assert all(r["vs_plain"] == 1.0 for r in rows if r["method"] == "taylor")
-    assert all(r["median_ms"] > 0 and r["vs_plain"] > 0 for r in rows)
-    saved = json.loads((tmp_path / "ab.json").read_text())
-    assert saved["rows"] == rows and saved["meta"]["n"] == 64
-    with pytest.raises(SystemExit):
-        module_options_ab.main(["--methods", "softmax"])
-
-
 def test_the_peak_in_a_cases_rounds_is_the_gemm_timed_between_its_calls(tmp_path, monkeypatch):
     """From --peak-in-rounds-from on the GEMM runs in the group's own round robin, is no record, and each case's
     share of it is taken from that GEMM's timing, median to median and best to best; below it nothing changes."""
@@ -660,7 +356,7 @@ def test_the_peak_in_a_cases_rounds_is_the_gemm_timed_between_its_calls(tmp_path
     assert len(seen) == 2 and benchmark.ROUND_PEAK in groups[256] and benchmark.ROUND_PEAK not in groups[64]
     gemm = seen[groups[256]]
     assert gemm["runs"] == 2  # one run per round of the group (--quick: 2 rounds)
-    recs = _by_key(result)
+    recs = by_key(result)
     assert set(recs) == {f"core/{m}/B1/H2/d16/N{n}/full/fwd" for m in ("kernel_elu", "taylor") for n in (64, 256)}
     for key, r in recs.items():
         if r["N"] < 256:

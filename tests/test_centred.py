@@ -26,8 +26,11 @@ def loop_reference(q, k, v, phi, form, key_padding_mask=None, causal=False, extr
                 n = len(ks)
                 if form == "magnitude":  # MALA divides its similarities by N sqrt(d)
                     s = s / (n * math.sqrt(q.shape[-1]))
-                total = s.sum()
-                w = 1 / n + (s - total / n) / n if form == "inline" else (1 + 1 / total) * s - total / n
+                    total = s.sum()
+                    w = (1 + 1 / total) * s - total / n
+                else:
+                    total = s.sum()
+                    w = 1 / n + (s - total / n) / n
                 out[b, h, i] = w @ vs
     return out
 

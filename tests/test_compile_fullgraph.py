@@ -70,17 +70,18 @@ def test_the_mask_checks_run_inside_the_graph(mode):
     eager message, instead of a branch that would split the graph (or a wrong answer)."""
     x = torch.randn(L, B, E)
     module = linear_mha.LinearMultiheadAttention(E, H, mode=mode)
+    any_mask = module.method.any_mask  # applies any mask as it is (softmax), is_causal being a hint (as torch's)
     nan_padding = torch.zeros(B, L).index_fill(1, torch.tensor([3]), float("nan"))
     torch._dynamo.reset()
     compiled = torch.compile(lambda x, m: module(x, x, x, key_padding_mask=m)[0], fullgraph=True, backend="aot_eager")
     compiled(x, torch.zeros(B, L))
-    with pytest.raises(RuntimeError, match="NaN or \\+inf" if mode == "softmax" else "other than 0 and -inf"):
+    with pytest.raises(RuntimeError, match="NaN or \\+inf" if any_mask else "other than 0 and -inf"):
         compiled(x, nan_padding)
     torch._dynamo.reset()
     causal = torch.compile(lambda x, m: module(x, x, x, attn_mask=m, is_causal=True)[0], fullgraph=True,
                            backend="aot_eager")
     causal(x, nn.Transformer.generate_square_subsequent_mask(L))
-    if mode != "softmax":  # softmax applies any mask as it is, is_causal being a hint (as torch's)
+    if not any_mask:
         with pytest.raises(RuntimeError, match="not the causal"):
             causal(x, torch.zeros(L, L))
 

@@ -21,6 +21,9 @@ def test_softmax_leaves_multihead_attention_untouched_and_targets_parse():
     report = apply_attention(model, {"attention": "softmax", "attention_on": "all"})
     assert [r["target"] for r in report] == ["encoder", "decoder", "cross"]
     assert all(type(m) is nn.MultiheadAttention for m in model.modules() if isinstance(m, nn.MultiheadAttention))
+    roped = build_model(parse_args(ARGS))[0]  # an option that changes softmax's scores is not dropped
+    report = apply_attention(roped, {"attention": "softmax", "attention_option": ["rope=True"]})
+    assert report[0]["patch_report"] is not None and roped.transformer.encoder.layers[0].self_attn.method.rope
     assert parse_targets("cross,encoder") == ["encoder", "cross"]
     with pytest.raises(ValueError, match="--attention-on"):
         parse_targets("encoder,memory")

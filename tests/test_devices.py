@@ -39,25 +39,25 @@ def _linformer_e():
     return torch.randn(12, N, generator=torch.Generator().manual_seed(4), dtype=torch.float64) / N ** 0.5
 
 
-# name -> (fn(q, k, v, key_padding_mask, causal, dtype/device-converted extras), has a causal form)
+# A registry row's name -> fn(q, k, v, key_padding_mask, causal, dtype/device-converted extras): its functional call.
 FUNCTIONS = {
-    "kernel_elu": (lambda q, k, v, m, c, x: LF.kernel(q, k, v, "elu", causal=c, key_padding_mask=m), True),
-    "kernel_relu": (lambda q, k, v, m, c, x: LF.kernel(q, k, v, "relu", causal=c, key_padding_mask=m), True),
-    "kernel_favor": (lambda q, k, v, m, c, x: LF.kernel(q, k, v, "favor", causal=c, key_padding_mask=m,
-                                                        projection=x["projection"]), True),
-    "taylor": (lambda q, k, v, m, c, x: LF.taylor(q, k, v, causal=c, key_padding_mask=m), True),
-    "softmax": (lambda q, k, v, m, c, x: LF.softmax(q, k, v, causal=c, key_padding_mask=m)[0], True),
-    "efficient": (lambda q, k, v, m, c, x: LF.efficient_attention(q, k, v, key_padding_mask=m), False),
-    "linformer": (lambda q, k, v, m, c, x: LF.linformer(q, k, v, x["e"], key_padding_mask=m)[0], False),
+    "kernel_elu": lambda q, k, v, m, c, x: LF.kernel(q, k, v, "elu", causal=c, key_padding_mask=m),
+    "kernel_relu": lambda q, k, v, m, c, x: LF.kernel(q, k, v, "relu", causal=c, key_padding_mask=m),
+    "kernel_favor": lambda q, k, v, m, c, x: LF.kernel(q, k, v, "favor", causal=c, key_padding_mask=m,
+                                                       projection=x["projection"]),
+    "taylor": lambda q, k, v, m, c, x: LF.taylor(q, k, v, causal=c, key_padding_mask=m),
+    "softmax": lambda q, k, v, m, c, x: LF.softmax(q, k, v, causal=c, key_padding_mask=m)[0],
+    "efficient": lambda q, k, v, m, c, x: LF.efficient_attention(q, k, v, key_padding_mask=m),
+    "linformer": lambda q, k, v, m, c, x: LF.linformer(q, k, v, x["e"], key_padding_mask=m)[0],
 }
-CASES = [(name, causal) for name, (_, has_causal) in FUNCTIONS.items() for causal in (False, True)
-         if has_causal or not causal]
+CAUSAL = [name for name in FUNCTIONS if modes.method_of(modes.ALL_VARIANTS[name]).causal]  # has a causal form
+CASES = [(name, causal) for name in FUNCTIONS for causal in (False, True) if name in CAUSAL or not causal]
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["no_mask", "key_padding"])
 @pytest.mark.parametrize("name,causal", CASES, ids=[f"{n}-{'causal' if c else 'full'}" for n, c in CASES])
 def test_float32_on_the_device_matches_float64_on_the_cpu(device, name, causal, masked):
-    fn = FUNCTIONS[name][0]
+    fn = FUNCTIONS[name]
     g = torch.Generator().manual_seed(0)
     inputs = [torch.randn(B, H, N, D, generator=g, dtype=torch.float64) for _ in range(3)]
     grad_out = torch.randn(B, H, N, D, generator=g, dtype=torch.float64)
@@ -78,9 +78,9 @@ def test_float32_on_the_device_matches_float64_on_the_cpu(device, name, causal, 
         assert relative_error(grad, ref_grad) < 1e-4
 
 
-@pytest.mark.parametrize("name", ["kernel_elu", "kernel_favor", "taylor", "softmax"])
+@pytest.mark.parametrize("name", CAUSAL)
 def test_causal_outputs_never_see_later_positions(device, name):
-    fn = FUNCTIONS[name][0]
+    fn = FUNCTIONS[name]
     g = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(B, H, N, D, generator=g, dtype=torch.float64).to(device) for _ in range(3))
     extras = {"projection": _projection().to(device)}

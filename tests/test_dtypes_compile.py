@@ -74,21 +74,22 @@ def test_torch_compile_matches_eager(causal):
     torch.testing.assert_close(grad_compiled, grad_eager, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("method", ["kernel", "efficient"])
+@pytest.mark.parametrize("name", ["kernel", "efficient"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_autocast_cannot_round_the_normaliser_into_float16(method, causal, backends):
+def test_autocast_cannot_round_the_normaliser_into_float16(name, causal, backends):
     # Under float16 autocast (DETR's default training on CUDA) the products came out in float16: non-causal kernel
     # attention raised at inference (its in-place output was float32) and gave non-finite outputs with gradients
     # (the normaliser of 4096 keys, about 2.6e5 here, passes float16's 65,504); efficient attention lost float32
     # accuracy (8e-4). The causal product already switched autocast off; its case guards that.
-    import linear_mha.functional as LF
-    if method == "efficient" and causal:
-        pytest.skip("efficient attention has no causal form")
+    method = modes.method_of({"mode": name})
+    if causal and not method.causal:
+        pytest.skip(f"{name} has no causal form")
     backends(native_kernels=False, block_positions=None)  # the code path CUDA runs
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 4096, 64, generator=g) + 1 for _ in range(3))
-    fn = (lambda: LF.kernel(q, k, v, "elu", causal=causal)) if method == "kernel" else (
-        lambda: LF.efficient_attention(q, k, v))
+
+    def fn():
+        return modes.attend_with(method, {}, q, k, v, is_causal=causal)
     ref = fn()
     with torch.autocast("cpu", dtype=torch.float16):
         out = fn()

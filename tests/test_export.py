@@ -78,7 +78,8 @@ MAX_LENGTH = 256
 
 
 @needs_is_exporting
-@pytest.mark.parametrize("name", [name for name, options in modes.VARIANTS.items() if options["mode"] != "block_local"])
+@pytest.mark.parametrize("name", [name for name, options in modes.VARIANTS.items()
+                                  if modes.method_of(options).exports_dynamic_length])
 def test_torch_export_with_dynamic_batch_and_length(name):
     """Batch and length both dynamic, checked at lengths other than the example's, the longest included (Linformer,
     built for seq_len = the longest, takes E's first S columns: a slice that changes layout at S == seq_len)."""
@@ -96,8 +97,11 @@ def test_torch_export_with_dynamic_batch_and_length(name):
 
 
 @needs_is_exporting
-def test_block_local_refuses_a_dynamic_length_and_exports_a_dynamic_batch():
-    model = _model("block_local")
+@pytest.mark.parametrize("name", [name for name, options in modes.VARIANTS.items()
+                                  if not modes.method_of(options).exports_dynamic_length])
+def test_a_method_that_says_so_refuses_a_dynamic_length_and_exports_a_dynamic_batch(name):
+    """exports_dynamic_length=False (block_local's blocks) is what export does."""
+    model = _model(name)
     x, kpm = _inputs(16, 0, {1: 12})
     batch, length = torch.export.Dim("batch", min=1, max=64), torch.export.Dim("length", min=2, max=MAX_LENGTH)
     with torch.no_grad():
@@ -166,7 +170,7 @@ def test_onnx_export_runs_in_onnxruntime_as_eager(name, tmp_path):
     by onnxruntime on another batch and mask."""
     pytest.importorskip("onnxscript")
     onnxruntime = pytest.importorskip("onnxruntime")
-    fixed = EXPORT_VARIANTS[name]["mode"] == "block_local"  # its length is refused as dynamic (test above)
+    fixed = not modes.method_of(EXPORT_VARIANTS[name]).exports_dynamic_length  # refused as dynamic (test above)
     model = _model(name, tokens=MAX_LENGTH)
     x, kpm = _inputs(16, 0, {1: 12})
     g = torch.Generator().manual_seed(2)

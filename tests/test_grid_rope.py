@@ -7,7 +7,7 @@ import torch
 import linear_mha.functional as LF
 import linear_mha.functional.grid_rope  # noqa: F401
 from linear_mha import LinearMultiheadAttention, TokenGrid
-from linear_mha.functional import backend, feature_maps, native
+from linear_mha.functional import backend, feature_maps, native, native_library
 from linear_mha.functional.grid_rope import grid_angles, rotate, rotated_product
 
 E, H = 16, 2
@@ -151,7 +151,7 @@ def test_the_compiled_entry_refuses_tables_it_cannot_use():
 
 @needs_native
 def test_the_compiled_path_splits_work_among_threads_as_one_thread_does_on_strided_inputs():
-    if not native._threaded:
+    if not native_library._threaded:
         pytest.skip("a build without OpenMP leaves several threads to PyTorch ops (native.why_not)")
     g = torch.Generator().manual_seed(0)
     # two heads, their rows split into parts; q, k, v strided views of a (N, B, H, D) layout, as a module passes them

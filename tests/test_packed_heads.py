@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import linear_mha.functional as LF
+import modes
 from linear_mha import LinearMultiheadAttention
 from linear_mha.functional import native, packed_heads
 
@@ -237,10 +238,13 @@ def test_what_a_hook_kept_of_the_first_gradient_is_not_written_by_the_second(own
         runs.append(leaf.grad)
     torch.testing.assert_close(runs[0], runs[1], rtol=1e-6, atol=1e-7)
 @needs_native
-@pytest.mark.parametrize("split_of,method", [("qkv", "elu"), ("kv", "elu"), ("qk", "elu"), ("qkv", "efficient")])
-def test_the_compiled_backward_writes_the_split_gradients_side_by_side(split_of, method):
+@pytest.mark.parametrize("split_of,name", [("qkv", "kernel_elu"), ("kv", "kernel_elu"), ("qk", "kernel_elu"),
+                                           ("qkv", "efficient")])
+def test_the_compiled_backward_writes_the_split_gradients_side_by_side(split_of, name):
     """The gradients reaching the split must be views of one tensor (else the projection gets a copy), with the
-    same numbers as through torch's chunk. "qk": DETR's encoder, whose queries and keys share their input."""
+    same numbers as through torch's chunk. "qk": DETR's encoder, whose queries and keys share their input. The
+    registry's rows run as modules run them."""
+    method = modes.method_of(modes.ALL_VARIANTS[name])
     g = torch.Generator().manual_seed(4)
     parts = len(split_of)
     packed = torch.randn(1, 300, parts * 4 * 16, generator=g)
@@ -254,13 +258,8 @@ def test_the_compiled_backward_writes_the_split_gradients_side_by_side(split_of,
         for v in views:
             v.register_hook(seen.append)
         named = dict(zip(split_of, views))
-        inputs = named.get("q", other), named["k"], named.get("v", other)
-        if method == "efficient":
-            out = LF.efficient_attention(*inputs)
-            assert "Efficient" in type(out.grad_fn).__name__
-        else:
-            out = LF.kernel(*inputs, feature_map="elu")
-            assert "Kernel" in type(out.grad_fn).__name__
+        out = modes.attend_with(method, {}, named.get("q", other), named["k"], named.get("v", other))
+        assert type(out.grad_fn)._forward_cls.__module__ == native.__name__  # made by the compiled backward's Function
         out.backward(grad)
         runs.append((leaf.grad, seen))
     (got, seen), (want, _) = runs

@@ -1,4 +1,4 @@
-"""Fresh outputs of the compiled code get their pages faulted in at once (csrc/prefault.c, native.output): the
+"""Fresh outputs of the compiled code get their pages faulted in at once (csrc/prefault.c, native_library.output): the
 memory's contents never change, memory in use already is left alone, and the kernels' results do not depend on
 it."""
 import mmap
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import linear_mha.functional as LF
-from linear_mha.functional import native
+from linear_mha.functional import native, native_library
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"kernels not built: {native.build_error()}")
 
@@ -21,7 +21,7 @@ def test_populating_a_half_written_buffer_keeps_what_it_holds():
     buffer = torch.frombuffer(memory, dtype=torch.float32)
     half = buffer.numel() // 2
     buffer[:half] = torch.arange(half, dtype=torch.float32)
-    if not native._lib().lm_prefault(buffer.data_ptr(), size, 2):
+    if not native_library._lib().lm_prefault(buffer.data_ptr(), size, 2):
         pytest.skip("this OS refuses MADV_POPULATE_WRITE (before Linux 5.14, or a sandbox): nothing is populated")
     assert torch.equal(buffer[:half], torch.arange(half, dtype=torch.float32))
     assert not buffer[half:].any()
@@ -32,8 +32,8 @@ def test_populating_a_half_written_buffer_keeps_what_it_holds():
 @needs_native
 def test_memory_in_use_is_left_alone():
     buffer = torch.ones(1024 * 1024)
-    assert native._lib().lm_prefault(buffer.data_ptr(), buffer.numel() * 4, 2) == 0
-    assert native._lib().lm_prefault(buffer.data_ptr(), 100, 2) == 0  # less than a whole page: nothing to do
+    assert native_library._lib().lm_prefault(buffer.data_ptr(), buffer.numel() * 4, 2) == 0
+    assert native_library._lib().lm_prefault(buffer.data_ptr(), 100, 2) == 0  # less than a whole page: nothing to do
 
 
 @needs_native
@@ -46,7 +46,7 @@ def test_results_are_the_same_with_and_without_prefaulting(causal, monkeypatch):
     assert q.numel() * 4 >= native.PREFAULT_BYTES
     runs = []
     for prefault in (True, False):
-        monkeypatch.setattr(native, "prefault_outputs", prefault)
+        monkeypatch.setattr(native_library, "prefault_outputs", prefault)
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = LF.kernel(*leaves, feature_map="elu", causal=causal)
         runs.append([out, *torch.autograd.grad(out, leaves, grad)])

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 import linear_mha.functional as LF
-from linear_mha.functional import native, native_maps
+from linear_mha.functional import native, native_library, native_maps
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"kernels not built: {native.build_error()}")
 
 
 def _stream_bytes() -> ctypes.c_long:
-    return ctypes.c_long.in_dll(native._lib(), "lm_stream_bytes")
+    return ctypes.c_long.in_dll(native_library._lib(), "lm_stream_bytes")
 
 
 def _run(fn, stream: bool):

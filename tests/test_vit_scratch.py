@@ -12,6 +12,7 @@ from linear_mha.tools import vit_scratch  # noqa: E402
 
 def test_variant_names_parse_and_a_wrong_one_is_refused_by_name(capsys):
     assert vit_scratch.parse_variant("softmax") == (None, {})
+    assert vit_scratch.parse_variant("softmax:rope=True") == ("softmax", {"rope": True})  # an option: patched
     assert vit_scratch.parse_variant("taylor-dwc3:output_gate=True,rope=True") == (
         "taylor", {"output_gate": True, "rope": True, "dwc_kernel": 3})
     with pytest.raises(SystemExit):

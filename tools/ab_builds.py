@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from linear_mha.functional import native, native_maps, output_cache
+from linear_mha.functional import native, native_library, native_maps, output_cache
 from linear_mha.functional.packed_heads import split_heads
 from linear_mha.tools import measure
 from linear_mha.tools.benchmark_cases import build_runner, methods
@@ -38,7 +38,7 @@ CASES = {"fwd": (False, "fwd"), "fwdbwd": (False, "fwdbwd"), "causal_fwd": (True
 
 def load_build(checkout: Path):
     """The compiled library of another checkout, built by that checkout's own build module. Declaring it attaches
-    the output cache to it (native._declare); the caller attaches the cache back to its own library, whose cache
+    the output cache to it (native_library._declare); the caller attaches the cache back to its own library, whose cache
     then serves both builds' outputs alike."""
     path = checkout / "linear_mha" / "functional" / "native_build.py"
     if not path.is_file():
@@ -48,7 +48,7 @@ def load_build(checkout: Path):
     spec.loader.exec_module(module)
     library, _ = module.build()
     try:
-        native._declare(library)
+        native_library._declare(library)
     except AttributeError as exc:  # an entry point this checkout's wrappers call is missing there
         raise SystemExit(f"--before {checkout}: its compiled code lacks an entry point this checkout calls ({exc}); "
                          f"the two checkouts' C interfaces must agree") from None
@@ -141,14 +141,14 @@ def compare(before, after, method: str, case: str, n: int, heads: int, dim: int,
 
     def with_library(library):
         def call():
-            native._library = library
+            native_library._library = library
             run()
         return call
     try:
         times = measure.round_robin({"before": with_library(before), "after": with_library(after)},
                                     repeats=repeats, warmup=2)
     finally:
-        native._library = after
+        native_library._library = after
     row = dict(method=method, case=case, level=level, layout=layout, N=n, H=heads, d=dim,
                **{f"{k}_{s}": v[s] for k, v in times.items() for s in ("median_ms", "min_ms")})
     row["gain"] = row["before_median_ms"] / row["after_median_ms"]
@@ -183,7 +183,7 @@ def main(argv=None):
                          f"({', '.join(known)})")
     if not native.available():
         raise SystemExit(f"this checkout's compiled code is unavailable: {native.build_error()}")
-    after, threads = native._library, torch.get_num_threads()
+    after, threads = native_library._library, torch.get_num_threads()
     try:
         before = load_build(a.before)
     finally:
@@ -192,7 +192,7 @@ def main(argv=None):
         torch.set_num_threads(a.threads)
         rows = _run(a, before, after)
     finally:
-        native._library = after
+        native_library._library = after
         torch.set_num_threads(threads)
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)

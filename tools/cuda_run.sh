@@ -25,7 +25,7 @@ for dtype in bfloat16 float32; do
     LINEAR_MHA_FLA=1 "$py" -m linear_mha.tools.benchmark --device cuda --dtype "$dtype" --resume --methods kernel_elu \
         --masks causal --json "$out/bench_${dtype}_fla_on.json" 2>&1 | tee "$out/bench_${dtype}_fla_on.log"
 done
-"$py" -m linear_mha.tools.triton_bench --methods elu taylor focused hedgehog taylor_rope --json "$out/triton_bench.json" 2>&1 \
+"$py" -m linear_mha.tools.triton_bench --methods kernel_elu taylor focused hedgehog taylor_rope --json "$out/triton_bench.json" 2>&1 \
     | tee "$out/triton_bench.log"
 "$py" -m linear_mha.tools.detr_step --device cuda --dc5 --batch 2 --json "$out/detr_step.json"
 "$py" -m linear_mha.tools.detr_step --device cuda --dc5 --batch 2 --variants softmax kernel taylor-dwc3:rope=True \

@@ -3,10 +3,12 @@ against the PyTorch path they would replace, SDPA's own choice and SDPA's flash 
 
     python -m linear_mha.tools.triton_bench --json docs/results/cuda/triton_bench.json
 
-Non-causal attention (--methods: elu, relu, taylor, focused, hedgehog, taylor_rope) on (B, H, N, d) tensors, forward
-(no autograd) and forward + backward of a fixed random output gradient, medians of CUDA-event timings after warm-up.
-Every method is called through the public functional API, with the kernels switched on for every map and then off
-(the path they replace); the exactness rows include the gradients of focused's scale and hedgehog's maps. "bytes"
+Non-causal attention of the registry's presets whose method runs in the kernels (its ``triton_map``: kernel_elu,
+taylor and its key_reweight and rope presets, focused, hedgehog; --methods chooses among them) on (B, H, N, d) tensors,
+forward (no autograd) and forward + backward of a fixed random output gradient, medians of CUDA-event timings after
+warm-up. Every method is called as modules run it (``attend_heads``), with the kernels switched on for every map and
+then off (the path they replace); the exactness rows include the gradients of what a method learns (focused's
+scale, hedgehog's maps), moved off their start. "bytes"
 is what one forward must move at least (q, k, v read and the output written once); "x bw" is the forward's time over
 that traffic at the device-to-device copy bandwidth measured in the same run. On CPU (tests) it runs under Triton's
 interpreter (TRITON_INTERPRET=1) at tiny sizes.
@@ -20,11 +22,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from linear_mha.integrations.console import HelpFormatter
-from linear_mha import functional as LF
+from linear_mha import TokenGrid
+from linear_mha.attend import attend_heads
 from linear_mha.functional import triton_kernel
-from linear_mha.functional.grid_rope import grid_rope_kernel
+from linear_mha.registry import create_method, method_presets
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -55,39 +59,42 @@ def relative_error(got, ref):
     return float((got.detach().double() - ref.detach()).abs().max() / ref.detach().abs().max())
 
 
-METHODS = ("elu", "relu", "taylor", "focused", "hedgehog", "taylor_rope")
+def _configured(options):
+    return create_method(options["mode"], {key: value for key, value in options.items() if key != "mode"})
+
+
+METHODS = {name: options for name, options in method_presets().items() if _configured(options).triton_map}
 
 
 def method(name, h, d, device):
-    """fn(q, k, v, key_padding_mask) for a method through the public functional API, and the learnable tensors it
-    uses (their gradients are compared too): focused's per-head scale, hedgehog's maps; taylor_rope is taylor with
-    rotary position on a grid of the sequence's length (self-attention)."""
+    """(fn(q, k, v, key_padding_mask), learnable): a preset of METHODS as modules run it, and the tensors its method
+    learns (focused's per-head scale, hedgehog's maps), moved off their start, whose gradients are compared too. A
+    method with rotary position gets a grid of the sequence's length (self-attention)."""
+    attention = _configured(METHODS[name])
     g = torch.Generator().manual_seed(2)
-    if name == "focused":
-        scale = torch.nn.functional.softplus(torch.randn(h, 1, d, generator=g)).to(device).requires_grad_()
-        return lambda q, k, v, mask=None: LF.focused(q, k, v, scale=scale, key_padding_mask=mask), [scale]
-    if name == "hedgehog":
-        maps = [t for _ in "qk" for t in (torch.eye(d).repeat(h, 1, 1) + 0.1 * torch.randn(h, d, d, generator=g),
-                                             0.1 * torch.randn(h, d, generator=g))]
-        maps = [t.to(device).requires_grad_() for t in maps]
-        return (lambda q, k, v, mask=None: LF.hedgehog(q, k, v, tuple(maps[:2]), tuple(maps[2:]),
-                                                       key_padding_mask=mask)), maps
-    if name == "taylor_rope":
-        def rope(q, k, v, mask=None):
-            n = q.shape[2]
-            width = max(1, int(n ** 0.5))
-            return grid_rope_kernel(q, k, v, "taylor", (n // width, width, n % width), key_padding_mask=mask)
-        return rope, []
-    return (lambda q, k, v, mask=None: LF.kernel(q, k, v, name, key_padding_mask=mask)), []
+    state, learnable = {}, []
+    for key, t in attention.init_state(h, d, {"device": None, "dtype": torch.float32}).items():
+        if isinstance(t, nn.Parameter):
+            t = (t.detach() + 0.1 * torch.randn(t.shape, generator=g)).to(device).requires_grad_()
+            learnable.append(t)
+        state[key] = None if t is None else t.to(device)
+
+    def run(q, k, v, mask=None):
+        n = q.shape[2]
+        width = max(1, int(n ** 0.5))
+        grid = TokenGrid(n // width, width, n % width) if attention.needs_grid else None
+        own = {key: None if t is None else t.to(q.dtype) for key, t in state.items()}
+        return attend_heads(attention, own, q, k, v, key_padding_mask=mask, token_grid=grid)[0]
+    return run, learnable
 
 
 def exactness(device, dtype, name, masked, shape=(2, 4, 300, 257, 64, 64)):
     """Relative errors of the Triton path's output and q, k, v and parameter gradients against float64 (which the
-    chooser sends to PyTorch ops) on this device, and whether the Triton kernels ran. shape: B, H, L, S, D, Dv
-    (taylor_rope, self-attention: S = L)."""
+    chooser sends to PyTorch ops) on this device, and whether the Triton kernels ran. shape: B, H, L, S, D, Dv (S = L
+    for a method that needs self-attention, as rotary position and key reweighting do)."""
     g = torch.Generator().manual_seed(0)
     b, h, l, s, d, dv = shape
-    s = l if name == "taylor_rope" else s
+    s = l if _configured(METHODS[name]).self_attention_only else s
     q, k, v = (torch.randn(b, n, h, w, generator=g).transpose(1, 2).to(device)
                for n, w in ((l, d), (s, d), (s, dv)))
     mask = (torch.rand(b, s, generator=g) < 0.3).to(device) if masked else None
@@ -105,8 +112,23 @@ def exactness(device, dtype, name, masked, shape=(2, 4, 300, 257, 64, 64)):
     errors = [relative_error(a, r) for a, r in zip(*results)]
     row = dict(zip(("out", "dq", "dk", "dv"), errors[:4]))
     row["dparams"] = max(errors[4:], default=0.0)
-    row["triton"] = "TritonAttention" in type(results[0][0].grad_fn).__name__
+    row["triton"] = ran_in_the_kernels(results[0][0])
     return row
+
+
+def ran_in_the_kernels(out):
+    """Whether the kernels' Function made out, or anything out was computed from (key reweighting finishes the
+    kernels' output in PyTorch ops)."""
+    seen, stack = set(), [out.grad_fn]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        if "TritonAttention" in type(fn).__name__:
+            return True
+        seen.add(fn)
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return False
 
 
 def copy_bandwidth(device, timed):
@@ -116,7 +138,7 @@ def copy_bandwidth(device, timed):
     return 2 * x.numel() / (ms * 1e-3)  # bytes read and written per second
 
 
-def timings(device, dtype, b, h, n, d, blocks, repeats, timed, name="elu", with_sdpa=True):
+def timings(device, dtype, b, h, n, d, blocks, repeats, timed, name="kernel_elu", with_sdpa=True):
     g = torch.Generator(device=device).manual_seed(1)
     q, k, v = (torch.randn(b, h, n, d, generator=g, device=device, dtype=dtype) for _ in range(3))
     grad = torch.randn(b, h, n, d, generator=g, device=device, dtype=dtype)
@@ -174,7 +196,7 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--blocks", type=int, nargs="+", default=[16, 32, 64], help="rows per tile to try")
-    p.add_argument("--methods", nargs="+", default=["elu"], choices=METHODS, help="methods to time")
+    p.add_argument("--methods", nargs="+", default=["kernel_elu"], choices=list(METHODS), help="methods to time")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--exact-shape", type=int, nargs=6, default=[2, 4, 300, 257, 64, 64],
                    metavar=("B", "H", "L", "S", "D", "DV"), help="of the exactness checks")
@@ -194,10 +216,10 @@ def main(argv=None):
             for masked in (False, True):
                 errors = exactness(device, DTYPES[dtype_name], name, masked, a.exact_shape)
                 record["exactness"].append(dict(dtype=dtype_name, method=name, masked=masked, **errors))
-                print(f"exact {dtype_name:8s} {name:11s} masked={masked!s:5s} " +
+                print(f"exact {dtype_name:8s} {name:19s} masked={masked!s:5s} " +
                       " ".join(f"{key} {value:.1e}" for key, value in errors.items() if key != "triton") +
                       ("" if errors["triton"] else "  (NOT the Triton path)"), flush=True)
-    print(f"{'method':11s} {'dtype':8s} {'N':>6s} {'variant':24s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} {'x bw':>6s}")
+    print(f"{'method':19s} {'dtype':8s} {'N':>6s} {'variant':24s} {'fwd ms':>9s} {'fwd+bwd ms':>11s} {'x bw':>6s}")
     for name, dtype_name, n in ((m, t, n) for m in a.methods for t in a.dtypes for n in a.n):
         dtype = DTYPES[dtype_name]
         moved = 4 * a.batch * a.heads * n * a.dim * torch.finfo(dtype).bits // 8
@@ -208,10 +230,10 @@ def main(argv=None):
             row.update(method=name, dtype=dtype_name, N=n, B=a.batch, H=a.heads, d=a.dim, bytes=moved)
             if "fwd_ms" in row:
                 row["x_bandwidth_limit"] = row["fwd_ms"] / (moved / bandwidth * 1e3)
-                print(f"{name:11s} {dtype_name:8s} {n:6d} {row['variant']:24s} {row['fwd_ms']:9.3f} "
+                print(f"{name:19s} {dtype_name:8s} {n:6d} {row['variant']:24s} {row['fwd_ms']:9.3f} "
                       f"{row['fwdbwd_ms']:11.3f} {row['x_bandwidth_limit']:6.1f}", flush=True)
             else:
-                print(f"{name:11s} {dtype_name:8s} {n:6d} {row['variant']:24s} {row['error']}", flush=True)
+                print(f"{name:19s} {dtype_name:8s} {n:6d} {row['variant']:24s} {row['error']}", flush=True)
             record["timings"].append(row)
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)

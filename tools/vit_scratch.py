@@ -33,16 +33,17 @@ from .calibrate_bench import build_vit, digits, top1, train_vit
 
 
 def parse_variant(name: str):
-    """'taylor-dwc3:output_gate=True' -> ('taylor', {'dwc_kernel': 3, 'output_gate': True}); 'softmax' -> (None, {})."""
+    """'taylor-dwc3:output_gate=True' -> ('taylor', {'dwc_kernel': 3, 'output_gate': True}); 'softmax' -> (None, {}):
+    a method that computes the ViT's own attention, with no option, leaves it as it is."""
     base, _, options = name.partition(":")
-    if base == "softmax" and not options:
-        return None, {}
     local = re.fullmatch(r"(.+)-dwc(\d+)", base)
     mode = local.group(1) if local else base
-    method_class(mode)  # an unknown method raises, listing the registered ones
+    method = method_class(mode)  # an unknown method raises, listing the registered ones
     found = parse_attention_options(filter(None, options.split(",")))
     if local:
         found["dwc_kernel"] = int(local.group(2))
+    if not found and method().computes_torch_attention:
+        return None, {}
     return mode, found
 
 

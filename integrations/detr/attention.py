@@ -89,15 +89,14 @@ def apply_attention(model, args_or_kwargs=None, max_tokens=None, **kwargs):
     except ValueError as err:
         raise ValueError(f"--attention {cfg.attention!r}: {err}") from None
     targets = parse_targets(cfg.attention_on)
-    if cfg.attention == "softmax" and not (cfg.dwc_kernel or cfg.output_gate):  # else softmax modules are patched
-        return [{"target": t, "include": [TARGETS[t]], "mode": "softmax", "options": {}, "patch_report": None}
-                for t in targets]
     inner = getattr(model, "module", model)  # DDP-wrapped or not
     num_queries = getattr(inner, "num_queries", None)
     report = []
     for target in targets:
         options = _options(cfg.attention, target, cfg, max_tokens, num_queries)
-        result = patch(inner, mode=cfg.attention, include=[TARGETS[target]], **options)
+        # A method that computes what nn.MultiheadAttention computes, with no option, leaves DETR's own modules.
+        plain = not options and method_class(cfg.attention)().computes_torch_attention
+        result = None if plain else patch(inner, mode=cfg.attention, include=[TARGETS[target]], **options)
         report.append({"target": target, "include": [TARGETS[target]], "mode": cfg.attention, "options": options,
                        "patch_report": result})
     return report

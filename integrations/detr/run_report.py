@@ -22,7 +22,7 @@ def _data_line(args, datasets):
 
 
 def _attention_line(args, attention_report):
-    if all(entry["mode"] == "softmax" and not entry["options"] for entry in attention_report):
+    if all(entry["patch_report"] is None for entry in attention_report):  # nothing patched
         return "softmax everywhere (nn.MultiheadAttention, as in DETR)"
     parts = []
     for entry in attention_report:

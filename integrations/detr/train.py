@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from linear_mha import calibrate
+from linear_mha import calibrate, method_class
 from linear_mha.progress import progress_bar
 
 from ..console import choose_threads, duration, eta, refuse_overwrite
@@ -117,7 +117,7 @@ def check_conversion_args(args):
         if not args.pretrained:
             raise ValueError(f"{flag} fits linear attention to a trained softmax DETR: pass its checkpoint with "
                              "--pretrained")
-        if args.attention in (None, "softmax"):
+        if args.attention is None or method_class(args.attention).exact:
             raise ValueError(f"{flag} needs a linear --attention to fit to the --pretrained softmax DETR, e.g. "
                              "--attention hedgehog; with softmax attention the model would be its own teacher")
 

@@ -1,7 +1,7 @@
 """Row passes beside attention in the compiled CPU code: the focused and hedgehog feature maps (csrc/focused_map.c,
 csrc/hedgehog_map.c), the modules' output gate (csrc/output_gate.c) and local term (csrc/grid_conv.c). Each reads a
 row and writes its result, forward and backward, instead of a chain of PyTorch ops whose fresh N-sized outputs
-page-fault. Loaded and declared with the attention kernels by ``native.py``; ``backend.focused_map_backend``,
+page-fault. Loaded and declared with the attention kernels by ``native_library.py``; ``backend.focused_map_backend``,
 ``backend.hedgehog_map_backend``, ``backend.output_gate_backend`` and ``backend.local_term_backend`` decide which
 calls come here."""
 import math

@@ -16,6 +16,7 @@ class BlockLocal(AttentionMethod):
     variants = {"w3": {"window": 3}}
     causal = True
     recurrent = True
+    exports_dynamic_length = False  # the blocks are reshapes by ceil(N / w), which export cannot leave open
     cost = "O(N·w·d)"
     summary = "softmax within blocks of w positions and the block before (after too, non-causal): local heads"
 

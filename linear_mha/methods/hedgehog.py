@@ -66,6 +66,10 @@ class Hedgehog(FeatureMapMethod):
     def self_attention_only(self):
         return self.window > 0  # the window pairs query i with the keys near position i
 
+    @property
+    def triton_map(self):
+        return None if self.window else "hedgehog"  # the window's exact softmax runs in PyTorch ops
+
     # ------------------------------------------------------------------ decoding
     def _maps(self, state):
         return ((state["hedgehog_q_weight"], state["hedgehog_q_bias"]),

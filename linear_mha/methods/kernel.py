@@ -12,6 +12,7 @@ from ..functional.elementwise_program import program_for
 from ..functional.feature_maps import elementwise_feature_map
 from ..functional.grid_rope import grid_rope_kernel
 from ..functional.key_reweight import key_weights, unweight, weighted_values
+from ..functional.triton_kernel import map_name
 from ..registry import (AttentionMethod, Option, append_extra_keys, boolean, optional, positive_int,
                         register_method)
 
@@ -78,6 +79,12 @@ class FeatureMapMethod(AttentionMethod):
     @property
     def self_attention_only(self):  # the mean query and the grid positions are the keys' own
         return getattr(self, "key_reweight", False) or self.needs_grid
+
+    @property
+    def triton_map(self):
+        if getattr(self, "rope", False) and getattr(self, "key_reweight", False):
+            return None  # rotary position with key weights runs in PyTorch ops (backend.rope_backend)
+        return map_name(self.kernel_map({}))
 
     # ------------------------------------------------------------------ decoding: the (B, H, F, d_v + 1) sums
     recurrent = True
