@@ -167,3 +167,15 @@ def test_a_class_defined_again_replaces_itself_as_a_rerun_notebook_cell_does():
         assert linear_mha.method_class("again") is second
     finally:
         linear_mha.unregister_method("again")
+
+
+@pytest.mark.parametrize("name", sorted(modes.ALL_VARIANTS))
+def test_every_method_s_tensors_take_the_module_s_dtype(name):
+    """A method's state computed in float64 (decay rates) or drawn in float32 (FAVOR+'s projection) is stored in the
+    dtype the module is built with, as nn.MultiheadAttention's own parameters are."""
+    options = modes.sized_variant(modes.ALL_VARIANTS[name], 16)
+    for dtype in (None, torch.float64):
+        module = linear_mha.LinearMultiheadAttention(16, 2, **options, **({"dtype": dtype} if dtype else {}))
+        wrong = {key: t.dtype for key, t in module.state_dict().items()
+                 if t.is_floating_point() and t.dtype != (dtype or torch.get_default_dtype())}
+        assert not wrong, wrong

@@ -10,7 +10,7 @@ from torch import nn
 
 from ..functional.delta_rule import delta_rule_attention, delta_rule_step
 from ..registry import register_method
-from .state_recurrence import StateRecurrenceMethod, pairwise_log_decay
+from .state_recurrence import StateRecurrenceMethod, factory_kwargs_with_dtype, pairwise_log_decay
 
 
 @register_method
@@ -27,7 +27,8 @@ class DeltaNet(StateRecurrenceMethod):
         if self.decays:  # Mamba-2's spread of initial rates: per-position decays exp(-rate), rates 1e-3 .. 1e-1
             rates = torch.logspace(math.log10(1e-3), math.log10(1e-1), num_heads, dtype=torch.float64)
             state["delta_decay_weight"] = nn.Parameter(torch.zeros(num_heads, head_dim, **factory_kwargs))
-            state["delta_decay_bias"] = nn.Parameter(torch.log(torch.expm1(rates)).to(**factory_kwargs))
+            state["delta_decay_bias"] = nn.Parameter(
+                torch.log(torch.expm1(rates)).to(**factory_kwargs_with_dtype(factory_kwargs)))
         return state
 
     def prepare(self, q, k, state):
@@ -71,12 +72,13 @@ class DeltaNet(StateRecurrenceMethod):
         return ((q @ k.transpose(-1, -2)) * decay) @ writes
 
     def flops(self, batch_heads, tokens, head_dim, causal):
-        # per chunk of C: K Kᵀ and Q Kᵀ (C x C x d each), the triangular solve for W and U (C² (d + d_v)), the
-        # chunk's products with the state (W S, Q S, Kᵀ U: 3 C d d_v) and the scores times U (C² d_v)
+        # over the tokens padded to whole chunks of C: K Kᵀ, Q Kᵀ and the scores times U (C per token, d each), the
+        # unit-triangular solve for W and U (C - 1 multiply-adds per token and right-hand column, d + d_v
+        # columns) and the products with the state W S, Q S and Kᵀ U (d x d_v per token each)
         chunk = self.chunk_size or 64
         padded = -(-tokens // chunk) * chunk
-        return batch_heads * padded * (2.0 * chunk * head_dim * 2 + chunk * 2 * head_dim + 6.0 * head_dim * head_dim
-                                       + 2.0 * chunk * head_dim)
+        return batch_heads * padded * (6.0 * chunk * head_dim + 2.0 * (chunk - 1) * head_dim
+                                       + 6.0 * head_dim * head_dim)
 
 
 @register_method

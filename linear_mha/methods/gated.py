@@ -10,7 +10,7 @@ from torch import nn
 
 from ..functional.gated_linear import gated_linear_attention, gated_linear_step
 from ..registry import Option, positive_float, register_method
-from .state_recurrence import CHUNK_OPTION, StateRecurrenceMethod, pairwise_log_decay
+from .state_recurrence import CHUNK_OPTION, StateRecurrenceMethod, factory_kwargs_with_dtype, pairwise_log_decay
 
 
 class GatedStateMethod(StateRecurrenceMethod):
@@ -34,12 +34,16 @@ class GatedStateMethod(StateRecurrenceMethod):
         return torch.einsum("...td,...jd,...tjd->...tj", q, k, decay.expand(*decay.shape[:-1], q.shape[-1]))
 
     def flops(self, batch_heads, tokens, head_dim, causal):
-        # per chunk of C: the pairwise decayed scores (C x C x d, or C x C for one gate per position) and their
-        # product with the values, the chunk's writes and its queries against the state entering it
+        # over the tokens padded to whole chunks of C: the decayed scores q.k (C per token, d each; the decays are
+        # elementwise) and their product with the values, each chunk's writes k_to_endᵀ V and its queries against
+        # the state entering it (d x d_v per token each); plus the gates' own projection of the keys
         chunk = self.chunk_size or (64 if self.scalar_gate else 16)
         padded = -(-tokens // chunk) * chunk
-        pairs = padded * chunk * (2 * head_dim + (0 if self.scalar_gate else 2 * head_dim) + 2 * head_dim)
-        return batch_heads * (pairs + 4.0 * padded * head_dim * head_dim)
+        return batch_heads * (4.0 * padded * chunk * head_dim + 4.0 * padded * head_dim * head_dim
+                              + self.gate_flops(tokens, head_dim))
+
+    def gate_flops(self, tokens, head_dim):
+        return 0.0
 
 
 @register_method
@@ -52,7 +56,7 @@ class Retention(GatedStateMethod):
     def init_state(self, num_heads, head_dim, factory_kwargs):
         # RetNet's rates: head h keeps 1 - 2^(-5 - h) of its state per position (memories of ~32 to ~2^(4+H))
         rates = 1.0 - 2.0 ** (-5.0 - torch.arange(num_heads, dtype=torch.float64))
-        return {"retention_log_decay": torch.log(rates).to(**factory_kwargs)}
+        return {"retention_log_decay": torch.log(rates).to(**factory_kwargs_with_dtype(factory_kwargs))}
 
     def gates(self, k, state):
         return {"log_gate": state["retention_log_decay"].to(k.dtype)[None, :, None, None]}  # (1, H, 1, 1)
@@ -72,6 +76,9 @@ class GatedLinearAttention(GatedStateMethod):
         weight = torch.randn(num_heads, head_dim, head_dim, **factory_kwargs) / math.sqrt(head_dim)
         return {"gla_gate_weight": nn.Parameter(weight),
                 "gla_gate_bias": nn.Parameter(torch.zeros(num_heads, head_dim, **factory_kwargs))}
+
+    def gate_flops(self, tokens, head_dim):
+        return 2.0 * tokens * head_dim * head_dim  # k W per head
 
     def gates(self, k, state):
         logits = k @ state["gla_gate_weight"].to(k.dtype) + state["gla_gate_bias"].to(k.dtype)[:, None, :]

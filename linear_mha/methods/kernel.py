@@ -217,8 +217,10 @@ class Kernel(FeatureMapMethod):
         if self.feature_map != "favor":
             return {}
         self.num_features = self.num_features or functional.default_num_favor_features(head_dim)
-        return {"favor_projection": functional.orthogonal_random_features(
-            self.num_features, head_dim, device=factory_kwargs["device"])}
+        projection = functional.orthogonal_random_features(self.num_features, head_dim,
+                                                           device=factory_kwargs["device"])
+        dtype = factory_kwargs.get("dtype")  # drawn the same way whatever the dtype, then stored in the module's
+        return {"favor_projection": projection if dtype is None else projection.to(dtype)}
 
     def before_forward(self, module):
         if module.training and self.redraw_interval is not None:

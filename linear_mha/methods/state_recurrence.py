@@ -100,6 +100,12 @@ def identity_steps(gates, masked):
     return {key: g.masked_fill(masked[..., None] if g.dim() == 4 else masked, 0.0) for key, g in gates.items()}
 
 
+def factory_kwargs_with_dtype(factory_kwargs):
+    """The module's factory kwargs with its dtype made explicit: tensors computed in float64 (the decay rates) are
+    then stored in the dtype of the module's other parameters, not left in float64."""
+    return {**factory_kwargs, "dtype": factory_kwargs.get("dtype") or torch.get_default_dtype()}
+
+
 def pairwise_log_decay(cumulative):
     """b_t - b_j for key j <= query t, -inf above the diagonal: (B, H, L, G) cumulative log decays -> (B, H, L, L, G)
     (exp of it: the decay from j to t, <= 1)."""
