@@ -105,7 +105,8 @@ def grid_for(mode, tokens):
     return TokenGrid(height, tokens // height)
 
 
-def causal_if_required(module):
+def causal_if_required(module_or_method):
     """The call's ``is_causal`` for a generic check that runs non-causal: True for a causal-only method (which
-    refuses anything else), nothing for the others."""
-    return {} if module.method.bidirectional else {"is_causal": True}
+    refuses anything else), nothing for the others. Takes a module or a configured method."""
+    method = getattr(module_or_method, "method", module_or_method)
+    return {} if method.bidirectional else {"is_causal": True}

@@ -84,9 +84,16 @@ def _raw_baddbmm_(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs)
     return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[2]
 
 
+def _unit_triangular_solve(a_shape, b_shape, *args, out_shape=None, **kwargs):
+    # nor for triangular solves (the delta rule's): forward substitution on a unit triangular n x n system takes
+    # n (n - 1) / 2 multiply-adds per right-hand column
+    n, columns = a_shape[-1], b_shape[-1]
+    return math.prod(b_shape[:-2]) * n * (n - 1) * columns
+
+
 @pytest.mark.parametrize("key,causal", [(k, causal) for k, m in benchmark_cases.methods().items()
                                          if not m.peer and "cpu" in m.devices
-                                         for causal in ((False, True) if m.causal else (False,))])
+                                         for causal in (False, True) if (m.causal if causal else m.full)])
 def test_flop_formulas_match_torch_flop_counter(key, causal, backends):
     # The counter sees torch ops only: the compiled CPU code (functional/native.py) is switched off.
     backends(native_kernels=False)
@@ -99,7 +106,8 @@ def test_flop_formulas_match_torch_flop_counter(key, causal, backends):
     # SDPA through its math backend, whose matmuls every torch's counter sees: the fused CPU kernel is counted by
     # some releases and reported as 0 FLOPs by others (2.14.1).
     with torch.no_grad(), sdpa_math_backend(), FlopCounterMode(
-            display=False, custom_mapping={torch.ops.aten.baddbmm_: _raw_baddbmm_}) as counter:
+            display=False, custom_mapping={torch.ops.aten.baddbmm_: _raw_baddbmm_,
+                                           torch.ops.aten.linalg_solve_triangular: _unit_triangular_solve}) as counter:
         fn(*inputs)
     counted = counter.get_total_flops()
     if counted == 0:

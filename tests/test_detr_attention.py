@@ -64,13 +64,14 @@ def test_the_banner_names_the_preset_the_attention_and_where_the_backbone_starts
         args = parse_args(argv)
         start_banner(args, {"train": [0] * 3, "val": [0] * 2}, report, "cpu", 2, 1, 10, "out", 0)
         return capsys.readouterr().out
-    linear = [{"target": "encoder", "mode": "taylor", "options": {"dwc_kernel": 3, "rope": True}}]
+    linear = [{"target": "encoder", "mode": "taylor", "options": {"dwc_kernel": 3, "rope": True},
+               "patch_report": object()}]  # apply_attention's entries: the patch's report, None where nothing was
     out = banner(["--coco-path", "/data/coco", "--backbone-weights", "imagenet"], linear)
     assert "preset     coco: the official DETR-R50 recipe" in out
     assert "backbone resnet50 (ImageNet: torchvision's ResNet50_Weights.IMAGENET1K_V1)" in out
     assert ("attention  encoder: taylor (dwc_kernel=3, rope=True); the rest softmax. The recommended Linear-DETR, "
             "by default (--attention softmax: DETR as released)") in out
-    softmax = [{"target": "encoder", "mode": "softmax", "options": {}}]
+    softmax = [{"target": "encoder", "mode": "softmax", "options": {}, "patch_report": None}]
     out = banner(["--coco-path", "/data/coco", "--attention", "softmax", "--backbone-weights", "none"], softmax)
     assert "softmax everywhere (nn.MultiheadAttention, as in DETR)" in out
     assert "backbone resnet50 (random init: --backbone-weights none)" in out

@@ -14,7 +14,7 @@ SETTINGS = settings(max_examples=25, deadline=None)
 
 def build(name, heads, head_dim, seq_len, seed):
     torch.manual_seed(seed)
-    options = dict(modes.VARIANTS[name])
+    options = dict(modes.ALL_VARIANTS[name])
     mode = options.pop("mode")
     return LinearMultiheadAttention(heads * head_dim, heads, mode=mode,
                                     **options, **modes.sized(mode, seq_len, proj_k=4)).double()

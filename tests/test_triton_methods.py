@@ -67,7 +67,7 @@ def test_the_registry_names_the_methods_the_kernels_run():
         for name, options in modes.ALL_VARIANTS.items():
             method = modes.method_of(modes.sized_variant(options, 37))
             out = modes.attend_with(method, modes.drawn_state(method, 3, 8)[0], q.requires_grad_(), k, v,
-                                    token_grid=grid)
+                                    token_grid=grid, **modes.causal_if_required(method))
             assert ran_in_the_kernels(out) == bool(method.triton_map), name
 
 

@@ -136,10 +136,11 @@ def _peer_fla(c, dtype, device):
 
 
 def _registered(level: str, mode: str, options: dict) -> Method:
-    flops, causal = method_flops(mode, options), create_method(mode, options).causal  # options may take it away
+    method = create_method(mode, options)
+    flops, causal, full = method_flops(mode, options), method.causal, method.bidirectional  # options may change them
     if level == "core":
-        return Method(_method_core(mode, **options), flops, causal=causal)
-    return Method(_module(mode, **options), plus_projections(flops), causal=causal)
+        return Method(_method_core(mode, **options), flops, causal=causal, full=full)
+    return Method(_module(mode, **options), plus_projections(flops), causal=causal, full=full)
 
 
 def registry_methods() -> dict:

@@ -31,8 +31,10 @@ from linear_mha.integrations.detr.misc import collate_fn
 
 
 def registry_variants(names=None) -> dict:
-    """name -> (method, options): every preset of every linear method in the registry (or those ``names``)."""
-    found = {name: (options.pop("mode"), options) for name, options in method_presets().items()}
+    """name -> (method, options): every preset of every linear method in the registry (or those ``names``) with a
+    non-causal form, as DETR's encoder attends."""
+    found = {name: (options.pop("mode"), options) for name, options in method_presets().items()
+             if method_class(options["mode"]).bidirectional}
     if names:
         unknown = sorted(set(names) - set(found))
         if unknown:
