@@ -112,3 +112,12 @@ def test_a_run_writes_its_record_and_log_and_a_rerun_skips_it(tmp_path, monkeypa
     assert again["records"] == first["records"] and again["summary"] == first["summary"]
     with pytest.raises(ValueError, match="--steps 4.*--steps 5"):  # a record of other settings is not reused
         mqar.main(TINY + ["--out", str(out), "--steps", "5"])
+    with pytest.raises(ValueError, match="--shift-tokens False.*--shift-tokens True"):
+        mqar.main(TINY + ["--out", str(out), "--shift-tokens"])
+
+
+def test_token_shift_reaches_every_model_when_asked():
+    method = mqar.parse_method("kernel", 16, 1)
+    shifted = [getattr(m, "shifts", None) for m in mqar.RecallModel(method, 32, 16, 16, 1, 1, True).modules()]
+    plain = [getattr(m, "shifts", None) for m in mqar.RecallModel(method, 32, 16, 16, 1, 1).modules()]
+    assert any(shifted) and not any(plain)

@@ -55,7 +55,7 @@ LOCAL_CONV_TAPS = 3  # SelfAttention's local_conv: a fixed 3-tap causal depthwis
 TEST_DATA_SEED = 1   # odd: never the seed of a training set (2 x the run's seed)
 # Settings that change a run's result: a record written with others is refused, not reused
 RUN_SETTINGS = ("method", "vocab", "dim", "depth", "heads", "steps", "batch_size", "lr", "weight_decay",
-                "train_examples", "test_examples", "power_a")
+                "train_examples", "test_examples", "power_a", "shift_tokens")
 
 
 class Method(NamedTuple):
@@ -107,11 +107,13 @@ class RecallModel(nn.Module):
     LayerNorm, then Linear) applied only where a target is scored: at width 64 projecting every position onto the
     vocabulary costs about as much as the layers, and 7 positions in 8 have no target."""
 
-    def __init__(self, method: Method, vocab: int, seq_len: int, dim: int, depth: int, heads: int):
+    def __init__(self, method: Method, vocab: int, seq_len: int, dim: int, depth: int, heads: int,
+                 shift_tokens: bool = False):
         super().__init__()
         self.lm = LinearAttentionTransformerLM(vocab, dim, depth, seq_len, heads=heads, dim_head=dim // heads,
                                                causal=True, return_embeddings=True, global_mode=method.mode,
-                                               global_options=method.options, local_conv=method.local_conv)
+                                               global_options=method.options, local_conv=method.local_conv,
+                                               shift_tokens=shift_tokens)
         self.head = nn.Linear(dim, vocab)
 
     def forward(self, tokens, targets):
@@ -154,7 +156,8 @@ def recall_accuracy(model, inputs, targets, batch_size: int, device) -> float:
 def run_settings(args, method: Method) -> dict:
     return {"method": method.name, "vocab": args.vocab, "dim": args.dim, "depth": args.depth, "heads": args.heads,
             "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "weight_decay": args.weight_decay,
-            "train_examples": args.train_examples, "test_examples": args.test_examples, "power_a": POWER_A}
+            "train_examples": args.train_examples, "test_examples": args.test_examples, "power_a": POWER_A,
+            "shift_tokens": args.shift_tokens}
 
 
 def train_run(args, method: Method, seq_len: int, pairs: int, seed: int, run_dir: Path, device) -> dict:
@@ -163,7 +166,7 @@ def train_run(args, method: Method, seq_len: int, pairs: int, seed: int, run_dir
     train_x, train_y = mqar_examples(args.vocab, seq_len, pairs, args.train_examples, 2 * seed)
     test_x, test_y = mqar_examples(args.vocab, seq_len, pairs, args.test_examples, TEST_DATA_SEED)
     torch.manual_seed(seed)
-    model = RecallModel(method, args.vocab, seq_len, args.dim, args.depth, args.heads).to(device)
+    model = RecallModel(method, args.vocab, seq_len, args.dim, args.depth, args.heads, args.shift_tokens).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     batches = shuffled_batches(args.train_examples, args.batch_size, torch.Generator().manual_seed(seed))
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -291,6 +294,9 @@ def parse_args(argv=None):
     p.add_argument("--dim", type=int, default=64, help="model width")
     p.add_argument("--depth", type=int, default=2, help="layers")
     p.add_argument("--heads", type=int, default=1, help="heads per layer, all global (Zoology's attention has 1)")
+    p.add_argument("--shift-tokens", action="store_true",
+                   help="every model (softmax too) mixes half of each token's features with the previous token's "
+                        "(the LM's shift_tokens): the short look-back recall models pair with a linear state")
     p.add_argument("--steps", type=int, default=4000, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=64, help="sequences per step")
     p.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate")
@@ -335,7 +341,8 @@ def main(argv=None):
     banner("MQAR: multi-query associative recall", {
         "methods": ", ".join(m.name for m in methods),
         "tasks": ", ".join(f"seq {n} / {p} pairs" for n, p in tasks) + f"; seeds {' '.join(map(str, args.seeds))}",
-        "model": f"vocab {args.vocab}, width {args.dim}, {args.depth} layers of {args.heads} head(s)",
+        "model": f"vocab {args.vocab}, width {args.dim}, {args.depth} layers of {args.heads} head(s)"
+                 + (", token shift" if args.shift_tokens else ""),
         "schedule": f"{args.steps} steps of {args.batch_size} sequences, lr {args.lr}; {args.train_examples:,} "
                     f"training / {args.test_examples:,} test sequences",
         "device": f"{device}, threads {threads}",
