@@ -20,23 +20,20 @@ A masked position is an identity step (beta = 0, no decay).
 from typing import Optional, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+
+from ._recurrence import (accumulating_dtype, check_heads, decay_ratios, empty_sequence, run_steps,
+                          split_into_chunks, starting_state)
 
 CHUNK = 64
 
 
 def _check(q, k, v, beta, log_decay, initial_state):
-    if q.dim() != 4 or k.shape != q.shape or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"q and k must be (B, H, L, d_k) and v (B, H, L, d_v) of the same B, H, L; got q "
-                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    check_heads(q, k, v, initial_state)
     for name, x in (("beta", beta), ("log_decay", log_decay)):
         if x is not None and (x.dim() != 3 or torch.broadcast_shapes(x.shape, q.shape[:3]) != q.shape[:3]):
             raise ValueError(f"{name} must be (B, H, L) (one value per head and position), broadcastable; got "
                              f"{tuple(x.shape)} for q {tuple(q.shape)}")
-    if initial_state is not None and initial_state.shape[-2:] != (q.shape[-1], v.shape[-1]):
-        raise ValueError(f"initial_state must be (B, H, d_k, d_v) = (..., {q.shape[-1]}, {v.shape[-1]}); got "
-                         f"{tuple(initial_state.shape)}")
 
 
 def _masked_inputs(q, k, v, beta, log_decay, key_padding_mask):
@@ -71,14 +68,7 @@ def delta_rule_recurrent(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_deca
     (out (B, H, L, d_v), final state (B, H, d_k, d_v))."""
     _check(q, k, v, beta, log_decay, initial_state)
     k, v, beta, log_decay = _masked_inputs(q, k, v, beta, log_decay, key_padding_mask)
-    state = initial_state
-    if state is None:
-        state = q.new_zeros(*q.shape[:2], q.shape[-1], v.shape[-1])
-    outs = []
-    for t in range(q.shape[2]):
-        out, state = delta_rule_step(q[:, :, t], k[:, :, t], v[:, :, t], beta[:, :, t], log_decay[:, :, t], state)
-        outs.append(out)
-    return torch.stack(outs, dim=2), state
+    return run_steps(delta_rule_step, q, k, v, (beta, log_decay), initial_state)
 
 
 def delta_rule_attention(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Optional[Tensor] = None, *,
@@ -96,27 +86,19 @@ def delta_rule_attention(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_deca
     _check(q, k, v, beta, log_decay, initial_state)
     batch, heads, length, d_k = q.shape
     d_v, out_dtype = v.shape[-1], q.dtype
-    dtype = torch.promote_types(q.dtype, torch.float32)
+    dtype = accumulating_dtype(q)
     k, v, beta, log_decay = _masked_inputs(q, k, v, beta, log_decay, key_padding_mask)
     q, k, v, beta, log_decay = (x.to(dtype) for x in (q, k, v, beta, log_decay))
 
-    if length == 0:  # no position: nothing read, the state as it came
-        state = initial_state.to(dtype) if initial_state is not None else q.new_zeros(batch, heads, d_k, d_v)
-        out = v.new_zeros(batch, heads, 0, d_v).to(out_dtype) + 0 * q.sum()  # keeps q's graph for autograd
-        return (out, state) if output_final_state else out
+    if length == 0:
+        return empty_sequence(q, v, initial_state, out_dtype, output_final_state)
 
     chunk = chunk_size or CHUNK
-    chunks = -(-length // chunk)
-    extra = chunks * chunk - length  # identity steps after the end (beta 0, no decay); their outputs are dropped
+    (q, k, v, beta, decay), chunks = split_into_chunks((q, k, v, beta[..., None], log_decay[..., None]), chunk)
+    decay = decay.cumsum(-2)  # (B, H, n, C, 1): log gamma, the chunk's decay up to each position
 
-    def chunked(x):  # (B, H, L, X) -> (B, H, n, C, X)
-        return F.pad(x, (0, 0, 0, extra)).reshape(batch, heads, chunks, chunk, x.shape[-1])
-    q, k, v = chunked(q), chunked(k), chunked(v)
-    beta, decay = chunked(beta[..., None]), chunked(log_decay[..., None]).cumsum(-2)  # (B, H, n, C, 1) each
-
-    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()  # j <= t
-    ratio = torch.exp((decay - decay.transpose(-1, -2)).masked_fill(~lower, float("-inf")))  # gamma_t / gamma_j
-    strictly = lower & ~torch.eye(chunk, dtype=torch.bool, device=q.device)
+    ratio = decay_ratios(decay)  # gamma_t / gamma_j (j <= t), 0 above the diagonal
+    strictly = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril(-1)
     system = (beta * (k @ k.transpose(-1, -2)) * ratio).masked_fill(~strictly, 0.0)
     system = system + torch.eye(chunk, dtype=dtype, device=q.device)  # I + A, unit lower triangular
     solved = torch.linalg.solve_triangular(system, torch.cat([beta * torch.exp(decay) * k, beta * v], dim=-1),
@@ -127,8 +109,7 @@ def delta_rule_attention(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_deca
     k_to_end = k * torch.exp(decay[..., -1:, :] - decay)
     carried = torch.exp(decay[..., -1, :])[..., None]  # (B, H, n, 1, 1)
 
-    state = (initial_state.to(dtype) if initial_state is not None
-             else q.new_zeros(batch, heads, d_k, d_v))
+    state = starting_state(q, d_v, initial_state)
     outs = []
     for c in range(chunks):
         u = u_free[:, :, c] - w[:, :, c] @ state  # (B, H, C, d_v)

@@ -15,15 +15,13 @@ A masked position is an identity step: it neither writes to the state nor decays
 from typing import Optional, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+
+from ._recurrence import (accumulating_dtype, check_heads, decay_ratios, empty_sequence, run_steps,
+                          split_into_chunks, starting_state)
 
 PAIRWISE_CHUNK = 16  # gates per key dimension: the pairwise decays are (C, C, d_k) per chunk, so chunks stay short
 SCALAR_CHUNK = 64    # one gate per position: the decays are (C, C)
-
-
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    return torch.promote_types(x.dtype, torch.float32)  # half inputs accumulate in float32
 
 
 def _masked_inputs(k, v, log_gate, key_padding_mask):
@@ -35,15 +33,10 @@ def _masked_inputs(k, v, log_gate, key_padding_mask):
 
 
 def _check(q, k, v, log_gate, initial_state):
-    if q.dim() != 4 or k.shape != q.shape or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"q and k must be (B, H, L, d_k) and v (B, H, L, d_v) of the same B, H, L; got q "
-                         f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    check_heads(q, k, v, initial_state)
     if log_gate.dim() != 4 or log_gate.shape[-1] not in (1, q.shape[-1]):
         raise ValueError(f"log_gate must be (B, H, L, d_k) (a gate per key dimension) or (B, H, L, 1) (one per "
                          f"position), broadcastable; got {tuple(log_gate.shape)} for q {tuple(q.shape)}")
-    if initial_state is not None and initial_state.shape[-2:] != (q.shape[-1], v.shape[-1]):
-        raise ValueError(f"initial_state must be (B, H, d_k, d_v) = (..., {q.shape[-1]}, {v.shape[-1]}); got "
-                         f"{tuple(initial_state.shape)}")
 
 
 def gated_linear_step(q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor,
@@ -63,14 +56,7 @@ def gated_linear_recurrent(q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor, *,
     _check(q, k, v, log_gate, initial_state)
     log_gate = log_gate.expand(*q.shape[:3], log_gate.shape[-1])
     k, v, log_gate = _masked_inputs(k, v, log_gate, key_padding_mask)
-    state = initial_state
-    if state is None:
-        state = q.new_zeros(*q.shape[:2], q.shape[-1], v.shape[-1])
-    outs = []
-    for t in range(q.shape[2]):
-        out, state = gated_linear_step(q[:, :, t], k[:, :, t], v[:, :, t], log_gate[:, :, t], state)
-        outs.append(out)
-    return torch.stack(outs, dim=2), state
+    return run_steps(gated_linear_step, q, k, v, (log_gate,), initial_state)
 
 
 def gated_linear_attention(q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor, *,
@@ -86,32 +72,24 @@ def gated_linear_attention(q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor, *,
     (float32 or wider).
     """
     _check(q, k, v, log_gate, initial_state)
-    batch, heads, length, d_k = q.shape
-    d_v, out_dtype, dtype = v.shape[-1], q.dtype, _compute_dtype(q)
+    batch, heads, length = q.shape[:3]
+    d_v, out_dtype, dtype = v.shape[-1], q.dtype, accumulating_dtype(q)
     gate_dim = log_gate.shape[-1]
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     log_gate = log_gate.to(dtype).expand(batch, heads, length, gate_dim)
     k, v, log_gate = _masked_inputs(k, v, log_gate, key_padding_mask)
 
-    if length == 0:  # no position: nothing read, the state as it came
-        state = initial_state.to(dtype) if initial_state is not None else q.new_zeros(batch, heads, d_k, d_v)
-        out = v.new_zeros(batch, heads, 0, d_v).to(out_dtype) + 0 * q.sum()  # keeps q's graph for autograd
-        return (out, state) if output_final_state else out
+    if length == 0:
+        return empty_sequence(q, v, initial_state, out_dtype, output_final_state)
 
     chunk = chunk_size or (SCALAR_CHUNK if gate_dim == 1 else PAIRWISE_CHUNK)
-    chunks = -(-length // chunk)
-    extra = chunks * chunk - length  # zero steps after the end: no write, no decay, outputs dropped
-
-    def chunked(x):  # (B, H, L, X) -> (B, H, n, C, X)
-        return F.pad(x, (0, 0, 0, extra)).reshape(batch, heads, chunks, chunk, x.shape[-1])
-    q, k, v, log_gate = chunked(q), chunked(k), chunked(v), chunked(log_gate)
+    (q, k, v, log_gate), chunks = split_into_chunks((q, k, v, log_gate), chunk)
 
     decay = log_gate.cumsum(-2)  # b: (B, H, n, C, G), log of the product of the chunk's gates up to each position
-    seen = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()  # key j <= query i
     if gate_dim == 1:
-        pair = (decay - decay.transpose(-1, -2)).masked_fill(~seen, float("-inf"))  # (B, H, n, C, C)
-        scores = (q @ k.transpose(-1, -2)) * torch.exp(pair)
+        scores = (q @ k.transpose(-1, -2)) * decay_ratios(decay)  # (B, H, n, C, C)
     else:
+        seen = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()  # key j <= query i
         pair = decay[..., :, None, :] - decay[..., None, :, :]  # (B, H, n, C, C, d_k)
         pair = pair.masked_fill(~seen[..., None], float("-inf"))
         scores = torch.einsum("...id,...jd,...ijd->...ij", q, k, torch.exp(pair))
@@ -120,8 +98,7 @@ def gated_linear_attention(q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor, *,
     last = decay[..., -1:, :]  # (B, H, n, 1, G)
     writes = (k * torch.exp(last - decay)).transpose(-1, -2) @ v  # (B, H, n, d_k, d_v): each chunk's own writes
     carried = torch.exp(last).transpose(-1, -2)  # (B, H, n, G, 1): how much of the state a chunk keeps
-    state = (initial_state.to(dtype) if initial_state is not None
-             else q.new_zeros(batch, heads, d_k, d_v))
+    state = starting_state(q, d_v, initial_state)
     entering = []
     for c in range(chunks):
         entering.append(state)
