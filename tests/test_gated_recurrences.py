@@ -1,6 +1,8 @@
 """The decaying and delta-rule recurrences (functional.gated_linear, functional.delta_rule): the chunked training
 forms against the recurrence written out with explicit matrices in float64, their gradients, initial and final
 states, masks as identity steps, causality, and strong decays in float32."""
+from typing import Callable, NamedTuple
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -96,88 +98,90 @@ def test_the_delta_rule_recalls_the_latest_value_of_a_key():
     torch.testing.assert_close(out[0, 0, 1], v[0, 0, 1])
 
 
-def _split_run(fn, q, k, v, extra_of, cut, chunk):
-    """The first ``cut`` positions, then the rest from the first part's final state."""
-    first, state = fn(q[:, :, :cut], k[:, :, :cut], v[:, :, :cut], *extra_of(slice(0, cut)), chunk_size=chunk,
-                      output_final_state=True)
-    second = fn(q[:, :, cut:], k[:, :, cut:], v[:, :, cut:], *extra_of(slice(cut, None)), initial_state=state,
-                chunk_size=chunk)
-    return torch.cat([first, second], dim=2)
+class Recurrence(NamedTuple):
+    chunked: Callable    # the training form: (q, k, v, *per_position, **options) -> out [, state]
+    recurrent: Callable  # the reference: (q, k, v, *per_position, **masks) -> (out, state)
+    step: Callable       # one position: (q_t, k_t, v_t, *per_position_t, state) -> (o_t, state)
+    draw: Callable       # (generator, length) -> its per-position tensors, (B, H, L, ...) each
 
 
-@pytest.mark.parametrize("method", ["gated", "delta"])
-def test_a_final_state_continues_exactly(method):
+RECURRENCES = {
+    "gated": Recurrence(gated_linear_attention, gated_linear_recurrent, gated_linear_step,
+                        lambda g, length: (_gates("per_dimension", g, length=length),)),
+    "delta": Recurrence(delta_rule_attention, delta_rule_recurrent, delta_rule_step,
+                        lambda g, length: (torch.rand(B, H, length, generator=g, dtype=F64),
+                                           -torch.rand(B, H, length, generator=g, dtype=F64))),
+}
+
+
+def _positions(params, which):
+    """The per-position tensors at ``which`` (a slice or an index of the sequence)."""
+    return tuple(p[:, :, which] for p in params)
+
+
+@pytest.mark.parametrize("name", RECURRENCES)
+def test_a_final_state_continues_exactly(name):
     """Prefill hands decoding its state: the sequence in two calls equals one call, and steps equal the chunks."""
+    recurrence = RECURRENCES[name]
     q, k, v, g = _inputs(2)
-    if method == "gated":
-        gate = _gates("per_dimension", g)
-        fn, step, extra_of = gated_linear_attention, gated_linear_step, lambda s: (gate[:, :, s],)
-    else:
-        beta, log_decay = torch.rand(B, H, L, generator=g, dtype=F64), -torch.rand(B, H, L, generator=g, dtype=F64)
-        fn, step, extra_of = delta_rule_attention, delta_rule_step, lambda s: (beta[:, :, s], log_decay[:, :, s])
-    whole = fn(q, k, v, *extra_of(slice(None)), chunk_size=16)
-    torch.testing.assert_close(_split_run(fn, q, k, v, extra_of, 21, 16), whole, rtol=1e-10, atol=1e-10)
+    params = recurrence.draw(g, L)
+    whole = recurrence.chunked(q, k, v, *params, chunk_size=16)
+    cut = 21
+    first, state = recurrence.chunked(q[:, :, :cut], k[:, :, :cut], v[:, :, :cut], *_positions(params, slice(0, cut)),
+                                      chunk_size=16, output_final_state=True)
+    second = recurrence.chunked(q[:, :, cut:], k[:, :, cut:], v[:, :, cut:], *_positions(params, slice(cut, None)),
+                                initial_state=state, chunk_size=16)
+    torch.testing.assert_close(torch.cat([first, second], dim=2), whole, rtol=1e-10, atol=1e-10)
     state, outs = None, []
     for t in range(L):
-        out, state = step(q[:, :, t], k[:, :, t], v[:, :, t], *(x[:, :, 0] for x in extra_of(slice(t, t + 1))),
-                          state)
+        out, state = recurrence.step(q[:, :, t], k[:, :, t], v[:, :, t], *_positions(params, t), state)
         outs.append(out)
     torch.testing.assert_close(torch.stack(outs, 2), whole, rtol=1e-10, atol=1e-10)
 
 
-def _run(method, q, k, v, params, **kwargs):
-    if method == "gated":
-        return gated_linear_attention(q, k, v, params[0], chunk_size=8, **kwargs)
-    return delta_rule_attention(q, k, v, params[1], params[2], chunk_size=8, **kwargs)
+def _run(name, q, k, v, params, **kwargs):
+    return RECURRENCES[name].chunked(q, k, v, *params, chunk_size=8, **kwargs)
 
 
-def _params(g, length=L, requires_grad=False):
-    return [x.requires_grad_(requires_grad) for x in (
-        _gates("per_dimension", g, length=length), torch.rand(B, H, length, generator=g, dtype=F64),
-        -torch.rand(B, H, length, generator=g, dtype=F64))]
-
-
-@pytest.mark.parametrize("method", ["gated", "delta"])
-def test_gradients_match_finite_differences(method):
+@pytest.mark.parametrize("name", RECURRENCES)
+def test_gradients_match_finite_differences(name):
     q, k, v, g = _inputs(3, length=11)
-    params = [p[:1, :2].detach().requires_grad_() for p in _params(g, length=11)]  # one sequence, two heads
+    params = [p[:1, :2].detach().requires_grad_() for p in RECURRENCES[name].draw(g, 11)]  # one sequence, two heads
     inputs = [x[:1, :2].detach().requires_grad_() for x in (q, k, v)]
-    used = params[:1] if method == "gated" else params[1:]
-    def run(q, k, v, *used):
-        return _run(method, q, k, v, used if method == "gated" else (None, *used))
-    assert torch.autograd.gradcheck(run, (*inputs, *used), eps=1e-6, atol=1e-6)
+    assert torch.autograd.gradcheck(lambda q, k, v, *params: _run(name, q, k, v, params), (*inputs, *params),
+                                    eps=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("method", ["gated", "delta"])
-def test_masked_positions_reach_no_output_and_no_gradient(method):
+@pytest.mark.parametrize("name", RECURRENCES)
+def test_masked_positions_reach_no_output_and_no_gradient(name):
     q, k, v, g = _inputs(4)
-    params = _params(g)
+    params = RECURRENCES[name].draw(g, L)
     mask = torch.zeros(B, L, dtype=torch.bool)
     mask[0, :5], mask[1, [9, 20]] = True, True  # left padding and holes
     k, v = k.clone().requires_grad_(), v.clone().requires_grad_()
-    out = _run(method, q, k, v, params, key_padding_mask=mask)
+    out = _run(name, q, k, v, params, key_padding_mask=mask)
     garbage_k, garbage_v = k.detach().clone(), v.detach().clone()
     garbage_k[mask[:, None].expand(B, H, L)], garbage_v[mask[:, None].expand(B, H, L)] = 1e4, float("nan")
-    again = _run(method, q, garbage_k, garbage_v, params, key_padding_mask=mask)
+    again = _run(name, q, garbage_k, garbage_v, params, key_padding_mask=mask)
     kept = ~mask[:, None, :, None].expand(B, H, L, DV)
     torch.testing.assert_close(again[kept], out[kept].detach(), rtol=1e-10, atol=1e-10)
     out.masked_fill(~kept, 0).sum().backward()
     pad = mask[:, None].expand(B, H, L)
     assert k.grad[pad].abs().max() == 0 and v.grad[pad].abs().max() == 0
     removed = ~mask[1]  # the holes of sequence 1 are identity steps: the sequence without them gives the same
-    shorter = _run(method, q[1:, :, removed], k[1:, :, removed].detach(), v[1:, :, removed].detach(),
+    shorter = _run(name, q[1:, :, removed], k[1:, :, removed].detach(), v[1:, :, removed].detach(),
                    [p[1:, :, removed] for p in params])
     torch.testing.assert_close(shorter[0], out[1, :, removed].detach(), rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("method", ["gated", "delta"])
-def test_no_position_sees_the_future(method):
+@pytest.mark.parametrize("name", RECURRENCES)
+def test_no_position_sees_the_future(name):
     q, k, v, g = _inputs(5)
-    params = _params(g)
-    out = _run(method, q, k, v, params)
+    params = RECURRENCES[name].draw(g, L)
+    out = _run(name, q, k, v, params)
     k2, v2 = k.clone(), v.clone()
     k2[:, :, 20:], v2[:, :, 20:] = torch.randn_like(k2[:, :, 20:]), torch.randn_like(v2[:, :, 20:])
-    torch.testing.assert_close(_run(method, q, k2, v2, params)[:, :, :20], out[:, :, :20], rtol=0, atol=0)
+    torch.testing.assert_close(_run(name, q, k2, v2, params)[:, :, :20], out[:, :, :20], rtol=0, atol=0)
 
 
 def test_strong_decays_stay_finite_in_low_precision():
@@ -185,14 +189,15 @@ def test_strong_decays_stay_finite_in_low_precision():
     nothing overflows, where a form that divides by the cumulative decay would give inf and NaN."""
     q, k, v, g = _inputs(6, dtype=torch.float32, length=200)
     log_gate = torch.full((B, H, 200, DK), -15.0)
-    for fn, extra in ((gated_linear_attention, (log_gate,)),
-                      (delta_rule_attention, (torch.ones(B, H, 200), log_gate[..., 0]))):
+    strong = {"gated": (log_gate,), "delta": (torch.ones(B, H, 200), log_gate[..., 0])}
+    for name, extra in strong.items():
+        recurrence = RECURRENCES[name]
         for dtype in (torch.float32, torch.bfloat16):
-            out = fn(q.to(dtype), k.to(dtype), v.to(dtype), *(x.to(dtype) for x in extra), chunk_size=64)
+            out = recurrence.chunked(q.to(dtype), k.to(dtype), v.to(dtype), *(x.to(dtype) for x in extra),
+                                     chunk_size=64)
             assert out.dtype == dtype and torch.isfinite(out).all()
-            recurrent = (gated_linear_recurrent if fn is gated_linear_attention else delta_rule_recurrent)(
-                q.double(), k.double(), v.double(), *(x.double() for x in extra))[0]
-            torch.testing.assert_close(out.double(), recurrent, rtol=2e-2, atol=2e-2)
+            reference = recurrence.recurrent(q.double(), k.double(), v.double(), *(x.double() for x in extra))[0]
+            torch.testing.assert_close(out.double(), reference, rtol=2e-2, atol=2e-2)
 
 
 def test_bad_shapes_are_refused_naming_the_argument():
