@@ -46,8 +46,8 @@ class LinearMultiheadAttention(AttentionAdapter, nn.Module):
     Positional arguments and defaults are nn.MultiheadAttention's. Keyword arguments: ``mode``, the name of an
     attention method of the registry (``linear_mha.available_methods()``, the README's table: the built-in ones and
     any registered with ``linear_mha.register_method``; by default ``"taylor"``, which takes any length, or
-    ``"linformer"`` when its options ``seq_len`` / ``proj_k`` / ``param_sharing`` are given), then that method's own options
-    (``linear_mha.method_class(mode).options`` lists them, each with its default and help; an option the method
+    ``"linformer"`` when its options ``seq_len`` / ``proj_k`` / ``param_sharing`` are given), then that method's own
+    options (``linear_mha.method_class(mode).options`` lists them, each with its default and help; an option the method
     does not have raises a ValueError listing the ones it has), and ``dwc_kernel``.
 
     The configured method is ``self.method`` (its options are attributes: ``self.method.seq_len``); ``self.mode``

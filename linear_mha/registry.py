@@ -88,10 +88,10 @@ class AttentionMethod:
     Masks. Every method must honour key padding exactly: a masked key adds nothing to any output or gradient.
     ``causal = True`` declares a causal form (``attend(..., causal=True)``: query i sees keys j <= i, never later
     ones); ``bidirectional = False`` declares that it has no other (a state run along the sequence in order: the
-    non-causal call is refused). ``any_mask = True`` declares that the method applies any ``attn_mask`` exactly, additive float biases
-    included: such a method receives the masks combined into ``attn_bias`` and never ``key_padding_mask`` or
-    ``causal``. Anything a method does not declare is refused before it is called, with an error naming the
-    methods that support it.
+    non-causal call is refused). ``any_mask = True`` declares that the method applies any ``attn_mask`` exactly,
+    additive float biases included: such a method receives the masks combined into ``attn_bias`` and never
+    ``key_padding_mask`` or ``causal``. Anything a method does not declare is refused before it is called, with an
+    error naming the methods that support it.
     """
 
     name: ClassVar[str] = ""
