@@ -13,7 +13,7 @@ from linear_mha.functional.gated_linear import (gated_linear_attention, gated_li
 
 B, H, L, DK, DV = 2, 3, 37, 8, 5
 F64 = torch.float64
-CHUNKS = [1, 5, 16, 64]  # one position, not dividing L, the defaults, longer than L
+CHUNKS = [1, 5, 16, 64]  # one position, neither dividing L nor a power of two, shorter than L, longer than L
 
 
 def _inputs(seed=0, dtype=F64, length=L):

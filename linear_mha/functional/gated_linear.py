@@ -7,21 +7,25 @@ et al. 2023). The output is not normalised (the methods apply their own output n
 Three forms, one definition:
     gated_linear_recurrent  the recurrence itself, position by position: the reference (run it in float64)
     gated_linear_step       one position of it: what decoding runs
-    gated_linear_attention  the chunked form training runs: inside a chunk the products are formed pairwise with
-                            every decay as exp(b_i - b_j) <= 1 (b the cumulative log gate), so nothing overflows;
-                            between chunks the (d_k, d_v) state carries the past
+    gated_linear_attention  the chunked form training runs: between chunks the (d_k, d_v) state carries the past;
+                            inside a chunk every decay is a ratio exp(b_i - b_j) <= 1 (b the cumulative log gate),
+                            so nothing overflows. One gate per position: the (C, C) ratios directly. A gate per key
+                            dimension: the chunk is halved again and again; at each level the queries of a second
+                            half and the keys of its first half are each scaled to the position between them,
+                            q_i exp(b_i - b_r) and k_j exp(b_r - b_j) (both <= 1), and meet in one matmul. That
+                            costs the causal half of a dense (C, C) product instead of C x C x d_k decays
 A masked position is an identity step: it neither writes to the state nor decays it.
 """
 from typing import Optional, Tuple, Union
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ._recurrence import (accumulating_dtype, check_heads, decay_ratios, empty_sequence, run_steps,
                           split_into_chunks, starting_state)
 
-PAIRWISE_CHUNK = 16  # gates per key dimension: the pairwise decays are (C, C, d_k) per chunk, so chunks stay short
-SCALAR_CHUNK = 64    # one gate per position: the decays are (C, C)
+CHUNK = 64
 
 
 def _masked_inputs(k, v, log_gate, key_padding_mask):
@@ -82,18 +86,16 @@ def gated_linear_attention(q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor, *,
     if length == 0:
         return empty_sequence(q, v, initial_state, out_dtype, output_final_state)
 
-    chunk = chunk_size or (SCALAR_CHUNK if gate_dim == 1 else PAIRWISE_CHUNK)
+    chunk = chunk_size or CHUNK
+    if gate_dim != 1:  # the halving inside a chunk needs a power of two: round the size up
+        chunk = 1 << (chunk - 1).bit_length()
     (q, k, v, log_gate), chunks = split_into_chunks((q, k, v, log_gate), chunk)
 
     decay = log_gate.cumsum(-2)  # b: (B, H, n, C, G), log of the product of the chunk's gates up to each position
     if gate_dim == 1:
-        scores = (q @ k.transpose(-1, -2)) * decay_ratios(decay)  # (B, H, n, C, C)
+        within = ((q @ k.transpose(-1, -2)) * decay_ratios(decay)) @ v  # (B, H, n, C, d_v)
     else:
-        seen = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()  # key j <= query i
-        pair = decay[..., :, None, :] - decay[..., None, :, :]  # (B, H, n, C, C, d_k)
-        pair = pair.masked_fill(~seen[..., None], float("-inf"))
-        scores = torch.einsum("...id,...jd,...ijd->...ij", q, k, torch.exp(pair))
-    within = scores @ v  # (B, H, n, C, d_v)
+        within = _within_chunk_per_dimension(q, k, v, decay)
 
     last = decay[..., -1:, :]  # (B, H, n, 1, G)
     writes = (k * torch.exp(last - decay)).transpose(-1, -2) @ v  # (B, H, n, d_k, d_v): each chunk's own writes
@@ -106,3 +108,23 @@ def gated_linear_attention(q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor, *,
     from_past = (q * torch.exp(decay)) @ torch.stack(entering, dim=2)  # (B, H, n, C, d_v)
     out = (within + from_past).reshape(batch, heads, chunks * chunk, d_v)[:, :, :length].to(out_dtype)
     return (out, state) if output_final_state else out
+
+
+def _within_chunk_per_dimension(q: Tensor, k: Tensor, v: Tensor, decay: Tensor) -> Tensor:
+    """sum_{j <= i} (sum_d q_id k_jd exp(b_id - b_jd)) v_j inside chunks of a power-of-two length C:
+    q, k, decay (..., C, d_k), v (..., C, d_v) -> (..., C, d_v). Position i meets itself undecayed; every other pair
+    (j < i) meets at the one level where i lies in the second half of a block and j in its first, through the
+    block's middle r (the first half's last position): exp(b_i - b_r) exp(b_r - b_j), two factors <= 1."""
+    out = (q * k).sum(-1, keepdim=True) * v
+    lead, chunk = q.shape[:-2], q.shape[-2]
+    block = 2
+    while block <= chunk:
+        half = block // 2
+        qb, kb, vb, bb = (x.reshape(*lead, chunk // block, 2, half, x.shape[-1]) for x in (q, k, v, decay))
+        middle = bb[..., 0, half - 1:, :]  # (..., C / block, 1, d_k)
+        queries = qb[..., 1, :, :] * torch.exp(bb[..., 1, :, :] - middle)
+        keys = kb[..., 0, :, :] * torch.exp(middle - bb[..., 0, :, :])
+        reached = (queries @ keys.transpose(-1, -2)) @ vb[..., 0, :, :]  # (..., C / block, half, d_v)
+        out = out + F.pad(reached, (0, 0, half, 0)).reshape(out.shape)  # rows of the first halves get nothing
+        block *= 2
+    return out

@@ -34,12 +34,17 @@ class GatedStateMethod(StateRecurrenceMethod):
         return torch.einsum("...td,...jd,...tjd->...tj", q, k, decay.expand(*decay.shape[:-1], q.shape[-1]))
 
     def flops(self, batch_heads, tokens, head_dim, causal):
-        # over the tokens padded to whole chunks of C: the decayed scores q.k (C per token, d each; the decays are
-        # elementwise) and their product with the values, each chunk's writes k_to_endᵀ V and its queries against
-        # the state entering it (d x d_v per token each); plus the gates' own projection of the keys
-        chunk = self.chunk_size or (64 if self.scalar_gate else 16)
+        # over the tokens padded to whole chunks of C: each chunk's writes k_to_endᵀ V and its queries against the
+        # state entering it (d x d_v per token each); inside a chunk, one gate per position: the decayed scores
+        # q.k and their product with the values (C per token, d each); a gate per key dimension: the halving
+        # form's matmuls, C (C - 1) / 2 query-key pairs per chunk (C rounded up to a power of two), each d for the
+        # score and d_v for the value; plus the gates' own projection of the keys
+        chunk = self.chunk_size or 64
+        if not self.scalar_gate:
+            chunk = 1 << (chunk - 1).bit_length()
         padded = -(-tokens // chunk) * chunk
-        return batch_heads * (4.0 * padded * chunk * head_dim + 4.0 * padded * head_dim * head_dim
+        within = 4.0 * chunk * head_dim if self.scalar_gate else 2.0 * (chunk - 1) * head_dim
+        return batch_heads * (padded * within + 4.0 * padded * head_dim * head_dim
                               + self.gate_flops(tokens, head_dim))
 
     def gate_flops(self, tokens, head_dim):
