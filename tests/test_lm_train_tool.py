@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from linear_mha.tools import train_lm as train_lm_tool
+from modes import CAUSAL_ONLY, LINEAR_NON_CAUSAL as NOT_CAUSAL
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +77,31 @@ def test_a_fresh_run_into_an_old_directory_is_refused_and_with_overwrite_logs_on
     (["--seq-len", "0"], "--seq-len must be >= 1"),
     (["--corpus-bytes", "20000", "--seq-len", "1024"], r"the val split has 1000 bytes to score, fewer than one window"),
     (["--val-bytes", "20", "--seq-len", "32"], r"the val split has 20 bytes .* or --val-bytes"),
+    (["--variant", "softmax", "--global-mode", CAUSAL_ONLY[0]], "--variant softmax .* no global heads"),
+    (["--global-option", "chunk_size=8"], "--global-option sets an option of --global-mode"),
+    (["--global-mode", NOT_CAUSAL[0]], f"--global-mode {NOT_CAUSAL[0]}: .* no causal form"),
+    (["--global-mode", CAUSAL_ONLY[0], "--global-option", "spam=1"], f"--global-mode {CAUSAL_ONLY[0]} --global-option spam=1: "),
 ])
 def test_settings_that_would_score_nothing_or_crash_are_refused(train_lm, tmp_path, extra, match):
     base = ["--corpus-bytes", "60000", "--dim", "16", "--depth", "1", "--heads", "2", "--steps", "1",
             "--no-progress", "--out", str(tmp_path)]
     with pytest.raises(ValueError, match=match):
         train_lm.main(base + extra)
+
+
+def test_global_heads_of_a_chosen_method_train_and_resume_only_with_the_same_method(train_lm, tmp_path):
+    chosen = ["--global-mode", CAUSAL_ONLY[0], "--shift-tokens", "--lr-schedule", "cosine"]
+    result = train_lm.main(ARGS + chosen + ["--steps", "2", "--out", str(tmp_path)])
+    assert result["variant"] == f"full {CAUSAL_ONLY[0]}" and 4.0 < result["test_bpc"] < 12.0
+    with pytest.raises(ValueError, match=f"--global-mode {CAUSAL_ONLY[0]!r}.*; this run has --global-mode None"):
+        train_lm.main(ARGS + ["--steps", "4", "--out", str(tmp_path), "--resume"])
+
+
+def test_the_cosine_schedule_warms_up_then_decays_to_zero_and_constant_holds(train_lm):
+    args = train_lm.parse_args(["--steps", "1100", "--lr", "1e-3", "--lr-schedule", "cosine"])
+    rates = [train_lm.learning_rate(step, args) for step in range(1100)]
+    assert rates[0] == pytest.approx(1e-5) and rates[99] == pytest.approx(1e-3) and rates[100] == pytest.approx(1e-3)
+    assert rates[600] == pytest.approx(5e-4) and 0 < rates[-1] < 1e-7
+    assert all(a >= b for a, b in zip(rates[100:], rates[101:]))
+    constant = train_lm.parse_args(["--steps", "1100", "--lr", "1e-3"])
+    assert train_lm.learning_rate(1099, constant) == 1e-3

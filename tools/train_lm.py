@@ -19,7 +19,8 @@ any number of processes that divides --batch-size. Process 0 alone prints and wr
 
 Variants (--variant) for the attention ablation: baseline (plain global linear heads), conv (local_conv), gate
 (attn_gate), full (gate + conv), softmax (every head local with window = seq_len, i.e. exact causal softmax
-attention with the same parameters).
+attention with the same parameters). The global heads run --global-mode, any registry method with a causal form
+(default: the LM's, `kernel`; e.g. deltanet, gated_deltanet, gla, retention), with --global-option NAME=VALUE.
 
 Example:  python -m linear_mha.tools.train_lm --steps 2000 --out runs/lm_baseline
 """
@@ -37,6 +38,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from linear_mha.integrations.checkpoint_io import check_same_args, safe_load, write_text_atomic
+from linear_mha.integrations.detr.attention import parse_attention_options
 from linear_mha.integrations.console import HelpFormatter, banner, choose_threads, duration, refuse_overwrite
 from linear_mha.integrations.distributed import (all_reduce_mean_, init_distributed_mode, launched_world_size,
                                                  leave_process_group)
@@ -85,15 +87,44 @@ def load_splits(args):
     return {"train": arr[:cut[0]], "val": arr[cut[0]:cut[1]], "test": arr[cut[1]:]}
 
 
-MODEL_ARGS = ("variant", "dim", "depth", "heads", "seq_len", "enwik8", "corpus_bytes")  # --resume keeps these
+# --resume keeps these: they change what the checkpoint holds or how it goes on training
+MODEL_ARGS = ("variant", "dim", "depth", "heads", "seq_len", "enwik8", "corpus_bytes", "global_mode", "global_option",
+              "shift_tokens", "lr_schedule")
+
+
+def run_label(args) -> str:
+    """The run's name in the banner, the progress bar and results.json: the variant, and the global heads' method
+    when one was chosen."""
+    return args.variant if args.global_mode is None else f"{args.variant} {args.global_mode}"
 
 
 def build_model(args):
     kw = dict(VARIANTS[args.variant])
     if kw.pop("softmax", False):
         kw.update(n_local_attn_heads=args.heads, local_attn_window_size=args.seq_len)
-    return LinearAttentionTransformerLM(256, args.dim, args.depth, args.seq_len, heads=args.heads,
-                                        dim_head=args.dim // args.heads, causal=True, **kw)
+    if args.global_mode is not None:
+        kw.update(global_mode=args.global_mode,
+                  global_options=parse_attention_options(args.global_option, flag="--global-option"))
+    try:
+        return LinearAttentionTransformerLM(256, args.dim, args.depth, args.seq_len, heads=args.heads,
+                                            dim_head=args.dim // args.heads, causal=True,
+                                            shift_tokens=args.shift_tokens, **kw)
+    except (ValueError, TypeError) as err:
+        if args.global_mode is None:
+            raise
+        given = " ".join([f"--global-mode {args.global_mode}"] + [f"--global-option {o}" for o in args.global_option or []])
+        raise ValueError(f"{given}: {err}") from None
+
+
+def learning_rate(step: int, args) -> float:
+    """100 warm-up steps to --lr, then --lr held (constant) or decayed along a cosine to 0 at --steps (cosine: a
+    run resumed with more --steps follows the longer curve from where it stands)."""
+    warmup = 100
+    if step < warmup:
+        return args.lr * (step + 1) / warmup
+    if args.lr_schedule == "constant":
+        return args.lr
+    return args.lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, args.steps - warmup)))
 
 
 def random_batch(split, args, gen, rank=0, world=1):
@@ -151,6 +182,12 @@ def parse_args(argv=None):
     p.add_argument("--enwik8", help="path to enwik8 (else the standard-library corpus)")
     p.add_argument("--corpus-bytes", type=int, default=12_000_000, help="size of the standard-library corpus")
     p.add_argument("--variant", choices=sorted(VARIANTS), default="baseline", help="attention variant (see above)")
+    p.add_argument("--global-mode", metavar="METHOD",
+                   help="registry method of the global heads, one with a causal form (default: the LM's, kernel)")
+    p.add_argument("--global-option", action="append", metavar="NAME=VALUE",
+                   help="an option of --global-mode (repeat the flag for several)")
+    p.add_argument("--shift-tokens", action="store_true",
+                   help="token shift: half of each position's features come from the previous position")
     p.add_argument("--dim", type=int, default=256, help="model width")
     p.add_argument("--depth", type=int, default=4, help="layers")
     p.add_argument("--heads", type=int, default=4, help="attention heads (dim must divide by it)")
@@ -159,6 +196,8 @@ def parse_args(argv=None):
                                                              "torchrun (each takes an equal share)")
     p.add_argument("--steps", type=int, default=2000, help="optimizer steps")
     p.add_argument("--lr", type=float, default=5e-4, help="AdamW learning rate (100 warm-up steps)")
+    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                   help="after the warm-up: --lr held, or decayed along a cosine to 0 at --steps")
     p.add_argument("--eval-every", type=int, default=200, help="steps between validation scores")
     p.add_argument("--val-bytes", type=int, default=262_144, help="bytes of validation scored at each eval")
     p.add_argument("--test-bytes", type=int, default=None, help="bytes of test scored at the end (default: all)")
@@ -200,6 +239,12 @@ def check_args(args, world=1):
         raise ValueError(f"--test-bytes must be >= 1, got {args.test_bytes}")
     if args.lr <= 0:
         raise ValueError(f"--lr must be > 0, got {args.lr}")
+    if args.global_option and args.global_mode is None:
+        raise ValueError("--global-option sets an option of --global-mode: name the method too, e.g. "
+                         "--global-mode gla --global-option chunk_size=32")
+    if args.variant == "softmax" and args.global_mode is not None:
+        raise ValueError("--variant softmax makes every head a local softmax head, so there are no global heads for "
+                         f"--global-mode {args.global_mode}: leave one of the two out")
     if args.dim % args.heads:
         raise ValueError(f"--dim ({args.dim}) must be divisible by --heads ({args.heads})")
     if args.batch_size % world:
@@ -272,18 +317,18 @@ def main(argv=None):
         banner("byte-level linear-attention LM training", {
             "data": args.enwik8 or f"standard-library corpus, {len(splits['train']):,} / {len(splits['val']):,} / "
                                    f"{len(splits['test']):,} bytes (train / val / test)",
-            "model": f"{args.variant}: dim {args.dim}, depth {args.depth}, {args.heads} heads, {n_params:,} parameters",
+            "model": f"{run_label(args)}: dim {args.dim}, depth {args.depth}, {args.heads} heads, {n_params:,} parameters",
             "schedule": f"{args.steps} steps of {args.batch_size} x {args.seq_len} bytes"
                         + (f", from step {step}" if step else "") + f"; validation every {args.eval_every}",
             "device": f"{args.device}, threads {threads}{shares}",
             "output": f"{args.out}/ (checkpoint.pt, log.jsonl, curves.png, results.json)"}, stream=sys.stderr)
     bar = progress_bar(total=args.steps, initial=step, disable=args.no_progress or not main_process,
-                       desc=f"{args.variant} seed {args.seed}")
+                       desc=f"{run_label(args)} seed {args.seed}")
     start = time.time() - seconds_before  # "seconds" in the log counts training time across resumes
     with StopRequest() as stop:
         while step < args.steps:
             x = random_batch(splits["train"], args, gen, rank, world).to(args.device)
-            lr = args.lr * min(1.0, (step + 1) / 100)  # short warm-up
+            lr = learning_rate(step, args)
             for group in opt.param_groups:
                 group["lr"] = lr
             loss = train_wrapper(x, return_loss=True)
@@ -314,7 +359,7 @@ def main(argv=None):
                           "from there", file=sys.stderr)
                 raise SystemExit(130)
     bar.close()
-    results = {"variant": args.variant, "seed": args.seed, "params": n_params, "steps": step,
+    results = {"variant": run_label(args), "seed": args.seed, "params": n_params, "steps": step,
                "tokens_seen": step * args.batch_size * args.seq_len,
                "val_bpc": evaluate(wrapper, splits["val"], args, args.test_bytes, rank, world),
                "test_bpc": evaluate(wrapper, splits["test"], args, args.test_bytes, rank, world),
@@ -325,7 +370,7 @@ def main(argv=None):
             json.dump(results, f, indent=2)
         if log:
             plot(log, os.path.join(args.out, "curves.png"))
-        print(f"{args.variant}: val {results['val_bpc']:.4f} / test {results['test_bpc']:.4f} bits per character "
+        print(f"{run_label(args)}: val {results['val_bpc']:.4f} / test {results['test_bpc']:.4f} bits per character "
               f"after {step} steps ({duration(time.time() - start)} training); files in {args.out}/", file=sys.stderr)
         print(json.dumps({k: results[k] for k in ("variant", "seed", "params", "val_bpc", "test_bpc")}))
     leave_process_group()
