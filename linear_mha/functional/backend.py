@@ -11,7 +11,9 @@
                        flash-linear-attention's Triton kernel, when fla-core is installed and the path is enabled
     triton             ``triton_kernel.py``: non-causal kernel attention in fused Triton kernels, forward and backward,
                        on CUDA: elu, relu, taylor, focused, hedgehog's learned maps, rotary position
-                       (LINEAR_MHA_TRITON=0 switches them off; =all adds maps not yet run on a GPU)
+                       (LINEAR_MHA_TRITON=0 switches them off; =all adds maps not yet run on a GPU);
+                       ``triton_causal.py``: the causal product in Triton kernels of our own, any map's features
+                       (off until timed on a GPU: LINEAR_MHA_TRITON_CAUSAL=1 switches it on)
     fused_causal       ``kernel/fused.py``: causal elu/relu kernel attention as one autograd Function, the feature
                        map and the division done block by block in reused buffers
     blocked_inference  ``kernel/fused.py``: non-causal elu/relu inference without autograd, a block of positions at a
@@ -32,7 +34,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch import Tensor
 
-from . import fla_causal, native, triton_kernel
+from . import fla_causal, native, triton_causal, triton_kernel
 from ._common import compiling, compute_dtype, fixed_graph, functorch_active, has_tangent, needs_grad
 from .elementwise_program import program_map
 from .feature_maps import IN_PLACE_FEATURE_MAPS
@@ -122,6 +124,9 @@ def kernel_backend(q: Tensor, k: Tensor, v: Tensor, feature_map, *, causal: bool
     why_not_fla = fla_causal.why_not(q, k, v, feature_map, initial_state) if causal else None
     if causal and why_not_fla is None:
         return Choice(FLA, "causal elu/relu attention on bfloat16 CUDA tensors, with fla enabled (LINEAR_MHA_FLA=1)")
+    if causal and triton_causal.why_not(q, k, v, initial_state) is None:
+        return Choice(TRITON, "causal kernel attention on CUDA: the map by PyTorch ops, the product in the Triton "
+                              "causal kernels (LINEAR_MHA_TRITON_CAUSAL=1)")
     why_not_native = native.why_not_kernel(feature_map, q, k, v, initial_state, dtype=compute_dtype(q.dtype))
     if why_not_native is None:
         return Choice(NATIVE, f"float32 CPU tensors and the {feature_map!r} map, which the compiled code fuses")
@@ -311,7 +316,11 @@ def product_backend(phi_q: Tensor, phi_k: Tensor, v: Tensor, initial_state: Opti
     if compiling() and (needs_grad(phi_q, phi_k, v, initial_state) or fixed_graph()):
         return Choice(COMPOSED, "recorded into a graph (with gradients, or by torch.export / torch.jit.trace): "
                                 "plain ops trace where the chunked Function's out= products may not")
-    return Choice(CHUNKED, "the chunked product with its own backward, in blocks of reused buffers")
+    why_not_triton = triton_causal.why_not(phi_q, phi_k, v, initial_state)
+    if why_not_triton is None:
+        return Choice(TRITON, "the Triton causal kernels (LINEAR_MHA_TRITON_CAUSAL=1)")
+    return Choice(CHUNKED, f"the chunked product with its own backward, in blocks of reused buffers (not the Triton "
+                           f"causal kernels: {why_not_triton})")
 
 
 def efficient_backend(q: Tensor, k: Tensor, v: Tensor) -> Choice:

@@ -23,7 +23,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .. import backend, fla_causal, native, triton_kernel
+from .. import backend, fla_causal, native, triton_causal, triton_kernel
 from .._common import (append_ones, check_qkv, compute_dtype, drop_keys, has_tangent, mask_keys, outside_autocast,
                        shares_memory_across_elements, split_normalise)
 from ..elementwise_program import program_map
@@ -74,6 +74,13 @@ def kernel(
     chosen = backend.kernel_backend(q, k, v, feature_map, causal=causal, initial_state=initial_state).backend
     if chosen == backend.FLA:  # half inputs as they are: fla accumulates in its own way
         return fla_causal.causal_kernel_fla(q, k, drop_keys(v, dropout_p), feature_map, key_padding_mask)
+    if chosen == backend.TRITON and causal:  # the map in the inputs' dtype; the product accumulates in float32
+        phi_q, phi_k = apply_feature_map(feature_map, q, k, key_padding_mask=key_padding_mask, causal=True,
+                                         projection=projection)
+        check_state(initial_state, phi_q.shape[-1], v)
+        values = append_ones(mask_keys(drop_keys(v, dropout_p), key_padding_mask))
+        num_den = triton_causal.causal_product(phi_q, phi_k, values, initial_state, out_dtype=torch.float32)
+        return split_normalise(num_den).to(q.dtype)
     if chosen == backend.TRITON:  # half inputs as they are: the kernels accumulate in float32
         check_state(initial_state, native.feature_count(feature_map, q.shape[-1]), v)
         return triton_kernel.kernel_attention(q, k, drop_keys(v, dropout_p), feature_map, key_padding_mask,

@@ -18,7 +18,7 @@ state carried between blocks; on accelerators everything is one block (see backe
 import torch
 from torch.autograd.function import once_differentiable
 
-from .. import backend
+from .. import backend, triton_causal
 from .._common import needs_grad, no_autocast
 
 __all__ = ["causal_linear_product", "causal_linear_state", "causal_linear_step", "CHUNK_SIZE"]
@@ -307,8 +307,11 @@ def causal_linear_product(phi_q, phi_k, v, initial_state=None, chunk_size=CHUNK_
     check_chunk_size(chunk_size)
     if phi_q.shape[2] == 0:
         raise ValueError("phi_q has sequence length 0; pass at least one position (N >= 1).")
-    if backend.product_backend(phi_q, phi_k, v, initial_state).backend == backend.COMPOSED:
+    chosen = backend.product_backend(phi_q, phi_k, v, initial_state).backend
+    if chosen == backend.COMPOSED:
         return _composed_product(phi_q, phi_k, v, initial_state, chunk_size)
+    if chosen == backend.TRITON:
+        return triton_causal.causal_product(phi_q, phi_k, v, initial_state)
     if needs_grad(phi_q, phi_k, v, initial_state):
         return _CausalLinearProduct.apply(phi_q, phi_k, v, initial_state, chunk_size)
     return product_forward(phi_q, phi_k, v, initial_state, chunk_size)
