@@ -135,3 +135,23 @@ def test_the_choosers_take_the_kernels_only_when_switched_on():
         assert backend.product_backend(phi_q.double(), phi_k.double(), v.double()).backend != backend.TRITON
     finally:
         triton_causal.set_enabled(previous)
+
+
+@inside
+def test_the_gpu_benchmark_checks_exactness_and_writes_its_table(tmp_path):
+    """tools.triton_causal_bench at a tiny size on CPU (the interpreter): our path taken and within float32 rounding
+    for every map, float16 finite, a timing row per chunk size and for the PyTorch path, fla's absence said."""
+    import json
+
+    from linear_mha.tools import triton_causal_bench
+    triton_causal_bench.main(["--device", "cpu", "--dtypes", "float32", "--n", "40", "--batch", "1", "--heads", "2",
+                              "--dim", "16", "--chunks", "16", "--repeats", "1", "--exact-shape", "1", "2", "37", "16",
+                              "--long-n", "300", "--json", str(tmp_path / "r.json")])
+    record = json.loads((tmp_path / "r.json").read_text())
+    ours = [row for row in record["exactness"] if row["path"] == "ours"]
+    assert len(ours) == len(triton_causal_bench.MAPS) and all(row["taken"] for row in ours)
+    assert all(max(row[key] for key in ("out", "dq", "dk", "dv")) < 1e-5 for row in ours)
+    assert record["float16_finite_at_long_n"] == {"N": 300, "finite": True}
+    timed = {row["variant"]: row for row in record["timings"]}
+    assert timed["ours, 16-row chunks"]["fwd_ms"] > 0 and timed["pytorch path"]["fwdbwd_ms"] > 0
+    assert "fla" in timed and "error" in timed["fla"]  # CPU tensors: fla's kernels run on CUDA only

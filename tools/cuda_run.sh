@@ -6,9 +6,12 @@
 # 2. tools.benchmark's CUDA grid in bfloat16 and float32 (resumable: run it again to finish an interrupted grid);
 # 3. tools.triton_bench: the fused Triton kernels' exactness (every map) and times against the PyTorch path, SDPA and
 #    SDPA's flash kernel;
-# 4. tools.detr_step: a DETR-R50 DC5 training step at 800 x 1333, softmax against linear encoders, the recommended
+# 4. tools.triton_causal_bench: our causal Triton kernels against fla's, the PyTorch path and causal SDPA (exactness,
+#    float16 at N = 65,536, times at B 8 and 1);
+# 5. tools.detr_step: a DETR-R50 DC5 training step at 800 x 1333, softmax against linear encoders, the recommended
 #    taylor + DWC + rope encoder among them (its attention in the Triton kernels).
-# Every result lands in OUTPUT_DIR: pytest.log, bench_*.json / .png / .log, triton_bench.json, detr_step*.json.
+# Every result lands in OUTPUT_DIR: pytest.log, bench_*.json / .png / .log, triton_bench.json,
+# triton_causal_bench.json, detr_step*.json.
 # Failing tests do not stop the measurements; the last line says whether the tests passed. $PYTHON picks the
 # interpreter (python).
 set -euo pipefail
@@ -27,6 +30,7 @@ for dtype in bfloat16 float32; do
 done
 "$py" -m linear_mha.tools.triton_bench --methods kernel_elu taylor focused hedgehog taylor_rope --json "$out/triton_bench.json" 2>&1 \
     | tee "$out/triton_bench.log"
+"$py" -m linear_mha.tools.triton_causal_bench --json "$out/triton_causal_bench.json" 2>&1 | tee "$out/triton_causal_bench.log"
 "$py" -m linear_mha.tools.detr_step --device cuda --dc5 --batch 2 --json "$out/detr_step.json"
 "$py" -m linear_mha.tools.detr_step --device cuda --dc5 --batch 2 --variants softmax kernel taylor-dwc3:rope=True \
     --json "$out/detr_step_recommended.json"

@@ -1,0 +1,160 @@
+"""Causal kernel attention on a GPU: our Triton causal kernels (linear_mha/functional/triton_causal.py) against
+flash-linear-attention's chunk kernel (when fla-core is installed), the PyTorch path they would replace, and causal
+SDPA, in one run: exactness against float64, float16 at long N, then time.
+
+    python -m linear_mha.tools.triton_causal_bench --json runs/cuda/triton_causal_bench.json
+
+Exactness: ``functional.kernel(..., causal=True)`` with each map (elu, relu, taylor) and a key padding mask, output
+and q, k, v gradients against float64, per path and dtype (fla: bfloat16 elu/relu only, as our chooser sends it).
+Long N: float16 output finite at --long-n (the normaliser passes float16's largest value within a few thousand
+positions). Timings: medians of CUDA-event times after warm-up, forward (no autograd) and forward + backward of a
+fixed random output gradient, at every --n and --batch, for each --chunks size of ours. On CPU (tests) it runs under
+Triton's interpreter (TRITON_INTERPRET=1) at tiny sizes.
+"""
+import argparse
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import linear_mha.functional as LF
+from linear_mha.functional import backend, triton_causal, triton_kernel
+from linear_mha.integrations.console import HelpFormatter
+
+from .triton_bench import DTYPES, relative_error, timer
+
+MAPS = ("elu", "relu", "taylor")
+
+
+@contextlib.contextmanager
+def path(name, chunk=None):
+    """Causal kernel attention through one path: "ours" (the Triton causal kernels, ``chunk`` positions per chunk),
+    "fla", or "pytorch" (neither)."""
+    previous_chunk, triton_causal.BLOCK_T = triton_causal.BLOCK_T, chunk
+    previous = triton_causal.set_enabled(name == "ours")
+    try:
+        with backend.override(fla=name == "fla"):
+            yield
+    finally:
+        triton_causal.set_enabled(previous)
+        triton_causal.BLOCK_T = previous_chunk
+
+
+def took_path(name, q, k, v, feature_map) -> bool:
+    """Whether the chooser sends this call where ``path(name)`` asks."""
+    chosen = backend.kernel_backend(q, k, v, feature_map, causal=True).backend
+    return {"ours": chosen == backend.TRITON, "fla": chosen == backend.FLA}.get(name, chosen not in (backend.TRITON,
+                                                                                                   backend.FLA))
+
+
+def exactness(device, dtype, name, feature_map, shape):
+    b, h, n, d = shape
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v, grad = (torch.randn(b, h, n, d, generator=g, device=device) for _ in range(4))
+    mask = torch.rand(b, n, generator=g, device=device) < 0.2
+    runs = []
+    for run_dtype, run_path in ((dtype, name), (torch.float64, "pytorch")):
+        leaves = [t.detach().to(run_dtype).requires_grad_() for t in (q, k, v)]
+        with path(run_path):
+            taken = took_path(run_path, *leaves, feature_map)
+            out = LF.kernel(*leaves, feature_map, causal=True, key_padding_mask=mask)
+            out.backward(grad.to(run_dtype))
+        runs.append((taken, out, [t.grad for t in leaves]))
+    (taken, out, grads), (_, ref, ref_grads) = runs
+    return dict(taken=taken, out=relative_error(out, ref),
+                **{f"d{x}": relative_error(a, r) for x, a, r in zip("qkv", grads, ref_grads)})
+
+
+def finite_at_long_n(device, n, d):
+    g = torch.Generator(device=device).manual_seed(1)
+    q, k, v = (torch.randn(1, 1, n, d, generator=g, device=device, dtype=torch.float16) for _ in range(3))
+    with torch.no_grad(), path("ours"):
+        return bool(torch.isfinite(LF.kernel(q, k, v, "elu", causal=True)).all())
+
+
+def timings(device, dtype, b, h, n, d, chunks, repeats, timed):
+    g = torch.Generator(device=device).manual_seed(2)
+    q, k, v, grad = (torch.randn(b, h, n, d, generator=g, device=device, dtype=dtype) for _ in range(4))
+    variants = {f"ours, {c}-row chunks": (lambda c: lambda *t: _through("ours", t, c))(c) for c in chunks}
+    variants["fla"] = lambda *t: _through("fla", t)
+    variants["pytorch path"] = lambda *t: _through("pytorch", t)
+    if device.type == "cuda":
+        variants["SDPA causal"] = lambda *t: F.scaled_dot_product_attention(*t, is_causal=True)
+    rows = []
+    for variant, run in variants.items():
+        if variant == "fla" and not took_path("fla", q, k, v, "elu"):
+            with path("fla"):
+                rows.append(dict(variant=variant, error=backend.kernel_backend(q, k, v, "elu", causal=True).reason))
+            continue
+        try:
+            with torch.no_grad():
+                fwd = timed(lambda: run(q, k, v), repeats)
+
+            def forward_backward():
+                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+                run(*leaves).backward(grad)
+            rows.append(dict(variant=variant, fwd_ms=fwd, fwdbwd_ms=timed(forward_backward, repeats)))
+        except Exception as exc:  # a variant this device cannot run is a row saying so
+            rows.append(dict(variant=variant, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"))
+    return rows
+
+
+def _through(name, tensors, chunk=None):
+    with path(name, chunk):
+        return LF.kernel(*tensors, "elu", causal=True)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = argparse.ArgumentParser(prog="python -m linear_mha.tools.triton_causal_bench", description=__doc__,
+                                formatter_class=HelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16", "float32"], choices=list(DTYPES))
+    p.add_argument("--n", type=int, nargs="+", default=[4096, 16384])
+    p.add_argument("--batch", type=int, nargs="+", default=[8, 1])
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--chunks", type=int, nargs="+", default=[32, 64], help="our positions per chunk to time")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--exact-shape", type=int, nargs=4, default=[2, 4, 1000, 64], metavar=("B", "H", "N", "D"))
+    p.add_argument("--long-n", type=int, default=65536, help="float16 must stay finite at this N")
+    p.add_argument("--json", type=Path)
+    a = p.parse_args(argv)
+    device = torch.device(a.device)
+    if device.type == "cpu" and not triton_kernel.interpreted():
+        raise SystemExit("linear_mha.tools.triton_causal_bench: on CPU the kernels run only under TRITON_INTERPRET=1 "
+                         "(tiny sizes)")
+    timed = timer(device)
+    record = dict(command="python -m linear_mha.tools.triton_causal_bench " + " ".join(argv), torch=torch.__version__,
+                  device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
+                  exactness=[], timings=[])
+    print(f"{record['device']}, torch {torch.__version__}", flush=True)
+    for dtype_name in a.dtypes:
+        for name in ("ours", "fla", "pytorch"):
+            for feature_map in MAPS:
+                errors = exactness(device, DTYPES[dtype_name], name, feature_map, a.exact_shape)
+                record["exactness"].append(dict(dtype=dtype_name, path=name, map=feature_map, **errors))
+                print(f"exact {dtype_name:8s} {name:7s} {feature_map:6s} " + " ".join(
+                    f"{key} {value:.1e}" for key, value in errors.items() if key != "taken")
+                    + ("" if errors["taken"] else "  (this call does not take that path here)"), flush=True)
+    record["float16_finite_at_long_n"] = {"N": a.long_n, "finite": finite_at_long_n(device, a.long_n, a.dim)}
+    print(f"float16 at N = {a.long_n}: {'finite' if record['float16_finite_at_long_n']['finite'] else 'NOT finite'}")
+    print(f"{'dtype':8s} {'B':>3s} {'N':>6s} {'variant':22s} {'fwd ms':>9s} {'fwd+bwd ms':>11s}")
+    for dtype_name, b, n in ((t, b, n) for t in a.dtypes for b in a.batch for n in a.n):
+        for row in timings(device, DTYPES[dtype_name], b, a.heads, n, a.dim, a.chunks, a.repeats, timed):
+            row.update(dtype=dtype_name, B=b, H=a.heads, N=n, d=a.dim)
+            detail = (f"{row['fwd_ms']:9.3f} {row['fwdbwd_ms']:11.3f}" if "fwd_ms" in row else row["error"])
+            print(f"{dtype_name:8s} {b:3d} {n:6d} {row['variant']:22s} {detail}", flush=True)
+            record["timings"].append(row)
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(record, indent=1))
+        print(f"wrote {a.json}", file=sys.stderr)
+    return record
+
+
+if __name__ == "__main__":
+    main()
