@@ -111,9 +111,11 @@ def delta_rule_attention(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_deca
 
     state = starting_state(q, d_v, initial_state)
     outs = []
-    for c in range(chunks):
-        u = u_free[:, :, c] - w[:, :, c] @ state  # (B, H, C, d_v)
-        outs.append(q_decayed[:, :, c] @ state + scores[:, :, c] @ u)
-        state = carried[:, :, c] * state + k_to_end[:, :, c].transpose(-1, -2) @ u
+    # unbound once: indexing a chunk per step would make autograd add a whole-sequence zero tensor per chunk
+    for u_free_c, w_c, q_c, scores_c, carried_c, k_c in zip(*(x.unbind(2) for x in (
+            u_free, w, q_decayed, scores, carried, k_to_end))):
+        u = u_free_c - w_c @ state  # (B, H, C, d_v)
+        outs.append(q_c @ state + scores_c @ u)
+        state = carried_c * state + k_c.transpose(-1, -2) @ u
     out = torch.stack(outs, dim=2).reshape(batch, heads, chunks * chunk, d_v)[:, :, :length].to(out_dtype)
     return (out, state) if output_final_state else out

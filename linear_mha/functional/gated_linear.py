@@ -102,9 +102,9 @@ def gated_linear_attention(q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor, *,
     carried = torch.exp(last).transpose(-1, -2)  # (B, H, n, G, 1): how much of the state a chunk keeps
     state = starting_state(q, d_v, initial_state)
     entering = []
-    for c in range(chunks):
+    for carried_c, writes_c in zip(carried.unbind(2), writes.unbind(2)):  # unbound once: see delta_rule
         entering.append(state)
-        state = carried[:, :, c] * state + writes[:, :, c]
+        state = carried_c * state + writes_c
     from_past = (q * torch.exp(decay)) @ torch.stack(entering, dim=2)  # (B, H, n, C, d_v)
     out = (within + from_past).reshape(batch, heads, chunks * chunk, d_v)[:, :, :length].to(out_dtype)
     return (out, state) if output_final_state else out
