@@ -345,6 +345,37 @@ def test_the_cuda_run_says_it_needs_a_gpu_before_doing_anything(tmp_path):
     assert not (tmp_path / "out").exists()  # nothing was run or written
 
 
+def test_the_cuda_run_goes_on_where_it_stopped_and_keeps_to_its_budget(tmp_path):
+    """With a stand-in interpreter that says a GPU is there and records every command: a step that fails is retried
+    on the next run, a finished one is not run again, and no step starts once the budget is used."""
+    import os
+    import subprocess
+    script = Path(__file__).resolve().parents[1] / "tools" / "cuda_run.sh"
+    calls, fake = tmp_path / "calls.txt", tmp_path / "python"
+    fake.write_text(f"""#!/usr/bin/env bash
+[ "$1" = "-c" ] && exit 0
+echo "$*" >> {calls}
+case "$*" in *triton_bench*) [ -e {tmp_path}/fixed ] || exit 1;; esac
+""")
+    fake.chmod(0o755)
+
+    def run(**env):
+        out = subprocess.run(["bash", str(script), str(tmp_path / "out")], capture_output=True, text=True, timeout=120,
+                             env=dict(os.environ, PYTHON=str(fake), **env))
+        lines = calls.read_text().splitlines() if calls.exists() else []
+        calls.write_text("")
+        return out.stdout, lines
+
+    stdout, first = run()
+    assert "== triton: FAILED" in stdout and len(first) == 8  # every step tried, one failed
+    (tmp_path / "fixed").touch()
+    stdout, second = run()
+    assert len(second) == 1 and "triton_bench" in second[0] and "== tests: done before" in stdout
+    (tmp_path / "out" / "tests.done").unlink()
+    stdout, third = run(BUDGET="0")
+    assert third == [] and "== tests: not started" in stdout
+
+
 def test_the_peak_in_a_cases_rounds_is_the_gemm_timed_between_its_calls(tmp_path, monkeypatch):
     """From --peak-in-rounds-from on the GEMM runs in the group's own round robin, is no record, and each case's
     share of it is taken from that GEMM's timing, median to median and best to best; below it nothing changes."""

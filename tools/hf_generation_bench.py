@@ -1,10 +1,13 @@
 """Per-token decoding cost of a transformers Llama-style model, patched with linear attention and decoding with its
-fixed-size state, against the same model with SDPA and its KV cache, at growing contexts (CPU).
+fixed-size state, against the same model with SDPA and its KV cache, at growing contexts, on the CPU or a GPU.
 
     python -m linear_mha.tools.hf_generation_bench --contexts 1024 2048 4096 8192 16384 32768 --json r.json --png r.png
+    python -m linear_mha.tools.hf_generation_bench --device cuda --dtype bfloat16 --dim 1024 --depth 8 --heads 16 \
+        --kv-heads 4 --json runs/cuda/hf_generation.json
 
 For each context c: a prompt of c random tokens is prefilled (not timed), then --steps tokens are decoded one forward
-at a time, each timed; the table gives the median ms per token and the cache's bytes after the steps (a KV cache's
+at a time, each timed (on a GPU, synchronised before the clock is read); the table gives the median ms per token, tokens per
+second, and the cache's bytes after the steps (a KV cache's
 keys and values, or linear_mha's state: exact counts, not process memory). Every method runs on a copy of the same
 model; the softmax rows are the model as it was (``sdpa``). Linear attention's point is that both columns stay flat
 while the KV cache's grow with c.
@@ -28,15 +31,18 @@ from linear_mha.patching.hf_generation import cache_classes, cache_keyword
 from . import measure as M
 
 METHODS = {"sdpa + KV cache": None, "hedgehog": {"mode": "hedgehog"},
-           "hedgehog, window 16": {"mode": "hedgehog", "window": 16}, "kernel (elu)": {"mode": "kernel"}}
+           "hedgehog, window 16": {"mode": "hedgehog", "window": 16}, "kernel (elu)": {"mode": "kernel"},
+           "gated_deltanet": {"mode": "gated_deltanet"}}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def llama(dim: int, depth: int, heads: int, kv_heads: int, max_len: int, seed: int = 0):
+def llama(dim: int, depth: int, heads: int, kv_heads: int, max_len: int, seed: int = 0, device="cpu",
+          dtype=torch.float32):
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=256, hidden_size=dim, intermediate_size=4 * dim, num_hidden_layers=depth,
                          num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_len)
-    return LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(config).to(device, dtype).eval()
 
 
 def cache_bytes(cache) -> int:
@@ -50,18 +56,26 @@ def per_token(model, context: int, steps: int, linear: bool, seed: int = 0):
     """(ms per decoded token for each step, cache bytes after them) after a prefilled prompt of ``context`` tokens."""
     from transformers import DynamicCache
     g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, 256, (1, context), generator=g)
+    device = next(model.parameters()).device
+    prompt = torch.randint(0, 256, (1, context), generator=g).to(device)
     cache = LinearStateCache() if linear else DynamicCache()
     keyword = cache_keyword(model)
     logits = model(prompt, use_cache=True, **{keyword: cache}).logits
     token = logits[:, -1:].argmax(-1)
     times = []
     for _ in range(steps):
+        _synchronize(device)
         start = time.perf_counter()
         logits = model(token, use_cache=True, **{keyword: cache}).logits
+        _synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
         token = logits[:, -1:].argmax(-1)
     return times, cache_bytes(cache)
+
+
+def _synchronize(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def plot(records, path: Path) -> None:
@@ -96,11 +110,17 @@ def main(argv=None):
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="of the model's weights")
     p.add_argument("--json", type=Path)
     p.add_argument("--png", type=Path)
     a = p.parse_args(argv)
     M.pin_threads(a.threads)
-    base = llama(a.dim, a.depth, a.heads, a.kv_heads, max(a.contexts) + a.steps + 1)
+    device = torch.device(a.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available here")
+    base = llama(a.dim, a.depth, a.heads, a.kv_heads, max(a.contexts) + a.steps + 1, device=device,
+                 dtype=DTYPES[a.dtype])
     models = {}
     for name in a.methods:
         model = copy.deepcopy(base)
@@ -109,16 +129,20 @@ def main(argv=None):
             patch(model, options.pop("mode"), **options)
         models[name] = model
     records = []
-    print(f"{'context':>8} {'method':<22} {'ms/token':>9} {'cache MiB':>10}")
+    print(f"{'context':>8} {'method':<22} {'ms/token':>9} {'tokens/s':>9} {'cache MiB':>10}")
     for context in a.contexts:
         for name, model in models.items():
             times, size = per_token(model, context, a.steps, METHODS[name] is not None)
-            record = dict(context=context, method=name, ms_per_token=statistics.median(times), times_ms=times,
-                          cache_bytes=size, cache_mib=size / 2 ** 20)
+            median = statistics.median(times)
+            record = dict(context=context, method=name, ms_per_token=median, tokens_per_s=1e3 / median,
+                          times_ms=times, cache_bytes=size, cache_mib=size / 2 ** 20)
             records.append(record)
-            print(f"{context:>8} {name:<22} {record['ms_per_token']:>9.2f} {record['cache_mib']:>10.3f}", flush=True)
+            print(f"{context:>8} {name:<22} {median:>9.2f} {record['tokens_per_s']:>9.1f} {record['cache_mib']:>10.3f}",
+                  flush=True)
     result = {"command": "python -m linear_mha.tools.hf_generation_bench " + " ".join(sys.argv[1:] if argv is None else argv),
-              "machine": f"{M.cpu_name()} ({platform.machine()})", "threads": torch.get_num_threads(),
+              "machine": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                          else f"{M.cpu_name()} ({platform.machine()})"),
+              "threads": torch.get_num_threads(), "dtype": a.dtype,
               "torch": torch.__version__, "transformers": __import__("transformers").__version__,
               "model": dict(dim=a.dim, depth=a.depth, heads=a.heads, kv_heads=a.kv_heads), "records": records}
     if a.json:
