@@ -215,6 +215,35 @@ def test_calibrate_fits_a_transformers_model_with_its_model_output():
     assert tuned.distilled and all(0 < loss < 1 for loss in tuned.finetune_losses)
 
 
+@pytest.mark.parametrize("mode", modes.CAUSAL_ONLY)
+@pytest.mark.parametrize("family", CAUSAL)
+def test_calibrate_fits_the_causal_only_methods_in_a_decoder_which_then_generates_with_its_state(family, mode):
+    """The recurrences (decays, gates, the delta rule's write strength) are calibration targets of a causal model:
+    their own parameters fit the softmax the module had, and generate() afterwards decodes with their state what a
+    full forward per token gives. A method with nothing of its own to train is refused by name."""
+    model = build(family)
+    with torch.no_grad():  # peaked attention, as a trained model has
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight", "c_attn.weight")):
+                p.mul_(4.0)
+    patch(model, mode)
+    batches = [inputs(family, seed=s, length=12)["input_ids"] for s in range(4)]
+    if not any("linear_mha." in name for name, _ in model.named_parameters()):
+        with pytest.raises(ValueError, match=f"method \\({mode!r}\\) has nothing to train"):
+            calibrate(model, batches, steps=1, progress=False, forward=lambda m, b: m(input_ids=b))
+        return
+    report = calibrate(model, batches, steps=30, lr=3e-2, progress=False, forward=lambda m, b: m(input_ids=b))
+    assert all(layer["error_after"] < 0.97 * layer["error_before"] for layer in report.layers)
+    ids = batches[0][:1, :5]
+    with torch.no_grad():
+        tokens = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        recomputed = ids
+        for _ in range(6):
+            step = model(recomputed, use_cache=False).logits[:, -1:].argmax(-1)
+            recomputed = torch.cat([recomputed, step], dim=1)
+    assert torch.equal(tokens, recomputed)
+
+
 @pytest.mark.parametrize("mode", modes.GRID)
 @pytest.mark.parametrize("family", ["vit", "detr"])
 def test_methods_over_the_image_grid_get_it_from_the_model(family, mode):
