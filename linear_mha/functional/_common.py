@@ -6,6 +6,7 @@ garbage (even inf/NaN) can neither leak into results nor receive gradient.
 """
 import contextlib
 import functools
+import os
 from typing import Optional
 
 import torch
@@ -191,3 +192,18 @@ def check_qkv(q: Tensor, k: Tensor, v: Tensor, key_padding_mask: Optional[Tensor
                 f"key_padding_mask must have shape (batch, S) = {(k.shape[0], k.shape[2])}, "
                 f"got {tuple(key_padding_mask.shape)}"
             )
+
+
+class PathSwitch:
+    """An opt-in path's on/off setting for the process: on where the environment variable is "1" at import, then
+    switched by ``set`` (which returns the previous setting). A module exposes ``enabled`` and ``set_enabled``."""
+
+    def __init__(self, variable: str):
+        self.on = os.environ.get(variable, "0") == "1"
+
+    def enabled(self) -> bool:
+        return self.on
+
+    def set(self, on: bool) -> bool:
+        previous, self.on = self.on, bool(on)
+        return previous

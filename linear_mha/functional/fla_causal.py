@@ -25,29 +25,17 @@ non-finite padding neither leaks nor gets gradient), and a query that sees only 
 import functools
 import importlib
 import inspect
-import os
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
-from ._common import compiling, functorch_active, has_tangent
+from ._common import PathSwitch, compiling, functorch_active, has_tangent
 from .feature_maps import apply_feature_map
 
 FLA_MAPS = ("elu", "relu")
-_enabled = os.environ.get("LINEAR_MHA_FLA", "0") == "1"
-
-
-def enabled() -> bool:
-    """Whether causal bfloat16 CUDA kernel attention may take fla's kernel in this process."""
-    return _enabled
-
-
-def set_enabled(on: bool) -> bool:
-    """Switch the fla path on/off for this process; returns the previous setting."""
-    global _enabled
-    previous, _enabled = _enabled, bool(on)
-    return previous
+_switch = PathSwitch("LINEAR_MHA_FLA")
+enabled, set_enabled = _switch.enabled, _switch.set  # whether this process may take the path; switch it
 
 
 @functools.lru_cache(maxsize=None)
@@ -66,7 +54,7 @@ def why_not(q: Tensor, k: Tensor, v: Tensor, feature_map, initial_state: Optiona
             dtype: Optional[torch.dtype] = None) -> Optional[str]:
     """None when causal kernel attention on these inputs can run on fla's kernel, else the reason it cannot.
     ``dtype``: the dtype the caller passed, when q is already a float32 copy of it."""
-    if not _enabled:
+    if not _switch.on:
         return "the fla path is off (the default; LINEAR_MHA_FLA=1 or backend.override(fla=True) turns it on)"
     if q.device.type != "cuda":
         return f"fla's Triton kernels run on CUDA, the tensors are on {q.device.type}"

@@ -12,33 +12,22 @@ inputs are read as they are and accumulated in float32. An initial state goes in
 the tests run it) when the path is on: ``LINEAR_MHA_TRITON_CAUSAL=1`` or ``set_enabled(True)``. It is off by
 default until its speed against fla's kernel and our PyTorch path has been measured on a GPU.
 """
-import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ._common import compiling, functorch_active, has_tangent
+from ._common import PathSwitch, compiling, functorch_active, has_tangent
 from .triton_kernel import HAS_TRITON, _block, _precision, cdiv, interpreted
 
-_enabled = os.environ.get("LINEAR_MHA_TRITON_CAUSAL", "0") == "1"
-
-
-def enabled() -> bool:
-    return _enabled
-
-
-def set_enabled(on: bool) -> bool:
-    """Switch the path on or off for this process; returns the previous setting."""
-    global _enabled
-    previous, _enabled = _enabled, bool(on)
-    return previous
+_switch = PathSwitch("LINEAR_MHA_TRITON_CAUSAL")
+enabled, set_enabled = _switch.enabled, _switch.set  # whether this process may take the path; switch it
 
 
 def why_not(phi_q: Tensor, phi_k: Tensor, v: Tensor, initial_state: Optional[Tensor] = None) -> Optional[str]:
     """Why this causal product cannot run in the kernels, or None."""
-    if not _enabled:
+    if not _switch.on:
         return "the Triton causal path is off (the default until timed on a GPU; LINEAR_MHA_TRITON_CAUSAL=1 turns it on)"
     if not HAS_TRITON:
         return "triton is not installed"

@@ -27,6 +27,15 @@ def _state_tile(base, rows, cols, F: tl.constexpr, DV: tl.constexpr):
 
 
 @triton.jit
+def _starting(base, feats, cols, F: tl.constexpr, DV: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_DV: tl.constexpr,
+              GIVEN: tl.constexpr):
+    """The state tile a walk starts from: the given (F, Dv) state's part, or zeros."""
+    if GIVEN:
+        return _state_tile(base, feats, cols, F, DV)
+    return tl.zeros((BLOCK_F, BLOCK_DV), dtype=tl.float32)
+
+
+@triton.jit
 def _store_rows(base, stride_n, rows, n, cols, width, x):
     inside = (rows[:, None] < n) & (cols[None, :] < width)
     tl.store(base + rows[:, None] * stride_n + cols[None, :], x.to(base.dtype.element_ty), mask=inside)
@@ -45,10 +54,7 @@ def causal_forward(q_ptr, k_ptr, v_ptr, s0_ptr, out_ptr, sn_ptr, H, n,
     v_base, o_base = v_ptr + b * sv_b + h * sv_h, out_ptr + b * so_b + h * so_h
     feats, cols, steps = tl.arange(0, BLOCK_F), c * BLOCK_DV + tl.arange(0, BLOCK_DV), tl.arange(0, BLOCK_T)
     seen = steps[:, None] >= steps[None, :]  # key j <= query i inside a chunk
-    if HAS_S0:
-        state = _state_tile(s0_ptr + g * F * DV, feats, cols, F, DV)
-    else:
-        state = tl.zeros((BLOCK_F, BLOCK_DV), dtype=tl.float32)
+    state = _starting(s0_ptr + g * F * DV, feats, cols, F, DV, BLOCK_F, BLOCK_DV, HAS_S0)
     for start in range(0, n, BLOCK_T):
         rows = start + steps
         q = _load(q_base, sq_n, rows, n, feats, F)
@@ -76,10 +82,7 @@ def causal_grad_queries(k_ptr, v_ptr, do_ptr, s0_ptr, dq_ptr, H, n,
     do_base, dq_base = do_ptr + b * sd_b + h * sd_h, dq_ptr + b * sdq_b + h * sdq_h
     feats, cols, steps = r * BLOCK_F + tl.arange(0, BLOCK_F), tl.arange(0, BLOCK_DV), tl.arange(0, BLOCK_T)
     seen = steps[:, None] >= steps[None, :]
-    if HAS_S0:
-        state = _state_tile(s0_ptr + g * F * DV, feats, cols, F, DV)
-    else:
-        state = tl.zeros((BLOCK_F, BLOCK_DV), dtype=tl.float32)
+    state = _starting(s0_ptr + g * F * DV, feats, cols, F, DV, BLOCK_F, BLOCK_DV, HAS_S0)
     for start in range(0, n, BLOCK_T):
         rows = start + steps
         k = _load(k_base, sk_n, rows, n, feats, F)
@@ -111,10 +114,7 @@ def causal_grad_keys(q_ptr, k_ptr, v_ptr, do_ptr, dsn_ptr, dk_ptr, dv_ptr, ds0_p
         feats, cols = tl.arange(0, BLOCK_F), p * BLOCK_DV + tl.arange(0, BLOCK_DV)
     steps = tl.arange(0, BLOCK_T)
     seen = steps[:, None] >= steps[None, :]  # query i >= key j inside a chunk
-    if HAS_DSN:
-        grad_state = _state_tile(dsn_ptr + g * F * DV, feats, cols, F, DV)
-    else:
-        grad_state = tl.zeros((BLOCK_F, BLOCK_DV), dtype=tl.float32)
+    grad_state = _starting(dsn_ptr + g * F * DV, feats, cols, F, DV, BLOCK_F, BLOCK_DV, HAS_DSN)
     chunks = tl.cdiv(n, BLOCK_T)
     for walked in range(0, chunks):
         rows = (chunks - 1 - walked) * BLOCK_T + steps
