@@ -2,9 +2,11 @@
 in Triton's interpreter (``TRITON_INTERPRET=1``, as the tests run them on CPU tensors) is fixed when triton is
 first imported in the process.
 
-Features are laid out in the reference order of ``feature_maps`` / ``hedgehog``, so that states and initial states
-mean the same thing on every path: feature column c of a row reads input column c - OFF (taylor's constant comes
-first, OFF = 1). hedgehog's 2m features are two tiles, softmax(z) and softmax(-z), each with a state of its own.
+Feature column c of a tile reads input column c. taylor's constant feature, the first of its d + 1 in the
+reference order of ``feature_maps``, is kept out of the tiles (CONST): its state row is the sum of the kept keys'
+values and its normaliser their count, so its tiles stay d wide (d + 1 would pad them to twice that). hedgehog's 2m
+features are two tiles, softmax(z) and softmax(-z), each with a state of its own. ``triton_kernel`` turns these
+parts into the reference layout of a state (F, Dv + 1), so states and initial states mean the same on every path.
 Rotary position (``grid_rope``) turns feature c with its partner column: that partner's features come from a second
 load of the inputs with the columns permuted, and its gradient from a second product with the state's rows permuted,
 because a register tile cannot be permuted in place.
@@ -34,16 +36,14 @@ def _inputs(base, stride_n, rows, n, keep, cols, width):
 
 @triton.jit
 def _point_features(x, cols, p_ptr, h, power, D: tl.constexpr, MAP: tl.constexpr, HAS_PARAM: tl.constexpr):
-    """The features in columns ``cols`` of rows x (x[:, c] = input column c - OFF): elu/relu elementwise, taylor's
-    [1, x / |x|], focused's |y| y^p / |y^p| for y = (relu(x) + eps) / scale (HAS_PARAM: a scale per head and
+    """The features in columns ``cols`` of rows x (x[:, c] = input column c): elu/relu elementwise, taylor's
+    x / |x| (its constant feature is kept apart), focused's |y| y^p / |y^p| for y = (relu(x) + eps) / scale (HAS_PARAM: a scale per head and
     channel at p_ptr, (H, D)). The maps that read a whole row (its norm, its maximum) read it in any column order,
     so a permuted ``cols`` gives the permuted features."""
-    if MAP == TAYLOR:
-        valid = (cols >= 1) & (cols <= D)
-        norm = tl.sqrt(tl.sum(x * x, axis=1))
-        unit = x / tl.maximum(norm, TAYLOR_EPS)[:, None]
-        return tl.where(cols[None, :] == 0, 1.0, tl.where(valid[None, :], unit, 0.0))
     valid = (cols < D)[None, :]
+    if MAP == TAYLOR:
+        norm = tl.sqrt(tl.sum(x * x, axis=1))
+        return tl.where(valid, x / tl.maximum(norm, TAYLOR_EPS)[:, None], 0.0)
     if MAP == FOCUSED:
         y = tl.maximum(x, 0.0) + RELU_EPS
         if HAS_PARAM:
@@ -68,15 +68,14 @@ def _point_input_grad(x, d_phi, cols, p_ptr, h, power, D: tl.constexpr, MAP: tl.
     focused, with u = y / max(y), P = u^p, w = P / |P|, n = |y|: d n = d_phi . w, d w = n d_phi,
     d P = (d w - w (w . d w)) / |P|, d y = p u^(p-1) d P / max(y) + d n y / n (w does not depend on y's scale)."""
     zero = tl.zeros((x.shape[1],), dtype=tl.float32)
+    valid = (cols < D)[None, :]
     if MAP == TAYLOR:
-        valid = ((cols >= 1) & (cols <= D))[None, :]
         g = tl.where(valid, d_phi, 0.0)
         norm = tl.sqrt(tl.sum(x * x, axis=1))
         scale = tl.maximum(norm, TAYLOR_EPS)
         unit = x / scale[:, None]
         along = tl.sum(g * unit, axis=1)
         return tl.where((norm > TAYLOR_EPS)[:, None], g - unit * along[:, None], g) / scale[:, None], zero
-    valid = (cols < D)[None, :]
     if MAP == FOCUSED:
         s = zero + 1.0
         if HAS_PARAM:
@@ -159,7 +158,7 @@ def _head_params(p_ptr, b_ptr, h, dcols, fcols, D: tl.constexpr, M: tl.constexpr
 
 @triton.jit
 def _features(base, stride_n, rows, n, keep, p_ptr, w, b, h, power, cos_ptr, sin_ptr, dcols, fcols,
-              D: tl.constexpr, F: tl.constexpr, M: tl.constexpr, OFF: tl.constexpr, R: tl.constexpr,
+              D: tl.constexpr, F: tl.constexpr, M: tl.constexpr, R: tl.constexpr,
               MAP: tl.constexpr, HAS_PARAM: tl.constexpr, PRECISION: tl.constexpr):
     """The features of rows ``rows`` (zero where not ``keep``): (plain, rotated, second), where rotated is plain
     turned by rotary position (plain itself without it) and second is hedgehog's softmax(-z) tile (plain again for
@@ -169,13 +168,13 @@ def _features(base, stride_n, rows, n, keep, p_ptr, w, b, h, power, cos_ptr, sin
         pos, neg = _softmax_pair(x, w, b, fcols, M, HAS_PARAM, PRECISION)
         pos, neg = tl.where(keep[:, None], pos, 0.0), tl.where(keep[:, None], neg, 0.0)
         return pos, pos, neg
-    x = _inputs(base, stride_n, rows, n, keep, fcols - OFF, D)
+    x = _inputs(base, stride_n, rows, n, keep, fcols, D)
     plain = tl.where(keep[:, None], _point_features(x, fcols, p_ptr, h, power, D, MAP, HAS_PARAM), 0.0)
     rotated = plain
     if R > 0:
         cos, sin = _rope(cos_ptr, sin_ptr, rows, n, fcols, F, R)
         partner = _partner(fcols, F, R)
-        x_partner = _inputs(base, stride_n, rows, n, keep, partner - OFF, D)
+        x_partner = _inputs(base, stride_n, rows, n, keep, partner, D)
         other = tl.where(keep[:, None], _point_features(x_partner, partner, p_ptr, h, power, D, MAP, HAS_PARAM), 0.0)
         rotated = plain * cos + other * sin
     return plain, rotated, plain
@@ -184,7 +183,7 @@ def _features(base, stride_n, rows, n, keep, p_ptr, w, b, h, power, cos_ptr, sin
 @triton.jit
 def _feature_grads(base, stride_n, rows, n, keep, p_ptr, w, b, h, power, cos_ptr, sin_ptr, dcols, fcols,
                    d_rot, d_rot_partner, d_plain, d_second, dx_ptr, dx_rows,
-                   D: tl.constexpr, F: tl.constexpr, M: tl.constexpr, OFF: tl.constexpr, R: tl.constexpr,
+                   D: tl.constexpr, F: tl.constexpr, M: tl.constexpr, R: tl.constexpr,
                    MAP: tl.constexpr, HAS_PARAM: tl.constexpr, NEED_DX: tl.constexpr, PRECISION: tl.constexpr):
     """Given the gradients of a tile's features (d_rot of the rotated ones, d_rot_partner the same at the partner
     columns, d_plain of the plain ones; hedgehog: d_rot of softmax(z), d_second of softmax(-z)), store d x (when
@@ -203,23 +202,24 @@ def _feature_grads(base, stride_n, rows, n, keep, p_ptr, w, b, h, power, cos_ptr
         cos, sin = _rope(cos_ptr, sin_ptr, rows, n, fcols, F, R)
         d_phi = d_plain + d_rot * cos - d_rot_partner * sin  # R^T: the turn by minus the angle
     d_phi = tl.where(keep[:, None], d_phi, 0.0)
-    x = _inputs(base, stride_n, rows, n, keep, fcols - OFF, D)
+    x = _inputs(base, stride_n, rows, n, keep, fcols, D)
     dx, d_scale = _point_input_grad(x, d_phi, fcols, p_ptr, h, power, D, MAP, HAS_PARAM)
     if NEED_DX:
-        tl.store(dx_ptr + dx_rows[:, None] * D + (fcols - OFF)[None, :], dx,
-                 mask=(rows[:, None] < n) & (fcols[None, :] >= OFF) & (fcols[None, :] - OFF < D))
+        tl.store(dx_ptr + dx_rows[:, None] * D + (fcols)[None, :], dx,
+                 mask=(rows[:, None] < n) & (fcols[None, :] < D))
     return tl.zeros((dcols.shape[0], fcols.shape[0]), tl.float32), d_scale
 
 
 @triton.jit
-def key_sums(k_ptr, v_ptr, mask_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, s_ptr, z_ptr, H, S,
+def key_sums(k_ptr, v_ptr, mask_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, s_ptr, z_ptr, c_ptr, cz_ptr, H, S,
              ksb, ksh, ksn, vsb, vsh, vsn, power,
-             D: tl.constexpr, DV: tl.constexpr, F: tl.constexpr, M: tl.constexpr, OFF: tl.constexpr,
+             D: tl.constexpr, DV: tl.constexpr, F: tl.constexpr, M: tl.constexpr,
              R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
              BLOCK_DV: tl.constexpr, MAP: tl.constexpr, HAS_MASK: tl.constexpr, HAS_PARAM: tl.constexpr,
-             TILES: tl.constexpr, PRECISION: tl.constexpr):
+             TILES: tl.constexpr, CONST: tl.constexpr, PRECISION: tl.constexpr):
     """Program (g, p): S_p = sum rot(phi(k_j)) v_j^T and z_p = sum phi(k_j) over the TILES * BLOCK_N keys from
-    p * TILES * BLOCK_N of head g (hedgehog: a pair of each, one per softmax). TILES is a constexpr trip count: a
+    p * TILES * BLOCK_N of head g (hedgehog: a pair of each, one per softmax); CONST: the constant feature's row,
+    sum v_j, and its normaliser, the number of keys kept. TILES is a constexpr trip count: a
     loop bound given at run time is not one that every Triton version's interpreter reads."""
     g, p = tl.program_id(0), tl.program_id(1)
     b, h = g // H, g % H
@@ -230,13 +230,15 @@ def key_sums(k_ptr, v_ptr, mask_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, s_ptr, z_pt
     acc_z = tl.zeros((BLOCK_F,), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_F, BLOCK_DV), dtype=tl.float32)
     acc2_z = tl.zeros((BLOCK_F,), dtype=tl.float32)
+    acc_c = tl.zeros((BLOCK_DV,), dtype=tl.float32)
+    acc_cz = 0.0
     for tile in range(TILES):
         rows = (p * TILES + tile) * BLOCK_N + tl.arange(0, BLOCK_N)
         keep = rows < S
         if HAS_MASK:
             keep = keep & (tl.load(mask_ptr + b * S + rows, mask=keep, other=1) == 0)
         plain, rotated, second = _features(k_base, ksn, rows, S, keep, p_ptr, w, bias, h, power, cos_ptr, sin_ptr,
-                                           dcols, fcols, D, F, M, OFF, R, MAP, HAS_PARAM, PRECISION)
+                                           dcols, fcols, D, F, M, R, MAP, HAS_PARAM, PRECISION)
         # a padded key's value may hold anything, NaN included: 0 * NaN = NaN
         v = _inputs(v_base, vsn, rows, S, keep, c, DV)
         acc += tl.dot(tl.trans(rotated), v, input_precision=PRECISION)
@@ -244,6 +246,12 @@ def key_sums(k_ptr, v_ptr, mask_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, s_ptr, z_pt
         if MAP == HEDGEHOG:
             acc2 += tl.dot(tl.trans(second), v, input_precision=PRECISION)
             acc2_z += tl.sum(second, axis=0)
+        if CONST:
+            acc_c += tl.sum(v, axis=0)
+            acc_cz += tl.sum(keep.to(tl.float32), axis=0)
+    if CONST:
+        tl.store(c_ptr + (g * tl.num_programs(1) + p) * BLOCK_DV + c, acc_c)
+        tl.store(cz_ptr + g * tl.num_programs(1) + p, acc_cz)
     out = (g * tl.num_programs(1) + p) * (2 if MAP == HEDGEHOG else 1)
     tl.store(s_ptr + out * BLOCK_F * BLOCK_DV + fcols[:, None] * BLOCK_DV + c[None, :], acc)
     tl.store(z_ptr + out * BLOCK_F + fcols, acc_z)
@@ -277,11 +285,14 @@ def _states(s_ptr, z_ptr, g, fcols, c, F: tl.constexpr, R: tl.constexpr, BLOCK_F
 
 
 @triton.jit
-def queries(q_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, s_ptr, z_ptr, o_ptr, den_ptr, H, L, qsb, qsh, qsn, power,
-            D: tl.constexpr, DV: tl.constexpr, F: tl.constexpr, M: tl.constexpr, OFF: tl.constexpr,
+def queries(q_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, s_ptr, z_ptr, c_ptr, cz_ptr, o_ptr, den_ptr, H, L, qsb, qsh, qsn,
+            power,
+            D: tl.constexpr, DV: tl.constexpr, F: tl.constexpr, M: tl.constexpr,
             R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
-            BLOCK_DV: tl.constexpr, MAP: tl.constexpr, HAS_PARAM: tl.constexpr, PRECISION: tl.constexpr):
-    """Program (g, i): out rows i * BLOCK_M ... of head g = rot(phi(q)) S / phi(q) z (0 where phi(q) z = 0)."""
+            BLOCK_DV: tl.constexpr, MAP: tl.constexpr, HAS_PARAM: tl.constexpr, CONST: tl.constexpr,
+            PRECISION: tl.constexpr):
+    """Program (g, i): out rows i * BLOCK_M ... of head g = rot(phi(q)) S / phi(q) z (0 where phi(q) z = 0), the
+    constant feature's row and count added (CONST)."""
     g, i = tl.program_id(0), tl.program_id(1)
     b, h = g // H, g % H
     rows = i * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -289,7 +300,7 @@ def queries(q_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, s_ptr, z_ptr, o_ptr, den_ptr,
     dcols, fcols, c = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_F), tl.arange(0, BLOCK_DV)
     w, bias = _head_params(p_ptr, b_ptr, h, dcols, fcols, D, M, MAP, HAS_PARAM)
     plain, rotated, second = _features(q_ptr + b * qsb + h * qsh, qsn, rows, L, inside, p_ptr, w, bias, h, power,
-                                       cos_ptr, sin_ptr, dcols, fcols, D, F, M, OFF, R, MAP, HAS_PARAM, PRECISION)
+                                       cos_ptr, sin_ptr, dcols, fcols, D, F, M, R, MAP, HAS_PARAM, PRECISION)
     s, z = _state(s_ptr, z_ptr, g, 0, fcols, fcols, c, BLOCK_F, BLOCK_DV, MAP)
     num = tl.dot(rotated, s, input_precision=PRECISION)
     den = tl.sum(plain * z[None, :], axis=1)
@@ -297,6 +308,9 @@ def queries(q_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, s_ptr, z_ptr, o_ptr, den_ptr,
         s2, z2 = _state(s_ptr, z_ptr, g, 1, fcols, fcols, c, BLOCK_F, BLOCK_DV, MAP)
         num += tl.dot(second, s2, input_precision=PRECISION)
         den += tl.sum(second * z2[None, :], axis=1)
+    if CONST:
+        num += tl.load(c_ptr + g * BLOCK_DV + c)[None, :]
+        den += tl.load(cz_ptr + g)
     den = tl.where(den == 0.0, 1.0, den)
     tl.store(o_ptr + (g * L + rows[:, None]) * DV + c[None, :], (num / den[:, None]).to(o_ptr.dtype.element_ty),
              mask=inside[:, None] & (c[None, :] < DV))
@@ -305,13 +319,14 @@ def queries(q_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, s_ptr, z_ptr, o_ptr, den_ptr,
 
 @triton.jit
 def query_grads(q_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, s_ptr, z_ptr, o_ptr, den_ptr, go_ptr, dq_ptr, gs_ptr, gz_ptr,
-                dp_ptr, db_ptr, H, L, qsb, qsh, qsn, power,
-                D: tl.constexpr, DV: tl.constexpr, F: tl.constexpr, M: tl.constexpr, OFF: tl.constexpr,
+                gc_ptr, gcz_ptr, dp_ptr, db_ptr, H, L, qsb, qsh, qsn, power,
+                D: tl.constexpr, DV: tl.constexpr, F: tl.constexpr, M: tl.constexpr,
                 R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
                 BLOCK_DV: tl.constexpr, MAP: tl.constexpr, HAS_PARAM: tl.constexpr, NEED_DX: tl.constexpr,
-                NEED_DP: tl.constexpr, TILES: tl.constexpr, PRECISION: tl.constexpr):
+                NEED_DP: tl.constexpr, TILES: tl.constexpr, CONST: tl.constexpr, PRECISION: tl.constexpr):
     """Program (g, p) over the TILES * BLOCK_M queries from p * TILES * BLOCK_M: with r = [go / den, -(go . out) / den],
-    the partial G_p = sum rot(phi(q))^T r_v and g_p = sum phi(q) r_z; d q from d rot(phi(q)) = r_v S^T and
+    the partial G_p = sum rot(phi(q))^T r_v and g_p = sum phi(q) r_z (CONST: the constant feature's, sum r_v and
+    sum r_z); d q from d rot(phi(q)) = r_v S^T and
     d phi(q) = r_z z (NEED_DX), and the map's parameter gradients summed over the tiles (NEED_DP)."""
     g, p = tl.program_id(0), tl.program_id(1)
     b, h = g // H, g % H
@@ -325,6 +340,8 @@ def query_grads(q_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, s_ptr, z_ptr, o_ptr, den_
     acc2_z = tl.zeros((BLOCK_F,), dtype=tl.float32)
     acc_dp = tl.zeros((BLOCK_D, BLOCK_F), dtype=tl.float32)
     acc_db = tl.zeros((BLOCK_F,), dtype=tl.float32)
+    acc_c = tl.zeros((BLOCK_DV,), dtype=tl.float32)
+    acc_cz = 0.0
     for tile in range(TILES):
         rows = (p * TILES + tile) * BLOCK_M + tl.arange(0, BLOCK_M)
         inside = rows < L
@@ -334,12 +351,15 @@ def query_grads(q_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, s_ptr, z_ptr, o_ptr, den_
         r_v = go / den[:, None]
         r_z = -tl.sum(go * out, axis=1) / den
         plain, rotated, second = _features(q_base, qsn, rows, L, inside, p_ptr, w, bias, h, power, cos_ptr, sin_ptr,
-                                           dcols, fcols, D, F, M, OFF, R, MAP, HAS_PARAM, PRECISION)
+                                           dcols, fcols, D, F, M, R, MAP, HAS_PARAM, PRECISION)
         acc += tl.dot(tl.trans(rotated), r_v, input_precision=PRECISION)
         acc_z += tl.sum(plain * r_z[:, None], axis=0)
         if MAP == HEDGEHOG:
             acc2 += tl.dot(tl.trans(second), r_v, input_precision=PRECISION)
             acc2_z += tl.sum(second * r_z[:, None], axis=0)
+        if CONST:
+            acc_c += tl.sum(r_v, axis=0)
+            acc_cz += tl.sum(r_z, axis=0)
         if NEED_DX or NEED_DP:
             d_rot = tl.dot(r_v, tl.trans(s), input_precision=PRECISION)
             d_partner = d_rot
@@ -348,10 +368,13 @@ def query_grads(q_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, s_ptr, z_ptr, o_ptr, den_
             d_second = tl.dot(r_v, tl.trans(s2), input_precision=PRECISION) + r_z[:, None] * z2[None, :]
             d_w, d_b = _feature_grads(q_base, qsn, rows, L, inside, p_ptr, w, bias, h, power, cos_ptr, sin_ptr,
                                       dcols, fcols, d_rot, d_partner, r_z[:, None] * z[None, :], d_second, dq_ptr,
-                                      g * L + rows, D, F, M, OFF, R, MAP, HAS_PARAM, NEED_DX, PRECISION)
+                                      g * L + rows, D, F, M, R, MAP, HAS_PARAM, NEED_DX, PRECISION)
             acc_dp += d_w
             acc_db += d_b
     at = g * tl.num_programs(1) + p
+    if CONST:
+        tl.store(gc_ptr + at * BLOCK_DV + c, acc_c)
+        tl.store(gcz_ptr + at, acc_cz)
     halves = 2 if MAP == HEDGEHOG else 1
     tl.store(gs_ptr + at * halves * BLOCK_F * BLOCK_DV + fcols[:, None] * BLOCK_DV + c[None, :], acc)
     tl.store(gz_ptr + at * halves * BLOCK_F + fcols, acc_z)
@@ -373,14 +396,16 @@ def _store_param_grads(dp_ptr, db_ptr, at, acc_dp, acc_db, dcols, fcols, BLOCK_D
 
 
 @triton.jit
-def key_grads(k_ptr, v_ptr, mask_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, gs_ptr, gz_ptr, dk_ptr, dv_ptr, dp_ptr, db_ptr,
+def key_grads(k_ptr, v_ptr, mask_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, gs_ptr, gz_ptr, gc_ptr, dk_ptr, dv_ptr, dp_ptr,
+              db_ptr,
               H, S, ksb, ksh, ksn, vsb, vsh, vsn, power,
-              D: tl.constexpr, DV: tl.constexpr, F: tl.constexpr, M: tl.constexpr, OFF: tl.constexpr,
+              D: tl.constexpr, DV: tl.constexpr, F: tl.constexpr, M: tl.constexpr,
               R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
               BLOCK_DV: tl.constexpr, MAP: tl.constexpr, HAS_MASK: tl.constexpr, HAS_PARAM: tl.constexpr,
-              NEED_DX: tl.constexpr, NEED_DP: tl.constexpr, TILES: tl.constexpr, PRECISION: tl.constexpr):
+              NEED_DX: tl.constexpr, NEED_DP: tl.constexpr, TILES: tl.constexpr, CONST: tl.constexpr,
+              PRECISION: tl.constexpr):
     """Program (g, p) over the TILES * BLOCK_N keys from p * TILES * BLOCK_N of head g: d rot(phi(k)) = v G^T,
-    d phi(k) = g^T, d v = rot(phi(k)) G; zero for masked keys; the map's parameter gradients summed (NEED_DP)."""
+    d phi(k) = g^T, d v = rot(phi(k)) G (plus the constant feature's row of G, CONST); zero for masked keys; the map's parameter gradients summed (NEED_DP)."""
     g, p = tl.program_id(0), tl.program_id(1)
     b, h = g // H, g % H
     k_base, v_base = k_ptr + b * ksb + h * ksh, v_ptr + b * vsb + h * vsh
@@ -389,6 +414,9 @@ def key_grads(k_ptr, v_ptr, mask_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, gs_ptr, gz
     gs, gz, gs2, gz2, gs_partner = _states(gs_ptr, gz_ptr, g, fcols, c, F, R, BLOCK_F, BLOCK_DV, MAP)
     acc_dp = tl.zeros((BLOCK_D, BLOCK_F), dtype=tl.float32)
     acc_db = tl.zeros((BLOCK_F,), dtype=tl.float32)
+    gc = tl.zeros((BLOCK_DV,), dtype=tl.float32)
+    if CONST:
+        gc = tl.load(gc_ptr + g * BLOCK_DV + c)
     for tile in range(TILES):
         rows = (p * TILES + tile) * BLOCK_N + tl.arange(0, BLOCK_N)
         inside = rows < S
@@ -397,10 +425,12 @@ def key_grads(k_ptr, v_ptr, mask_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, gs_ptr, gz
             keep = keep & (tl.load(mask_ptr + b * S + rows, mask=inside, other=1) == 0)
         v = _inputs(v_base, vsn, rows, S, keep, c, DV)
         plain, rotated, second = _features(k_base, ksn, rows, S, keep, p_ptr, w, bias, h, power, cos_ptr, sin_ptr,
-                                           dcols, fcols, D, F, M, OFF, R, MAP, HAS_PARAM, PRECISION)
+                                           dcols, fcols, D, F, M, R, MAP, HAS_PARAM, PRECISION)
         dv = tl.dot(rotated, gs, input_precision=PRECISION)
         if MAP == HEDGEHOG:
             dv += tl.dot(second, gs2, input_precision=PRECISION)
+        if CONST:
+            dv += tl.where(keep[:, None], gc[None, :], 0.0)
         tl.store(dv_ptr + (g * S + rows[:, None]) * DV + c[None, :], dv, mask=inside[:, None] & (c[None, :] < DV))
         if NEED_DX or NEED_DP:
             d_rot = tl.dot(v, tl.trans(gs), input_precision=PRECISION)
@@ -410,7 +440,7 @@ def key_grads(k_ptr, v_ptr, mask_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, gs_ptr, gz
             d_second = tl.dot(v, tl.trans(gs2), input_precision=PRECISION) + gz2[None, :]
             d_w, d_b = _feature_grads(k_base, ksn, rows, S, keep, p_ptr, w, bias, h, power, cos_ptr, sin_ptr,
                                       dcols, fcols, d_rot, d_partner, tl.zeros_like(d_rot) + gz[None, :], d_second,
-                                      dk_ptr, g * S + rows, D, F, M, OFF, R, MAP, HAS_PARAM, NEED_DX, PRECISION)
+                                      dk_ptr, g * S + rows, D, F, M, R, MAP, HAS_PARAM, NEED_DX, PRECISION)
             acc_dp += d_w
             acc_db += d_b
     if NEED_DP:

@@ -107,6 +107,9 @@ def why_not(q: Tensor, k: Tensor, v: Tensor, feature_map, initial_state: Optiona
             return f"focused's scale is on {feature_map.scale.device}, the inputs on {q.device}"
     if rope and initial_state is not None:
         return "rotary position with an initial_state"
+    if rope and name == "taylor" and (q.shape[-1] + 1) % 4 == 0:  # rotary position turns 4 floor(F / 4) features
+        return (f"taylor with rotary position at head size {q.shape[-1]}: all d + 1 = {q.shape[-1] + 1} features "
+                f"turn, the constant one too, which the kernels keep out of their tiles")
     return _why_not_tensors(name, q, k, v, initial_state)
 
 
@@ -233,7 +236,7 @@ class _Setting(NamedTuple):
     d: int
     dv: int
     features: int   # F: per position, in the reference order (a state's third size)
-    width: int      # hedgehog's m features per softmax; F otherwise
+    width: int      # features per tile: hedgehog's m per softmax, d for the other maps
     rotated: int    # R: the last R features turn with rotary position; 0 without
     power: float    # focused's
     rows: int       # positions per tile
@@ -242,24 +245,48 @@ class _Setting(NamedTuple):
     def halves(self) -> int:
         return 2 if self.name == "hedgehog" else 1
 
+    @property
+    def constant(self) -> int:
+        """1 where the first feature is a constant kept out of the tiles (taylor's)."""
+        return 1 if self.name == "taylor" else 0
+
     def constants(self, device: torch.device, dtype: torch.dtype) -> dict:
-        return dict(D=self.d, DV=self.dv, F=self.features, M=self.width, OFF=1 if self.name == "taylor" else 0,
-                    R=self.rotated, BLOCK_D=_block(self.d), BLOCK_F=_block(self.width), BLOCK_DV=_block(self.dv),
-                    MAP=MAPS[self.name], PRECISION=_precision(dtype, device))
+        return dict(D=self.d, DV=self.dv, F=self.features - self.constant, M=self.width, R=self.rotated,
+                    BLOCK_D=_block(self.d), BLOCK_F=_block(self.width), BLOCK_DV=_block(self.dv),
+                    MAP=MAPS[self.name], CONST=self.constant, PRECISION=_precision(dtype, device))
 
 
-def _blocks_to_state(s: Tensor, z: Tensor, st: _Setting) -> Tensor:
-    """Summed blocks s (G, halves, BLOCK_F, BLOCK_DV), z (G, halves, BLOCK_F) -> (G, F, Dv + 1), the reference layout
-    of a state: [S, z] with hedgehog's softmax(z) features before its softmax(-z) ones."""
-    full = torch.cat([s[:, :, :st.width, :st.dv], z[:, :, :st.width, None]], -1)
-    return full.reshape(s.shape[0], st.features, st.dv + 1)
+class _Sums(NamedTuple):
+    """A head's sums as the kernels keep them: s (G, halves, BLOCK_F, BLOCK_DV), z (G, halves, BLOCK_F) of the tiles'
+    features, and c (G, BLOCK_DV), cz (G,) of the constant feature (taylor's; unused otherwise)."""
+    s: Tensor
+    z: Tensor
+    c: Tensor
+    cz: Tensor
 
+    @staticmethod
+    def summed(s, z, c, cz) -> "_Sums":
+        """The sums of the programs' partial sums (dimension 1)."""
+        return _Sums(s.sum(1), z.sum(1), c.sum(1), cz.sum(1))
 
-def _add_state(s: Tensor, z: Tensor, state: Tensor, st: _Setting) -> None:
-    """s, z += a state (B, H, F, Dv + 1) in the reference layout."""
-    state = state.to(torch.float32).reshape(s.shape[0], st.halves, st.width, st.dv + 1)
-    s[:, :, :st.width, :st.dv] += state[..., :st.dv]
-    z[:, :, :st.width] += state[..., st.dv]
+    def state(self, st: _Setting) -> Tensor:
+        """(G, F, Dv + 1), the reference layout of a state: [S, z], the constant feature's row first, hedgehog's
+        softmax(z) features before its softmax(-z) ones."""
+        full = torch.cat([self.s[:, :, :st.width, :st.dv], self.z[:, :, :st.width, None]], -1)
+        full = full.reshape(self.s.shape[0], st.features - st.constant, st.dv + 1)
+        if st.constant:
+            full = torch.cat([torch.cat([self.c[:, None, :st.dv], self.cz[:, None, None]], -1), full], 1)
+        return full
+
+    def add_(self, state: Tensor, st: _Setting) -> None:
+        """+= a state (B, H, F, Dv + 1) in the reference layout."""
+        state = state.to(torch.float32).reshape(self.s.shape[0], st.features, st.dv + 1)
+        if st.constant:
+            self.c[:, :st.dv] += state[:, 0, :st.dv]
+            self.cz.add_(state[:, 0, st.dv])
+        tiles = state[:, st.constant:].reshape(self.s.shape[0], st.halves, st.width, st.dv + 1)
+        self.s[:, :, :st.width, :st.dv] += tiles[..., :st.dv]
+        self.z[:, :, :st.width] += tiles[..., st.dv]
 
 
 def _param_pointers(weight: Optional[Tensor], bias: Optional[Tensor], like: Tensor, st: _Setting):
@@ -285,21 +312,22 @@ class _TritonAttention(torch.autograd.Function):
         qp, qb, q_has = _param_pointers(q_weight, q_bias, q, st)
         kp, kb, k_has = _param_pointers(k_weight, k_bias, q, st)
         splits, tiles = _split(g, n_k, st.rows)
-        s = torch.empty(g, splits, st.halves, bf, bdv, device=q.device, dtype=torch.float32)
-        z = torch.empty(g, splits, st.halves, bf, device=q.device, dtype=torch.float32)
-        kernels.key_sums[(g, splits)](k, v, k if mask is None else mask, kp, kb, *rope, s, z, h, n_k,
+        f32 = dict(device=q.device, dtype=torch.float32)
+        partial = (torch.empty(g, splits, st.halves, bf, bdv, **f32), torch.empty(g, splits, st.halves, bf, **f32),
+                   torch.zeros(g, splits, bdv, **f32), torch.zeros(g, splits, **f32))
+        kernels.key_sums[(g, splits)](k, v, k if mask is None else mask, kp, kb, *rope, *partial, h, n_k,
                                       *k.stride()[:3], *v.stride()[:3], st.power, BLOCK_N=st.rows,
                                       HAS_MASK=mask is not None, HAS_PARAM=k_has, TILES=tiles, **consts)
-        s, z = s.sum(1), z.sum(1)
+        sums = _Sums.summed(*partial)
         if initial_state is not None:
-            _add_state(s, z, initial_state, st)
+            sums.add_(initial_state, st)
         out = torch.empty(b, h, n_q, st.dv, device=q.device, dtype=q.dtype)
-        den = torch.empty(g, n_q, device=q.device, dtype=torch.float32)
-        kernels.queries[(g, cdiv(n_q, st.rows))](q, qp, qb, *rope, s, z, out, den, h, n_q, *q.stride()[:3],
+        den = torch.empty(g, n_q, **f32)
+        kernels.queries[(g, cdiv(n_q, st.rows))](q, qp, qb, *rope, *sums, out, den, h, n_q, *q.stride()[:3],
                                                   st.power, BLOCK_M=st.rows, HAS_PARAM=q_has, **consts)
         ctx.st = st
-        ctx.save_for_backward(q, k, v, mask, q_weight, q_bias, k_weight, k_bias, initial_state, cos, sin, out, s, z,
-                              den)
+        ctx.save_for_backward(q, k, v, mask, q_weight, q_bias, k_weight, k_bias, initial_state, cos, sin, out,
+                              sums.s, sums.z, den)
         return out
 
     @staticmethod
@@ -322,14 +350,14 @@ class _TritonAttention(torch.autograd.Function):
         need_dq, need_q_params = need[1], need[5] or need[6]
         splits, tiles = _split(g, n_q, st.rows)
         dq = torch.empty(b, h, n_q, d, **f32) if need_dq else q
-        gs = torch.empty(g, splits, st.halves, bf, bdv, **f32)
-        gz = torch.empty(g, splits, st.halves, bf, **f32)
+        partial = (torch.empty(g, splits, st.halves, bf, bdv, **f32), torch.empty(g, splits, st.halves, bf, **f32),
+                   torch.zeros(g, splits, bdv, **f32), torch.zeros(g, splits, **f32))
         dp = torch.zeros(g, splits, bd, bf, **f32) if need_q_params else q
         db = torch.zeros(g, splits, bf, **f32) if need_q_params else q
-        kernels.query_grads[(g, splits)](q, qp, qb, *rope, s, z, out, den, grad_out, dq, gs, gz, dp, db, h, n_q,
+        kernels.query_grads[(g, splits)](q, qp, qb, *rope, s, z, out, den, grad_out, dq, *partial, dp, db, h, n_q,
                                          *q.stride()[:3], st.power, BLOCK_M=st.rows, HAS_PARAM=q_has,
                                          NEED_DX=need_dq, NEED_DP=need_q_params, TILES=tiles, **consts)
-        gs, gz = gs.sum(1), gz.sum(1)
+        grads = _Sums.summed(*partial)  # of the state: G, g and the constant feature's
         q_grads = _param_grads(dp, db, b, h, d, st, q_weight, q_bias) if need_q_params else (None, None)
 
         need_dk, need_k_params = need[2], need[7] or need[8]
@@ -340,14 +368,15 @@ class _TritonAttention(torch.autograd.Function):
         dv = torch.empty(b, h, n_k, st.dv, **f32)
         dp = torch.zeros(g, splits, bd, bf, **f32) if need_k_params else q
         db = torch.zeros(g, splits, bf, **f32) if need_k_params else q
-        kernels.key_grads[(g, splits)](k, v, k if mask is None else mask, kp, kb, *rope, gs, gz, dk, dv, dp, db,
+        kernels.key_grads[(g, splits)](k, v, k if mask is None else mask, kp, kb, *rope, grads.s, grads.z, grads.c,
+                                       dk, dv, dp, db,
                                        h, n_k, *k.stride()[:3], *v.stride()[:3], st.power, BLOCK_N=st.rows,
                                        HAS_MASK=mask is not None, HAS_PARAM=k_has, NEED_DX=need_dk,
                                        NEED_DP=need_k_params, TILES=tiles, **consts)
         k_grads = _param_grads(dp, db, b, h, d, st, k_weight, k_bias) if need_k_params else (None, None)
         d_state = None
         if initial_state is not None and need[9]:
-            d_state = _blocks_to_state(gs, gz, st).reshape(initial_state.shape).to(initial_state.dtype)
+            d_state = grads.state(st).reshape(initial_state.shape).to(initial_state.dtype)
         return (None, dq.to(q.dtype) if need_dq else None, dk.to(k.dtype) if need_dk else None, dv.to(v.dtype), None,
                 *q_grads, *k_grads, d_state, None, None)
 
@@ -385,7 +414,7 @@ def kernel_attention(q: Tensor, k: Tensor, v: Tensor, feature_map, key_padding_m
     if name == "focused":
         _, scale = feature_map.compiled_settings(q)  # (H, d) float32 or None
     rows = _rows_per_tile(q.dtype, name, cos is not None, needs_grad(q, k, v, scale, initial_state))
-    st = _Setting(name, d, v.shape[-1], features, features, 0 if cos is None else cos.shape[-1],
+    st = _Setting(name, d, v.shape[-1], features, d, 0 if cos is None else cos.shape[-1],
                   float(getattr(feature_map, "focusing_factor", 0.0)), rows)
     return _TritonAttention.apply(st, q, k, v, mask, scale, None, scale, None, initial_state, cos, sin)
 
