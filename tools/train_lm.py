@@ -242,7 +242,7 @@ def check_args(args, world=1):
     if args.global_option and args.global_mode is None:
         raise ValueError("--global-option sets an option of --global-mode: name the method too, e.g. "
                          "--global-mode gla --global-option chunk_size=32")
-    if args.variant == "softmax" and args.global_mode is not None:
+    if VARIANTS[args.variant].get("softmax") and args.global_mode is not None:  # every head local: none global
         raise ValueError("--variant softmax makes every head a local softmax head, so there are no global heads for "
                          f"--global-mode {args.global_mode}: leave one of the two out")
     if args.dim % args.heads:
