@@ -94,10 +94,11 @@ TINY = ["--methods", "kernel", "--seq-lens", str(SEQ), "--kv-pairs", str(PAIRS),
 def test_a_run_writes_its_record_and_log_and_a_rerun_skips_it(tmp_path, monkeypatch):
     out, records = tmp_path / "mqar", tmp_path / "results" / "mqar.json"
     first = mqar.main(TINY + ["--out", str(out), "--json", str(records)])
-    run_dir = out / "kernel" / f"seq{SEQ}_kv{PAIRS}" / "seed0"
+    run_dir = out / "kernel" / f"seq{SEQ}_kv{PAIRS}" / "lr0.001" / "seed0"
     record = json.loads((run_dir / "record.json").read_text())
     assert {"method": "kernel", "seed": 0, "seq_len": SEQ, "num_kv_pairs": PAIRS, "steps": 4, "lr": 1e-3}.items() \
         <= record.items()
+    assert record["final_loss"] > 0
     assert 0.0 <= record["acc"] <= 1.0 and record["seconds"] > 0 and record["torch"] == torch.__version__
     assert record["machine"]
     log = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
@@ -121,3 +122,27 @@ def test_token_shift_reaches_every_model_when_asked():
     shifted = [getattr(m, "shifts", None) for m in mqar.RecallModel(method, 32, 16, 16, 1, 1, True).modules()]
     plain = [getattr(m, "shifts", None) for m in mqar.RecallModel(method, 32, 16, 16, 1, 1).modules()]
     assert any(shifted) and not any(plain)
+
+
+def test_several_learning_rates_are_each_trained_and_the_lowest_final_loss_is_chosen_never_the_test_accuracy(
+        tmp_path, monkeypatch):
+    """The rate whose final training loss, averaged over the seeds, is lowest gives the row, even where another rate
+    scored a higher test accuracy; every rate's accuracy stays in the summary."""
+    trained = []
+
+    def fake_run(args, method, seq_len, pairs, lr, seed, run_dir, device):
+        trained.append((lr, seed))
+        # at 3e-3 one seed's loss is high (the mean too), though the test accuracy is the best of all
+        loss = {(1e-3, 0): 0.5, (1e-3, 1): 0.7, (3e-3, 0): 0.1, (3e-3, 1): 2.0}[(lr, seed)]
+        acc = {1e-3: 0.6, 3e-3: 0.9}[lr]
+        return {**mqar.run_settings(args, method, lr), "seed": seed, "seq_len": seq_len, "num_kv_pairs": pairs,
+                "acc": acc + 0.01 * seed, "final_loss": loss, "seconds": 1.0}
+    monkeypatch.setattr(mqar, "train_run", fake_run)
+    result = mqar.main(TINY + ["--out", str(tmp_path), "--lr", "1e-3", "3e-3", "--seeds", "0", "1"])
+    assert sorted(trained) == [(1e-3, 0), (1e-3, 1), (3e-3, 0), (3e-3, 1)]
+    (row,) = result["summary"]
+    assert row["lr"] == 1e-3 and row["acc"] == pytest.approx(0.605) and row["seeds"] == 2
+    assert [(r["lr"], round(r["acc"], 3), r["final_loss"]) for r in row["by_lr"]] == [(1e-3, 0.605, 0.6),
+                                                                                     (3e-3, 0.905, 1.05)]
+    with pytest.raises(ValueError, match="--lr must be > 0"):
+        mqar.main(TINY + ["--out", str(tmp_path), "--lr", "1e-3", "0"])

@@ -17,12 +17,19 @@ depthwise convolution of the values beside attention), options going to the meth
 cross-entropy of the query positions only. Score: recall accuracy, the fraction of the test set's query positions
 whose most likely next token is the bound value.
 
-Every (method, seq_len, pairs, seed) run lives in OUT/<method>/seq<L>_kv<P>/seed<S>/: log.jsonl (step, training
-loss, learning rate, seconds; the test accuracy every --eval-every steps) as it trains, and record.json when it is
-done. A later call skips every run that has its record (refusing one written with other settings), so an
+Learning rates: MQAR is learnt in a sudden drop of the loss after a plateau, and at too low a rate a seed may not
+leave the plateau within the budget. With several --lr values every method and task trains at each (as Zoology
+sweeps them), and the table takes, per method and task, the rate whose final training loss (the mean over the last
+5% of the steps), averaged over the seeds, is lowest: the choice never looks at the test set. Every rate's accuracy
+stays in the records and the summary.
+
+Every (method, seq_len, pairs, lr, seed) run lives in OUT/<method>/seq<L>_kv<P>/lr<lr>/seed<S>/: log.jsonl (step,
+training loss, learning rate, seconds; the test accuracy every --eval-every steps) as it trains, and record.json when
+it is done. A later call skips every run that has its record (refusing one written with other settings), so an
 interrupted grid continues where it stopped (a run cut short starts over). At the end: a table of accuracy (mean
-± std over seeds) per method and task, OUT/mqar.png (accuracy against sequence length per method), and
-OUT/results.json (with --json, also there): the records, each with steps, lr, seconds, machine and torch version.
+± std over seeds, at the chosen rate) per method and task, OUT/mqar.png (accuracy against sequence length per
+method), and OUT/results.json (with --json, also there): the records, each with steps, lr, final loss, seconds,
+machine and torch version, and the summary.
 """
 import argparse
 import json
@@ -153,30 +160,31 @@ def recall_accuracy(model, inputs, targets, batch_size: int, device) -> float:
     return right / total
 
 
-def run_settings(args, method: Method) -> dict:
+def run_settings(args, method: Method, lr: float) -> dict:
     return {"method": method.name, "vocab": args.vocab, "dim": args.dim, "depth": args.depth, "heads": args.heads,
-            "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "weight_decay": args.weight_decay,
+            "steps": args.steps, "batch_size": args.batch_size, "lr": lr, "weight_decay": args.weight_decay,
             "train_examples": args.train_examples, "test_examples": args.test_examples, "power_a": POWER_A,
             "shift_tokens": args.shift_tokens}
 
 
-def train_run(args, method: Method, seq_len: int, pairs: int, seed: int, run_dir: Path, device) -> dict:
+def train_run(args, method: Method, seq_len: int, pairs: int, lr: float, seed: int, run_dir: Path, device) -> dict:
     """Train one model on one task from scratch; the log goes to run_dir/log.jsonl. Returns the run's record."""
     start = time.time()
     train_x, train_y = mqar_examples(args.vocab, seq_len, pairs, args.train_examples, 2 * seed)
     test_x, test_y = mqar_examples(args.vocab, seq_len, pairs, args.test_examples, TEST_DATA_SEED)
     torch.manual_seed(seed)
     model = RecallModel(method, args.vocab, seq_len, args.dim, args.depth, args.heads, args.shift_tokens).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=args.weight_decay)
     batches = shuffled_batches(args.train_examples, args.batch_size, torch.Generator().manual_seed(seed))
     run_dir.mkdir(parents=True, exist_ok=True)
     bar = progress_bar(total=args.steps, disable=args.no_progress, desc=f"{method.name} L{seq_len} kv{pairs} s{seed}")
-    losses, acc = [], None
+    losses, acc, final = [], None, []
+    final_steps = max(1, args.steps // 20)  # the last 5% of the steps: the final training loss
     with open(run_dir / "log.jsonl", "w") as log:  # a run cut short starts over, and so does its log
         for step in range(1, args.steps + 1):
-            lr = learning_rate(step - 1, args.steps, args.lr)
+            rate = learning_rate(step - 1, args.steps, lr)
             for group in opt.param_groups:
-                group["lr"] = lr
+                group["lr"] = rate
             index = next(batches)
             logits, wanted = model(train_x[index].to(device, torch.long), train_y[index].to(device, torch.long))
             loss = F.cross_entropy(logits, wanted)
@@ -185,10 +193,12 @@ def train_run(args, method: Method, seq_len: int, pairs: int, seed: int, run_dir
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             losses.append(loss.item())
+            if step > args.steps - final_steps:
+                final.append(losses[-1])
             bar.update(1)
             evaluate = step % args.eval_every == 0 or step == args.steps
             if evaluate or step % args.log_every == 0:
-                entry = {"step": step, "loss": statistics.mean(losses), "lr": lr, "seconds": time.time() - start}
+                entry = {"step": step, "loss": statistics.mean(losses), "lr": rate, "seconds": time.time() - start}
                 losses = []
                 if evaluate:
                     acc = entry["acc"] = recall_accuracy(model, test_x, test_y, 4 * args.batch_size, device)
@@ -196,7 +206,8 @@ def train_run(args, method: Method, seq_len: int, pairs: int, seed: int, run_dir
                 log.write(json.dumps(entry) + "\n")
                 log.flush()
     bar.close()
-    return {**run_settings(args, method), "seed": seed, "seq_len": seq_len, "num_kv_pairs": pairs, "acc": acc,
+    return {**run_settings(args, method, lr), "seed": seed, "seq_len": seq_len, "num_kv_pairs": pairs, "acc": acc,
+            "final_loss": statistics.mean(final),
             "params": sum(p.numel() for p in model.parameters()), "seconds": time.time() - start,
             "machine": machine(device), "torch": torch.__version__, "device": str(device)}
 
@@ -207,51 +218,67 @@ def machine(device) -> str:
     return f"{platform.processor() or platform.machine()} ({cpu_name()}), {torch.get_num_threads()} threads"
 
 
-def run_dir_of(out, method: Method, seq_len: int, pairs: int, seed: int) -> Path:
+def run_dir_of(out, method: Method, seq_len: int, pairs: int, lr: float, seed: int) -> Path:
     # the method name as a folder name: ':' and ',' (options) become '_'
-    return Path(out) / re.sub(r"[^\w.=+-]", "_", method.name) / f"seq{seq_len}_kv{pairs}" / f"seed{seed}"
+    return (Path(out) / re.sub(r"[^\w.=+-]", "_", method.name) / f"seq{seq_len}_kv{pairs}" / f"lr{lr:g}"
+            / f"seed{seed}")
 
 
 def run_grid(args, methods, tasks, device):
     """Every (method, task, seed) run's record: read where it exists (with the same settings), else trained."""
-    runs = [(method, seq_len, pairs, seed) for method in methods for seq_len, pairs in tasks for seed in args.seeds]
+    runs = [(method, seq_len, pairs, lr, seed) for method in methods for seq_len, pairs in tasks for lr in args.lr
+            for seed in args.seeds]
     records = []
-    for number, (method, seq_len, pairs, seed) in enumerate(runs, start=1):
-        run_dir = run_dir_of(args.out, method, seq_len, pairs, seed)
+    for number, (method, seq_len, pairs, lr, seed) in enumerate(runs, start=1):
+        run_dir = run_dir_of(args.out, method, seq_len, pairs, lr, seed)
         record_path = run_dir / "record.json"
-        label = f"[{number}/{len(runs)}] {method.name}, seq {seq_len}, {pairs} pairs, seed {seed}"
+        label = f"[{number}/{len(runs)}] {method.name}, seq {seq_len}, {pairs} pairs, lr {lr:g}, seed {seed}"
         if record_path.exists():
             record = json.loads(record_path.read_text())
-            check_same_args(record, run_settings(args, method), RUN_SETTINGS, "--out", record_path)
+            check_same_args(record, run_settings(args, method, lr), RUN_SETTINGS, "--out", record_path)
             print(f"{label}: done before (accuracy {record['acc']:.4f}), skipped", file=sys.stderr)
         else:
             print(f"{label}: training", file=sys.stderr)
-            record = train_run(args, method, seq_len, pairs, seed, run_dir, device)
+            record = train_run(args, method, seq_len, pairs, lr, seed, run_dir, device)
+            run_dir.mkdir(parents=True, exist_ok=True)
             write_text_atomic(record_path, json.dumps(record, indent=1))
             print(f"{label}: accuracy {record['acc']:.4f} in {duration(record['seconds'])}", file=sys.stderr)
         records.append(record)
     return records
 
 
+def _mean_std(values):
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
 def summarize(records, methods):
-    """Accuracy mean and sample std over seeds per (method, seq_len, pairs), in the order of the runs."""
+    """Per (method, seq_len, pairs), in the order of the runs: every learning rate's accuracy (mean and sample std
+    over seeds) and mean final training loss, and the rate chosen by that loss, whose accuracy is the row's."""
     exact = {m.name: method_class(m.mode).exact for m in methods}
     summary = []
     for method, seq_len, pairs in dict.fromkeys((r["method"], r["seq_len"], r["num_kv_pairs"]) for r in records):
-        accs = [r["acc"] for r in records if (r["method"], r["seq_len"], r["num_kv_pairs"]) == (method, seq_len, pairs)]
+        task = [r for r in records if (r["method"], r["seq_len"], r["num_kv_pairs"]) == (method, seq_len, pairs)]
+        by_lr = {}
+        for lr in dict.fromkeys(r["lr"] for r in task):
+            runs = [r for r in task if r["lr"] == lr]
+            acc, acc_std = _mean_std([r["acc"] for r in runs])
+            by_lr[lr] = {"acc": acc, "acc_std": acc_std, "final_loss": statistics.mean(r["final_loss"] for r in runs),
+                         "seeds": len(runs)}
+        chosen = min(by_lr, key=lambda lr: by_lr[lr]["final_loss"])
         summary.append({"method": method, "exact": exact[method], "seq_len": seq_len, "num_kv_pairs": pairs,
-                        "acc": statistics.mean(accs), "acc_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
-                        "seeds": len(accs)})
+                        "lr": chosen, **by_lr[chosen], "by_lr": [{"lr": lr, **row} for lr, row in by_lr.items()]})
     return summary
 
 
 def print_table(summary):
-    print("method | seq_len | kv pairs | recall accuracy (mean ± std over seeds) | seeds")
-    print("--- | --- | --- | --- | ---")
+    print("method | seq_len | kv pairs | lr (lowest final loss) | recall accuracy (mean ± std over seeds) | seeds | "
+          "accuracy at each lr")
+    print("--- | --- | --- | --- | --- | --- | ---")
     for row in summary:
         name = row["method"] + (" (exact)" if row["exact"] else "")
-        print(f"{name} | {row['seq_len']} | {row['num_kv_pairs']} | {row['acc']:.4f} ± {row['acc_std']:.4f} | "
-              f"{row['seeds']}")
+        each = ", ".join(f"{r['lr']:g}: {r['acc']:.4f}" for r in row["by_lr"])
+        print(f"{name} | {row['seq_len']} | {row['num_kv_pairs']} | {row['lr']:g} | {row['acc']:.4f} ± "
+              f"{row['acc_std']:.4f} | {row['seeds']} | {each}")
 
 
 def plot(summary, path):
@@ -299,7 +326,9 @@ def parse_args(argv=None):
                         "(the LM's shift_tokens): the short look-back recall models pair with a linear state")
     p.add_argument("--steps", type=int, default=4000, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=64, help="sequences per step")
-    p.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate")
+    p.add_argument("--lr", type=float, nargs="+", default=[1e-3],
+                   help="peak AdamW learning rate(s); with several, each is trained and the table takes the one of "
+                        "lowest final training loss (see above)")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (Zoology's)")
     p.add_argument("--train-examples", type=int, default=100_000, help="training sequences per run (Zoology's)")
     p.add_argument("--test-examples", type=int, default=3_000, help="held-out sequences scored (Zoology's)")
@@ -322,8 +351,10 @@ def check_args(args):
                  "eval_every", "log_every"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if not args.lr > 0 or args.weight_decay < 0:
-        raise ValueError(f"--lr must be > 0 and --weight-decay >= 0, got {args.lr} and {args.weight_decay}")
+    if not all(lr > 0 for lr in args.lr) or args.weight_decay < 0:
+        raise ValueError(f"--lr must be > 0 and --weight-decay >= 0, got {' '.join(map(str, args.lr))} and "
+                         f"{args.weight_decay}")
+    args.lr = list(dict.fromkeys(args.lr))
     if args.dim % args.heads:
         raise ValueError(f"--dim ({args.dim}) must be divisible by --heads ({args.heads})")
     if args.train_examples < args.batch_size:
@@ -343,7 +374,8 @@ def main(argv=None):
         "tasks": ", ".join(f"seq {n} / {p} pairs" for n, p in tasks) + f"; seeds {' '.join(map(str, args.seeds))}",
         "model": f"vocab {args.vocab}, width {args.dim}, {args.depth} layers of {args.heads} head(s)"
                  + (", token shift" if args.shift_tokens else ""),
-        "schedule": f"{args.steps} steps of {args.batch_size} sequences, lr {args.lr}; {args.train_examples:,} "
+        "schedule": f"{args.steps} steps of {args.batch_size} sequences, lr {' '.join(f'{lr:g}' for lr in args.lr)}; "
+                    f"{args.train_examples:,} "
                     f"training / {args.test_examples:,} test sequences",
         "device": f"{device}, threads {threads}",
         "output": f"{args.out}/ (a folder per run, results.json, mqar.png)"}, stream=sys.stderr)
