@@ -16,7 +16,7 @@ columns over programs, d phi(q) and d phi(k) the feature rows. States are (G, F,
 import triton
 import triton.language as tl
 
-from .triton_jit import _load
+from .triton_maps_jit import _load
 
 
 @triton.jit

@@ -35,7 +35,7 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-MAPS = {"elu": 0, "relu": 1, "taylor": 2, "focused": 3, "hedgehog": 4}  # triton_jit's codes
+MAPS = {"elu": 0, "relu": 1, "taylor": 2, "focused": 3, "hedgehog": 4}  # triton_maps_jit's codes
 # Maps whose kernels have run on a GPU against float64 (docs/cuda.md: an H100, taylor with rotary position too); a
 # map added to MAPS runs under the interpreter only until it has, and is taken on CUDA with LINEAR_MHA_TRITON=all.
 GPU_CHECKED = ("elu", "relu", "taylor", "focused", "hedgehog")
