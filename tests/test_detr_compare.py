@@ -89,3 +89,20 @@ def test_a_run_stopped_by_a_signal_stops_the_comparison(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="130"):
         detr_compare.main(["--out", str(tmp_path), "--epochs", "1", "--pretrain-iters", "2",
                            "--num-workers", "0", "--"] + TRAIN)
+
+
+def test_a_row_whose_model_did_not_get_its_options_is_refused(tmp_path, monkeypatch):
+    """The trainer's report of what it patched must hold the variant's options: a dropped option would make the row
+    another variant under this name (softmax with rope once trained as plain softmax)."""
+    def trainer_dropping_options(argv):
+        return {"stopped_at": None, "attention": [{"target": "encoder", "options": {}, "patch_report": None}]}
+    monkeypatch.setattr(detr_compare, "train_main", trainer_dropping_options)
+    with pytest.raises(RuntimeError, match=r"'softmax:rope=True'.*did not get \{'rope': True\}"):
+        detr_compare.main(["--out", str(tmp_path), "--epochs", "1", "--pretrain-iters", "0", "--num-workers", "0",
+                           "--variants", "softmax:rope=True", "--"] + TRAIN)
+    detr_compare.check_options_reached("softmax", [{"target": "encoder", "options": {}, "patch_report": None}])
+    detr_compare.check_options_reached("kernel-dwc3:feature_map='relu'", [
+        {"target": "encoder", "options": {"feature_map": "relu", "dwc_kernel": 3}, "patch_report": object()}])
+    with pytest.raises(RuntimeError, match="dwc_kernel"):
+        detr_compare.check_options_reached("kernel-dwc3", [
+            {"target": "encoder", "options": {"feature_map": "elu"}, "patch_report": object()}])

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from linear_mha.integrations.console import HelpFormatter
-from linear_mha.integrations.detr.attention import apply_attention
+from linear_mha.integrations.detr.attention import apply_attention, parse_attention_options
 from linear_mha.integrations.detr.backbone import backbone_stride
 from linear_mha.integrations.detr.detr import build_model
 from linear_mha.integrations.detr.config import RECOMMENDED, RECOMMENDED_DWC_KERNEL, RECOMMENDED_OPTIONS, parse_args
@@ -65,6 +65,20 @@ def variant_args(name: str) -> list:
     for option in options:
         args += ["--attention-option", option]
     return args
+
+
+def check_options_reached(name: str, report) -> None:
+    """Refuse a row whose model did not get what its variant name asks for (``apply_attention``'s report): an option
+    dropped on the way would make the row another variant under this one's name (it happened: softmax's rope)."""
+    _, dwc_kernel, items = split_variant(name)
+    wanted = parse_attention_options(items, flag=f"--variants {name!r}:")
+    for entry in report:
+        asked = {**wanted, **({"dwc_kernel": dwc_kernel} if dwc_kernel and entry["target"] == "encoder" else {})}
+        lost = {key: value for key, value in asked.items() if entry["options"].get(key) != value}
+        if lost or (asked and entry["patch_report"] is None):
+            raise RuntimeError(f"--variants {name!r}: the trainer's {entry['target']} attention did not get "
+                               f"{lost or asked} (its options: {entry['options']}); the row would not be this "
+                               f"variant")
 
 
 def check_variants(parser, names) -> None:
@@ -170,8 +184,10 @@ def train_run(a, name, seed, device, weights):
         if (run_dir / "checkpoint.pth").exists():
             argv += ["--resume", str(run_dir / "checkpoint.pth")]
         measure.reset_cuda_peak(device)
-        if train_main(argv)["stopped_at"]:
+        run = train_main(argv)
+        if run["stopped_at"]:
             _stopped(f"training of {name!r} (seed {seed})")
+        check_options_reached(name, run["attention"])
     log = read_log(log_path)[:a.epochs]
     peak_file = run_dir / "peak_memory.json"  # measured once per run directory, kept across resumes
     if peak_file.exists():

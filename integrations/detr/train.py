@@ -154,7 +154,7 @@ def make_loaders(args, datasets, rank, world):
 
 def main(argv=None):
     """Runs training (or --eval); returns {'log': [...epoch entries], 'coco': last stats, 'model': model,
-    'stopped_at': (epoch, batches done) when a signal stopped it, else None}."""
+    'stopped_at': (epoch, batches done) when a signal stopped it, else None, 'attention': apply_attention's report}."""
     args = parse_args(argv)
     check_conversion_args(args)
     check_pretrained_attention(args)
@@ -253,7 +253,7 @@ def main(argv=None):
             (out_dir / "eval.json").write_text(json.dumps({**{f"test_{k}": v for k, v in test_stats.items()},
                                                            **coco}, indent=1))
             end_summary(args, coco, [], device, out_dir, None)
-        return {"log": [], "coco": coco, "model": model_without_ddp, "stopped_at": None}
+        return {"log": [], "coco": coco, "model": model_without_ddp, "stopped_at": None, "attention": attention_report}
 
     if dist_utils.is_main_process():
         truncate_log(log_path, start_epoch)
@@ -302,7 +302,8 @@ def main(argv=None):
                 break
     if dist_utils.is_main_process():
         end_summary(args, coco, entries, device, out_dir, stopped_at)
-    return {"log": entries, "coco": coco, "model": model_without_ddp, "stopped_at": stopped_at}
+    return {"log": entries, "coco": coco, "model": model_without_ddp, "stopped_at": stopped_at,
+            "attention": attention_report}
 
 
 @dataclass
