@@ -48,7 +48,8 @@ def build_lm(kind: str) -> nn.Module:
     if kind == "torch":
         return TorchCausalLM()
     if kind == "stack":
-        return build_model(argparse.Namespace(variant="softmax", dim=128, depth=2, heads=4, seq_len=SEQ_LEN))
+        return build_model(argparse.Namespace(variant="softmax", dim=128, depth=2, heads=4, seq_len=SEQ_LEN,
+                                              global_mode=None, global_option=None, shift_tokens=False))
     if kind == "hf":
         return byte_llama(SEQ_LEN)
     raise ValueError(f"--lm must be 'torch', 'stack' or 'hf', got {kind!r}")
