@@ -43,11 +43,13 @@ def path(name, chunk=None):
         triton_causal.BLOCK_T = previous_chunk
 
 
-def took_path(name, q, k, v, feature_map) -> bool:
-    """Whether the chooser sends this call where ``path(name)`` asks."""
-    chosen = backend.kernel_backend(q, k, v, feature_map, causal=True).backend
-    return {"ours": chosen == backend.TRITON, "fla": chosen == backend.FLA}.get(name, chosen not in (backend.TRITON,
-                                                                                                   backend.FLA))
+def took_path(name, q, k, v, feature_map, chunk=None):
+    """(whether the chooser sends this call where ``path(name)`` asks, the chooser's reason), asked inside it."""
+    with path(name, chunk):
+        choice = backend.kernel_backend(q, k, v, feature_map, causal=True)
+    taken = {"ours": choice.backend == backend.TRITON, "fla": choice.backend == backend.FLA}.get(
+        name, choice.backend not in (backend.TRITON, backend.FLA))
+    return taken, choice.reason
 
 
 def exactness(device, dtype, name, feature_map, shape):
@@ -58,8 +60,8 @@ def exactness(device, dtype, name, feature_map, shape):
     runs = []
     for run_dtype, run_path in ((dtype, name), (torch.float64, "pytorch")):
         leaves = [t.detach().to(run_dtype).requires_grad_() for t in (q, k, v)]
+        taken, _ = took_path(run_path, *leaves, feature_map)
         with path(run_path):
-            taken = took_path(run_path, *leaves, feature_map)
             out = LF.kernel(*leaves, feature_map, causal=True, key_padding_mask=mask)
             out.backward(grad.to(run_dtype))
         runs.append((taken, out, [t.grad for t in leaves]))
@@ -78,17 +80,19 @@ def finite_at_long_n(device, n, d):
 def timings(device, dtype, b, h, n, d, chunks, repeats, timed):
     g = torch.Generator(device=device).manual_seed(2)
     q, k, v, grad = (torch.randn(b, h, n, d, generator=g, device=device, dtype=dtype) for _ in range(4))
-    variants = {f"ours, {c}-row chunks": (lambda c: lambda *t: _through("ours", t, c))(c) for c in chunks}
-    variants["fla"] = lambda *t: _through("fla", t)
-    variants["pytorch path"] = lambda *t: _through("pytorch", t)
+    variants = {f"ours, {c}-row chunks": ("ours", c) for c in chunks}
+    variants.update({"fla": ("fla", None), "pytorch path": ("pytorch", None)})
+    runners = {label: (lambda name, c: lambda *t: _through(name, t, c))(*how) for label, how in variants.items()}
     if device.type == "cuda":
-        variants["SDPA causal"] = lambda *t: F.scaled_dot_product_attention(*t, is_causal=True)
+        runners["SDPA causal"] = lambda *t: F.scaled_dot_product_attention(*t, is_causal=True)
     rows = []
-    for variant, run in variants.items():
-        if variant == "fla" and not took_path("fla", q, k, v, "elu"):
-            with path("fla"):
-                rows.append(dict(variant=variant, error=backend.kernel_backend(q, k, v, "elu", causal=True).reason))
-            continue
+    for variant, run in runners.items():
+        if variant in variants:  # a path the chooser may not take for these tensors: the row says why
+            name, chunk = variants[variant]
+            taken, reason = took_path(name, q, k, v, "elu", chunk)
+            if not taken:
+                rows.append(dict(variant=variant, error=reason))
+                continue
         try:
             with torch.no_grad():
                 fwd = timed(lambda: run(q, k, v), repeats)
