@@ -90,11 +90,13 @@ def test_every_method_the_kernels_run_matches_float64(name, shape):
 
 
 @inside
-@pytest.mark.parametrize("d", [7, 13])
+@pytest.mark.parametrize("d", [7, 13, 16])
 @pytest.mark.parametrize("name", ROPE)
 def test_rotary_position_matches_float64(name, d):
     """Rotary position through the kernels: the last 4 floor(F / 4) features turned in the numerator only, the
-    normaliser plain; d = 13 leaves a feature or two as they are; a prefix token at no position; masked keys. Where
+    normaliser plain; d = 13 leaves a feature or two as they are and reads the partner features by a second load;
+    d = 16 turns every column of its 16-wide tiles, which swap their halves in registers instead (a swap that
+    misplaces a column fails here); a prefix token at no position; masked keys. Where
     every feature turns, taylor's constant one too (d = 7, F = 8), the kernels, which keep that feature out of their
     tiles, refuse the call by name and PyTorch ops run it."""
     g = torch.Generator().manual_seed(d)

@@ -6,7 +6,8 @@ run them on CPU tensors) is fixed when triton is first imported in the process.
 import triton
 import triton.language as tl
 
-from .triton_maps_jit import HEDGEHOG, _feature_grads, _features, _head_params, _inputs, _load, _partner
+from .triton_maps_jit import (HEDGEHOG, _feature_grads, _features, _head_params, _inputs, _load, _partner,
+                              _swap_halves)
 
 
 @triton.jit
@@ -15,7 +16,7 @@ def key_sums(k_ptr, v_ptr, mask_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, s_ptr, z_pt
              D: tl.constexpr, DV: tl.constexpr, F: tl.constexpr, M: tl.constexpr,
              R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
              BLOCK_DV: tl.constexpr, MAP: tl.constexpr, HAS_MASK: tl.constexpr, HAS_PARAM: tl.constexpr,
-             TILES: tl.constexpr, CONST: tl.constexpr, PRECISION: tl.constexpr):
+             TILES: tl.constexpr, CONST: tl.constexpr, PRECISION: tl.constexpr, SWAP: tl.constexpr):
     """Program (g, p): S_p = sum rot(phi(k_j)) v_j^T and z_p = sum phi(k_j) over the TILES * BLOCK_N keys from
     p * TILES * BLOCK_N of head g (hedgehog: a pair of each, one per softmax); CONST: the constant feature's row,
     sum v_j, and its normaliser, the number of keys kept. TILES is a constexpr trip count: a
@@ -37,7 +38,7 @@ def key_sums(k_ptr, v_ptr, mask_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, s_ptr, z_pt
         if HAS_MASK:
             keep = keep & (tl.load(mask_ptr + b * S + rows, mask=keep, other=1) == 0)
         plain, rotated, second = _features(k_base, ksn, rows, S, keep, p_ptr, w, bias, h, power, cos_ptr, sin_ptr,
-                                           dcols, fcols, D, F, M, R, MAP, HAS_PARAM, PRECISION)
+                                           dcols, fcols, D, F, M, R, SWAP, MAP, HAS_PARAM, PRECISION)
         # a padded key's value may hold anything, NaN included: 0 * NaN = NaN
         v = _inputs(v_base, vsn, rows, S, keep, c, DV)
         acc += tl.dot(tl.trans(rotated), v, input_precision=PRECISION)
@@ -69,16 +70,17 @@ def _state(s_ptr, z_ptr, g, half, rows_of_s, fcols, c, BLOCK_F: tl.constexpr, BL
 
 
 @triton.jit
-def _states(s_ptr, z_ptr, g, fcols, c, F: tl.constexpr, R: tl.constexpr, BLOCK_F: tl.constexpr,
-            BLOCK_DV: tl.constexpr, MAP: tl.constexpr):
+def _states(s_ptr, z_ptr, g, fcols, c, F: tl.constexpr, R: tl.constexpr, SWAP: tl.constexpr,
+            BLOCK_F: tl.constexpr, BLOCK_DV: tl.constexpr, MAP: tl.constexpr):
     """What a backward pass reads of head g's state (or of G): (S, z) of the first half, of hedgehog's second (the
-    first again otherwise), and S with its rows permuted to the partner features (rotary position; S otherwise)."""
+    first again otherwise), and S with its rows permuted to the partner features (rotary position without SWAP; S
+    otherwise)."""
     s, z = _state(s_ptr, z_ptr, g, 0, fcols, fcols, c, BLOCK_F, BLOCK_DV, MAP)
     s2, z2 = s, z
     if MAP == HEDGEHOG:
         s2, z2 = _state(s_ptr, z_ptr, g, 1, fcols, fcols, c, BLOCK_F, BLOCK_DV, MAP)
     s_partner = s
-    if R > 0:
+    if R > 0 and not SWAP:
         s_partner, _ = _state(s_ptr, z_ptr, g, 0, _partner(fcols, F, R), fcols, c, BLOCK_F, BLOCK_DV, MAP)
     return s, z, s2, z2, s_partner
 
@@ -89,7 +91,7 @@ def queries(q_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, s_ptr, z_ptr, c_ptr, cz_ptr, 
             D: tl.constexpr, DV: tl.constexpr, F: tl.constexpr, M: tl.constexpr,
             R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
             BLOCK_DV: tl.constexpr, MAP: tl.constexpr, HAS_PARAM: tl.constexpr, CONST: tl.constexpr,
-            PRECISION: tl.constexpr):
+            PRECISION: tl.constexpr, SWAP: tl.constexpr):
     """Program (g, i): out rows i * BLOCK_M ... of head g = rot(phi(q)) S / phi(q) z (0 where phi(q) z = 0), the
     constant feature's row and count added (CONST)."""
     g, i = tl.program_id(0), tl.program_id(1)
@@ -99,7 +101,7 @@ def queries(q_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, s_ptr, z_ptr, c_ptr, cz_ptr, 
     dcols, fcols, c = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_F), tl.arange(0, BLOCK_DV)
     w, bias = _head_params(p_ptr, b_ptr, h, dcols, fcols, D, M, MAP, HAS_PARAM)
     plain, rotated, second = _features(q_ptr + b * qsb + h * qsh, qsn, rows, L, inside, p_ptr, w, bias, h, power,
-                                       cos_ptr, sin_ptr, dcols, fcols, D, F, M, R, MAP, HAS_PARAM, PRECISION)
+                                       cos_ptr, sin_ptr, dcols, fcols, D, F, M, R, SWAP, MAP, HAS_PARAM, PRECISION)
     s, z = _state(s_ptr, z_ptr, g, 0, fcols, fcols, c, BLOCK_F, BLOCK_DV, MAP)
     num = tl.dot(rotated, s, input_precision=PRECISION)
     den = tl.sum(plain * z[None, :], axis=1)
@@ -122,7 +124,8 @@ def query_grads(q_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, s_ptr, z_ptr, o_ptr, den_
                 D: tl.constexpr, DV: tl.constexpr, F: tl.constexpr, M: tl.constexpr,
                 R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
                 BLOCK_DV: tl.constexpr, MAP: tl.constexpr, HAS_PARAM: tl.constexpr, NEED_DX: tl.constexpr,
-                NEED_DP: tl.constexpr, TILES: tl.constexpr, CONST: tl.constexpr, PRECISION: tl.constexpr):
+                NEED_DP: tl.constexpr, TILES: tl.constexpr, CONST: tl.constexpr, PRECISION: tl.constexpr,
+                SWAP: tl.constexpr):
     """Program (g, p) over the TILES * BLOCK_M queries from p * TILES * BLOCK_M: with r = [go / den, -(go . out) / den],
     the partial G_p = sum rot(phi(q))^T r_v and g_p = sum phi(q) r_z (CONST: the constant feature's, sum r_v and
     sum r_z); d q from d rot(phi(q)) = r_v S^T and
@@ -132,7 +135,7 @@ def query_grads(q_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, s_ptr, z_ptr, o_ptr, den_
     q_base = q_ptr + b * qsb + h * qsh
     dcols, fcols, c = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_F), tl.arange(0, BLOCK_DV)
     w, bias = _head_params(p_ptr, b_ptr, h, dcols, fcols, D, M, MAP, HAS_PARAM)
-    s, z, s2, z2, s_partner = _states(s_ptr, z_ptr, g, fcols, c, F, R, BLOCK_F, BLOCK_DV, MAP)
+    s, z, s2, z2, s_partner = _states(s_ptr, z_ptr, g, fcols, c, F, R, SWAP, BLOCK_F, BLOCK_DV, MAP)
     acc = tl.zeros((BLOCK_F, BLOCK_DV), dtype=tl.float32)
     acc_z = tl.zeros((BLOCK_F,), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_F, BLOCK_DV), dtype=tl.float32)
@@ -150,7 +153,7 @@ def query_grads(q_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, s_ptr, z_ptr, o_ptr, den_
         r_v = go / den[:, None]
         r_z = -tl.sum(go * out, axis=1) / den
         plain, rotated, second = _features(q_base, qsn, rows, L, inside, p_ptr, w, bias, h, power, cos_ptr, sin_ptr,
-                                           dcols, fcols, D, F, M, R, MAP, HAS_PARAM, PRECISION)
+                                           dcols, fcols, D, F, M, R, SWAP, MAP, HAS_PARAM, PRECISION)
         acc += tl.dot(tl.trans(rotated), r_v, input_precision=PRECISION)
         acc_z += tl.sum(plain * r_z[:, None], axis=0)
         if MAP == HEDGEHOG:
@@ -162,7 +165,9 @@ def query_grads(q_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, s_ptr, z_ptr, o_ptr, den_
         if NEED_DX or NEED_DP:
             d_rot = tl.dot(r_v, tl.trans(s), input_precision=PRECISION)
             d_partner = d_rot
-            if R > 0:
+            if SWAP:
+                d_partner = _swap_halves(d_rot)
+            elif R > 0:
                 d_partner = tl.dot(r_v, tl.trans(s_partner), input_precision=PRECISION)
             d_second = tl.dot(r_v, tl.trans(s2), input_precision=PRECISION) + r_z[:, None] * z2[None, :]
             d_w, d_b = _feature_grads(q_base, qsn, rows, L, inside, p_ptr, w, bias, h, power, cos_ptr, sin_ptr,
@@ -202,7 +207,7 @@ def key_grads(k_ptr, v_ptr, mask_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, gs_ptr, gz
               R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_F: tl.constexpr,
               BLOCK_DV: tl.constexpr, MAP: tl.constexpr, HAS_MASK: tl.constexpr, HAS_PARAM: tl.constexpr,
               NEED_DX: tl.constexpr, NEED_DP: tl.constexpr, TILES: tl.constexpr, CONST: tl.constexpr,
-              PRECISION: tl.constexpr):
+              PRECISION: tl.constexpr, SWAP: tl.constexpr):
     """Program (g, p) over the TILES * BLOCK_N keys from p * TILES * BLOCK_N of head g: d rot(phi(k)) = v G^T,
     d phi(k) = g^T, d v = rot(phi(k)) G (plus the constant feature's row of G, CONST); zero for masked keys; the map's parameter gradients summed (NEED_DP)."""
     g, p = tl.program_id(0), tl.program_id(1)
@@ -210,7 +215,7 @@ def key_grads(k_ptr, v_ptr, mask_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, gs_ptr, gz
     k_base, v_base = k_ptr + b * ksb + h * ksh, v_ptr + b * vsb + h * vsh
     dcols, fcols, c = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_F), tl.arange(0, BLOCK_DV)
     w, bias = _head_params(p_ptr, b_ptr, h, dcols, fcols, D, M, MAP, HAS_PARAM)
-    gs, gz, gs2, gz2, gs_partner = _states(gs_ptr, gz_ptr, g, fcols, c, F, R, BLOCK_F, BLOCK_DV, MAP)
+    gs, gz, gs2, gz2, gs_partner = _states(gs_ptr, gz_ptr, g, fcols, c, F, R, SWAP, BLOCK_F, BLOCK_DV, MAP)
     acc_dp = tl.zeros((BLOCK_D, BLOCK_F), dtype=tl.float32)
     acc_db = tl.zeros((BLOCK_F,), dtype=tl.float32)
     gc = tl.zeros((BLOCK_DV,), dtype=tl.float32)
@@ -224,7 +229,7 @@ def key_grads(k_ptr, v_ptr, mask_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, gs_ptr, gz
             keep = keep & (tl.load(mask_ptr + b * S + rows, mask=inside, other=1) == 0)
         v = _inputs(v_base, vsn, rows, S, keep, c, DV)
         plain, rotated, second = _features(k_base, ksn, rows, S, keep, p_ptr, w, bias, h, power, cos_ptr, sin_ptr,
-                                           dcols, fcols, D, F, M, R, MAP, HAS_PARAM, PRECISION)
+                                           dcols, fcols, D, F, M, R, SWAP, MAP, HAS_PARAM, PRECISION)
         dv = tl.dot(rotated, gs, input_precision=PRECISION)
         if MAP == HEDGEHOG:
             dv += tl.dot(second, gs2, input_precision=PRECISION)
@@ -234,7 +239,9 @@ def key_grads(k_ptr, v_ptr, mask_ptr, p_ptr, b_ptr, cos_ptr, sin_ptr, gs_ptr, gz
         if NEED_DX or NEED_DP:
             d_rot = tl.dot(v, tl.trans(gs), input_precision=PRECISION)
             d_partner = d_rot
-            if R > 0:
+            if SWAP:
+                d_partner = _swap_halves(d_rot)
+            elif R > 0:
                 d_partner = tl.dot(v, tl.trans(gs_partner), input_precision=PRECISION)
             d_second = tl.dot(v, tl.trans(gs2), input_precision=PRECISION) + gz2[None, :]
             d_w, d_b = _feature_grads(k_base, ksn, rows, S, keep, p_ptr, w, bias, h, power, cos_ptr, sin_ptr,

@@ -251,8 +251,10 @@ class _Setting(NamedTuple):
         return 1 if self.name == "taylor" else 0
 
     def constants(self, device: torch.device, dtype: torch.dtype) -> dict:
+        # SWAP: every column of a tile turns, so a column's partner is the one half a tile away
         return dict(D=self.d, DV=self.dv, F=self.features - self.constant, M=self.width, R=self.rotated,
-                    BLOCK_D=_block(self.d), BLOCK_F=_block(self.width), BLOCK_DV=_block(self.dv),
+                    SWAP=int(self.rotated == _block(self.width)), BLOCK_D=_block(self.d), BLOCK_F=_block(self.width),
+                    BLOCK_DV=_block(self.dv),
                     MAP=MAPS[self.name], CONST=self.constant, PRECISION=_precision(dtype, device))
 
 

@@ -6,9 +6,12 @@ reference order of ``feature_maps``, is kept out of the tiles (CONST): its state
 values and its normaliser their count, so its tiles stay d wide (d + 1 would pad them to twice that). hedgehog's 2m
 features are two tiles, softmax(z) and softmax(-z), each with a state of its own. ``triton_kernel`` turns these
 parts into the reference layout of a state (F, Dv + 1), so states and initial states mean the same on every path.
-Rotary position (``grid_rope``) turns feature c with its partner column: that partner's features come from a second
-load of the inputs with the columns permuted, and its gradient from a second product with the state's rows permuted,
-because a register tile cannot be permuted in place.
+Rotary position (``grid_rope``) turns feature c with its partner column. Where every column of the tile turns
+(SWAP: R equals the tile's power-of-two width, as at head sizes 16, 32, 64, 128), the partner of column c is
+c +- width / 2, so the partner features are the tile with its halves swapped in registers, and the partner's gradient
+the gradient tile swapped likewise: nothing is loaded or multiplied twice. Otherwise the partner's features come
+from a second load of the inputs with the columns permuted, and its gradient from a second product with the state's
+rows permuted.
 """
 import triton
 import triton.language as tl
@@ -135,6 +138,14 @@ def _rope(cos_ptr, sin_ptr, rows, n, fcols, F: tl.constexpr, R: tl.constexpr):
 
 
 @triton.jit
+def _swap_halves(t):
+    """t (rows, width) with its two column halves exchanged: column c holds t[:, (c + width / 2) % width]."""
+    rows, width = t.shape[0], t.shape[1]
+    first, second = tl.split(tl.permute(tl.reshape(t, (rows, 2, width // 2)), (0, 2, 1)))
+    return tl.reshape(tl.permute(tl.join(second, first), (0, 2, 1)), (rows, width))
+
+
+@triton.jit
 def _partner(fcols, F: tl.constexpr, R: tl.constexpr):
     """The column each feature turns with (itself for the features that stay)."""
     t = fcols - (F - R)
@@ -157,7 +168,7 @@ def _head_params(p_ptr, b_ptr, h, dcols, fcols, D: tl.constexpr, M: tl.constexpr
 
 @triton.jit
 def _features(base, stride_n, rows, n, keep, p_ptr, w, b, h, power, cos_ptr, sin_ptr, dcols, fcols,
-              D: tl.constexpr, F: tl.constexpr, M: tl.constexpr, R: tl.constexpr,
+              D: tl.constexpr, F: tl.constexpr, M: tl.constexpr, R: tl.constexpr, SWAP: tl.constexpr,
               MAP: tl.constexpr, HAS_PARAM: tl.constexpr, PRECISION: tl.constexpr):
     """The features of rows ``rows`` (zero where not ``keep``): (plain, rotated, second), where rotated is plain
     turned by rotary position (plain itself without it) and second is hedgehog's softmax(-z) tile (plain again for
@@ -172,9 +183,13 @@ def _features(base, stride_n, rows, n, keep, p_ptr, w, b, h, power, cos_ptr, sin
     rotated = plain
     if R > 0:
         cos, sin = _rope(cos_ptr, sin_ptr, rows, n, fcols, F, R)
-        partner = _partner(fcols, F, R)
-        x_partner = _inputs(base, stride_n, rows, n, keep, partner, D)
-        other = tl.where(keep[:, None], _point_features(x_partner, partner, p_ptr, h, power, D, MAP, HAS_PARAM), 0.0)
+        if SWAP:
+            other = _swap_halves(plain)
+        else:
+            partner = _partner(fcols, F, R)
+            x_partner = _inputs(base, stride_n, rows, n, keep, partner, D)
+            other = tl.where(keep[:, None], _point_features(x_partner, partner, p_ptr, h, power, D, MAP, HAS_PARAM),
+                             0.0)
         rotated = plain * cos + other * sin
     return plain, rotated, plain
 
