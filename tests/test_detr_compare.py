@@ -20,7 +20,7 @@ def test_compare_runs_every_variant_and_seed_from_one_pretrained_backbone_and_re
     records = tmp_path / "records.json"
     argv = ["--out", str(tmp_path), "--epochs", "1", "--max-iters", "1", "--num-workers", "0",
             "--pretrain-iters", "2", "--timing-iters", "1", "--seeds", "3", "4", "--variants", *VARIANTS,
-            "--records", str(records), "--"] + TRAIN
+            "--time-also", "kernel", "--records", str(records), "--"] + TRAIN
     detr_compare.main(argv)
     result = json.loads((tmp_path / "results.json").read_text())
     rows = result["training"]
@@ -42,6 +42,11 @@ def test_compare_runs_every_variant_and_seed_from_one_pretrained_backbone_and_re
                                         "sec_per_iter", "peak_mib", "machine", "AP_per_epoch"}
     assert saved["records"][0]["epochs"] == 1 and len(saved["records"][0]["AP_per_epoch"]) == 1
     assert (tmp_path / "ap_curves.png").stat().st_size > 0
+    # --time-also: timed, not trained, and the reference of every variant's ratio
+    timing = {t["variant"]: t for t in saved["timing"]}
+    assert list(timing) == [*VARIANTS, "kernel"] and not (tmp_path / "kernel").exists()
+    assert timing["kernel"]["x_kernel"] == 1.0 and timing["softmax"]["sec_per_iter"] == rows[0]["sec_per_iter"]
+    assert timing["softmax"]["x_kernel"] == pytest.approx(rows[0]["sec_per_iter"] / timing["kernel"]["sec_per_iter"])
 
     # A second call finds every run finished: it resumes instead of training again, same table.
     mtime = (tmp_path / "softmax" / "seed3" / "checkpoint.pth").stat().st_mtime
@@ -57,6 +62,13 @@ def test_compare_runs_every_variant_and_seed_from_one_pretrained_backbone_and_re
     reported = detr_compare.main(partial)
     assert [(r["variant"], r["seed"]) for r in reported["training"]] == [(v, 3) for v in VARIANTS]
     assert not (tmp_path / "softmax" / "seed5").exists()
+
+
+def test_time_also_needs_timing_iters_and_a_known_variant():
+    with pytest.raises(SystemExit):
+        detr_compare.parse(["--time-also", "kernel"])
+    with pytest.raises(SystemExit):
+        detr_compare.parse(["--timing-iters", "2", "--time-also", "kernal"])
 
 
 def test_variant_names_become_trainer_options():

@@ -19,7 +19,8 @@ Outputs: <out>/results.json (every run, and the summary), <out>/ap_curves.png (m
 +-1 std over seeds per variant), and with --records a list of {"variant", "seed", "epochs", "AP", "AP50", "AP75",
 "APs", "APm", "APl", "sec_per_iter", "peak_mib", "machine", "AP_per_epoch"} records (APl is -1 where the set has no
 large objects) with the machine, torch version and command. sec_per_iter comes from
---timing-iters iterations of each variant run alone after training (the training runs may share the machine).
+--timing-iters iterations of each variant run alone after training (the training runs may share the machine);
+--time-also adds variants that are timed but not trained, so that a cost can be held against a reference.
 Peak memory is CUDA's max_memory_allocated, or on CPU the peak extra RSS of a 2-iteration run of the variant in a
 fresh process (tools/measure.py).
 """
@@ -214,16 +215,25 @@ def _timed_iterations(a, device, extra):
 
 
 def training_table(a, device):
-    """Every variant and seed trained (resumed, or reused when finished); clean time per iteration per variant."""
+    """Every variant and seed trained (resumed, or reused when finished), and the clean time per iteration of each
+    variant trained and each of --time-also: (rows, {variant: seconds per iteration})."""
     weights = pretrained_backbone(a)
     rows = [train_run(a, name, seed, device, weights) for seed in a.seeds for name in a.variants]
     rows = [row for row in rows if row is not None]
+    timed = {}
     if a.timing_iters:
         timed = {name: _timed_iterations(a, device, variant_args(name) + weights)
-                 for name in dict.fromkeys(row["variant"] for row in rows)}
+                 for name in dict.fromkeys([*(row["variant"] for row in rows), *a.time_also])}
         for row in rows:
             row["sec_per_iter"] = timed[row["variant"]]
-    return rows
+    return rows, timed
+
+
+def timing_table(timed, reference):
+    """Seconds per iteration of every variant timed, and its ratio to the reference variant's (the first of
+    --time-also, e.g. the elu kernel a Linear-DETR's cost is held against)."""
+    return [{"variant": name, "sec_per_iter": sec, f"x_{reference}": sec / timed[reference] if reference else None}
+            for name, sec in timed.items()]
 
 
 def summarize(rows):
@@ -290,7 +300,7 @@ def plot_curves(rows, path):
     plt.close(fig)
 
 
-def write_records(a, rows, path, argv):
+def write_records(a, rows, path, argv, timing):
     machine = f"{platform.processor() or platform.machine()} ({measure.cpu_name()}), {torch.get_num_threads()} threads"
     records = [{**{key: r.get(key) for key in ("variant", "seed", "epochs", "AP", "AP50", "AP75", "APs", "APm", "APl",
                                                "sec_per_iter", "peak_mib")},
@@ -300,7 +310,7 @@ def write_records(a, rows, path, argv):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"machine": machine, "torch": torch.__version__,
                                 "device": a.device, "command": "python -m linear_mha.tools.detr_compare " + " ".join(argv),
-                                "records": records, "summary": summarize(rows)}, indent=1))
+                                "records": records, "summary": summarize(rows), "timing": timing}, indent=1))
 
 
 def parse(argv):
@@ -314,6 +324,9 @@ def parse(argv):
     p.add_argument("--seeds", type=int, nargs="+", default=[42], help="one training run per variant and seed")
     p.add_argument("--timing-iters", type=int, default=0,
                    help="after training, time this many iterations of each variant alone (clean s/iter)")
+    p.add_argument("--time-also", nargs="+", default=[], metavar="VARIANT",
+                   help="variants timed with --timing-iters but not trained, the first the reference of the timing "
+                        "table's ratios (e.g. kernel: the elu kernel a Linear-DETR's cost is held against)")
     p.add_argument("--pretrain-iters", type=int, default=0,
                    help="pretrain the (tiny/small) backbone this long first, shared by every run "
                         "(integrations/detr/pretrain.py); from scratch DETR stays at AP ~ 0 on CPU budgets")
@@ -336,7 +349,9 @@ def parse(argv):
     a.train_args = [t for t in a.train_args if t != "--"]
     if a.epochs is None:
         a.epochs = parse_args(a.train_args).epochs
-    check_variants(p, a.variants)
+    check_variants(p, a.variants + a.time_also)
+    if a.time_also and not a.timing_iters:
+        p.error("--time-also times variants: give --timing-iters N as well")
     return a
 
 
@@ -348,13 +363,17 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     result = {"device": str(device), "torch": torch.__version__}
     if not a.encoder_only:
-        rows = training_table(a, device)
+        rows, timed = training_table(a, device)
         result["training"], result["summary"] = rows, summarize(rows)
         _print(result["summary"], ["variant", "seeds", "AP", "AP_std", "AP50", "AP50_std", "AP75", "AP75_std",
                                    "APs", "APm", "AP_vs_softmax", "sec_per_iter", "peak_mib"])
+        reference = a.time_also[0] if a.time_also else None
+        result["timing"] = timing_table(timed, reference)
+        if timed:
+            _print(result["timing"], ["variant", "sec_per_iter", f"x_{reference}"])
         plot_curves(rows, out / "ap_curves.png")
         if a.records:
-            write_records(a, rows, a.records, argv)
+            write_records(a, rows, a.records, argv, result["timing"])
     if a.encoder or a.encoder_only:
         result["encoder"] = encoder_table(a, device)
         _print(result["encoder"], ["image", "tokens", "variant", "ms_median", "peak_MiB"])
