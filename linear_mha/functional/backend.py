@@ -319,8 +319,8 @@ def product_backend(phi_q: Tensor, phi_k: Tensor, v: Tensor, initial_state: Opti
     why_not_triton = triton_causal.why_not(phi_q, phi_k, v, initial_state)
     if why_not_triton is None:
         return Choice(TRITON, "the Triton causal kernels (LINEAR_MHA_TRITON_CAUSAL=1)")
-    return Choice(CHUNKED, f"the chunked product with its own backward, in blocks of reused buffers (not the Triton "
-                           f"causal kernels: {why_not_triton})")
+    return Choice(CHUNKED, lambda: "the chunked product with its own backward, in blocks of reused buffers (not the "
+                                   f"Triton causal kernels: {why_not_triton})")
 
 
 def efficient_backend(q: Tensor, k: Tensor, v: Tensor) -> Choice:
