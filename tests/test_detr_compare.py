@@ -64,6 +64,18 @@ def test_compare_runs_every_variant_and_seed_from_one_pretrained_backbone_and_re
     assert not (tmp_path / "softmax" / "seed5").exists()
 
 
+def test_ratios_are_taken_against_the_first_and_the_best_softmax_variant():
+    rows = [{"variant": name, "seed": seed, "AP": ap} for name, by_seed in (
+        ("softmax", (0.50, 0.54)), ("taylor-dwc3:rope=True", (0.64, 0.68)), ("softmax-dwc3:rope=True", (0.58, 0.62)),
+        ("kernel", (0.70, 0.74))) for seed, ap in zip((1, 2), by_seed)]
+    summary = {entry["variant"]: entry for entry in detr_compare.summarize(rows)}
+    # the best softmax-family row is the baseline, whatever its place in the list; kernel is not softmax
+    assert summary["taylor-dwc3:rope=True"]["best_softmax"] == "softmax-dwc3:rope=True"
+    assert summary["taylor-dwc3:rope=True"]["AP_vs_best_softmax"] == pytest.approx(0.66 / 0.60)
+    assert summary["taylor-dwc3:rope=True"]["AP_vs_softmax"] == pytest.approx(0.66 / 0.52)
+    assert summary["softmax-dwc3:rope=True"]["AP_vs_best_softmax"] == pytest.approx(1.0)
+
+
 def test_time_also_needs_timing_iters_and_a_known_variant():
     with pytest.raises(SystemExit):
         detr_compare.parse(["--time-also", "kernel"])
