@@ -102,13 +102,15 @@ def centred_kernel(
             sums = sums + extra_v1.sum(2, keepdim=True)
     elif grid is not None:  # A_i from rotated features, S_i from the plain ones
         s = phi_q @ phi_k.sum(2, keepdim=True).transpose(-1, -2)               # (B, H, L, 1)
-        if feature_map in POSITIVE_MAPS and backend.rope_backend(q, k, v, feature_map).backend == backend.NATIVE:
-            # The compiled rope kernel gives A_i / S_i; every s_ij > 0, so S_i > 0 wherever a key is seen
-            a = grid_rope_kernel(q, k, v, feature_map, grid, key_padding_mask=key_padding_mask) * s
-        else:
-            a = rotated_product(phi_q, phi_k, v1[..., :-1], grid)
-        num_den = torch.cat([a, s], -1)
         sums = v1.sum(2, keepdim=True)
+        if feature_map in POSITIVE_MAPS and backend.rope_backend(q, k, v, feature_map).backend == backend.NATIVE:
+            # The compiled rope kernel gives A_i / S_i (every s_ij > 0, so S_i > 0 wherever a key is seen), and
+            # both forms are that divided output moved away from the mean value in proportion to S_i:
+            #   inline    v̄ + (S/N) (A/S - v̄),    magnitude  A/S + S/(N sqrt(D)) (A/S - v̄)
+            # a handful of row-wise ops where forming A and S first would take twice as many
+            divided = grid_rope_kernel(q, k, v, feature_map, grid, key_padding_mask=key_padding_mask)
+            return _moved_from_mean(divided, s, sums, form, q.shape[-1]).to(out_dtype)
+        num_den = torch.cat([rotated_product(phi_q, phi_k, v1[..., :-1], grid), s], -1)
     else:
         num_den = phi_q @ (phi_k.transpose(-1, -2) @ v1)     # (B, H, L, Dv + 1)
         sums = v1.sum(2, keepdim=True)                       # (B, H, 1, Dv + 1)
@@ -122,3 +124,13 @@ def centred_kernel(
         a, s = a / scale, s / scale
         out = a + a / safe_normaliser(s) - s * v_mean
     return out.masked_fill(count == 0, 0.0).to(out_dtype)
+
+
+def _moved_from_mean(divided: Tensor, s: Tensor, sums: Tensor, form: str, d: int) -> Tensor:
+    """The centred output from the divided kernel's A_i / S_i (B, H, L, Dv), S_i (B, H, L, 1) and the sums
+    [sum v, N] (B, H, 1, Dv + 1) of the keys every query sees."""
+    count = sums[..., -1:]
+    v_mean = sums[..., :-1] / safe_normaliser(count)
+    weight = s / safe_normaliser(count) if form == "inline" else s / (safe_normaliser(count) * d ** 0.5)
+    # where no key is seen, divided, S_i and the sums are all 0, and so is this
+    return (v_mean if form == "inline" else divided) + weight * (divided - v_mean)
