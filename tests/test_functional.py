@@ -396,3 +396,19 @@ def test_attention_functions_take_keyword_arguments():
     torch.testing.assert_close(LF.kernel(q=q, k=k, v=v, causal=True), LF.kernel(q, k, v, causal=True))
     torch.testing.assert_close(LF.efficient_attention(q=q, k=k, v=v), LF.efficient_attention(q, k, v))
     torch.testing.assert_close(LF.kernel_state(k=k, v=v), LF.kernel_state(k, v))
+
+
+def test_the_elu_map_is_elu_plus_one_at_every_input_with_its_gradient():
+    """The CPU form relu(x) + exp(x - relu(x)) (torch's CPU elu is slow) against elu(x) + 1: values at the extremes
+    (-inf, 0, tiny, huge), the gradient everywhere finite (elu's slope 1 at 0 included), and the in-place form of
+    the fast paths."""
+    from linear_mha.functional.feature_maps import IN_PLACE_FEATURE_MAPS, elu_feature_map
+    x = torch.tensor([-float("inf"), -1e30, -3.0, -1e-8, 0.0, 1e-8, 2.0, 1e30], dtype=torch.float64)
+    want = torch.nn.functional.elu(x) + 1
+    close(elu_feature_map(x), want, 1e-15)
+    close(IN_PLACE_FEATURE_MAPS["elu"](x.clone()), want, 1e-15)
+    finite = x[1:].clone().requires_grad_()
+    got, = torch.autograd.grad(elu_feature_map(finite).sum(), finite)
+    ref = finite.detach().clone().requires_grad_()
+    expected, = torch.autograd.grad((torch.nn.functional.elu(ref) + 1).sum(), ref)
+    close(got, expected, 1e-15)
