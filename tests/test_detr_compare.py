@@ -76,6 +76,31 @@ def test_ratios_are_taken_against_the_first_and_the_best_softmax_variant():
     assert summary["softmax-dwc3:rope=True"]["AP_vs_best_softmax"] == pytest.approx(1.0)
 
 
+def test_records_of_two_budgets_merge_into_one_file_from_one_machine(tmp_path):
+    import argparse
+    path = tmp_path / "records.json"
+    merge = argparse.Namespace(records_merge=True, device="cpu")
+
+    def rows(epochs, ap):
+        return [{"variant": name, "seed": seed, "epochs": epochs, "AP": ap + seed / 100, "log": [ap]}
+                for name in ("softmax", "taylor-dwc3:rope=True") for seed in (1, 2)]
+
+    detr_compare.write_records(merge, rows(16, 0.3), path, ["--epochs", "16"], [])
+    detr_compare.write_records(merge, rows(48, 0.5), path, ["--epochs", "48"], [])
+    detr_compare.write_records(merge, rows(48, 0.6), path, ["--epochs", "48"], [])  # a rerun replaces its rows
+    saved = json.loads(path.read_text())
+    assert sorted({(r["epochs"], r["AP"]) for r in saved["records"]}) == [(16, 0.31), (16, 0.32), (48, 0.61), (48, 0.62)]
+    assert len(saved["records"]) == 8 and len(saved["commands"]) == 2
+    by_budget = {(e["epochs"], e["variant"]): e for e in saved["summary"]}
+    assert by_budget[(16, "softmax")]["AP"] == pytest.approx(0.315) and by_budget[(48, "softmax")]["AP"] == pytest.approx(0.615)
+    # without the flag the file is this call's alone; from another machine it is refused
+    detr_compare.write_records(argparse.Namespace(records_merge=False, device="cpu"), rows(48, 0.6), path, [], [])
+    assert {r["epochs"] for r in json.loads(path.read_text())["records"]} == {48}
+    path.write_text(json.dumps({**json.loads(path.read_text()), "machine": "another machine"}))
+    with pytest.raises(SystemExit, match="--records-merge"):
+        detr_compare.write_records(merge, rows(16, 0.3), path, [], [])
+
+
 def test_time_also_needs_timing_iters_and_a_known_variant():
     with pytest.raises(SystemExit):
         detr_compare.parse(["--time-also", "kernel"])

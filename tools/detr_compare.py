@@ -312,16 +312,32 @@ def plot_curves(rows, path):
 
 
 def write_records(a, rows, path, argv, timing):
+    """The records of this call's runs, with the machine, torch version and command. With --records-merge the file's
+    records of other runs (another budget, say) stay, this call's replace those of the same variant, seed and
+    epochs, and the summary is per budget; the file must come from this machine."""
     machine = f"{platform.processor() or platform.machine()} ({measure.cpu_name()}), {torch.get_num_threads()} threads"
     records = [{**{key: r.get(key) for key in ("variant", "seed", "epochs", "AP", "AP50", "AP75", "APs", "APm", "APl",
                                                "sec_per_iter", "peak_mib")},
                 "machine": machine, "AP_per_epoch": r.get("log")}
                for r in rows]
+    command = "python -m linear_mha.tools.detr_compare " + " ".join(argv)
     path = Path(path)
+    commands = [command]
+    if a.records_merge and path.exists():
+        earlier = json.loads(path.read_text())
+        if earlier.get("machine") != machine:
+            raise SystemExit(f"detr_compare: --records-merge: {path} holds records from {earlier.get('machine')!r}, "
+                             f"this is {machine!r}; a table comes from one machine (give another --records file)")
+        ours = {(r["variant"], r["seed"], r["epochs"]) for r in records}
+        records = [r for r in earlier["records"] if (r["variant"], r["seed"], r["epochs"]) not in ours] + records
+        commands = [c for c in earlier.get("commands", [earlier.get("command")]) if c and c != command] + commands
+    budgets = sorted({r["epochs"] for r in records})
+    summary = [{"epochs": epochs, **entry} for epochs in budgets
+               for entry in summarize([r for r in records if r["epochs"] == epochs])]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"machine": machine, "torch": torch.__version__,
-                                "device": a.device, "command": "python -m linear_mha.tools.detr_compare " + " ".join(argv),
-                                "records": records, "summary": summarize(rows), "timing": timing}, indent=1))
+    path.write_text(json.dumps({"machine": machine, "torch": torch.__version__, "device": a.device,
+                                "command": command, "commands": commands, "records": records, "summary": summary,
+                                "timing": timing}, indent=1))
 
 
 def parse(argv):
@@ -342,6 +358,9 @@ def parse(argv):
                    help="pretrain the (tiny/small) backbone this long first, shared by every run "
                         "(integrations/detr/pretrain.py); from scratch DETR stays at AP ~ 0 on CPU budgets")
     p.add_argument("--records", help="also write the runs as a list of records (JSON) here, with machine and command")
+    p.add_argument("--records-merge", action="store_true",
+                   help="keep the --records file's other runs (e.g. another --epochs budget, from this machine) "
+                        "and replace only this call's")
     p.add_argument("--finished-only", action="store_true",
                    help="train nothing: report the runs in --out that have finished their --epochs (the others are "
                         "named and left out)")
