@@ -93,6 +93,7 @@ def test_records_of_two_budgets_merge_into_one_file_from_one_machine(tmp_path):
     assert len(saved["records"]) == 8 and len(saved["commands"]) == 2
     by_budget = {(e["epochs"], e["variant"]): e for e in saved["summary"]}
     assert by_budget[(16, "softmax")]["AP"] == pytest.approx(0.315) and by_budget[(48, "softmax")]["AP"] == pytest.approx(0.615)
+    assert path.with_suffix(".png").stat().st_size > 0  # a panel per budget
     # without the flag the file is this call's alone; from another machine it is refused
     detr_compare.write_records(argparse.Namespace(records_merge=False, device="cpu"), rows(48, 0.6), path, [], [])
     assert {r["epochs"] for r in json.loads(path.read_text())["records"]} == {48}

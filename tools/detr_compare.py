@@ -289,32 +289,39 @@ def _print(rows, keys):
 
 
 def plot_curves(rows, path):
+    """Mean val AP per epoch of every variant (band: +-1 std over seeds), a panel per budget where the rows
+    ("log": AP per epoch) come from several --epochs."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name in dict.fromkeys(r["variant"] for r in rows):
-        logs = [r["log"] for r in rows if r["variant"] == name]
-        epochs = min(len(log) for log in logs)
-        mean = [statistics.mean(log[e] for log in logs) for e in range(epochs)]
-        std = [statistics.stdev(log[e] for log in logs) if len(logs) > 1 else 0.0 for e in range(epochs)]
-        line, = ax.plot(range(epochs), mean, marker="o", markersize=3, label=f"{name} (n={len(logs)})")
-        ax.fill_between(range(epochs), [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
-                        color=line.get_color(), alpha=0.15)
-    ax.set(xlabel="epoch", ylabel="val AP (mean, band: ±1 std over seeds)",
-           title="synthetic set: same data, budget, backbone and seeds")
-    ax.legend(fontsize=8)
+    budgets = sorted({len(r["log"]) if r.get("epochs") is None else r["epochs"] for r in rows})
+    fig, axes = plt.subplots(1, len(budgets), figsize=(7 * len(budgets), 4.5), squeeze=False)
+    colours = {name: f"C{i % 10}" for i, name in enumerate(dict.fromkeys(r["variant"] for r in rows))}  # across panels
+    for ax, budget in zip(axes[0], budgets):
+        of = [r for r in rows if (len(r["log"]) if r.get("epochs") is None else r["epochs"]) == budget]
+        for name in dict.fromkeys(r["variant"] for r in of):
+            logs = [r["log"] for r in of if r["variant"] == name]
+            epochs = min(len(log) for log in logs)
+            mean = [statistics.mean(log[e] for log in logs) for e in range(epochs)]
+            std = [statistics.stdev(log[e] for log in logs) if len(logs) > 1 else 0.0 for e in range(epochs)]
+            ax.plot(range(epochs), mean, marker="o", markersize=3, color=colours[name], label=f"{name} (n={len(logs)})")
+            ax.fill_between(range(epochs), [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+                            color=colours[name], alpha=0.15)
+        ax.set(xlabel="epoch", ylabel="val AP (mean, band: ±1 std over seeds)",
+               title=f"{budget} epochs: same data, backbone and seeds for every row")
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def write_records(a, rows, path, argv, timing):
-    """The records of this call's runs, with the machine, torch version and command. With --records-merge the file's
-    records of other runs (another budget, say) stay, this call's replace those of the same variant, seed and
-    epochs, and the summary is per budget; the file must come from this machine."""
+    """The records of this call's runs, with the machine, torch version and command, and their AP curves beside them
+    (the same name, .png). With --records-merge the file's records of other runs (another budget, say) stay, this
+    call's replace those of the same variant, seed and epochs, and the summary and the figure are per budget; the
+    file must come from this machine."""
     machine = f"{platform.processor() or platform.machine()} ({measure.cpu_name()}), {torch.get_num_threads()} threads"
     records = [{**{key: r.get(key) for key in ("variant", "seed", "epochs", "AP", "AP50", "AP75", "APs", "APm", "APl",
                                                "sec_per_iter", "peak_mib")},
@@ -338,6 +345,7 @@ def write_records(a, rows, path, argv, timing):
     path.write_text(json.dumps({"machine": machine, "torch": torch.__version__, "device": a.device,
                                 "command": command, "commands": commands, "records": records, "summary": summary,
                                 "timing": timing}, indent=1))
+    plot_curves([{**r, "log": r["AP_per_epoch"]} for r in records if r.get("AP_per_epoch")], path.with_suffix(".png"))
 
 
 def parse(argv):
