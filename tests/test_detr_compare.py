@@ -74,6 +74,10 @@ def test_ratios_are_taken_against_the_first_and_the_best_softmax_variant():
     assert summary["taylor-dwc3:rope=True"]["AP_vs_best_softmax"] == pytest.approx(0.66 / 0.60)
     assert summary["taylor-dwc3:rope=True"]["AP_vs_softmax"] == pytest.approx(0.66 / 0.52)
     assert summary["softmax-dwc3:rope=True"]["AP_vs_best_softmax"] == pytest.approx(1.0)
+    # an untrained plain softmax (AP 0) gives no ratio to it, rather than one to another row
+    untrained = detr_compare.summarize([{**r, "AP": 0.0} if r["variant"] == "softmax" else r for r in rows])
+    assert all("AP_vs_softmax" not in entry for entry in untrained)
+    assert {e["variant"]: e for e in untrained}["kernel"]["best_softmax"] == "softmax-dwc3:rope=True"
 
 
 def test_records_of_two_budgets_merge_into_one_file_from_one_machine(tmp_path):
@@ -85,7 +89,7 @@ def test_records_of_two_budgets_merge_into_one_file_from_one_machine(tmp_path):
         return [{"variant": name, "seed": seed, "epochs": epochs, "AP": ap + seed / 100, "log": [ap]}
                 for name in ("softmax", "taylor-dwc3:rope=True") for seed in (1, 2)]
 
-    detr_compare.write_records(merge, rows(16, 0.3), path, ["--epochs", "16"], [])
+    detr_compare.write_records(merge, rows(16, 0.3), path, ["--epochs", "16"], [{"variant": "kernel", "sec_per_iter": 1}])
     detr_compare.write_records(merge, rows(48, 0.5), path, ["--epochs", "48"], [])
     detr_compare.write_records(merge, rows(48, 0.6), path, ["--epochs", "48"], [])  # a rerun replaces its rows
     saved = json.loads(path.read_text())
@@ -94,12 +98,16 @@ def test_records_of_two_budgets_merge_into_one_file_from_one_machine(tmp_path):
     by_budget = {(e["epochs"], e["variant"]): e for e in saved["summary"]}
     assert by_budget[(16, "softmax")]["AP"] == pytest.approx(0.315) and by_budget[(48, "softmax")]["AP"] == pytest.approx(0.615)
     assert path.with_suffix(".png").stat().st_size > 0  # a panel per budget
+    assert saved["timing"] == [{"variant": "kernel", "sec_per_iter": 1}]  # calls that timed nothing keep it
     # without the flag the file is this call's alone; from another machine it is refused
     detr_compare.write_records(argparse.Namespace(records_merge=False, device="cpu"), rows(48, 0.6), path, [], [])
     assert {r["epochs"] for r in json.loads(path.read_text())["records"]} == {48}
-    path.write_text(json.dumps({**json.loads(path.read_text()), "machine": "another machine"}))
-    with pytest.raises(SystemExit, match="--records-merge"):
-        detr_compare.write_records(merge, rows(16, 0.3), path, [], [])
+    for key, other in (("machine", "another machine"), ("torch", "0.1"), ("device", "cuda")):
+        path.write_text(json.dumps({**json.loads(path.read_text()), key: other}))
+        with pytest.raises(SystemExit, match="--records-merge"):
+            detr_compare.write_records(merge, rows(16, 0.3), path, [], [])
+        detr_compare.write_records(argparse.Namespace(records_merge=False, device="cpu"), rows(48, 0.6), path, [], [])
+    detr_compare.plot_curves([], tmp_path / "none.png")  # nothing finished: no figure, no error
 
 
 def test_time_also_needs_timing_iters_and_a_known_variant():

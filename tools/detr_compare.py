@@ -232,7 +232,7 @@ def training_table(a, device):
 def timing_table(timed, reference):
     """Seconds per iteration of every variant timed, and its ratio to the reference variant's (the first of
     --time-also, e.g. the elu kernel a Linear-DETR's cost is held against)."""
-    return [{"variant": name, "sec_per_iter": sec, f"x_{reference}": sec / timed[reference] if reference else None}
+    return [{"variant": name, "sec_per_iter": sec, **({f"x_{reference}": sec / timed[reference]} if reference else {})}
             for name, sec in timed.items()]
 
 
@@ -250,13 +250,15 @@ def summarize(rows):
         summary.append(entry)
     # The ratios: against the first exact-softmax variant of the table (plain DETR, as listed first) and against the
     # best of them (the strongest baseline a user could build from the same options)
-    exact = [entry for entry in summary if computes_softmax(entry["variant"]) and entry["AP"] > 0]
+    exact = [entry for entry in summary if computes_softmax(entry["variant"])]
     if exact:
         best = max(exact, key=lambda entry: entry["AP"])
         for entry in summary:
-            entry["AP_vs_softmax"] = entry["AP"] / exact[0]["AP"]
-            entry["AP_vs_best_softmax"] = entry["AP"] / best["AP"]
-            entry["best_softmax"] = best["variant"]
+            if exact[0]["AP"] > 0:  # at AP 0 (an untrained model) there is no ratio, rather than one to another row
+                entry["AP_vs_softmax"] = entry["AP"] / exact[0]["AP"]
+            if best["AP"] > 0:
+                entry["AP_vs_best_softmax"] = entry["AP"] / best["AP"]
+                entry["best_softmax"] = best["variant"]
     return summary
 
 
@@ -297,6 +299,8 @@ def plot_curves(rows, path):
     import matplotlib.pyplot as plt
 
     budgets = sorted({len(r["log"]) if r.get("epochs") is None else r["epochs"] for r in rows})
+    if not budgets:  # nothing finished yet: no figure
+        return
     fig, axes = plt.subplots(1, len(budgets), figsize=(7 * len(budgets), 4.5), squeeze=False)
     colours = {name: f"C{i % 10}" for i, name in enumerate(dict.fromkeys(r["variant"] for r in rows))}  # across panels
     for ax, budget in zip(axes[0], budgets):
@@ -320,8 +324,8 @@ def plot_curves(rows, path):
 def write_records(a, rows, path, argv, timing):
     """The records of this call's runs, with the machine, torch version and command, and their AP curves beside them
     (the same name, .png). With --records-merge the file's records of other runs (another budget, say) stay, this
-    call's replace those of the same variant, seed and epochs, and the summary and the figure are per budget; the
-    file must come from this machine."""
+    call's replace those of the same variant, seed and epochs, the summary and the figure are per budget, a call
+    that timed nothing keeps the file's timing, and the file must come from this machine, torch and device."""
     machine = f"{platform.processor() or platform.machine()} ({measure.cpu_name()}), {torch.get_num_threads()} threads"
     records = [{**{key: r.get(key) for key in ("variant", "seed", "epochs", "AP", "AP50", "AP75", "APs", "APm", "APl",
                                                "sec_per_iter", "peak_mib")},
@@ -332,9 +336,12 @@ def write_records(a, rows, path, argv, timing):
     commands = [command]
     if a.records_merge and path.exists():
         earlier = json.loads(path.read_text())
-        if earlier.get("machine") != machine:
-            raise SystemExit(f"detr_compare: --records-merge: {path} holds records from {earlier.get('machine')!r}, "
-                             f"this is {machine!r}; a table comes from one machine (give another --records file)")
+        here = (machine, torch.__version__, a.device)
+        there = tuple(earlier.get(key) for key in ("machine", "torch", "device"))
+        if there != here:
+            raise SystemExit(f"detr_compare: --records-merge: {path} holds records from {there} (machine, torch, "
+                             f"device), this is {here}; a table comes from one setup (give another --records file)")
+        timing = timing or earlier.get("timing", [])  # one timing pass per file: a call that timed nothing keeps it
         ours = {(r["variant"], r["seed"], r["epochs"]) for r in records}
         records = [r for r in earlier["records"] if (r["variant"], r["seed"], r["epochs"]) not in ours] + records
         commands = [c for c in earlier.get("commands", [earlier.get("command")]) if c and c != command] + commands
@@ -408,7 +415,7 @@ def main(argv=None):
         reference = a.time_also[0] if a.time_also else None
         result["timing"] = timing_table(timed, reference)
         if timed:
-            _print(result["timing"], ["variant", "sec_per_iter", f"x_{reference}"])
+            _print(result["timing"], ["variant", "sec_per_iter"] + ([f"x_{reference}"] if reference else []))
         plot_curves(rows, out / "ap_curves.png")
         if a.records:
             write_records(a, rows, a.records, argv, result["timing"])

@@ -34,7 +34,7 @@ def _elu_feature_map_(t: Tensor) -> Tensor:
     """elu_feature_map in place (no autograd)."""
     if t.device.type == "cpu":
         positive = F.relu(t)
-        return t.clamp_(max=0.0).exp_().add_(positive)
+        return t.sub_(positive).exp_().add_(positive)  # elu_feature_map's form, its values at +-inf included
     return F.elu(t, inplace=True).add_(1.0)
 
 
