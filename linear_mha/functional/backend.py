@@ -3,8 +3,9 @@
     native             the compiled C code of ``native.py`` (float32 CPU, or half CPU inputs once copied to float32;
                        kernel attention with elu/relu/taylor/taylor2 maps, focused attention, a user's
                        elementwise map read as steps (``elementwise_program.py``) and hedgehog's maps at inference,
-                       each map computed inside the kernels' row loaders, Efficient Attention), forward and backward,
-                       and the decoding step
+                       each map computed inside the kernels' row loaders, Efficient Attention, causal linear
+                       attention with one decay per position (``native_decayed.py``)), forward and backward, and the
+                       decoding step
     native_features    any other feature map (hedgehog's learned maps, a user's map): the map made by PyTorch ops or
                        by its own compiled pass; the products and the division by the compiled code
     fla                ``fla_causal.py``: causal elu/relu kernel attention on bfloat16 CUDA tensors through
@@ -22,7 +23,7 @@
     composed           plain PyTorch ops (any map, dtype and device, torch.func, autograd through every op)
 
 ``kernel_backend`` / ``rope_backend`` / ``hedgehog_backend`` / ``product_backend`` / ``efficient_backend`` /
-``step_backend`` return a :class:`Choice` naming
+``decay_backend`` / ``step_backend`` return a :class:`Choice` naming
 the backend and the reason, so a user can ask why a call was not fast (``str(choice)``), as torch's
 ``why_not_fast_path`` does; each function is asked once per call, and the caller runs what it names.
 :func:`override` switches choices for a block of code (tests, comparisons): ``native=False`` runs PyTorch ops
@@ -329,6 +330,21 @@ def efficient_backend(q: Tensor, k: Tensor, v: Tensor) -> Choice:
     if why_not_native is None:
         return Choice(NATIVE, "float32 CPU tensors")
     return Choice(COMPOSED, f"not native because {why_not_native}")
+
+
+def decay_backend(q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor) -> Choice:
+    """The backend ``functional.gated_linear_attention`` runs for heads already in their compute dtype and a
+    (B, H, L, G) log gate."""
+    if log_gate.shape[-1] != 1:
+        return Choice(COMPOSED, "a gate per key dimension (GLA): the chunked form in PyTorch ops (the compiled code "
+                                "takes one gate per position)")
+    why_not_native = native.why_not(q, k, v)
+    if why_not_native is None and bool((log_gate > 0).any()):
+        why_not_native = "a log gate is positive (a growing state), which the compiled code does not take"
+    if why_not_native is None:
+        return Choice(NATIVE, "float32 CPU tensors and one gate per position: the compiled causal product, its "
+                              "backward three more of the same")
+    return Choice(COMPOSED, f"the chunked form in PyTorch ops, not native because {why_not_native}")
 
 
 _NATIVE_STEP = Choice(NATIVE, "contiguous float32 CPU tensors without autograd and an elu/relu map")

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import backend
+from .native_decayed import decayed_causal
 from ._recurrence import (accumulating_dtype, check_heads, decay_ratios, empty_sequence, run_steps,
                           split_into_chunks, starting_state)
 
@@ -86,6 +88,10 @@ def gated_linear_attention(q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor, *,
     if length == 0:
         return empty_sequence(q, v, initial_state, out_dtype, output_final_state)
 
+    if backend.decay_backend(q, k, v, log_gate).backend == backend.NATIVE:
+        return _scalar_gate_native(q, k, v, log_gate[..., 0].contiguous(), initial_state, out_dtype,
+                                   output_final_state)
+
     chunk = chunk_size or CHUNK
     if gate_dim != 1:  # the halving inside a chunk needs a power of two: round the size up
         chunk = 1 << (chunk - 1).bit_length()
@@ -108,6 +114,24 @@ def gated_linear_attention(q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor, *,
     from_past = (q * torch.exp(decay)) @ torch.stack(entering, dim=2)  # (B, H, n, C, d_v)
     out = (within + from_past).reshape(batch, heads, chunks * chunk, d_v)[:, :, :length].to(out_dtype)
     return (out, state) if output_final_state else out
+
+
+def _scalar_gate_native(q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor, initial_state: Optional[Tensor],
+                        out_dtype: torch.dtype, output_final_state: bool):
+    """The compiled causal product (native_decayed.py) for a (B, H, L) gate; the initial state's share of the
+    outputs and the final state, each one product over the whole sequence, in PyTorch ops beside it."""
+    out = decayed_causal(q, k, v, log_gate)
+    if initial_state is not None:  # position i sees the initial state decayed by every gate up to i
+        out = out + torch.exp(log_gate.cumsum(-1))[..., None] * (q @ initial_state.to(q.dtype))
+    out = out.to(out_dtype)
+    if not output_final_state:
+        return out
+    # Each key decayed by the gates after it: a sum from the end (an exclusive one), precise where it is short.
+    after = log_gate.flip(-1).cumsum(-1).flip(-1) - log_gate
+    state = (k * torch.exp(after)[..., None]).transpose(-1, -2) @ v  # (B, H, d_k, d_v)
+    if initial_state is not None:
+        state = state + torch.exp(log_gate.sum(-1))[..., None, None] * initial_state.to(q.dtype)
+    return out, state
 
 
 def _within_chunk_per_dimension(q: Tensor, k: Tensor, v: Tensor, decay: Tensor) -> Tensor:

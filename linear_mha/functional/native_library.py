@@ -50,6 +50,7 @@ def _declare(library: ctypes.CDLL) -> None:
     library.lm_rope_kernel_attention_f32.argtypes = [p] * 7 + [i, i, l, i, i] + [l] * 9 + [i, i, p, p, i, s]
     library.lm_rope_kernel_attention_backward_f32.argtypes = [p] * 11 + [i, i, l, i, i] + [l] * 9 + [i, i, p, p, i, s]
     library.lm_kernel_step_f32.argtypes = [p] * 6 + [i, i, i, i]
+    library.lm_decayed_causal_f32.argtypes = [p] * 5 + [i, i, l, i, i, s, i, i]
     library.lm_efficient_attention_f32.argtypes = [p] * 8 + [i, i, l, l, i, i] + [l] * 9 + [i, s]
     library.lm_efficient_attention_backward_f32.argtypes = [p] * 11 + [i, i, l, l, i, i] + [l] * 9 + [i, s]
     library.lm_focused_map_f32.argtypes = [p] * 3 + [i, i, l, i, l, l, l, f, i]
