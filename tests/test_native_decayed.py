@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from linear_mha.functional import backend, native
+from linear_mha.functional.delta_rule import delta_rule_attention, delta_rule_recurrent
 from linear_mha.functional.gated_linear import gated_linear_attention, gated_linear_recurrent
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no compiled code: {native.build_error()}")
@@ -120,3 +121,30 @@ def test_strong_decays_over_a_long_sequence_stay_finite_and_exact():
     assert torch.isfinite(out).all()
     want, _ = _reference(q[:, :1], k[:, :1], v[:, :1], log_gate[:, :1])
     torch.testing.assert_close(out[:, :1].double(), want, rtol=1e-4, atol=1e-4)  # 48 gates summed: ulps of 700
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_the_delta_rule_in_the_compiled_code_matches_the_float64_recurrence(gated):
+    """DeltaNet and Gated DeltaNet over three chunks of 64 (the last a part), an initial and the final state: the
+    systems' inverses and the pass from chunk to chunk run compiled, the outputs through the decayed product."""
+    length = 150
+    q, k, v, _ = _inputs(length, seed=7)
+    g = torch.Generator().manual_seed(8)
+    beta = torch.rand(B, H, length, generator=g)
+    log_decay = F.logsigmoid(torch.randn(B, H, length, generator=g) + 3) if gated else None
+    s0 = torch.randn(B, H, DK, DV, generator=g)
+    assert backend.delta_rule_backend(q, k, v, s0).backend == backend.NATIVE
+    given = [q, k, v, beta, log_decay, s0]
+    inputs = [None if x is None else x.clone().requires_grad_() for x in given]
+    references = [None if x is None else x.double().requires_grad_() for x in given]
+    out, state = delta_rule_attention(*inputs[:5], initial_state=inputs[5], output_final_state=True)
+    want, want_state = delta_rule_recurrent(*references[:5], initial_state=references[5])
+    torch.testing.assert_close(out.double(), want.detach(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(state.double(), want_state.detach(), rtol=1e-4, atol=1e-4)
+    weights = torch.randn(out.shape, generator=g)
+    ((out * weights).sum() + state.sum()).backward()
+    ((want * weights.double()).sum() + want_state.sum()).backward()
+    for name, got, ref in zip("q k v beta log_decay initial_state".split(), inputs, references):
+        if ref is not None:
+            torch.testing.assert_close(got.grad.double(), ref.grad, rtol=1e-4, atol=1e-5 * ref.grad.abs().max(),
+                                       msg=f"gradient of {name}")

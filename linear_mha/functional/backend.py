@@ -23,7 +23,7 @@
     composed           plain PyTorch ops (any map, dtype and device, torch.func, autograd through every op)
 
 ``kernel_backend`` / ``rope_backend`` / ``hedgehog_backend`` / ``product_backend`` / ``efficient_backend`` /
-``decay_backend`` / ``step_backend`` return a :class:`Choice` naming
+``decay_backend`` / ``delta_rule_backend`` / ``step_backend`` return a :class:`Choice` naming
 the backend and the reason, so a user can ask why a call was not fast (``str(choice)``), as torch's
 ``why_not_fast_path`` does; each function is asked once per call, and the caller runs what it names.
 :func:`override` switches choices for a block of code (tests, comparisons): ``native=False`` runs PyTorch ops
@@ -345,6 +345,17 @@ def decay_backend(q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor) -> Choice:
         return Choice(NATIVE, "float32 CPU tensors and one gate per position: the compiled causal product, its "
                               "backward three more of the same")
     return Choice(COMPOSED, f"the chunked form in PyTorch ops, not native because {why_not_native}")
+
+
+def delta_rule_backend(*tensors: Optional[Tensor]) -> Choice:
+    """The backend of the delta rule's chunk steps (``functional.delta_rule_attention``): the inverse of every
+    chunk's unit lower-triangular system and the pass from chunk to chunk."""
+    why_not_native = native.why_not(*tensors)
+    if why_not_native is None:
+        return Choice(NATIVE, "float32 CPU: the systems' inverses by forward substitution and the pass over chunks "
+                              "in the compiled code")
+    return Choice(COMPOSED, f"torch.linalg.solve_triangular and a loop of PyTorch ops over the chunks, not native "
+                            f"because {why_not_native}")
 
 
 _NATIVE_STEP = Choice(NATIVE, "contiguous float32 CPU tensors without autograd and an elu/relu map")

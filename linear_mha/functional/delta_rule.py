@@ -13,8 +13,9 @@ state bounded (I - beta k kᵀ is then a contraction for beta in [0, 1]).
                           gamma_t S_0 + sum_{j<=t} (gamma_t / gamma_j) k_j u_jᵀ with gamma the chunk's cumulative
                           decay; the pseudo-values solve the unit lower-triangular system
                           (I + A) U = diag(beta) (V - diag(gamma) K S_0),  A_tj = beta_t (gamma_t / gamma_j) k_t.k_j
-                          (j < t): the WY / UT form, one triangular solve per chunk for every chunk at once; only
-                          U = U~ - W S_0 and the state update run chunk after chunk.
+                          (j < t): the WY / UT form, (I + A)^-1 for every chunk at once; only U = U~ - W S_0 and
+                          the state update run chunk after chunk. With the pseudo-values U the state is a decaying
+                          sum of k_j u_jᵀ, so the outputs are gated_linear_attention's on (q, k, U).
 A masked position is an identity step (beta = 0, no decay).
 """
 from typing import Optional, Tuple, Union
@@ -22,8 +23,11 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from . import backend
+from .gated_linear import gated_linear_attention
+from .native_decayed import delta_states
 from ._recurrence import (accumulating_dtype, check_heads, decay_ratios, empty_sequence, run_steps,
-                          split_into_chunks, starting_state)
+                          split_into_chunks, starting_state, unit_lower_inverse)
 
 CHUNK = 64
 
@@ -94,28 +98,37 @@ def delta_rule_attention(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_deca
         return empty_sequence(q, v, initial_state, out_dtype, output_final_state)
 
     chunk = chunk_size or CHUNK
+    q_rows, k_rows, log_decay_rows = q, k, log_decay
     (q, k, v, beta, decay), chunks = split_into_chunks((q, k, v, beta[..., None], log_decay[..., None]), chunk)
     decay = decay.cumsum(-2)  # (B, H, n, C, 1): log gamma, the chunk's decay up to each position
 
     ratio = decay_ratios(decay)  # gamma_t / gamma_j (j <= t), 0 above the diagonal
     strictly = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril(-1)
-    system = (beta * (k @ k.transpose(-1, -2)) * ratio).masked_fill(~strictly, 0.0)
-    system = system + torch.eye(chunk, dtype=dtype, device=q.device)  # I + A, unit lower triangular
-    solved = torch.linalg.solve_triangular(system, torch.cat([beta * torch.exp(decay) * k, beta * v], dim=-1),
-                                           upper=False, unitriangular=True)
-    w, u_free = solved.split([d_k, d_v], dim=-1)  # U = u_free - w S_0: (B, H, n, C, d_k), (B, H, n, C, d_v)
-    scores = (q @ k.transpose(-1, -2)) * ratio  # (B, H, n, C, C), zero above the diagonal
-    q_decayed = q * torch.exp(decay)
+    inverse = unit_lower_inverse((beta * (k @ k.transpose(-1, -2)) * ratio).masked_fill(~strictly, 0.0))  # (I + A)^-1
+    w = inverse @ (beta * torch.exp(decay) * k)  # U = u_free - w S_0: (B, H, n, C, d_k), (B, H, n, C, d_v)
+    u_free = inverse @ (beta * v)
     k_to_end = k * torch.exp(decay[..., -1:, :] - decay)
     carried = torch.exp(decay[..., -1, :])[..., None]  # (B, H, n, 1, 1)
 
-    state = starting_state(q, d_v, initial_state)
-    outs = []
-    # unbound once: indexing a chunk per step would make autograd add a whole-sequence zero tensor per chunk
-    for u_free_c, w_c, q_c, scores_c, carried_c, k_c in zip(*(x.unbind(2) for x in (
-            u_free, w, q_decayed, scores, carried, k_to_end))):
-        u = u_free_c - w_c @ state  # (B, H, C, d_v)
-        outs.append(q_c @ state + scores_c @ u)
-        state = carried_c * state + k_c.transpose(-1, -2) @ u
-    out = torch.stack(outs, dim=2).reshape(batch, heads, chunks * chunk, d_v)[:, :, :length].to(out_dtype)
+    start = None if initial_state is None else starting_state(q, d_v, initial_state)
+    if backend.delta_rule_backend(u_free, w, k_to_end, start).backend == backend.NATIVE:
+        u, state = delta_states(u_free, w, k_to_end, carried[..., 0, 0], start)
+    else:
+        u, state = _states_in_turn(u_free, w, k_to_end, carried, starting_state(q, d_v, initial_state))
+    # With the pseudo-values the state is a decaying sum of k_j u_jᵀ: the outputs are gated linear attention's.
+    u = u.reshape(batch, heads, chunks * chunk, d_v)[:, :, :length]
+    out = gated_linear_attention(q_rows, k_rows, u, log_decay_rows[..., None], initial_state=initial_state,
+                                 chunk_size=chunk).to(out_dtype)
     return (out, state) if output_final_state else out
+
+
+def _states_in_turn(u_free: Tensor, w: Tensor, k_to_end: Tensor, carried: Tensor, state: Tensor):
+    """The pass from chunk to chunk in PyTorch ops: u_c = u_free_c - w_c S_c, S_{c+1} = carried_c S_c + k_cᵀ u_c.
+    Returns the pseudo-values (B, H, n, C, d_v) and the final state."""
+    pseudo_values = []
+    # unbound once: indexing a chunk per step would make autograd add a whole-sequence zero tensor per chunk
+    for u_free_c, w_c, carried_c, k_c in zip(*(x.unbind(2) for x in (u_free, w, carried, k_to_end))):
+        u = u_free_c - w_c @ state  # (B, H, C, d_v)
+        pseudo_values.append(u)
+        state = carried_c * state + k_c.transpose(-1, -2) @ u
+    return torch.stack(pseudo_values, dim=2), state

@@ -6,8 +6,9 @@ tensors, not in its two GEMMs; the C functions fuse those passes into the GEMMs 
 cover float32 CPU tensors: kernel attention with elu/relu/taylor/taylor2 maps, the focused map (its scales'
 gradient too), a user's elementwise map read as a program of steps (``elementwise_program.py``), hedgehog's learned
 maps (``hedgehog_map.HedgehogMap``, their weights' gradients too), or features made already (non-causal and causal,
-with gradients; elu/relu also the recurrent decoding step), Efficient Attention (with gradients), and the focused and
-hedgehog feature maps on their own (with gradients, through ``native_maps.py``). Everything else (other dtypes,
+with gradients; elu/relu also the recurrent decoding step), Efficient Attention (with gradients), the focused and
+hedgehog feature maps on their own (with gradients, through ``native_maps.py``), and the decaying and delta-rule
+recurrences' chunked steps (with gradients, through ``native_decayed.py``). Everything else (other dtypes,
 accelerators) stays in PyTorch, and so does everything when the compiled code is unavailable; ``backend.py`` decides
 which calls come here.
 

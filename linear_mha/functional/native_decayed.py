@@ -11,6 +11,9 @@ along the positions. The backward needs nothing else: with do the output's gradi
 
 and the gradient of the running log decay b_t = g_0 + ... + g_t is q_t . dq_t - k_t . dk_t (the pairs where t is
 the query, less those where it is the key), so that of each gate g_s is the sum of those over t >= s.
+
+The delta rule's other steps are here too: ``unit_lower_inverse``, (I + A)^-1 for many small strictly lower A, and
+``delta_states``, its pass from chunk to chunk (csrc/delta_states.c).
 """
 import torch
 from torch import Tensor
@@ -57,3 +60,63 @@ def decayed_causal(q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor) -> Tensor:
     out_i = sum_{j <= i} exp(log_gate_{j+1} + ... + log_gate_i) (q_i . k_j) v_j, differentiable in all four (the
     first gate multiplies an empty state: its gradient is 0). Callers check ``native.why_not`` first."""
     return _DecayedCausal.apply(q, k, v, log_gate)
+
+
+class _UnitLowerInverse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, lower):
+        lower = lower.contiguous()
+        inverse = output(lower, *lower.shape)
+        call("lm_unit_lower_inverse_f32", pointer(lower), pointer(inverse), lower.numel() // lower.shape[-1] ** 2,
+             lower.shape[-1], torch.get_num_threads())
+        ctx.save_for_backward(inverse)
+        return inverse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        inverse, = ctx.saved_tensors  # d(T) = -T d(A) T, and only the entries below the diagonal are read
+        return -(inverse.mT @ grad @ inverse.mT).tril(-1)
+
+
+def unit_lower_inverse(lower: Tensor) -> Tensor:
+    """(..., C, C) float32 CPU -> (I + A)^-1 with A the part of ``lower`` below its diagonal (what lies on and above
+    it is not read), by forward substitution; differentiable. Callers check ``native.why_not`` first."""
+    return _UnitLowerInverse.apply(lower)
+
+
+class _DeltaStates(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, u_free, w, k_to_end, carried, initial_state):
+        u_free, w, k_to_end, carried = (x.contiguous() for x in (u_free, w, k_to_end, carried))
+        init = None if initial_state is None else initial_state.contiguous()
+        batch, heads, chunks, chunk, d_v = u_free.shape
+        d_k = w.shape[-1]
+        u = output(u_free, *u_free.shape)
+        states = output(u_free, batch, heads, chunks + 1, d_k, d_v)
+        call("lm_delta_states_f32", pointer(u_free), pointer(w), pointer(k_to_end), pointer(carried), pointer(init),
+             pointer(u), pointer(states), batch * heads, chunks, chunk, d_k, d_v, torch.get_num_threads())
+        ctx.save_for_backward(w, k_to_end, carried, u, states)
+        ctx.has_initial_state = initial_state is not None
+        return u, states[:, :, -1]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_u, grad_final):
+        w, k_to_end, carried, u, states = ctx.saved_tensors
+        batch, heads, chunks, chunk, d_v = u.shape
+        d_k = w.shape[-1]
+        grad_u, grad_final = grad_u.contiguous(), grad_final.contiguous()
+        grads = [torch.empty_like(x) for x in (u, w, k_to_end, carried)]
+        grad_init = states.new_empty(batch, heads, d_k, d_v) if ctx.needs_input_grad[4] else None
+        call("lm_delta_states_backward_f32", pointer(w), pointer(k_to_end), pointer(carried), pointer(u),
+             pointer(states), pointer(grad_u), pointer(grad_final), *(pointer(x) for x in grads), pointer(grad_init),
+             batch * heads, chunks, chunk, d_k, d_v, torch.get_num_threads())
+        return (*grads, grad_init)
+
+
+def delta_states(u_free: Tensor, w: Tensor, k_to_end: Tensor, carried: Tensor, initial_state=None):
+    """The delta rule's pass from chunk to chunk (delta_rule.py): u_free (B, H, n, C, d_v), w and k_to_end
+    (B, H, n, C, d_k), carried (B, H, n), initial_state (B, H, d_k, d_v) or None, float32 CPU. Returns the
+    pseudo-values u_c = u_free_c - w_c S_c, (B, H, n, C, d_v), and the final state; differentiable in all five."""
+    return _DeltaStates.apply(u_free, w, k_to_end, carried, initial_state)
