@@ -46,7 +46,8 @@ def split_into_chunks(tensors: Sequence[Tensor], chunk: int) -> Tuple[Tuple[Tens
     batch, heads, length = tensors[0].shape[:3]
     chunks = -(-length // chunk)
     extra = chunks * chunk - length
-    return tuple(F.pad(x, (0, 0, 0, extra)).reshape(batch, heads, chunks, chunk, x.shape[-1])
+    # F.pad copies even when it adds nothing: a whole number of chunks is a view
+    return tuple((F.pad(x, (0, 0, 0, extra)) if extra else x).reshape(batch, heads, chunks, chunk, x.shape[-1])
                  for x in tensors), chunks
 
 
