@@ -1,15 +1,11 @@
 """What the forms of the state recurrences share (``gated_linear``, ``delta_rule``): the checks of their heads,
 the dtype they accumulate in, the state they start from, sequences cut into chunks, the decays between the positions
-of a chunk, the inverse of a chunk's unit lower-triangular system, and the position-by-position loop of their
-references."""
+of a chunk, and the position-by-position loop of their references."""
 from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-from . import backend
-from .native_decayed import unit_lower_inverse as native_unit_lower_inverse
 
 
 def check_heads(q: Tensor, k: Tensor, v: Tensor, initial_state: Optional[Tensor]) -> None:
@@ -57,17 +53,6 @@ def decay_ratios(cumulative: Tensor) -> Tensor:
     chunk = cumulative.shape[-2]
     seen = torch.ones(chunk, chunk, dtype=torch.bool, device=cumulative.device).tril()
     return torch.exp((cumulative - cumulative.transpose(-1, -2)).masked_fill(~seen, float("-inf")))
-
-
-def unit_lower_inverse(lower: Tensor) -> Tensor:
-    """(I + A)^-1 for (..., C, C) ``lower`` whose part below the diagonal is A (the rest is not read): unit lower
-    triangular, differentiable; in the compiled code where ``backend.delta_rule_backend`` says so."""
-    if backend.delta_rule_backend(lower).backend == backend.NATIVE:
-        return native_unit_lower_inverse(lower)
-    chunk = lower.shape[-1]
-    eye = torch.eye(chunk, dtype=lower.dtype, device=lower.device)
-    return torch.linalg.solve_triangular(lower.tril(-1) + eye, eye.expand(lower.shape), upper=False,
-                                         unitriangular=True)
 
 
 def run_steps(step, q: Tensor, k: Tensor, v: Tensor, per_position: Sequence[Tensor],

@@ -13,7 +13,7 @@ state bounded (I - beta k kᵀ is then a contraction for beta in [0, 1]).
                           gamma_t S_0 + sum_{j<=t} (gamma_t / gamma_j) k_j u_jᵀ with gamma the chunk's cumulative
                           decay; the pseudo-values solve the unit lower-triangular system
                           (I + A) U = diag(beta) (V - diag(gamma) K S_0),  A_tj = beta_t (gamma_t / gamma_j) k_t.k_j
-                          (j < t): the WY / UT form, (I + A)^-1 for every chunk at once; only U = U~ - W S_0 and
+                          (j < t): the WY / UT form, solved for every chunk at once; only U = U~ - W S_0 and
                           the state update run chunk after chunk. With the pseudo-values U the state is a decaying
                           sum of k_j u_jᵀ, so the outputs are gated_linear_attention's on (q, k, U).
 A masked position is an identity step (beta = 0, no decay).
@@ -25,9 +25,9 @@ from torch import Tensor
 
 from . import backend
 from .gated_linear import gated_linear_attention
-from .native_decayed import delta_states
+from .native_decayed import delta_states, unit_lower_inverse
 from ._recurrence import (accumulating_dtype, check_heads, decay_ratios, empty_sequence, run_steps,
-                          split_into_chunks, starting_state, unit_lower_inverse)
+                          split_into_chunks, starting_state)
 
 CHUNK = 64
 
@@ -104,9 +104,9 @@ def delta_rule_attention(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_deca
 
     ratio = decay_ratios(decay)  # gamma_t / gamma_j (j <= t), 0 above the diagonal
     strictly = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril(-1)
-    inverse = unit_lower_inverse((beta * (k @ k.transpose(-1, -2)) * ratio).masked_fill(~strictly, 0.0))  # (I + A)^-1
-    w = inverse @ (beta * torch.exp(decay) * k)  # U = u_free - w S_0: (B, H, n, C, d_k), (B, H, n, C, d_v)
-    u_free = inverse @ (beta * v)
+    lower = (beta * (k @ k.transpose(-1, -2)) * ratio).masked_fill(~strictly, 0.0)  # A
+    # U = u_free - w S_0: (B, H, n, C, d_k), (B, H, n, C, d_v)
+    w, u_free = _solved(lower, beta * torch.exp(decay) * k, beta * v)
     k_to_end = k * torch.exp(decay[..., -1:, :] - decay)
     carried = torch.exp(decay[..., -1, :])[..., None]  # (B, H, n, 1, 1)
 
@@ -120,6 +120,19 @@ def delta_rule_attention(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_deca
     out = gated_linear_attention(q_rows, k_rows, u, log_decay_rows[..., None], initial_state=initial_state,
                                  chunk_size=chunk).to(out_dtype)
     return (out, state) if output_final_state else out
+
+
+def _solved(lower: Tensor, keys: Tensor, values: Tensor) -> Tuple[Tensor, Tensor]:
+    """(I + A)^-1 keys and (I + A)^-1 values for every chunk's strictly lower A (..., C, C): in the compiled code
+    the inverse by forward substitution, then two GEMMs; in PyTorch ops one triangular solve for both, the fewest
+    FLOPs (what ``methods.DeltaNet.flops`` counts)."""
+    if backend.delta_rule_backend(lower, keys, values).backend == backend.NATIVE:
+        inverse = unit_lower_inverse(lower)
+        return inverse @ keys, inverse @ values
+    system = lower + torch.eye(lower.shape[-1], dtype=lower.dtype, device=lower.device)
+    solved = torch.linalg.solve_triangular(system, torch.cat([keys, values], dim=-1), upper=False,
+                                           unitriangular=True)
+    return tuple(solved.split([keys.shape[-1], values.shape[-1]], dim=-1))
 
 
 def _states_in_turn(u_free: Tensor, w: Tensor, k_to_end: Tensor, carried: Tensor, state: Tensor):

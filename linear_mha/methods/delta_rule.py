@@ -74,11 +74,12 @@ class DeltaNet(StateRecurrenceMethod):
     def flops(self, batch_heads, tokens, head_dim, causal):
         # over the tokens padded to whole chunks of C: K Kᵀ, Q Kᵀ and the scores times U (C per token, d each), the
         # unit-triangular solve for W and U (C - 1 multiply-adds per token and right-hand column, d + d_v
-        # columns) and the products with the state W S, Q S and Kᵀ U (d x d_v per token each)
+        # columns), the pass over chunks W S and Kᵀ U, and the outputs' Q S and Kᵀ U again (the outputs are the
+        # decayed product of Q, K and U, which carries its own state: d x d_v per token each)
         chunk = self.chunk_size or 64
         padded = -(-tokens // chunk) * chunk
         return batch_heads * padded * (6.0 * chunk * head_dim + 2.0 * (chunk - 1) * head_dim
-                                       + 6.0 * head_dim * head_dim)
+                                       + 8.0 * head_dim * head_dim)
 
 
 @register_method
