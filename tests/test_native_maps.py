@@ -1,5 +1,5 @@
-"""The compiled feature maps (functional/native_maps.py, csrc/focused_map.c, csrc/hedgehog_map.c) and the kernels'
-exp against float64: outputs and gradients, strided rows, thread counts, and the inputs they leave to PyTorch ops."""
+"""The compiled feature maps (functional/native_maps.py, csrc/focused_map.c, csrc/hedgehog_map.c,
+csrc/silu_unit_map.c) and the kernels' exp against float64: outputs and gradients, strided rows, thread counts, and the inputs they leave to PyTorch ops."""
 import ctypes
 
 import pytest
@@ -129,3 +129,37 @@ def test_the_compiled_hedgehog_map_matches_float64(with_bias, m, threads, spread
     assert relative_error(out, ref) < 2e-6 * rounding
     for name, a, r in zip(("x", "weight", "bias"), got, expected):
         assert relative_error(a.grad, r.grad) < 1e-5 * rounding, name
+
+
+@needs_native
+@pytest.mark.parametrize("d", [13, 64])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_compiled_silu_unit_map_matches_float64(d, threads):
+    """The delta rule's query and key map (silu, then unit norm) in its compiled pass against F.normalize(F.silu)
+    in float64: output and gradient, a module's strided rows, a vector width's tail (d = 13), large inputs whose
+    sigmoid saturates, and an all-zero row, whose norm is clamped (gradient g / eps times silu'(0))."""
+    import torch.nn.functional as F
+    from linear_mha.functional import backend
+    from linear_mha.functional.delta_rule import silu_unit
+    g = torch.Generator().manual_seed(d + threads)
+    x = (torch.randn(2, 40, 3, d, generator=g) * 3).transpose(1, 2)  # (B, H, N, d), positions H * d apart
+    x[0, 0, 0] = 0.0
+    x[1, 2, 5, :4] = torch.tensor([40.0, -40.0, 90.0, -90.0])[: min(4, d)]
+    grad = torch.randn(2, 3, 40, d, generator=g)
+    assert backend.silu_unit_backend(x).backend == backend.NATIVE
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        leaf = x.detach().requires_grad_()
+        out = silu_unit(leaf)
+        out.backward(grad)
+    finally:
+        torch.set_num_threads(previous)
+    ref_leaf = x.detach().double().requires_grad_()
+    ref = F.normalize(F.silu(ref_leaf), dim=-1)
+    ref.backward(grad.double())
+    assert relative_error(out, ref) < 1e-6
+    live = torch.ones(2, 3, 40, dtype=torch.bool)
+    live[0, 0, 0] = False  # the clamped row's gradient is ~1e12: compared on its own
+    assert relative_error(leaf.grad[live], ref_leaf.grad[live]) < 1e-5
+    torch.testing.assert_close(leaf.grad[0, 0, 0].double(), ref_leaf.grad[0, 0, 0], rtol=1e-6, atol=0)

@@ -242,6 +242,17 @@ def focused_map_backend(x: Tensor, scale: Optional[Tensor]) -> Choice:
     return Choice(COMPOSED, f"not native because {why_not_native}")
 
 
+def silu_unit_backend(x: Tensor) -> Choice:
+    """The backend of the delta rule's query and key map, silu then unit norm (``delta_rule.silu_unit``):
+    the compiled row pass (``native_maps.silu_unit_map``) for float32 CPU (B, H, N, d) rows, or PyTorch ops."""
+    if x.dim() != 4:
+        return Choice(COMPOSED, f"x has {x.dim()} dimensions; the compiled map takes (B, H, N, d) rows")
+    why_not_native = native.why_not(x)
+    if why_not_native is None:
+        return Choice(NATIVE, "float32 CPU rows: silu and the norm in one compiled pass, forward and backward")
+    return Choice(COMPOSED, f"not native because {why_not_native}")
+
+
 def hedgehog_map_backend(z: Tensor, bias: Optional[Tensor]) -> Choice:
     """The backend ``hedgehog.hedgehog_features`` runs after its projection: the compiled double softmax
     (``native_maps.hedgehog_map``) for float32 CPU values, or PyTorch ops."""
@@ -348,12 +359,12 @@ def decay_backend(q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor) -> Choice:
 
 
 def delta_rule_backend(*tensors: Optional[Tensor]) -> Choice:
-    """The backend of the delta rule's chunk steps (``functional.delta_rule_attention``): the inverse of every
-    chunk's unit lower-triangular system and the pass from chunk to chunk."""
+    """The backend of the delta rule's chunk steps (``functional.delta_rule_attention``): every chunk's unit
+    lower-triangular system and the pass from chunk to chunk."""
     why_not_native = native.why_not(*tensors)
     if why_not_native is None:
-        return Choice(NATIVE, "float32 CPU: the systems' inverses by forward substitution and the pass over chunks "
-                              "in the compiled code")
+        return Choice(NATIVE, "float32 CPU: each chunk's system (its inverse by forward substitution and the "
+                              "products with it) and the pass over chunks in the compiled code")
     return Choice(COMPOSED, f"torch.linalg.solve_triangular and a loop of PyTorch ops over the chunks, not native "
                             f"because {why_not_native}")
 

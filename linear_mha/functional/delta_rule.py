@@ -21,11 +21,13 @@ A masked position is an identity step (beta = 0, no decay).
 from typing import Optional, Tuple, Union
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from . import backend
+from . import backend, native_maps
+from ._common import unit_rows
 from .gated_linear import gated_linear_attention
-from .native_decayed import delta_states, unit_lower_inverse
+from .native_decayed import delta_states, delta_systems
 from ._recurrence import (accumulating_dtype, check_heads, decay_ratios, empty_sequence, run_steps,
                           split_into_chunks, starting_state)
 
@@ -50,6 +52,15 @@ def _masked_inputs(q, k, v, beta, log_decay, key_padding_mask):
         beta, log_decay = beta.masked_fill(pad, 0.0), log_decay.masked_fill(pad, 0.0)
         k, v = k.masked_fill(pad[..., None], 0.0), v.masked_fill(pad[..., None], 0.0)
     return k, v, beta, log_decay
+
+
+def silu_unit(x: Tensor, eps: float = 1e-12) -> Tensor:
+    """silu(x) / |silu(x)| along the last dimension (the norm clamped at eps, as F.normalize does): queries and keys
+    as DeltaNet takes them, of unit norm so that the state stays bounded. (B, H, L, d) -> (B, H, L, d); in one
+    compiled pass, forward and backward, for float32 CPU heads (``backend.silu_unit_backend``)."""
+    if backend.silu_unit_backend(x).backend == backend.NATIVE:
+        return native_maps.silu_unit_map(x, eps)
+    return unit_rows(F.silu(x), eps)
 
 
 def delta_rule_step(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Optional[Tensor] = None,
@@ -102,18 +113,18 @@ def delta_rule_attention(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_deca
     (q, k, v, beta, decay), chunks = split_into_chunks((q, k, v, beta[..., None], log_decay[..., None]), chunk)
     decay = decay.cumsum(-2)  # (B, H, n, C, 1): log gamma, the chunk's decay up to each position
 
-    ratio = decay_ratios(decay)  # gamma_t / gamma_j (j <= t), 0 above the diagonal
-    strictly = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril(-1)
-    lower = (beta * (k @ k.transpose(-1, -2)) * ratio).masked_fill(~strictly, 0.0)  # A
-    # U = u_free - w S_0: (B, H, n, C, d_k), (B, H, n, C, d_v)
-    w, u_free = _solved(lower, beta * torch.exp(decay) * k, beta * v)
     k_to_end = k * torch.exp(decay[..., -1:, :] - decay)
     carried = torch.exp(decay[..., -1, :])[..., None]  # (B, H, n, 1, 1)
-
-    start = None if initial_state is None else starting_state(q, d_v, initial_state)
-    if backend.delta_rule_backend(u_free, w, k_to_end, start).backend == backend.NATIVE:
+    # U = u_free - w S_0: u_free (B, H, n, C, d_v), w (B, H, n, C, d_k)
+    if backend.delta_rule_backend(q, k, v, initial_state).backend == backend.NATIVE:
+        w, u_free = delta_systems(k, v, beta[..., 0], decay[..., 0])
+        start = None if initial_state is None else initial_state.to(dtype)
         u, state = delta_states(u_free, w, k_to_end, carried[..., 0, 0], start)
     else:
+        ratio = decay_ratios(decay)  # gamma_t / gamma_j (j <= t), 0 above the diagonal
+        strictly = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril(-1)
+        lower = (beta * (k @ k.transpose(-1, -2)) * ratio).masked_fill(~strictly, 0.0)  # A
+        w, u_free = _solved(lower, beta * torch.exp(decay) * k, beta * v)
         u, state = _states_in_turn(u_free, w, k_to_end, carried, starting_state(q, d_v, initial_state))
     # With the pseudo-values the state is a decaying sum of k_j u_jᵀ: the outputs are gated linear attention's.
     u = u.reshape(batch, heads, chunks * chunk, d_v)[:, :, :length]
@@ -123,12 +134,8 @@ def delta_rule_attention(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_deca
 
 
 def _solved(lower: Tensor, keys: Tensor, values: Tensor) -> Tuple[Tensor, Tensor]:
-    """(I + A)^-1 keys and (I + A)^-1 values for every chunk's strictly lower A (..., C, C): in the compiled code
-    the inverse by forward substitution, then two GEMMs; in PyTorch ops one triangular solve for both, the fewest
-    FLOPs (what ``methods.DeltaNet.flops`` counts)."""
-    if backend.delta_rule_backend(lower, keys, values).backend == backend.NATIVE:
-        inverse = unit_lower_inverse(lower)
-        return inverse @ keys, inverse @ values
+    """(I + A)^-1 keys and (I + A)^-1 values for every chunk's strictly lower A (..., C, C): one triangular solve
+    for both, the fewest FLOPs (what ``methods.DeltaNet.flops`` counts)."""
     system = lower + torch.eye(lower.shape[-1], dtype=lower.dtype, device=lower.device)
     solved = torch.linalg.solve_triangular(system, torch.cat([keys, values], dim=-1), upper=False,
                                            unitriangular=True)

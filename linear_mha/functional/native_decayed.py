@@ -12,8 +12,8 @@ along the positions. The backward needs nothing else: with do the output's gradi
 and the gradient of the running log decay b_t = g_0 + ... + g_t is q_t . dq_t - k_t . dk_t (the pairs where t is
 the query, less those where it is the key), so that of each gate g_s is the sum of those over t >= s.
 
-The delta rule's other steps are here too: ``unit_lower_inverse``, (I + A)^-1 for many small strictly lower A, and
-``delta_states``, its pass from chunk to chunk (csrc/delta_states.c).
+The delta rule's other steps are here too: ``delta_systems``, each chunk's pseudo-values from its unit lower-triangular
+system (csrc/delta_systems.c), and ``delta_states``, its pass from chunk to chunk (csrc/delta_states.c).
 """
 import torch
 from torch import Tensor
@@ -62,27 +62,39 @@ def decayed_causal(q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor) -> Tensor:
     return _DecayedCausal.apply(q, k, v, log_gate)
 
 
-class _UnitLowerInverse(torch.autograd.Function):
+class _DeltaSystems(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, lower):
-        lower = lower.contiguous()
-        inverse = output(lower, *lower.shape)
-        call("lm_unit_lower_inverse_f32", pointer(lower), pointer(inverse), lower.numel() // lower.shape[-1] ** 2,
-             lower.shape[-1], torch.get_num_threads())
-        ctx.save_for_backward(inverse)
-        return inverse
+    def forward(ctx, k, v, beta, decay):
+        k, v, beta, decay = (x.contiguous() for x in (k, v, beta, decay))
+        chunk = k.shape[-2]
+        chunks = k.numel() // (chunk * k.shape[-1])
+        w, u = output(k, *k.shape), output(v, *v.shape)
+        inverse = output(k, *k.shape[:-1], chunk) if any(ctx.needs_input_grad) else None  # only the backward reads it
+        call("lm_delta_systems_f32", pointer(k), pointer(v), pointer(beta), pointer(decay), pointer(w), pointer(u),
+             pointer(inverse), chunks, chunk, k.shape[-1], v.shape[-1], torch.get_num_threads())
+        ctx.save_for_backward(k, v, beta, decay, inverse, w, u)
+        return w, u
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad):
-        inverse, = ctx.saved_tensors  # d(T) = -T d(A) T, and only the entries below the diagonal are read
-        return -(inverse.mT @ grad @ inverse.mT).tril(-1)
+    def backward(ctx, grad_w, grad_u):
+        k, v, beta, decay, inverse, w, u = ctx.saved_tensors
+        grad_w = torch.zeros_like(k) if grad_w is None else grad_w.contiguous()
+        grad_u = torch.zeros_like(v) if grad_u is None else grad_u.contiguous()
+        grads = [torch.empty_like(x) for x in (k, v, beta, decay)]
+        chunk = k.shape[-2]
+        call("lm_delta_systems_backward_f32", *(pointer(x) for x in (k, v, beta, decay, inverse, w, u, grad_w, grad_u)),
+             *(pointer(x) for x in grads), k.numel() // (chunk * k.shape[-1]), chunk, k.shape[-1], v.shape[-1],
+             torch.get_num_threads())
+        return tuple(grads)
 
 
-def unit_lower_inverse(lower: Tensor) -> Tensor:
-    """(..., C, C) float32 CPU -> (I + A)^-1 with A the part of ``lower`` below its diagonal (what lies on and above
-    it is not read), by forward substitution; differentiable. Callers check ``native.why_not`` first."""
-    return _UnitLowerInverse.apply(lower)
+def delta_systems(k: Tensor, v: Tensor, beta: Tensor, decay: Tensor):
+    """The delta rule's per-chunk systems (delta_rule.py): k (..., C, d_k), v (..., C, d_v), beta and decay
+    (..., C) float32 CPU, decay the chunk's cumulative log decay (non-increasing, <= 0). With A_tj = beta_t
+    exp(decay_t - decay_j) k_t . k_j (j < t), returns (I + A)^-1 diag(beta exp(decay)) K and (I + A)^-1 diag(beta) V,
+    differentiable in all four."""
+    return _DeltaSystems.apply(k, v, beta, decay)
 
 
 class _DeltaStates(torch.autograd.Function):

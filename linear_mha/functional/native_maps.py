@@ -1,9 +1,10 @@
-"""Row passes beside attention in the compiled CPU code: the focused and hedgehog feature maps (csrc/focused_map.c,
-csrc/hedgehog_map.c), the modules' output gate (csrc/output_gate.c) and local term (csrc/grid_conv.c). Each reads a
-row and writes its result, forward and backward, instead of a chain of PyTorch ops whose fresh N-sized outputs
-page-fault. Loaded and declared with the attention kernels by ``native_library.py``; ``backend.focused_map_backend``,
-``backend.hedgehog_map_backend``, ``backend.output_gate_backend`` and ``backend.local_term_backend`` decide which
-calls come here."""
+"""Row passes beside attention in the compiled CPU code: the focused, hedgehog and SiLU-unit feature maps
+(csrc/focused_map.c, csrc/hedgehog_map.c, csrc/silu_unit_map.c), the modules' output gate (csrc/output_gate.c) and
+local term (csrc/grid_conv.c). Each reads a row and writes its result, forward and backward, instead of a chain of
+PyTorch ops whose fresh N-sized outputs page-fault. Loaded and declared with the attention kernels by
+``native_library.py``; ``backend.focused_map_backend``, ``backend.hedgehog_map_backend``,
+``backend.silu_unit_backend``, ``backend.output_gate_backend`` and ``backend.local_term_backend`` decide which calls
+come here."""
 import math
 from typing import Optional
 
@@ -105,6 +106,39 @@ class _HedgehogMap(torch.autograd.Function):
         native.call("lm_hedgehog_map_backward_f32", z.data_ptr(), native.pointer(bias), grad_out.data_ptr(),
              grad_z.data_ptr(), native.pointer(partial), *z.shape, torch.get_num_threads())
         return grad_z, None if partial is None else partial.sum(0)
+
+
+def silu_unit_map(x: Tensor, eps: float) -> Tensor:
+    """silu(x) / max(|silu(x)|, eps) along the last dimension of x (B, H, N, d), any strides with a contiguous last
+    dimension, differentiable through the compiled backward (silu_unit_map.c), which recomputes the row. Returns a
+    contiguous (B, H, N, d) tensor. Callers check ``backend.silu_unit_backend``."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _SiluUnitMap.apply(x, eps)
+    return _silu_unit_forward(x, eps)
+
+
+def _silu_unit_forward(x, eps):
+    out = native.output(x, *x.shape)
+    native.call("lm_silu_unit_map_f32", x.data_ptr(), out.data_ptr(), *_rows(x), float(eps), torch.get_num_threads())
+    return out
+
+
+class _SiluUnitMap(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, eps):
+        ctx.save_for_backward(x)
+        ctx.eps = eps
+        return _silu_unit_forward(x, eps)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        x, = ctx.saved_tensors
+        grad_x = native.output(x, *x.shape)
+        grad_out = grad_out.contiguous()  # held in a name: a temporary's memory would be freed before the call
+        native.call("lm_silu_unit_map_backward_f32", x.data_ptr(), grad_out.data_ptr(), grad_x.data_ptr(), *_rows(x),
+                    float(ctx.eps), torch.get_num_threads())
+        return grad_x, None
 
 
 def output_gate(out: Tensor, q: Tensor, weight: Tensor, bias: Optional[Tensor], inplace: bool = False) -> Tensor:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..functional.delta_rule import delta_rule_attention, delta_rule_step
+from ..functional.delta_rule import delta_rule_attention, delta_rule_step, silu_unit
 from ..registry import register_method
 from .state_recurrence import StateRecurrenceMethod, factory_kwargs_with_dtype, pairwise_log_decay
 
@@ -32,12 +32,12 @@ class DeltaNet(StateRecurrenceMethod):
         return state
 
     def prepare(self, q, k, state):
-        return F.normalize(F.silu(q), dim=-1), F.normalize(F.silu(k), dim=-1)
+        return silu_unit(q), silu_unit(k)
 
     def gates(self, k, state):
         def read(name):  # (B, H, L): the key's projection on a per-head vector, plus a per-head bias
             weight, bias = state[f"delta_{name}_weight"].to(k.dtype), state[f"delta_{name}_bias"].to(k.dtype)
-            return (k * weight[:, None, :]).sum(-1) + bias[:, None]
+            return (k @ weight[:, :, None])[..., 0] + bias[:, None]  # a product: no (B, H, L, d) temporary
         gates = {"beta": torch.sigmoid(read("beta"))}
         if self.decays:
             gates["log_decay"] = -F.softplus(read("decay"))

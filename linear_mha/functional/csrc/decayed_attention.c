@@ -71,8 +71,7 @@ static void decayed_head(const void *ctx, int g, float *scratch) {
                 store(scores + r * ldt + x, load(scores + r * ldt + x) * ratio);
             }
         gemm_shaped(LOWER_K, rows, dvp / W, rows, scores, ldt, 1, vr, dvp, num, dvp);
-        float *dst = c->out;
-        for (int r = 0; r < rows; r++) memcpy(dst + at(c, c->s + 9, g, p0 + r), num + r * dvp, sizeof(float) * dv);
+        for (int r = 0; r < rows; r++) memcpy(c->out + at(c, c->s + 9, g, p0 + r), num + r * dvp, sizeof(float) * dv);
         if (p0 + rows < c->n) { /* the state the next chunk starts from */
             const float last = e[rows - 1];
             const vf kept = splat(exp_nonpositive_scalar(last < 0.0f ? last : 0.0f));
@@ -96,39 +95,4 @@ int lm_decayed_causal_f32(const float *q, const float *k, const float *v, const 
     memcpy(c.s, strides, sizeof(c.s));
     const long scratch = (long)ROWS * (2 * dk + ldt + 2 * dvp) + (long)dk * (ldt + dvp) + ldt + W;
     return for_each_task(b * h, threads_for(threads), scratch, decayed_head, &c, 0);
-}
-
-/* The inverse of I + A for `count` (c x c) matrices A, of which only the part below the diagonal is read: the unit
- * lower-triangular T with (I + A) T = I, by forward substitution, row i of T being e_i - sum_{j < i} A_ij T_j (the
- * delta rule's UT transform: one inverse per chunk, then two GEMMs instead of a triangular solve). a and t are
- * contiguous, t written whole (zeros above the diagonal). */
-struct matrices {
-    const float *a;
-    float *t;
-    int c;
-};
-
-static void unit_lower_inverse(const void *ctx, int m, float *scratch) {
-    (void)scratch;
-    const struct matrices *mats = ctx;
-    const int c = mats->c;
-    const float *a = mats->a + (long)m * c * c;
-    float *t = mats->t + (long)m * c * c;
-    for (int i = 0; i < c; i++) {
-        float *ti = t + (long)i * c;
-        memset(ti, 0, sizeof(float) * c);
-        ti[i] = 1.0f;
-        for (int j = 0; j < i; j++) {
-            const float factor = a[(long)i * c + j];
-            const float *tj = t + (long)j * c;
-            int x = 0;
-            for (; x + W <= j + 1; x += W) store(ti + x, load(ti + x) - splat(factor) * load(tj + x));
-            for (; x <= j; x++) ti[x] -= factor * tj[x];
-        }
-    }
-}
-
-int lm_unit_lower_inverse_f32(const float *a, float *t, long count, int c, int threads) {
-    const struct matrices mats = {a, t, c};
-    return for_each_task((int)count, threads_for(threads), 1, unit_lower_inverse, &mats, 0);
 }
