@@ -36,7 +36,7 @@ def test_the_backend_sends_scalar_gates_in_float32_to_the_compiled_code_and_says
     q, k, v, log_gate = _inputs(20)
     assert backend.decay_backend(q, k, v, log_gate).backend == backend.NATIVE
     per_dimension = backend.decay_backend(q, k, v, log_gate.expand(B, H, 20, DK))
-    assert per_dimension.backend == backend.COMPOSED and "per key dimension" in per_dimension.reason
+    assert per_dimension.backend == backend.NATIVE and "per key dimension" in per_dimension.reason
     assert backend.decay_backend(q.double(), k.double(), v.double(), log_gate).backend == backend.COMPOSED
     growing = backend.decay_backend(q, k, v, -log_gate)
     assert growing.backend == backend.COMPOSED and "positive" in growing.reason
@@ -148,3 +148,29 @@ def test_the_delta_rule_in_the_compiled_code_matches_the_float64_recurrence(gate
         if ref is not None:
             torch.testing.assert_close(got.grad.double(), ref.grad, rtol=1e-4, atol=1e-5 * ref.grad.abs().max(),
                                        msg=f"gradient of {name}")
+
+
+@pytest.mark.parametrize("length", [1, 16, 53])
+def test_a_gate_per_key_dimension_in_the_compiled_code_matches_the_float64_recurrence(length):
+    """GLA's gate per key dimension, position by position in C: outputs, final state and the gradients of all five
+    inputs against the recurrence in float64, over stretches of 16 kept states (one, a whole one, several and a
+    part), with strong and weak decays side by side, strided heads and a gate expanded over the batch."""
+    g = torch.Generator().manual_seed(length)
+    q, k, v, _ = _inputs(length, seed=length)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # positions H * d apart, as a projection lays them out
+    log_gate = F.logsigmoid(torch.randn(1, H, length, DK, generator=g) * 3 + 1).expand(B, H, length, DK)
+    s0 = torch.randn(B, H, DK, DV, generator=g)
+    assert backend.decay_backend(q, k, v, log_gate).backend == backend.NATIVE
+    given = [q, k, v, log_gate, s0]
+    inputs = [x.detach().clone().requires_grad_() for x in given]
+    references = [x.detach().double().requires_grad_() for x in given]
+    out, state = gated_linear_attention(*inputs[:4], initial_state=inputs[4], output_final_state=True)
+    want, want_state = gated_linear_recurrent(*references[:4], initial_state=references[4])
+    torch.testing.assert_close(out.double(), want.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state.double(), want_state.detach(), rtol=1e-5, atol=1e-5)
+    weights = torch.randn(out.shape, generator=g)
+    ((out * weights).sum() + (state * state).sum()).backward()
+    ((want * weights.double()).sum() + (want_state * want_state).sum()).backward()
+    for name, got, ref in zip("q k v log_gate initial_state".split(), inputs, references):
+        torch.testing.assert_close(got.grad.double(), ref.grad, rtol=1e-4, atol=1e-5 * ref.grad.abs().max(),
+                                   msg=f"gradient of {name}")

@@ -163,3 +163,37 @@ def test_the_compiled_silu_unit_map_matches_float64(d, threads):
     live[0, 0, 0] = False  # the clamped row's gradient is ~1e12: compared on its own
     assert relative_error(leaf.grad[live], ref_leaf.grad[live]) < 1e-5
     torch.testing.assert_close(leaf.grad[0, 0, 0].double(), ref_leaf.grad[0, 0, 0], rtol=1e-6, atol=0)
+
+
+@needs_native
+@pytest.mark.parametrize("d", [13, 64])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_compiled_log_gate_map_matches_float64(d, threads):
+    """GLA's log gates, logsigmoid(z + b) / T, in their compiled pass against PyTorch ops in float64: output and the
+    gradients of z and of the bias per head and channel (summed over the tasks' partial sums), a module's strided
+    rows, a vector width's tail, and logits far on both sides, where log(1 + e) must keep e's precision."""
+    import torch.nn.functional as F
+    from linear_mha.functional import backend
+    from linear_mha.functional.gated_linear import log_sigmoid_gate
+    g = torch.Generator().manual_seed(d + 10 * threads)
+    z = (torch.randn(2, 40, 3, d, generator=g) * 4).transpose(1, 2)  # (B, H, N, d), positions H * d apart
+    z[1, 2, 5, :4] = torch.tensor([30.0, -30.0, 60.0, -90.0])[: min(4, d)]
+    bias = torch.randn(3, d, generator=g)
+    bias[2, :4] = 0.0
+    grad = torch.randn(2, 3, 40, d, generator=g)
+    assert backend.log_gate_backend(z, bias).backend == backend.NATIVE
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        leaves = [t.detach().requires_grad_() for t in (z, bias)]
+        out = log_sigmoid_gate(*leaves, temperature=16.0)
+        out.backward(grad)
+    finally:
+        torch.set_num_threads(previous)
+    refs = [t.detach().double().requires_grad_() for t in (z, bias)]
+    want = F.logsigmoid(refs[0] + refs[1][:, None, :]) / 16.0
+    want.backward(grad.double())
+    assert out.shape == want.shape
+    torch.testing.assert_close(out.double(), want, rtol=2e-6, atol=0)  # relative even at z = 60, e ~ 1e-26
+    for name, got, ref in zip(("z", "bias"), leaves, refs):
+        assert relative_error(got.grad, ref.grad) < 1e-5, name

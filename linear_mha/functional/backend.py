@@ -253,6 +253,19 @@ def silu_unit_backend(x: Tensor) -> Choice:
     return Choice(COMPOSED, f"not native because {why_not_native}")
 
 
+def log_gate_backend(z: Tensor, bias: Optional[Tensor]) -> Choice:
+    """The backend of GLA's log gates from the keys' projection (``gated_linear.log_sigmoid_gate``): the compiled row
+    pass (``native_maps.log_gate_map``) for float32 CPU (B, H, N, d) rows and a bias per head and channel, or
+    PyTorch ops."""
+    if z.dim() != 4 or (bias is not None and tuple(bias.shape) != (z.shape[1], z.shape[3])):
+        return Choice(COMPOSED, f"z {tuple(z.shape)} and bias {None if bias is None else tuple(bias.shape)} are not "
+                                f"(B, H, N, d) rows and one bias per head and channel")
+    why_not_native = native.why_not(z, bias)
+    if why_not_native is None:
+        return Choice(NATIVE, "float32 CPU rows: the bias, logsigmoid and temperature in one compiled pass")
+    return Choice(COMPOSED, f"not native because {why_not_native}")
+
+
 def hedgehog_map_backend(z: Tensor, bias: Optional[Tensor]) -> Choice:
     """The backend ``hedgehog.hedgehog_features`` runs after its projection: the compiled double softmax
     (``native_maps.hedgehog_map``) for float32 CPU values, or PyTorch ops."""
@@ -346,16 +359,16 @@ def efficient_backend(q: Tensor, k: Tensor, v: Tensor) -> Choice:
 def decay_backend(q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor) -> Choice:
     """The backend ``functional.gated_linear_attention`` runs for heads already in their compute dtype and a
     (B, H, L, G) log gate."""
-    if log_gate.shape[-1] != 1:
-        return Choice(COMPOSED, "a gate per key dimension (GLA): the chunked form in PyTorch ops (the compiled code "
-                                "takes one gate per position)")
     why_not_native = native.why_not(q, k, v)
-    if why_not_native is None and bool((log_gate > 0).any()):
+    if why_not_native is None and log_gate.numel() and bool(log_gate.amax() > 0):  # one reduction, no bool copy
         why_not_native = "a log gate is positive (a growing state), which the compiled code does not take"
-    if why_not_native is None:
-        return Choice(NATIVE, "float32 CPU tensors and one gate per position: the compiled causal product, its "
-                              "backward three more of the same")
-    return Choice(COMPOSED, f"the chunked form in PyTorch ops, not native because {why_not_native}")
+    if why_not_native is not None:
+        return Choice(COMPOSED, f"the chunked form in PyTorch ops, not native because {why_not_native}")
+    if log_gate.shape[-1] != 1:
+        return Choice(NATIVE, "float32 CPU tensors and a gate per key dimension (GLA): the recurrence position by "
+                              "position in the compiled code, its state in cache")
+    return Choice(NATIVE, "float32 CPU tensors and one gate per position: the compiled causal product, its "
+                          "backward three more of the same")
 
 
 def delta_rule_backend(*tensors: Optional[Tensor]) -> Choice:

@@ -13,7 +13,9 @@ Three forms, one definition:
                             dimension: the chunk is halved again and again; at each level the queries of a second
                             half and the keys of its first half are each scaled to the position between them,
                             q_i exp(b_i - b_r) and k_j exp(b_r - b_j) (both <= 1), and meet in one matmul. That
-                            costs the causal half of a dense (C, C) product instead of C x C x d_k decays
+                            costs the causal half of a dense (C, C) product instead of C x C x d_k decays.
+                            (For float32 CPU tensors both gates run in compiled code: one per position chunked as
+                            here, one per key dimension position by position, see ``backend.decay_backend``.)
 A masked position is an identity step: it neither writes to the state nor decays it.
 """
 from typing import Optional, Tuple, Union
@@ -22,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import backend
-from .native_decayed import decayed_causal
+from . import backend, native_maps
+from .native_decayed import decayed_causal, gated_recurrence
 from ._recurrence import (accumulating_dtype, check_heads, decay_ratios, empty_sequence, run_steps,
                           split_into_chunks, starting_state)
 
@@ -43,6 +45,14 @@ def _check(q, k, v, log_gate, initial_state):
     if log_gate.dim() != 4 or log_gate.shape[-1] not in (1, q.shape[-1]):
         raise ValueError(f"log_gate must be (B, H, L, d_k) (a gate per key dimension) or (B, H, L, 1) (one per "
                          f"position), broadcastable; got {tuple(log_gate.shape)} for q {tuple(q.shape)}")
+
+
+def log_sigmoid_gate(z: Tensor, bias: Optional[Tensor] = None, temperature: float = 1.0) -> Tensor:
+    """GLA's log gates, logsigmoid(z + bias) / temperature, all <= 0: z (B, H, L, d) the keys' projection, bias
+    (H, d) or None. In one compiled pass for float32 CPU heads (``backend.log_gate_backend``)."""
+    if backend.log_gate_backend(z, bias).backend == backend.NATIVE:
+        return native_maps.log_gate_map(z, None if bias is None else bias.contiguous(), temperature)
+    return F.logsigmoid(z if bias is None else z + bias[:, None, :]) / temperature
 
 
 def gated_linear_step(q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor,
@@ -89,8 +99,11 @@ def gated_linear_attention(q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor, *,
         return empty_sequence(q, v, initial_state, out_dtype, output_final_state)
 
     if backend.decay_backend(q, k, v, log_gate).backend == backend.NATIVE:
-        return _scalar_gate_native(q, k, v, log_gate[..., 0].contiguous(), initial_state, out_dtype,
-                                   output_final_state)
+        if gate_dim == 1:
+            return _scalar_gate_native(q, k, v, log_gate[..., 0].contiguous(), initial_state, out_dtype,
+                                       output_final_state)
+        out, state = gated_recurrence(q, k, v, log_gate, initial_state)
+        return (out.to(out_dtype), state) if output_final_state else out.to(out_dtype)
 
     chunk = chunk_size or CHUNK
     if gate_dim != 1:  # the halving inside a chunk needs a power of two: round the size up

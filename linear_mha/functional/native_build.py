@@ -27,7 +27,8 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("kernel_attention.c", "kernel_attention_backward.c", "efficient_attention.c", "focused_map.c",
            "hedgehog_map.c", "output_gate.c", "grid_conv.c", "grid_conv_backward.c", "prefault.c",
            "output_cache.c", "decayed_attention.c",
-           "delta_systems.c", "delta_states.c", "silu_unit_map.c")
+           "delta_systems.c", "delta_states.c",
+           "gated_recurrence.c", "silu_unit_map.c", "log_gate_map.c")
 FLAG_SETS = tuple(["-O3", "-Wno-psabi", *arch, *omp] for arch in (["-march=native"], []) for omp in (["-fopenmp"], []))
 
 

@@ -12,14 +12,18 @@ along the positions. The backward needs nothing else: with do the output's gradi
 and the gradient of the running log decay b_t = g_0 + ... + g_t is q_t . dq_t - k_t . dk_t (the pairs where t is
 the query, less those where it is the key), so that of each gate g_s is the sum of those over t >= s.
 
-The delta rule's other steps are here too: ``delta_systems``, each chunk's pseudo-values from its unit lower-triangular
-system (csrc/delta_systems.c), and ``delta_states``, its pass from chunk to chunk (csrc/delta_states.c).
+A gate per key dimension (GLA) runs position by position instead: ``gated_recurrence`` (csrc/gated_recurrence.c).
+The delta rule's other steps are here too: ``delta_systems``, each chunk's pseudo-values from its unit
+lower-triangular system (csrc/delta_systems.c), and ``delta_states``, its pass from chunk to chunk
+(csrc/delta_states.c).
 """
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .native_library import call, output, pointer, row_strides, rows_readable
+
+GATED_STRETCH = 16  # csrc/gated_recurrence.c's STRETCH: positions between the states the forward keeps
 
 
 def _product(q: Tensor, k: Tensor, v: Tensor, gate: Tensor, reverse: bool) -> Tensor:
@@ -60,6 +64,47 @@ def decayed_causal(q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor) -> Tensor:
     out_i = sum_{j <= i} exp(log_gate_{j+1} + ... + log_gate_i) (q_i . k_j) v_j, differentiable in all four (the
     first gate multiplies an empty state: its gradient is 0). Callers check ``native.why_not`` first."""
     return _DecayedCausal.apply(q, k, v, log_gate)
+
+
+class _GatedRecurrence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, log_gate, initial_state):
+        q, k, v, log_gate = (rows_readable(x) for x in (q, k, v, log_gate))
+        init = None if initial_state is None else initial_state.contiguous()
+        batch, heads, length, d_k = q.shape
+        d_v = v.shape[-1]
+        out, final = output(v, batch, heads, length, d_v), output(v, batch, heads, d_k, d_v)
+        kept = None
+        if any(ctx.needs_input_grad):  # the state entering every stretch, for the backward to start from
+            kept = output(v, batch * heads, -(-length // GATED_STRETCH), d_k, d_v)
+        call("lm_gated_recurrence_f32", *(pointer(x) for x in (q, k, v, log_gate, init, out, final, kept)), batch,
+             heads, length, d_k, d_v, row_strides(q, k, v, log_gate, out), torch.get_num_threads())
+        ctx.save_for_backward(q, k, v, log_gate, kept)
+        ctx.has_initial_state = initial_state is not None
+        return out, final
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, grad_final):
+        q, k, v, log_gate, kept = ctx.saved_tensors
+        batch, heads, length, d_k = q.shape
+        grad_out = torch.zeros_like(v) if grad_out is None else grad_out.contiguous()
+        grad_final = None if grad_final is None else grad_final.contiguous()
+        grads = [output(x, batch, heads, length, x.shape[-1]) for x in (q, k, v, q)]
+        grad_init = output(q, batch, heads, d_k, v.shape[-1]) if ctx.needs_input_grad[4] else None
+        call("lm_gated_recurrence_backward_f32", *(pointer(x) for x in (q, k, v, log_gate, kept, grad_out, grad_final)),
+             *(pointer(x) for x in grads), pointer(grad_init), batch, heads, length, d_k, v.shape[-1],
+             row_strides(q, k, v, log_gate, None), torch.get_num_threads())
+        grad_q, grad_k, grad_v, grad_gate = grads
+        return grad_q, grad_k, grad_v, grad_gate, grad_init
+
+
+def gated_recurrence(q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor, initial_state=None):
+    """Gated linear attention with a gate per key dimension, position by position (csrc/gated_recurrence.c): q, k,
+    log_gate (B, H, L, d_k) (the gate may be expanded, e.g. over positions), v (B, H, L, d_v), float32 CPU, log gates
+    <= 0; initial_state (B, H, d_k, d_v) or None. Returns (out (B, H, L, d_v), the final state), differentiable in
+    all five. Callers check ``backend.decay_backend``."""
+    return _GatedRecurrence.apply(q, k, v, log_gate, initial_state)
 
 
 class _DeltaSystems(torch.autograd.Function):

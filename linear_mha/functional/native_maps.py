@@ -1,10 +1,9 @@
 """Row passes beside attention in the compiled CPU code: the focused, hedgehog and SiLU-unit feature maps
-(csrc/focused_map.c, csrc/hedgehog_map.c, csrc/silu_unit_map.c), the modules' output gate (csrc/output_gate.c) and
-local term (csrc/grid_conv.c). Each reads a row and writes its result, forward and backward, instead of a chain of
-PyTorch ops whose fresh N-sized outputs page-fault. Loaded and declared with the attention kernels by
-``native_library.py``; ``backend.focused_map_backend``, ``backend.hedgehog_map_backend``,
-``backend.silu_unit_backend``, ``backend.output_gate_backend`` and ``backend.local_term_backend`` decide which calls
-come here."""
+(csrc/focused_map.c, csrc/hedgehog_map.c, csrc/silu_unit_map.c), GLA's log gates (csrc/log_gate_map.c), the
+modules' output gate (csrc/output_gate.c) and local term (csrc/grid_conv.c). Each reads a row and writes its result,
+forward and backward, instead of a chain of PyTorch ops whose fresh N-sized outputs page-fault. Loaded and declared
+with the attention kernels by ``native_library.py``; the ``backend`` functions named after each (``focused_map``,
+``hedgehog_map``, ``silu_unit``, ``log_gate``, ``output_gate``, ``local_term``) decide which calls come here."""
 import math
 from typing import Optional
 
@@ -139,6 +138,43 @@ class _SiluUnitMap(torch.autograd.Function):
         native.call("lm_silu_unit_map_backward_f32", x.data_ptr(), grad_out.data_ptr(), grad_x.data_ptr(), *_rows(x),
                     float(ctx.eps), torch.get_num_threads())
         return grad_x, None
+
+
+def log_gate_map(z: Tensor, bias: Optional[Tensor], temperature: float) -> Tensor:
+    """logsigmoid(z + bias) / temperature of z (B, H, N, d), any strides with a contiguous last dimension; bias
+    (H, d) contiguous or None. Differentiable in z and bias through the compiled backward (log_gate_map.c). Returns
+    a contiguous (B, H, N, d) tensor. Callers check ``backend.log_gate_backend``."""
+    if torch.is_grad_enabled() and (z.requires_grad or (bias is not None and bias.requires_grad)):
+        return _LogGateMap.apply(z, bias, temperature)
+    return _log_gate_forward(z, bias, temperature)
+
+
+def _log_gate_forward(z, bias, temperature):
+    out = native.output(z, *z.shape)
+    native.call("lm_log_gate_map_f32", z.data_ptr(), native.pointer(bias), out.data_ptr(), *_rows(z),
+                float(temperature), torch.get_num_threads())
+    return out
+
+
+class _LogGateMap(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z, bias, temperature):
+        ctx.save_for_backward(z, bias)
+        ctx.temperature = temperature
+        return _log_gate_forward(z, bias, temperature)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        z, bias = ctx.saved_tensors
+        grad_z = native.output(z, *z.shape)
+        partial = _partial_sums("lm_log_gate_map_tasks", z, () if bias is None else bias.shape,
+                                bias is not None and ctx.needs_input_grad[1])
+        grad_out = grad_out.contiguous()  # held in a name: a temporary's memory would be freed before the call
+        native.call("lm_log_gate_map_backward_f32", z.data_ptr(), native.pointer(bias), grad_out.data_ptr(),
+                    grad_z.data_ptr(), native.pointer(partial), *_rows(z), float(ctx.temperature),
+                    torch.get_num_threads())
+        return grad_z, None if partial is None else partial.sum(0), None
 
 
 def output_gate(out: Tensor, q: Tensor, weight: Tensor, bias: Optional[Tensor], inplace: bool = False) -> Tensor:

@@ -5,10 +5,9 @@ a_t = sigmoid(k_t W + b)^(1/16) (``functional.gated_linear``)."""
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from ..functional.gated_linear import gated_linear_attention, gated_linear_step
+from ..functional.gated_linear import gated_linear_attention, gated_linear_step, log_sigmoid_gate
 from ..registry import Option, positive_float, register_method
 from .state_recurrence import CHUNK_OPTION, StateRecurrenceMethod, factory_kwargs_with_dtype, pairwise_log_decay
 
@@ -86,5 +85,5 @@ class GatedLinearAttention(GatedStateMethod):
         return 2.0 * tokens * head_dim * head_dim  # k W per head
 
     def gates(self, k, state):
-        logits = k @ state["gla_gate_weight"].to(k.dtype) + state["gla_gate_bias"].to(k.dtype)[:, None, :]
-        return {"log_gate": F.logsigmoid(logits) / self.gate_temperature}  # (B, H, L, d)
+        logits = k @ state["gla_gate_weight"].to(k.dtype)
+        return {"log_gate": log_sigmoid_gate(logits, state["gla_gate_bias"].to(k.dtype), self.gate_temperature)}
