@@ -7,15 +7,16 @@
  * Position by position the state stays in L1, a step is 2 dk dv multiply-adds (as many as the chunked form counts)
  * and dk exps, and nothing is ever divided by a decay, so strong decays lose no precision.
  *
- * Backward: the forward keeps the state entering every stretch of STRETCH positions (when asked); each stretch's
- * states are recomputed from it and kept, then walked back (each S_t made again from S_{t-1} on the way, so that a
- * position reads one kept state) with dS the gradient of S_t:
+ * Backward: the forward keeps the state entering every stretch of STRETCH positions (when asked, transposed); each
+ * stretch's states are recomputed from it and kept, then walked back (each S_t made again from S_{t-1} on the way,
+ * so that a position reads one kept state) with dS the gradient of S_t:
  *
  *   dS += q_t do_t^T,  dq_t = S_t do_t,  dk_t = dS v_t,  dv_t = dS^T k_t,  dg_t = a_t rowsum(dS o S_{t-1}),
  *   then dS <- diag(a_t) dS (the gradient of S_{t-1}); after position 0 it is the initial state's.
  *
  * q, k, g (B, H, N, dk), v (B, H, N, dv), out (B, H, N, dv) with (B, H, position) strides (15 longs: q, k, v, g,
- * out) and contiguous rows; the states (BH, dk, dv) and the kept ones (BH, stretches, dk, dv) contiguous.
+ * out) and contiguous rows; the states (BH, dk, dv) and the kept ones (BH, stretches, dv, dk: transposed)
+ * contiguous.
  */
 #include "kernel_attention.h"
 
@@ -87,8 +88,8 @@ static void forward_head(const void *ctx, int g, float *scratch) {
     const long stretches = (c->n + STRETCH - 1) / STRETCH;
     state_in(state, dvp, c->init ? c->init + (long)g * dk * dv : NULL, dk, dv);
     for (long t = 0; t < c->n; t++) {
-        if (c->kept && t % STRETCH == 0)
-            state_out(c->kept + ((long)g * stretches + t / STRETCH) * dk * dv, state, dvp, dk, dv);
+        if (c->kept && t % STRETCH == 0) /* kept transposed, as the backward reads it (a scalar copy there cost 25%) */
+            transpose_rows(state, dvp, dk, dv, c->kept + ((long)g * stretches + t / STRETCH) * dk * dv, dk);
         gates(a, row(c, c->g, 3, g, t), dk);
         memcpy(v, row(c, c->v, 2, g, t), sizeof(float) * dv);
         step(state, dk, dvp, a, row(c, c->k, 1, g, t), v, row(c, c->q, 0, g, t), o);
@@ -101,7 +102,7 @@ static void forward_head(const void *ctx, int g, float *scratch) {
  * dv (dq_t = S_t do_t, dk_t = dS v_t, the gates' rowsum) become sums of rows, vectors over dk, and only
  * dv_t = dS^T k_t is a dot product per column. (The forward's layout, dk rows of dv, makes o_t a sum of rows.) */
 static void transposed_in(float *dst, int dkp, const float *src, int dk, int dv) {
-    for (int f = 0; f < dk; f++) /* src row by row: a kept state comes from memory, read in order */
+    for (int f = 0; f < dk; f++)
         for (int x = 0; x < dv; x++) dst[(long)x * dkp + f] = src ? src[(long)f * dv + x] : 0.0f;
 }
 
@@ -120,13 +121,15 @@ static void step_transposed(float *next, const float *prev, int dv, int dkp, con
     }
 }
 
-/* One position walked back over FB vectors of dk from f0 (the pointers start there): dS^T (grad) updated in place,
- * dq, dk and the gates' rowsum for these dk written to out (3 x FB vectors), and each column's k . dS^T_x part added
- * into parts (dv x W; first: written). q, k, a hold whole vectors (zeros past dk). */
-static inline __attribute__((always_inline)) void back_rows(const int FB, int first, float *grad,
-                                                            const float *before, int dv, int dkp, const float *q,
+/* One position walked back over the rows of S^T in [grad, before) (rows of them) and FB vectors of dk (the pointers
+ * start there): dS^T updated in place; these rows' parts of dq, dk and the gates' rowsum written (add: added) to
+ * dq, dk, da; and each row's k . dS^T_x as a vector into parts (first: written, else added). q, k, a hold whole
+ * vectors (zeros past dk). */
+static inline __attribute__((always_inline)) void back_rows(const int FB, int first, int add, float *grad,
+                                                            const float *before, int rows, int dkp, const float *q,
                                                             const float *k, const float *a, const float *v,
-                                                            const float *d_out, float *out, float *parts) {
+                                                            const float *d_out, float *dq, float *dk, float *da,
+                                                            float *parts) {
     vf qv[4], kv[4], av[4], tq[4], tk[4], ta[4];
     for (int e = 0; e < FB; e++) {
         qv[e] = load(q + e * W);
@@ -134,7 +137,7 @@ static inline __attribute__((always_inline)) void back_rows(const int FB, int fi
         av[e] = load(a + e * W);
         tq[e] = tk[e] = ta[e] = splat(0.0f);
     }
-    for (int x = 0; x < dv; x++, grad += dkp, before += dkp) {
+    for (int x = 0; x < rows; x++, grad += dkp, before += dkp) {
         const vf dox = splat(d_out[x]), vx = splat(v[x]);
         vf part = splat(0.0f);
         for (int e = 0; e < FB; e++) {
@@ -148,67 +151,70 @@ static inline __attribute__((always_inline)) void back_rows(const int FB, int fi
         store(parts + (long)x * W, first ? part : load(parts + (long)x * W) + part);
     }
     for (int e = 0; e < FB; e++) {
-        store(out + e * W, tq[e]);
-        store(out + (FB + e) * W, tk[e]);
-        store(out + (2 * FB + e) * W, av[e] * ta[e]);
+        store(dq + e * W, add ? load(dq + e * W) + tq[e] : tq[e]);
+        store(dk + e * W, add ? load(dk + e * W) + tk[e] : tk[e]);
+        store(da + e * W, add ? load(da + e * W) + ta[e] : ta[e]);
     }
 }
+
+/* The walk back runs a few rows of S^T at a time (rows are independent; dq, dk and the gates' sums over them add
+ * up): those rows' states over a stretch, 16 x 4 rows of dk, stay in L1, where the whole states' did not (the
+ * backward 52 -> 43-47 ms at B=1 H=8 d=64 N=4096, one thread). */
+#define ROWS_AT_ONCE 4
 
 static void backward_head(const void *ctx, int g, float *scratch) {
     const struct gated_rows *c = ctx;
     const int dk = c->dk, dv = c->dv, dkp = whole_vectors(dk);
-    const long size = (long)dv * dkp, stretches = (c->n + STRETCH - 1) / STRETCH;
-    float *states = scratch, *grad = states + STRETCH * size, *a = grad + size, *q = a + dkp, *k = q + dkp;
-    float *rows = k + dkp, *parts = rows + 3L * dkp; /* rows: dq, dk and the gates' gradient of one position */
+    const long size = (long)dv * dkp, stretches = (c->n + STRETCH - 1) / STRETCH, block = ROWS_AT_ONCE * (long)dkp;
+    float *entering = scratch, *grad = entering + size, *kept = grad + size, *a = kept + STRETCH * block;
+    float *q = a + STRETCH * dkp, *k = q + STRETCH * dkp, *dq = k + STRETCH * dkp, *dk_ = dq + STRETCH * dkp;
+    float *da = dk_ + STRETCH * dkp, *parts = da + STRETCH * dkp;
     transposed_in(grad, dkp, c->grad_final ? c->grad_final + (long)g * dk * dv : NULL, dk, dv);
     for (long z = stretches - 1; z >= 0; z--) {
-        const long t0 = z * STRETCH, t1 = t0 + STRETCH < c->n ? t0 + STRETCH : c->n;
-        transposed_in(states, dkp, c->kept_in + ((long)g * stretches + z) * dk * dv, dk, dv); /* S_{t0 - 1} */
-        for (long t = t0; t + 1 < t1; t++) { /* S_{t0} .. S_{t1 - 2}: the walk back makes each S_t from S_{t-1} */
-            float *next = states + (t - t0 + 1) * size;
-            gates(a, row(c, c->g, 3, g, t), dk);
-            memcpy(k, row(c, c->k, 1, g, t), sizeof(float) * dk);
-            step_transposed(next, next - size, dv, dkp, a, k, row(c, c->v, 2, g, t));
+        const long t0 = z * STRETCH;
+        const int len = (int)(t0 + STRETCH < c->n ? STRETCH : c->n - t0);
+        const float *kept_in = c->kept_in + ((long)g * stretches + z) * dk * dv; /* S_{t0 - 1}^T, rows of dk */
+        for (int x = 0; x < dv; x++) memcpy(entering + (long)x * dkp, kept_in + (long)x * dk, sizeof(float) * dk);
+        for (int i = 0; i < len; i++) {
+            gates(a + (long)i * dkp, row(c, c->g, 3, g, t0 + i), dk);
+            memcpy(q + (long)i * dkp, row(c, c->q, 0, g, t0 + i), sizeof(float) * dk);
+            memcpy(k + (long)i * dkp, row(c, c->k, 1, g, t0 + i), sizeof(float) * dk);
         }
-        for (long t = t1 - 1; t >= t0; t--) {
-            const float *before = states + (t - t0) * size, *v = row(c, c->v, 2, g, t); /* S_{t-1} */
-            const long at = (long)g * c->n + t;
-            const float *d_out = c->grad_out + at * dv;
-            gates(a, row(c, c->g, 3, g, t), dk);
-            memcpy(q, row(c, c->q, 0, g, t), sizeof(float) * dk);
-            memcpy(k, row(c, c->k, 1, g, t), sizeof(float) * dk);
-            int f = 0;
-            for (; f + TILE_V * W <= dkp; f += TILE_V * W) {
-                float out[3 * TILE_V * W];
-                back_rows(TILE_V, f == 0, grad + f, before + f, dv, dkp, q + f, k + f, a + f, v, d_out,
-                          out, parts);
-                for (int e = 0; e < TILE_V * W; e++) {
-                    rows[f + e] = out[e];
-                    rows[dkp + f + e] = out[TILE_V * W + e];
-                    rows[2 * dkp + f + e] = out[2 * TILE_V * W + e];
-                }
+        for (int x0 = 0; x0 < dv; x0 += ROWS_AT_ONCE) {
+            const int rows = dv - x0 < ROWS_AT_ONCE ? dv - x0 : ROWS_AT_ONCE;
+            const float *prev = entering + (long)x0 * dkp;
+            for (int i = 0; i + 1 < len; i++) { /* S_{t0} .. S_{t0 + len - 2} of these rows */
+                step_transposed(kept + i * block, prev, rows, dkp, a + (long)i * dkp, k + (long)i * dkp,
+                                row(c, c->v, 2, g, t0 + i) + x0);
+                prev = kept + i * block;
             }
-            for (; f < dkp; f += W) {
-                float out[3 * W];
-                back_rows(1, f == 0, grad + f, before + f, dv, dkp, q + f, k + f, a + f, v, d_out, out,
-                          parts);
-                for (int e = 0; e < W; e++) {
-                    rows[f + e] = out[e];
-                    rows[dkp + f + e] = out[W + e];
-                    rows[2 * dkp + f + e] = out[2 * W + e];
-                }
+            for (int i = len - 1; i >= 0; i--) {
+                const long at = (long)g * c->n + t0 + i;
+                const float *before = i == 0 ? entering + (long)x0 * dkp : kept + (i - 1) * block; /* S_{t-1} */
+                const float *v = row(c, c->v, 2, g, t0 + i) + x0, *d_out = c->grad_out + at * dv + x0;
+                const long r = (long)i * dkp;
+                int f = 0;
+                for (; f + TILE_V * W <= dkp; f += TILE_V * W)
+                    back_rows(TILE_V, f == 0, x0 > 0, grad + (long)x0 * dkp + f, before + f, rows, dkp, q + r + f,
+                              k + r + f, a + r + f, v, d_out, dq + r + f, dk_ + r + f, da + r + f, parts);
+                for (; f < dkp; f += W)
+                    back_rows(1, f == 0, x0 > 0, grad + (long)x0 * dkp + f, before + f, rows, dkp, q + r + f,
+                              k + r + f, a + r + f, v, d_out, dq + r + f, dk_ + r + f, da + r + f, parts);
+                float *dv_t = c->grad_v + at * dv + x0;
+                for (int x = 0; x < rows; x++) dv_t[x] = hsum(load(parts + (long)x * W));
             }
-            memcpy(c->grad_q + at * dk, rows, sizeof(float) * dk);
-            memcpy(c->grad_k + at * dk, rows + dkp, sizeof(float) * dk);
-            memcpy(c->grad_g + at * dk, rows + 2 * dkp, sizeof(float) * dk);
-            float *dv_t = c->grad_v + at * dv;
-            for (int x = 0; x < dv; x++) dv_t[x] = hsum(load(parts + (long)x * W));
+        }
+        for (int i = 0; i < len; i++) {
+            const long at = (long)g * c->n + t0 + i, r = (long)i * dkp;
+            memcpy(c->grad_q + at * dk, dq + r, sizeof(float) * dk);
+            memcpy(c->grad_k + at * dk, dk_ + r, sizeof(float) * dk);
+            for (int f = 0; f < dk; f++) c->grad_g[at * dk + f] = a[r + f] * da[r + f];
         }
     }
     if (c->grad_init) transposed_out(c->grad_init + (long)g * dk * dv, grad, dkp, dk, dv);
 }
 
-/* Forward: out, and final (BH, dk, dv) and kept (BH, ceil(N / STRETCH), dk, dv) where not NULL; init NULL: an
+/* Forward: out, and final (BH, dk, dv) and kept (BH, ceil(N / STRETCH), dv, dk) where not NULL; init NULL: an
  * empty state. Returns 0, or -1 when a thread's buffers could not be allocated. */
 int lm_gated_recurrence_f32(const float *q, const float *k, const float *v, const float *g, const float *init,
                             float *out, float *final, float *kept, int b, int h, long n, int dk, int dv,
@@ -231,6 +237,6 @@ int lm_gated_recurrence_backward_f32(const float *q, const float *k, const float
                            grad_g, grad_init, h, dk, dv, n, {0}};
     memcpy(c.s, strides, sizeof(c.s));
     const long dkp = whole_vectors(dk);
-    const long scratch = (STRETCH + 1) * (long)dv * dkp + 6L * dkp + (long)dv * W;
+    const long scratch = 2L * dv * dkp + STRETCH * (ROWS_AT_ONCE + 6L) * dkp + ROWS_AT_ONCE * W;
     return for_each_task(b * h, threads_for(threads), scratch, backward_head, &c, 0);
 }
