@@ -30,9 +30,7 @@ def focused_map(x: Tensor, scale: Optional[Tensor], power: float) -> Tensor:
     """The focused map (``focused.focused_feature_map``) of x (B, H, N, d), any strides with a contiguous last
     dimension; scale (H, d) contiguous, positive, or None. Differentiable in x and scale through the compiled
     backward (focused_map.c). Returns a contiguous (B, H, N, d) tensor. Callers check ``why_not``."""
-    if torch.is_grad_enabled() and (x.requires_grad or (scale is not None and scale.requires_grad)):
-        return _FocusedMap.apply(x, scale, power)
-    return _focused_forward(x, scale, power)
+    return _parameter_map("lm_focused_map", x, scale, power)
 
 
 def _rows(x):
@@ -40,33 +38,44 @@ def _rows(x):
     return (b, h, n, d, *x.stride()[:3])
 
 
-def _focused_forward(x, scale, power):
+def _parameter_map(entry: str, x: Tensor, parameter: Optional[Tensor], setting: float) -> Tensor:
+    """A compiled row map of x (B, H, N, d) with a parameter per head and channel (or None) and one float setting,
+    whose entry points ``<entry>_f32``, ``<entry>_backward_f32`` and ``<entry>_tasks`` take the same arguments: the
+    focused map (its scales and power) and GLA's log gates (their bias and temperature)."""
+    if torch.is_grad_enabled() and (x.requires_grad or (parameter is not None and parameter.requires_grad)):
+        return _ParameterMap.apply(x, parameter, setting, entry)
+    return _parameter_map_forward(entry, x, parameter, setting)
+
+
+def _parameter_map_forward(entry, x, parameter, setting):
     out = native.output(x, *x.shape)
-    native.call("lm_focused_map_f32", x.data_ptr(), native.pointer(scale), out.data_ptr(), *_rows(x), float(power),
-         torch.get_num_threads())
+    native.call(f"{entry}_f32", x.data_ptr(), native.pointer(parameter), out.data_ptr(), *_rows(x), float(setting),
+                torch.get_num_threads())
     return out
 
 
-class _FocusedMap(torch.autograd.Function):
-    """The focused map with its compiled backward, which recomputes the row's features from x."""
+class _ParameterMap(torch.autograd.Function):
+    """A map with its compiled backward, which recomputes the row from x; the parameter's gradient summed from the
+    backward's tasks' partial sums."""
 
     @staticmethod
-    def forward(ctx, x, scale, power):
-        ctx.save_for_backward(x, scale)
-        ctx.power = power
-        return _focused_forward(x, scale, power)
+    def forward(ctx, x, parameter, setting, entry):
+        ctx.save_for_backward(x, parameter)
+        ctx.setting, ctx.entry = setting, entry
+        return _parameter_map_forward(entry, x, parameter, setting)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        x, scale = ctx.saved_tensors
+        x, parameter = ctx.saved_tensors
         grad_x = native.output(x, *x.shape)
-        partial = _partial_sums("lm_focused_map_tasks", x, () if scale is None else scale.shape,
-                                scale is not None and ctx.needs_input_grad[1])
+        partial = _partial_sums(f"{ctx.entry}_tasks", x, () if parameter is None else parameter.shape,
+                                parameter is not None and ctx.needs_input_grad[1])
         grad_out = grad_out.contiguous()  # held in a name: a temporary's memory would be freed before the call
-        native.call("lm_focused_map_backward_f32", x.data_ptr(), native.pointer(scale), grad_out.data_ptr(),
-             grad_x.data_ptr(), native.pointer(partial), *_rows(x), float(ctx.power), torch.get_num_threads())
-        return grad_x, None if partial is None else partial.sum(0), None
+        native.call(f"{ctx.entry}_backward_f32", x.data_ptr(), native.pointer(parameter), grad_out.data_ptr(),
+                    grad_x.data_ptr(), native.pointer(partial), *_rows(x), float(ctx.setting),
+                    torch.get_num_threads())
+        return grad_x, None if partial is None else partial.sum(0), None, None
 
 
 def hedgehog_map(z: Tensor, bias: Optional[Tensor]) -> Tensor:
@@ -144,37 +153,7 @@ def log_gate_map(z: Tensor, bias: Optional[Tensor], temperature: float) -> Tenso
     """logsigmoid(z + bias) / temperature of z (B, H, N, d), any strides with a contiguous last dimension; bias
     (H, d) contiguous or None. Differentiable in z and bias through the compiled backward (log_gate_map.c). Returns
     a contiguous (B, H, N, d) tensor. Callers check ``backend.log_gate_backend``."""
-    if torch.is_grad_enabled() and (z.requires_grad or (bias is not None and bias.requires_grad)):
-        return _LogGateMap.apply(z, bias, temperature)
-    return _log_gate_forward(z, bias, temperature)
-
-
-def _log_gate_forward(z, bias, temperature):
-    out = native.output(z, *z.shape)
-    native.call("lm_log_gate_map_f32", z.data_ptr(), native.pointer(bias), out.data_ptr(), *_rows(z),
-                float(temperature), torch.get_num_threads())
-    return out
-
-
-class _LogGateMap(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, z, bias, temperature):
-        ctx.save_for_backward(z, bias)
-        ctx.temperature = temperature
-        return _log_gate_forward(z, bias, temperature)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        z, bias = ctx.saved_tensors
-        grad_z = native.output(z, *z.shape)
-        partial = _partial_sums("lm_log_gate_map_tasks", z, () if bias is None else bias.shape,
-                                bias is not None and ctx.needs_input_grad[1])
-        grad_out = grad_out.contiguous()  # held in a name: a temporary's memory would be freed before the call
-        native.call("lm_log_gate_map_backward_f32", z.data_ptr(), native.pointer(bias), grad_out.data_ptr(),
-                    grad_z.data_ptr(), native.pointer(partial), *_rows(z), float(ctx.temperature),
-                    torch.get_num_threads())
-        return grad_z, None if partial is None else partial.sum(0), None
+    return _parameter_map("lm_log_gate_map", z, bias, temperature)
 
 
 def output_gate(out: Tensor, q: Tensor, weight: Tensor, bias: Optional[Tensor], inplace: bool = False) -> Tensor:
