@@ -174,3 +174,34 @@ def test_a_gate_per_key_dimension_in_the_compiled_code_matches_the_float64_recur
     for name, got, ref in zip("q k v log_gate initial_state".split(), inputs, references):
         torch.testing.assert_close(got.grad.double(), ref.grad, rtol=1e-4, atol=1e-5 * ref.grad.abs().max(),
                                    msg=f"gradient of {name}")
+
+
+@pytest.mark.parametrize("which", ["scalar_gate", "gate_per_dimension", "delta_rule"])
+def test_an_initial_state_broadcast_over_the_batch_or_in_float64_matches_the_pytorch_ops(which):
+    """The compiled paths read the initial state as (B, H, d_k, d_v) float32: one shared by the batch (1, H, ...)
+    or given in float64 must give what the PyTorch ops give (it once read past the end, or float64 bytes as
+    float32), gradient included; a state of the wrong heads is refused, naming the argument."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v, log_gate = _inputs(70, seed=11)
+    if which == "gate_per_dimension":
+        log_gate = F.logsigmoid(torch.randn(B, H, 70, DK, generator=g) + 2)
+    beta = torch.rand(B, H, 70, generator=g)
+
+    def run(initial_state):
+        if which == "delta_rule":
+            return delta_rule_attention(q, k, v, beta, initial_state=initial_state, output_final_state=True)
+        return gated_linear_attention(q, k, v, log_gate, initial_state=initial_state, output_final_state=True)
+
+    for s0 in (torch.randn(1, H, DK, DV, generator=g), torch.randn(B, H, DK, DV, generator=g).double()):
+        compiled_leaf = s0.clone().requires_grad_()
+        out, state = run(compiled_leaf)
+        (out.sum() + state.sum()).backward()
+        composed_leaf = s0.clone().requires_grad_()
+        with backend.override(native_kernels=False):
+            want, want_state = run(composed_leaf)
+        (want.sum() + want_state.sum()).backward()
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(state.double(), want_state.double(), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(compiled_leaf.grad, composed_leaf.grad, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="initial_state"):
+        run(torch.randn(B, H + 1, DK, DV))

@@ -1,5 +1,6 @@
 """The compiled feature maps (functional/native_maps.py, csrc/focused_map.c, csrc/hedgehog_map.c,
-csrc/silu_unit_map.c) and the kernels' exp against float64: outputs and gradients, strided rows, thread counts, and the inputs they leave to PyTorch ops."""
+csrc/silu_unit_map.c, csrc/log_gate_map.c) and the kernels' exp against float64: outputs and gradients, strided
+rows, thread counts, and the inputs they leave to PyTorch ops."""
 import ctypes
 
 import pytest

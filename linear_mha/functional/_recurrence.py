@@ -12,9 +12,18 @@ def check_heads(q: Tensor, k: Tensor, v: Tensor, initial_state: Optional[Tensor]
     if q.dim() != 4 or k.shape != q.shape or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"q and k must be (B, H, L, d_k) and v (B, H, L, d_v) of the same B, H, L; got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if initial_state is not None and initial_state.shape[-2:] != (q.shape[-1], v.shape[-1]):
-        raise ValueError(f"initial_state must be (B, H, d_k, d_v) = (..., {q.shape[-1]}, {v.shape[-1]}); got "
-                         f"{tuple(initial_state.shape)}")
+    if initial_state is not None and (initial_state.dim() > 4
+                                      or initial_state.shape[-2:] != (q.shape[-1], v.shape[-1])
+                                      or _broadcast(initial_state.shape[:-2], q.shape[:2]) != tuple(q.shape[:2])):
+        raise ValueError(f"initial_state must be (B, H, d_k, d_v) = ({q.shape[0]}, {q.shape[1]}, {q.shape[-1]}, "
+                         f"{v.shape[-1]}) or broadcastable to it; got {tuple(initial_state.shape)}")
+
+
+def _broadcast(a, b):
+    try:
+        return tuple(torch.broadcast_shapes(a, b))
+    except RuntimeError:
+        return None
 
 
 def accumulating_dtype(x: Tensor) -> torch.dtype:
@@ -22,10 +31,18 @@ def accumulating_dtype(x: Tensor) -> torch.dtype:
 
 
 def starting_state(q: Tensor, d_v: int, initial_state: Optional[Tensor]) -> Tensor:
-    """The (B, H, d_k, d_v) state before the first position, in q's (accumulating) dtype."""
+    """The (B, H, d_k, d_v) state before the first position, in q's (accumulating) dtype: zeros, or the initial
+    state (one broadcast over the batch or heads expanded, its gradient summing back through the expand)."""
     if initial_state is not None:
-        return initial_state.to(q.dtype)
+        return full_initial_state(q, d_v, initial_state)
     return q.new_zeros(q.shape[0], q.shape[1], q.shape[-1], d_v)
+
+
+def full_initial_state(q: Tensor, d_v: int, initial_state: Optional[Tensor]) -> Optional[Tensor]:
+    """The initial state as the compiled code reads it, (B, H, d_k, d_v) in q's dtype, or None."""
+    if initial_state is None:
+        return None
+    return initial_state.to(q.dtype).expand(q.shape[0], q.shape[1], q.shape[-1], d_v)
 
 
 def empty_sequence(q: Tensor, v: Tensor, initial_state: Optional[Tensor], out_dtype: torch.dtype,

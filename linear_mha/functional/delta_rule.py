@@ -28,8 +28,8 @@ from . import backend, native_maps
 from ._common import unit_rows
 from .gated_linear import gated_linear_attention
 from .native_decayed import delta_states, delta_systems
-from ._recurrence import (accumulating_dtype, check_heads, decay_ratios, empty_sequence, run_steps,
-                          split_into_chunks, starting_state)
+from ._recurrence import (accumulating_dtype, check_heads, decay_ratios, empty_sequence, full_initial_state,
+                          run_steps, split_into_chunks, starting_state)
 
 CHUNK = 64
 
@@ -118,7 +118,7 @@ def delta_rule_attention(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_deca
     # U = u_free - w S_0: u_free (B, H, n, C, d_v), w (B, H, n, C, d_k)
     if backend.delta_rule_backend(q, k, v, initial_state).backend == backend.NATIVE:
         w, u_free = delta_systems(k, v, beta[..., 0], decay[..., 0])
-        start = None if initial_state is None else initial_state.to(dtype)
+        start = full_initial_state(q_rows, d_v, initial_state)
         u, state = delta_states(u_free, w, k_to_end, carried[..., 0, 0], start)
     else:
         ratio = decay_ratios(decay)  # gamma_t / gamma_j (j <= t), 0 above the diagonal

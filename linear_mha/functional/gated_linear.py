@@ -26,8 +26,8 @@ from torch import Tensor
 
 from . import backend, native_maps
 from .native_decayed import decayed_causal, gated_recurrence
-from ._recurrence import (accumulating_dtype, check_heads, decay_ratios, empty_sequence, run_steps,
-                          split_into_chunks, starting_state)
+from ._recurrence import (accumulating_dtype, check_heads, decay_ratios, empty_sequence, full_initial_state,
+                          run_steps, split_into_chunks, starting_state)
 
 CHUNK = 64
 
@@ -102,7 +102,7 @@ def gated_linear_attention(q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor, *,
         if gate_dim == 1:
             return _scalar_gate_native(q, k, v, log_gate[..., 0].contiguous(), initial_state, out_dtype,
                                        output_final_state)
-        out, state = gated_recurrence(q, k, v, log_gate, initial_state)
+        out, state = gated_recurrence(q, k, v, log_gate, full_initial_state(q, d_v, initial_state))
         return (out.to(out_dtype), state) if output_final_state else out.to(out_dtype)
 
     chunk = chunk_size or CHUNK
