@@ -113,11 +113,11 @@ def delta_rule_attention(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_deca
     (q, k, v, beta, decay), chunks = split_into_chunks((q, k, v, beta[..., None], log_decay[..., None]), chunk)
     decay = decay.cumsum(-2)  # (B, H, n, C, 1): log gamma, the chunk's decay up to each position
 
-    k_to_end = k * torch.exp(decay[..., -1:, :] - decay)
     carried = torch.exp(decay[..., -1, :])[..., None]  # (B, H, n, 1, 1)
-    # U = u_free - w S_0: u_free (B, H, n, C, d_v), w (B, H, n, C, d_k)
+    # U = u_free - w S_0: u_free (B, H, n, C, d_v), w (B, H, n, C, d_k); k_to_end the keys decayed to their
+    # chunk's end, what the pass over chunks writes into the state
     if backend.delta_rule_backend(q, k, v, initial_state).backend == backend.NATIVE:
-        w, u_free = delta_systems(k, v, beta[..., 0], decay[..., 0])
+        w, u_free, k_to_end = delta_systems(k, v, beta[..., 0], decay[..., 0])
         start = full_initial_state(q_rows, d_v, initial_state)
         u, state = delta_states(u_free, w, k_to_end, carried[..., 0, 0], start)
     else:
@@ -125,6 +125,7 @@ def delta_rule_attention(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_deca
         strictly = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril(-1)
         lower = (beta * (k @ k.transpose(-1, -2)) * ratio).masked_fill(~strictly, 0.0)  # A
         w, u_free = _solved(lower, beta * torch.exp(decay) * k, beta * v)
+        k_to_end = k * torch.exp(decay[..., -1:, :] - decay)
         u, state = _states_in_turn(u_free, w, k_to_end, carried, starting_state(q, d_v, initial_state))
     # With the pseudo-values the state is a decaying sum of k_j u_jᵀ: the outputs are gated linear attention's.
     u = u.reshape(batch, heads, chunks * chunk, d_v)[:, :, :length]

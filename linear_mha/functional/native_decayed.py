@@ -80,7 +80,6 @@ class _GatedRecurrence(torch.autograd.Function):
         call("lm_gated_recurrence_f32", *(pointer(x) for x in (q, k, v, log_gate, init, out, final, kept)), batch,
              heads, length, d_k, d_v, row_strides(q, k, v, log_gate, out), torch.get_num_threads())
         ctx.save_for_backward(q, k, v, log_gate, kept)
-        ctx.has_initial_state = initial_state is not None
         return out, final
 
     @staticmethod
@@ -113,22 +112,23 @@ class _DeltaSystems(torch.autograd.Function):
         k, v, beta, decay = (x.contiguous() for x in (k, v, beta, decay))
         chunk = k.shape[-2]
         chunks = k.numel() // (chunk * k.shape[-1])
-        w, u = output(k, *k.shape), output(v, *v.shape)
+        w, u, k_end = output(k, *k.shape), output(v, *v.shape), output(k, *k.shape)
         inverse = output(k, *k.shape[:-1], chunk) if any(ctx.needs_input_grad) else None  # only the backward reads it
-        call("lm_delta_systems_f32", pointer(k), pointer(v), pointer(beta), pointer(decay), pointer(w), pointer(u),
-             pointer(inverse), chunks, chunk, k.shape[-1], v.shape[-1], torch.get_num_threads())
+        call("lm_delta_systems_f32", *(pointer(x) for x in (k, v, beta, decay, w, u, k_end, inverse)), chunks, chunk,
+             k.shape[-1], v.shape[-1], torch.get_num_threads())
         ctx.save_for_backward(k, v, beta, decay, inverse, w, u)
-        return w, u
+        return w, u, k_end
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_w, grad_u):
+    def backward(ctx, grad_w, grad_u, grad_k_end):
         k, v, beta, decay, inverse, w, u = ctx.saved_tensors
-        grad_w = torch.zeros_like(k) if grad_w is None else grad_w.contiguous()
+        grad_w, grad_k_end = ((torch.zeros_like(k) if g is None else g.contiguous()) for g in (grad_w, grad_k_end))
         grad_u = torch.zeros_like(v) if grad_u is None else grad_u.contiguous()
         grads = [torch.empty_like(x) for x in (k, v, beta, decay)]
         chunk = k.shape[-2]
-        call("lm_delta_systems_backward_f32", *(pointer(x) for x in (k, v, beta, decay, inverse, w, u, grad_w, grad_u)),
+        call("lm_delta_systems_backward_f32",
+             *(pointer(x) for x in (k, v, beta, decay, inverse, w, u, grad_w, grad_u, grad_k_end)),
              *(pointer(x) for x in grads), k.numel() // (chunk * k.shape[-1]), chunk, k.shape[-1], v.shape[-1],
              torch.get_num_threads())
         return tuple(grads)
@@ -137,8 +137,8 @@ class _DeltaSystems(torch.autograd.Function):
 def delta_systems(k: Tensor, v: Tensor, beta: Tensor, decay: Tensor):
     """The delta rule's per-chunk systems (delta_rule.py): k (..., C, d_k), v (..., C, d_v), beta and decay
     (..., C) float32 CPU, decay the chunk's cumulative log decay (non-increasing, <= 0). With A_tj = beta_t
-    exp(decay_t - decay_j) k_t . k_j (j < t), returns (I + A)^-1 diag(beta exp(decay)) K and (I + A)^-1 diag(beta) V,
-    differentiable in all four."""
+    exp(decay_t - decay_j) k_t . k_j (j < t), returns (I + A)^-1 diag(beta exp(decay)) K, (I + A)^-1 diag(beta) V
+    and the keys decayed to the chunk's end, exp(decay_last - decay) K, differentiable in all four."""
     return _DeltaSystems.apply(k, v, beta, decay)
 
 
@@ -149,13 +149,13 @@ class _DeltaStates(torch.autograd.Function):
         init = None if initial_state is None else initial_state.contiguous()
         batch, heads, chunks, chunk, d_v = u_free.shape
         d_k = w.shape[-1]
-        u = output(u_free, *u_free.shape)
-        states = output(u_free, batch, heads, chunks + 1, d_k, d_v)
-        call("lm_delta_states_f32", pointer(u_free), pointer(w), pointer(k_to_end), pointer(carried), pointer(init),
-             pointer(u), pointer(states), batch * heads, chunks, chunk, d_k, d_v, torch.get_num_threads())
+        u, final = output(u_free, *u_free.shape), output(u_free, batch, heads, d_k, d_v)
+        # the state entering every chunk, which only the backward reads
+        states = output(u_free, batch, heads, chunks + 1, d_k, d_v) if any(ctx.needs_input_grad) else None
+        call("lm_delta_states_f32", *(pointer(x) for x in (u_free, w, k_to_end, carried, init, u, states, final)),
+             batch * heads, chunks, chunk, d_k, d_v, torch.get_num_threads())
         ctx.save_for_backward(w, k_to_end, carried, u, states)
-        ctx.has_initial_state = initial_state is not None
-        return u, states[:, :, -1]
+        return u, final
 
     @staticmethod
     @once_differentiable

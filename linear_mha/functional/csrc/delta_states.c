@@ -12,7 +12,7 @@
 
 struct delta_states {
     const float *u_free, *w, *k, *carried, *init, *grad_u, *grad_final, *states, *u;
-    float *u_out, *states_out, *grad_u_free, *grad_w, *grad_k, *grad_carried, *grad_init;
+    float *u_out, *states_out, *final, *grad_u_free, *grad_w, *grad_k, *grad_carried, *grad_init;
     long n;
     int c, dk, dv;
 };
@@ -34,7 +34,8 @@ static void forward_head(const void *ctx, int g, float *scratch) {
     else memset(state, 0, sizeof(float) * dk * dvp);
     for (long i = 0; i < s->n; i++) {
         const long at = head + i;
-        copy_rows(s->states_out + at * dk * dv + g * (long)dk * dv, dv, state, dvp, dk, dv); /* S_i, see below */
+        if (s->states_out) /* S_i, see below */
+            copy_rows(s->states_out + at * dk * dv + g * (long)dk * dv, dv, state, dvp, dk, dv);
         copy_rows(u, dvp, s->u_free + at * chunk_v, dv, c, dv);
         memset(product, 0, sizeof(float) * c * dvp);
         gemm_shaped(FULL, c, dvp / W, dk, s->w + at * chunk_k, dk, 1, state, dvp, product, dvp);
@@ -44,7 +45,8 @@ static void forward_head(const void *ctx, int g, float *scratch) {
         for (long x = 0; x < (long)dk * dvp; x += W) store(state + x, load(state + x) * kept);
         gemm_shaped(FULL, dk, dvp / W, c, s->k + at * chunk_k, 1, dk, u, dvp, state, dvp);
     }
-    copy_rows(s->states_out + (head + s->n) * dk * dv + g * (long)dk * dv, dv, state, dvp, dk, dv);
+    if (s->states_out) copy_rows(s->states_out + (head + s->n) * dk * dv + g * (long)dk * dv, dv, state, dvp, dk, dv);
+    copy_rows(s->final + (long)g * dk * dv, dv, state, dvp, dk, dv);
 }
 
 /* Walking the chunks back with G = dL/dS_{c+1}: the pseudo-values' gradient is g_u = du_c + k_c G; then
@@ -88,12 +90,12 @@ static void backward_head(const void *ctx, int g, float *scratch) {
     if (s->grad_init) copy_rows(s->grad_init + (long)g * dk * dv, dv, grad, dvp, dk, dv);
 }
 
-/* Forward: u_free, w, k, carried, init (BH, d_k, d_v) or NULL -> u, states. Returns 0, or -1 when a thread's
- * buffers could not be allocated. */
+/* Forward: u_free, w, k, carried, init (BH, d_k, d_v) or NULL -> u, final (BH, d_k, d_v), and states unless NULL
+ * (only a backward reads them). Returns 0, or -1 when a thread's buffers could not be allocated. */
 int lm_delta_states_f32(const float *u_free, const float *w, const float *k, const float *carried, const float *init,
-                        float *u, float *states, int bh, long n, int c, int dk, int dv, int threads) {
+                        float *u, float *states, float *final, int bh, long n, int c, int dk, int dv, int threads) {
     const struct delta_states s = {u_free, w, k, carried, init, NULL, NULL, NULL, NULL,
-                                   u, states, NULL, NULL, NULL, NULL, NULL, n, c, dk, dv};
+                                   u, states, final, NULL, NULL, NULL, NULL, NULL, n, c, dk, dv};
     const int dvp = whole_vectors(dv);
     return for_each_task(bh, threads_for(threads), (long)dvp * (dk + 2L * c), forward_head, &s, 0);
 }
@@ -104,8 +106,8 @@ int lm_delta_states_backward_f32(const float *w, const float *k, const float *ca
                                  const float *states, const float *grad_u, const float *grad_final,
                                  float *grad_u_free, float *grad_w, float *grad_k, float *grad_carried,
                                  float *grad_init, int bh, long n, int c, int dk, int dv, int threads) {
-    const struct delta_states s = {NULL, w, k, carried, NULL, grad_u, grad_final, states, u,
-                                   NULL, NULL, grad_u_free, grad_w, grad_k, grad_carried, grad_init, n, c, dk, dv};
+    const struct delta_states s = {NULL, w, k, carried, NULL, grad_u, grad_final, states, u, NULL, NULL, NULL,
+                                   grad_u_free, grad_w, grad_k, grad_carried, grad_init, n, c, dk, dv};
     const int dvp = whole_vectors(dv), dkp = whole_vectors(dk);
     const long scratch = (long)dk * dvp + (long)c * dvp + 2L * dv * dkp + (long)c * dkp + (long)dk * dvp;
     return for_each_task(bh, threads_for(threads), scratch, backward_head, &s, 0);

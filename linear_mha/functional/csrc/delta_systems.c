@@ -3,8 +3,9 @@
  * chunk's cumulative log decay (b_0 >= b_1 >= ..., all <= 0):
  *
  *   A_tj = beta_t exp(b_t - b_j) (k_t . k_j)  for j < t,    T = (I + A)^-1,
- *   W = T diag(beta exp(b)) K,    U = T diag(beta) V
+ *   W = T diag(beta exp(b)) K,    U = T diag(beta) V,    K_end = diag(exp(b_last - b)) K
  *
+ * (K_end: the keys decayed to the chunk's end, what the pass from chunk to chunk writes into the state.)
  * Every chunk is independent: one task per chunk, its matrices kept in cache. T is written out for the backward.
  * Given dW and dU, with X = diag(beta exp(b)) K and Y = diag(beta) V the right-hand sides of (I + A) [W U] = [X Y]:
  *
@@ -12,13 +13,13 @@
  *
  * and dA reaches K through K K^T, beta and b through the scale of each entry; dX and dY reach K, V, beta and b
  * through the scaled rows. Tensors are contiguous: k (chunks, c, dk), v (chunks, c, dv), beta and b (chunks, c),
- * w like k, u like v, t (chunks, c, c).
+ * w and k_end like k, u like v, t (chunks, c, c).
  */
 #include "kernel_attention.h"
 
 struct delta_systems {
-    const float *k, *v, *beta, *b, *t, *w_in, *u_in, *grad_w, *grad_u;
-    float *w, *u, *t_out, *grad_k, *grad_v, *grad_beta, *grad_b;
+    const float *k, *v, *beta, *b, *t, *w_in, *u_in, *grad_w, *grad_u, *grad_k_end;
+    float *w, *u, *k_end, *t_out, *grad_k, *grad_v, *grad_beta, *grad_b;
     int c, dk, dv;
 };
 
@@ -39,7 +40,9 @@ static inline float decayed(float x) { return exp_nonpositive_scalar(x < 0.0f ? 
 
 /* exp(b_t - b_j) for the W columns j from x of row t: <= 1 where j <= t (a difference of the cumulative decays, so
  * it never overflows), 1 past t. e holds b padded to whole vectors. */
-static inline vf ratios(const float *e, int t, int x) { return exp_nonpositive(vmin(splat(e[t]) - load(e + x), splat(0.0f))); }
+static inline vf ratios(const float *e, int t, int x) {
+    return exp_nonpositive(vmin(splat(e[t]) - load(e + x), splat(0.0f)));
+}
 
 /* g = K K^T below and on the diagonal, zeros above (rows of g ldt apart); k_t is scratch for K^T. */
 static void key_products(const float *kr, int dkp, int c, float *k_t, int ldt, float *g) {
@@ -76,8 +79,12 @@ static void forward_chunk(const void *ctx, int m, float *scratch) {
     rows_in(kr, dkp, s->k + (long)m * c * dk, dk, c, dk);
     rows_in(y, dvp, s->v + (long)m * c * dv, dv, c, dv);
     key_products(kr, dkp, c, k_t, ldt, a);
-    for (int i = 0; i < c; i++) /* the entries from the diagonal on are not read */
-        for (int x = 0; x < i; x += W) store(a + (long)i * ldt + x, load(a + (long)i * ldt + x) * ratios(e, i, x) * splat(beta[i]));
+    for (int i = 0; i < c; i++) { /* the entries from the diagonal on are not read */
+        float *row = a + (long)i * ldt, *end = s->k_end + ((long)m * c + i) * dk;
+        for (int x = 0; x < i; x += W) store(row + x, load(row + x) * ratios(e, i, x) * splat(beta[i]));
+        const float to_end = decayed(b[c - 1] - b[i]);
+        for (int f = 0; f < dk; f++) end[f] = kr[(long)i * dkp + f] * to_end;
+    }
     unit_lower_inverse(a, c, ldt, t);
     for (int i = 0; i < c; i++) {
         const vf scale_k = splat(beta[i] * decayed(b[i])), scale_v = splat(beta[i]);
@@ -159,29 +166,44 @@ static void backward_chunk(const void *ctx, int m, float *scratch) {
         for (int f = 0; f < dkp; f += W) store(dk_i + f, load(dk_i + f) + sk * load(dx_i + f));
         for (int f = 0; f < dvp; f += W) store(dv_i + f, load(dv_i + f) * sv);
     }
+    float taken_at_end = 0.0f; /* K_end_i = exp(b_last - b_i) k_i */
+    for (int i = 0; i < c; i++) {
+        const float *g = s->grad_k_end + ((long)m * c + i) * dk, *k_i = kr + (long)i * dkp;
+        const float to_end = decayed(b[c - 1] - b[i]);
+        float p = 0.0f;
+        for (int f = 0; f < dk; f++) {
+            dkr[(long)i * dkp + f] += g[f] * to_end;
+            p += g[f] * k_i[f];
+        }
+        d_b[i] -= p * to_end;
+        taken_at_end += p * to_end;
+    }
+    d_b[c - 1] += taken_at_end;
     rows_out(s->grad_k + (long)m * c * dk, dk, dkr, dkp, c, dk);
     rows_out(s->grad_v + (long)m * c * dv, dv, dy, dvp, c, dv);
     memcpy(s->grad_beta + (long)m * c, d_beta, sizeof(float) * c);
     memcpy(s->grad_b + (long)m * c, d_b, sizeof(float) * c);
 }
 
-/* Forward: k, v, beta, b -> w, u, and t (NULL: not kept, no backward follows) for `chunks` chunks of c positions.
+/* Forward: k, v, beta, b -> w, u, k_end, and t (NULL: not kept, no backward follows) for `chunks` chunks of c
+ * positions.
  * Returns 0, or -1 when a thread's buffers could not be allocated. */
 int lm_delta_systems_f32(const float *k, const float *v, const float *beta, const float *b, float *w, float *u,
-                         float *t, long chunks, int c, int dk, int dv, int threads) {
-    const struct delta_systems s = {k, v, beta, b, NULL, NULL, NULL, NULL, NULL, w, u, t, NULL, NULL, NULL, NULL,
-                                    c, dk, dv};
+                         float *k_end, float *t, long chunks, int c, int dk, int dv, int threads) {
+    const struct delta_systems s = {k, v, beta, b, NULL, NULL, NULL, NULL, NULL, NULL, w, u, k_end, t, NULL, NULL,
+                                    NULL, NULL, c, dk, dv};
     const long dkp = whole_vectors(dk), dvp = whole_vectors(dv), ldt = whole_vectors(c);
     const long scratch = c * (2 * dkp + dvp) + dkp * ldt + 2 * c * ldt + c * (dkp > dvp ? dkp : dvp) + ldt + W;
     return for_each_task((int)chunks, threads_for(threads), scratch, forward_chunk, &s, 0);
 }
 
-/* Backward: the forward's inputs and outputs (t, w, u), and the gradients of w and u -> those of k, v, beta and b. */
+/* Backward: the forward's inputs and outputs (t, w, u), and the gradients of w, u and k_end -> those of k, v, beta
+ * and b. */
 int lm_delta_systems_backward_f32(const float *k, const float *v, const float *beta, const float *b, const float *t,
                                   const float *w, const float *u, const float *grad_w, const float *grad_u,
-                                  float *grad_k, float *grad_v, float *grad_beta, float *grad_b, long chunks, int c,
-                                  int dk, int dv, int threads) {
-    const struct delta_systems s = {k, v, beta, b, t, w, u, grad_w, grad_u, NULL, NULL, NULL,
+                                  const float *grad_k_end, float *grad_k, float *grad_v, float *grad_beta,
+                                  float *grad_b, long chunks, int c, int dk, int dv, int threads) {
+    const struct delta_systems s = {k, v, beta, b, t, w, u, grad_w, grad_u, grad_k_end, NULL, NULL, NULL, NULL,
                                     grad_k, grad_v, grad_beta, grad_b, c, dk, dv};
     const long dkp = whole_vectors(dk), dvp = whole_vectors(dv), ldt = whole_vectors(c);
     const long dp = dkp > dvp ? dkp : dvp;
