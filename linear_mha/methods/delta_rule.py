@@ -75,11 +75,13 @@ class DeltaNet(StateRecurrenceMethod):
         # over the tokens padded to whole chunks of C: K Kᵀ, Q Kᵀ and the scores times U (C per token, d each), the
         # unit-triangular solve for W and U (C - 1 multiply-adds per token and right-hand column, d + d_v
         # columns), the pass over chunks W S and Kᵀ U, and the outputs' Q S and Kᵀ U again (the outputs are the
-        # decayed product of Q, K and U, which carries its own state: d x d_v per token each)
+        # decayed product of Q, K and U, which carries its own state: d x d_v per token each), and the gates' reads of
+        # the keys (a product of d per token for beta, and one for the decay)
         chunk = self.chunk_size or 64
         padded = -(-tokens // chunk) * chunk
-        return batch_heads * padded * (6.0 * chunk * head_dim + 2.0 * (chunk - 1) * head_dim
-                                       + 8.0 * head_dim * head_dim)
+        reads = 2.0 if self.decays else 1.0
+        return batch_heads * (padded * (6.0 * chunk * head_dim + 2.0 * (chunk - 1) * head_dim
+                                        + 8.0 * head_dim * head_dim) + reads * 2.0 * tokens * head_dim)
 
 
 @register_method
