@@ -25,7 +25,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import backend, native_maps
-from ._common import unit_rows
 from .gated_linear import gated_linear_attention
 from .native_decayed import delta_states, delta_systems
 from ._recurrence import (accumulating_dtype, check_heads, decay_ratios, empty_sequence, full_initial_state,
@@ -60,7 +59,7 @@ def silu_unit(x: Tensor, eps: float = 1e-12) -> Tensor:
     compiled pass, forward and backward, for float32 CPU heads (``backend.silu_unit_backend``)."""
     if backend.silu_unit_backend(x).backend == backend.NATIVE:
         return native_maps.silu_unit_map(x, eps)
-    return unit_rows(F.silu(x), eps)
+    return F.normalize(F.silu(x), dim=-1, eps=eps)  # exact where it matters: float64 references, half precision
 
 
 def delta_rule_step(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, log_decay: Optional[Tensor] = None,

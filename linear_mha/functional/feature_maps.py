@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._common import mask_keys, unit_rows
+from ._common import mask_keys
 
 FeatureMap = Union[str, Callable[[Tensor], Tensor]]
 FEATURE_MAPS = ("elu", "relu", "favor", "taylor", "taylor2")
@@ -46,7 +46,7 @@ def relu_feature_map(x: Tensor) -> Tensor:
 def taylor_feature_map(x: Tensor) -> Tensor:
     """[1, x/|x|]: phi(q).phi(k) = 1 + q'.k', the first-order Taylor expansion of exp(q'.k') on L2-normalised
     vectors. Since |q'.k'| <= 1 the similarity is >= 0. (..., D) -> (..., D + 1)."""
-    return torch.cat([torch.ones_like(x[..., :1]), unit_rows(x)], dim=-1)
+    return torch.cat([torch.ones_like(x[..., :1]), F.normalize(x, dim=-1)], dim=-1)
 
 
 def taylor2_feature_map(x: Tensor) -> Tensor:
