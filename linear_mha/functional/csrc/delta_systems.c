@@ -6,7 +6,8 @@
  *   W = T diag(beta exp(b)) K,    U = T diag(beta) V,    K_end = diag(exp(b_last - b)) K
  *
  * (K_end: the keys decayed to the chunk's end, what the pass from chunk to chunk writes into the state.)
- * Every chunk is independent: one task per chunk, its matrices kept in cache. T is written out for the backward.
+ * Every chunk is independent: one task per chunk, its matrices kept in cache; T is written out when a backward
+ * will read it.
  * Given dW and dU, with X = diag(beta exp(b)) K and Y = diag(beta) V the right-hand sides of (I + A) [W U] = [X Y]:
  *
  *   dX = T^T dW,  dY = T^T dU,  dA = -(dX W^T + dY U^T)  (its strictly lower part)
