@@ -30,6 +30,11 @@ interrupted grid continues where it stopped (a run cut short starts over). At th
 ± std over seeds, at the chosen rate) per method and task, OUT/mqar.png (accuracy against sequence length per
 method), and OUT/results.json (with --json, also there): the records, each with steps, lr, final loss, seconds,
 machine and torch version, and the summary.
+
+--records FILE (e.g. docs/results/mqar.json) keeps a table that takes longer than one machine's session: the runs
+it holds count as done, and every run that finishes is added to it at once, with the summary of all its records and
+FILE's .png beside it. Processes may share one file (give each its own --methods); a file from another machine or
+torch version is refused, and so is a run it holds with other settings.
 """
 import argparse
 import json
@@ -56,6 +61,7 @@ from linear_mha.registry import method_class
 
 from .measure import cpu_name
 from .mqar_data import IGNORE, POWER_A, check_task, mqar_examples
+from .mqar_records import add_record, find_record, read_results
 from .variant_names import split_variant
 
 LOCAL_CONV_TAPS = 3  # SelfAttention's local_conv: a fixed 3-tap causal depthwise convolution
@@ -224,18 +230,29 @@ def run_dir_of(out, method: Method, seq_len: int, pairs: int, lr: float, seed: i
             / f"seed{seed}")
 
 
-def run_grid(args, methods, tasks, device):
-    """Every (method, task, seed) run's record: read where it exists (with the same settings), else trained."""
+def run_grid(args, methods, tasks, device, command):
+    """Every (method, task, seed) run's record: read where it exists (with the same settings) in --out or the
+    --records file, else trained (and added to the --records file at once)."""
     runs = [(method, seq_len, pairs, lr, seed) for method in methods for seq_len, pairs in tasks for lr in args.lr
             for seed in args.seeds]
+    setup = {"machine": machine(device), "torch": torch.__version__, "device": str(device)}
+    records_path = Path(args.records) if args.records else None
     records = []
     for number, (method, seq_len, pairs, lr, seed) in enumerate(runs, start=1):
         run_dir = run_dir_of(args.out, method, seq_len, pairs, lr, seed)
         record_path = run_dir / "record.json"
         label = f"[{number}/{len(runs)}] {method.name}, seq {seq_len}, {pairs} pairs, lr {lr:g}, seed {seed}"
-        if record_path.exists():
-            record = json.loads(record_path.read_text())
-            check_same_args(record, run_settings(args, method, lr), RUN_SETTINGS, "--out", record_path)
+        settings = run_settings(args, method, lr)
+        kept = in_file = None
+        if records_path:  # read again for every run: another process may have added it meanwhile
+            wanted = {**settings, "seq_len": seq_len, "num_kv_pairs": pairs, "seed": seed}
+            kept = in_file = find_record(read_results(records_path, setup).get("records", []), wanted, settings,
+                                         RUN_SETTINGS, records_path)
+        if kept is None and record_path.exists():
+            kept = json.loads(record_path.read_text())
+            check_same_args(kept, settings, RUN_SETTINGS, "--out", record_path)
+        if kept is not None:
+            record = kept
             print(f"{label}: done before (accuracy {record['acc']:.4f}), skipped", file=sys.stderr)
         else:
             print(f"{label}: training", file=sys.stderr)
@@ -243,6 +260,9 @@ def run_grid(args, methods, tasks, device):
             run_dir.mkdir(parents=True, exist_ok=True)
             write_text_atomic(record_path, json.dumps(record, indent=1))
             print(f"{label}: accuracy {record['acc']:.4f} in {duration(record['seconds'])}", file=sys.stderr)
+        if records_path and in_file is None:  # a run of --out that the file lacks joins it too
+            add_record(records_path, record, setup, command, summarize,
+                       draw=lambda results: plot(results["summary"], records_path.with_suffix(".png")))
         records.append(record)
     return records
 
@@ -251,10 +271,10 @@ def _mean_std(values):
     return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def summarize(records, methods):
+def summarize(records):
     """Per (method, seq_len, pairs), in the order of the runs: every learning rate's accuracy (mean and sample std
     over seeds) and mean final training loss, and the rate chosen by that loss, whose accuracy is the row's."""
-    exact = {m.name: method_class(m.mode).exact for m in methods}
+    exact = {name: method_class(split_variant(name)[0]).exact for name in dict.fromkeys(r["method"] for r in records)}
     summary = []
     for method, seq_len, pairs in dict.fromkeys((r["method"], r["seq_len"], r["num_kv_pairs"]) for r in records):
         task = [r for r in records if (r["method"], r["seq_len"], r["num_kv_pairs"]) == (method, seq_len, pairs)]
@@ -339,6 +359,9 @@ def parse_args(argv=None):
                                                "machine)")
     p.add_argument("--out", default="runs/mqar", help="run folders, results.json and mqar.png")
     p.add_argument("--json", help="also write the results (records and summary) to this file")
+    p.add_argument("--records", metavar="FILE",
+                   help="a results file that runs add up in across calls, processes and machines' sessions: a run "
+                        "it holds is not trained again, a finished run is added at once (see above)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     check_args(args)
@@ -379,12 +402,14 @@ def main(argv=None):
                     f"training / {args.test_examples:,} test sequences",
         "device": f"{device}, threads {threads}",
         "output": f"{args.out}/ (a folder per run, results.json, mqar.png)"}, stream=sys.stderr)
-    records = run_grid(args, methods, tasks, device)
-    summary = summarize(records, methods)
+    command = "python -m linear_mha.tools.mqar " + " ".join(argv)
+    records = run_grid(args, methods, tasks, device, command)
+    summary = summarize(records)
     print_table(summary)
-    results = {"command": "python -m linear_mha.tools.mqar " + " ".join(argv), "machine": machine(device),
+    results = {"command": command, "machine": machine(device),
                "torch": torch.__version__, "device": str(device), "records": records, "summary": summary}
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)  # every run may have come from --records
     write_text_atomic(out / "results.json", json.dumps(results, indent=1))
     plot(summary, out / "mqar.png")
     if args.json:
