@@ -140,7 +140,8 @@ def test_the_choosers_take_the_kernels_only_when_switched_on():
 @inside
 def test_the_gpu_benchmark_checks_exactness_and_writes_its_table(tmp_path):
     """tools.triton_causal_bench at a tiny size on CPU (the interpreter): our path taken and within float32 rounding
-    for every map, float16 finite, a timing row per chunk size and for the PyTorch path, fla's absence said."""
+    for every map, float16 finite, a timing row per chunk size and for the PyTorch path, fla's absence said; the
+    decayed product's kernel and PyTorch path both exact and timed."""
     import json
 
     from linear_mha.tools import triton_causal_bench
@@ -155,3 +156,7 @@ def test_the_gpu_benchmark_checks_exactness_and_writes_its_table(tmp_path):
     timed = {row["variant"]: row for row in record["timings"]}
     assert timed["ours, 16-row chunks"]["fwd_ms"] > 0 and timed["pytorch path"]["fwdbwd_ms"] > 0
     assert "fla" in timed and "error" in timed["fla"]  # CPU tensors: fla's kernels run on CUDA only
+    decayed = [row for row in record["decayed"] if row["kind"] == "exactness"]
+    assert [row["path"] for row in decayed] == ["ours", "pytorch"] and all(row["taken"] for row in decayed)
+    assert all(max(row[key] for key in ("out", "dq", "dk", "dv", "dg")) < 1e-5 for row in decayed)
+    assert {row["path"] for row in record["decayed"] if row.get("fwdbwd_ms", 0) > 0} == {"ours", "pytorch"}

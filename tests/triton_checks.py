@@ -39,7 +39,7 @@ def interpreter_runs_on_cpu_tensors():
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 inside = pytest.mark.skipif(not INTERPRETED, reason="run by test_the_kernels_under_the_interpreter in a process "
                                                    "that starts with TRITON_INTERPRET=1")
-FILES = ("test_triton_kernels.py", "test_triton_methods.py", "test_triton_causal.py")
+FILES = ("test_triton_kernels.py", "test_triton_methods.py", "test_triton_causal.py", "test_triton_decayed.py")
 
 
 def relative_error(got, ref):

@@ -1,6 +1,8 @@
 """Causal kernel attention on a GPU: our Triton causal kernels (linear_mha/functional/triton_causal.py) against
 flash-linear-attention's chunk kernel (when fla-core is installed), the PyTorch path they would replace, and causal
-SDPA, in one run: exactness against float64, float16 at long N, then time.
+SDPA, in one run: exactness against float64, float16 at long N, then time. Then the same for our kernel of the
+product with one decay per position (functional/triton_decayed.py: retention, a Mamba-2-style gate) against the
+PyTorch chunked form it would replace, float32, its gate's gradient included.
 
     python -m linear_mha.tools.triton_causal_bench --json runs/cuda/triton_causal_bench.json
 
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 
 import linear_mha.functional as LF
 from linear_mha.functional import backend, triton_causal, triton_kernel
+from linear_mha.functional.gated_linear import gated_linear_attention
 from linear_mha.integrations.console import HelpFormatter
 
 from .triton_bench import DTYPES, relative_error, timer
@@ -111,6 +114,51 @@ def _through(name, tensors, chunk=None):
         return LF.kernel(*tensors, "elu", causal=True)
 
 
+def _decayed_inputs(device, b, h, n, d, seed=3):
+    g = torch.Generator(device=device).manual_seed(seed)
+    q, k, v, grad = (torch.randn(b, h, n, d, generator=g, device=device) for _ in range(4))
+    log_gate = F.logsigmoid(torch.randn(b, h, n, 1, generator=g, device=device) + 3)  # data-dependent, ~0.95
+    return q, F.normalize(k, dim=-1), v, log_gate, grad
+
+
+def _decayed(name, tensors):
+    with path(name), backend.override(native_kernels=False):  # CPU tensors (the interpreter) would go native
+        return gated_linear_attention(*tensors)
+
+
+def decayed_rows(device, shape, sizes, repeats, timed):
+    """Exactness (output and the four gradients against float64, per path) at ``shape`` (B, H, N, D), then the
+    forward and forward + backward time of each path at every (B, N) of ``sizes``; float32."""
+    rows = []
+    tensors = _decayed_inputs(device, *shape)
+    want = [t.detach().double().requires_grad_() for t in tensors[:4]]
+    gated_linear_attention(*want).backward(tensors[4].double())
+    for name in ("ours", "pytorch"):
+        with path(name), backend.override(native_kernels=False):
+            taken = backend.decay_backend(*tensors[:4]).backend == backend.TRITON
+        leaves = [t.detach().requires_grad_() for t in tensors[:4]]
+        out = _decayed(name, leaves)
+        out.backward(tensors[4])
+        errors = {"out": relative_error(out, gated_linear_attention(*(t.detach() for t in want)))}
+        errors.update({f"d{key}": relative_error(x.grad, ref.grad) for key, x, ref in zip("qkvg", leaves, want)})
+        rows.append(dict(kind="exactness", path=name, taken=taken == (name == "ours"), **errors))
+    for b, n in sizes:
+        q, k, v, log_gate, grad = _decayed_inputs(device, b, shape[1], n, shape[3])
+        for name in ("ours", "pytorch"):
+            try:
+                with torch.no_grad():
+                    fwd = timed(lambda: _decayed(name, (q, k, v, log_gate)), repeats)
+
+                def forward_backward():
+                    _decayed(name, [t.detach().requires_grad_() for t in (q, k, v, log_gate)]).backward(grad)
+                rows.append(dict(kind="timing", path=name, B=b, N=n, fwd_ms=fwd,
+                                 fwdbwd_ms=timed(forward_backward, repeats)))
+            except Exception as exc:  # a path this device cannot run is a row saying so
+                rows.append(dict(kind="timing", path=name, B=b, N=n,
+                                 error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"))
+    return rows
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(prog="python -m linear_mha.tools.triton_causal_bench", description=__doc__,
@@ -153,6 +201,14 @@ def main(argv=None):
             detail = (f"{row['fwd_ms']:9.3f} {row['fwdbwd_ms']:11.3f}" if "fwd_ms" in row else row["error"])
             print(f"{dtype_name:8s} {b:3d} {n:6d} {row['variant']:22s} {detail}", flush=True)
             record["timings"].append(row)
+    record["decayed"] = decayed_rows(device, [a.exact_shape[0], a.heads, a.exact_shape[2], a.dim],
+                                     [(b, n) for b in a.batch for n in a.n], a.repeats, timed)
+    for row in record["decayed"]:
+        detail = (" ".join(f"{key} {row[key]:.1e}" for key in ("out", "dq", "dk", "dv", "dg"))
+                  + ("" if row["taken"] else "  (not the path asked for)") if row["kind"] == "exactness"
+                  else f"B {row['B']} N {row['N']}: " + (f"fwd {row['fwd_ms']:.3f} ms, fwd+bwd {row['fwdbwd_ms']:.3f}"
+                                                          f" ms" if "fwd_ms" in row else row["error"]))
+        print(f"decayed {row['kind']:10s} {row['path']:7s} {detail}", flush=True)
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(record, indent=1))

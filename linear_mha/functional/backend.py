@@ -13,8 +13,9 @@
     triton             ``triton_kernel.py``: non-causal kernel attention in fused Triton kernels, forward and backward,
                        on CUDA: elu, relu, taylor, focused, hedgehog's learned maps, rotary position
                        (LINEAR_MHA_TRITON=0 switches them off; =all adds maps not yet run on a GPU);
-                       ``triton_causal.py``: the causal product in Triton kernels of our own, any map's features
-                       (off until timed on a GPU: LINEAR_MHA_TRITON_CAUSAL=1 switches it on)
+                       ``triton_causal.py``: the causal product in Triton kernels of our own, any map's features,
+                       and ``triton_decayed.py`` that product with one decay per position (gated linear attention
+                       with a scalar gate) (off until timed on a GPU: LINEAR_MHA_TRITON_CAUSAL=1 switches them on)
     fused_causal       ``kernel/fused.py``: causal elu/relu kernel attention as one autograd Function, the feature
                        map and the division done block by block in reused buffers
     blocked_inference  ``kernel/fused.py``: non-causal elu/relu inference without autograd, a block of positions at a
@@ -35,7 +36,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch import Tensor
 
-from . import fla_causal, native, triton_causal, triton_kernel
+from . import fla_causal, native, triton_causal, triton_decayed, triton_kernel
 from ._common import compiling, compute_dtype, fixed_graph, functorch_active, has_tangent, needs_grad
 from .elementwise_program import program_map
 from .feature_maps import IN_PLACE_FEATURE_MAPS
@@ -360,15 +361,21 @@ def decay_backend(q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor) -> Choice:
     """The backend ``functional.gated_linear_attention`` runs for heads already in their compute dtype and a
     (B, H, L, G) log gate."""
     why_not_native = native.why_not(q, k, v)
-    if why_not_native is None and log_gate.numel() and bool(log_gate.amax() > 0):  # one reduction, no bool copy
-        why_not_native = "a log gate is positive (a growing state), which the compiled code does not take"
-    if why_not_native is not None:
-        return Choice(COMPOSED, f"the chunked form in PyTorch ops, not native because {why_not_native}")
-    if log_gate.shape[-1] != 1:
-        return Choice(NATIVE, "float32 CPU tensors and a gate per key dimension (GLA): the recurrence position by "
-                              "position in the compiled code, its state in cache")
-    return Choice(NATIVE, "float32 CPU tensors and one gate per position: the compiled causal product, its "
-                          "backward three more of the same")
+    why_not_triton = None if why_not_native is None else triton_decayed.why_not(q, k, v, log_gate)
+    if (why_not_native is None or why_not_triton is None) and log_gate.numel() and bool(log_gate.amax() > 0):
+        return Choice(COMPOSED, "the chunked form in PyTorch ops: a log gate is positive (a growing state), which "
+                                "the compiled code and the Triton kernel do not take")  # one reduction, no bool copy
+    if why_not_native is None:
+        if log_gate.shape[-1] != 1:
+            return Choice(NATIVE, "float32 CPU tensors and a gate per key dimension (GLA): the recurrence position "
+                                  "by position in the compiled code, its state in cache")
+        return Choice(NATIVE, "float32 CPU tensors and one gate per position: the compiled causal product, its "
+                              "backward three more of the same")
+    if why_not_triton is None:
+        return Choice(TRITON, "one gate per position: the causal product in a Triton kernel, its backward three more "
+                              "of the same (LINEAR_MHA_TRITON_CAUSAL=1)")
+    return Choice(COMPOSED, f"the chunked form in PyTorch ops, not native because {why_not_native}; not the Triton "
+                            f"kernel because {why_not_triton}")
 
 
 def delta_rule_backend(*tensors: Optional[Tensor]) -> Choice:

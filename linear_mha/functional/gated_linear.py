@@ -15,7 +15,8 @@ Three forms, one definition:
                             q_i exp(b_i - b_r) and k_j exp(b_r - b_j) (both <= 1), and meet in one matmul. That
                             costs the causal half of a dense (C, C) product instead of C x C x d_k decays.
                             (For float32 CPU tensors both gates run in compiled code: one per position chunked as
-                            here, one per key dimension position by position, see ``backend.decay_backend``.)
+                            here, one per key dimension position by position; one per position runs in a Triton
+                            kernel on CUDA when switched on; see ``backend.decay_backend``.)
 A masked position is an identity step: it neither writes to the state nor decays it.
 """
 from typing import Optional, Tuple, Union
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import backend, native_maps
+from . import backend, native_maps, triton_decayed
 from .native_decayed import decayed_causal, gated_recurrence
 from ._recurrence import (accumulating_dtype, check_heads, decay_ratios, empty_sequence, full_initial_state,
                           run_steps, split_into_chunks, starting_state)
@@ -98,10 +99,14 @@ def gated_linear_attention(q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor, *,
     if length == 0:
         return empty_sequence(q, v, initial_state, out_dtype, output_final_state)
 
-    if backend.decay_backend(q, k, v, log_gate).backend == backend.NATIVE:
+    chosen = backend.decay_backend(q, k, v, log_gate).backend
+    if chosen == backend.TRITON:
+        return _scalar_gate_product(triton_decayed.decayed_causal, q, k, v, log_gate[..., 0].contiguous(),
+                                    initial_state, out_dtype, output_final_state)
+    if chosen == backend.NATIVE:
         if gate_dim == 1:
-            return _scalar_gate_native(q, k, v, log_gate[..., 0].contiguous(), initial_state, out_dtype,
-                                       output_final_state)
+            return _scalar_gate_product(decayed_causal, q, k, v, log_gate[..., 0].contiguous(), initial_state,
+                                        out_dtype, output_final_state)
         out, state = gated_recurrence(q, k, v, log_gate, full_initial_state(q, d_v, initial_state))
         return (out.to(out_dtype), state) if output_final_state else out.to(out_dtype)
 
@@ -129,11 +134,12 @@ def gated_linear_attention(q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor, *,
     return (out, state) if output_final_state else out
 
 
-def _scalar_gate_native(q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor, initial_state: Optional[Tensor],
-                        out_dtype: torch.dtype, output_final_state: bool):
-    """The compiled causal product (native_decayed.py) for a (B, H, L) gate; the initial state's share of the
-    outputs and the final state, each one product over the whole sequence, in PyTorch ops beside it."""
-    out = decayed_causal(q, k, v, log_gate)
+def _scalar_gate_product(decayed_product, q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor,
+                         initial_state: Optional[Tensor], out_dtype: torch.dtype, output_final_state: bool):
+    """The causal product of the compiled code or the Triton kernel (``decayed_product``: native_decayed's or
+    triton_decayed's) for a (B, H, L) gate; the initial state's share of the outputs and the final state, each one
+    product over the whole sequence, in PyTorch ops beside it."""
+    out = decayed_product(q, k, v, log_gate)
     if initial_state is not None:  # position i sees the initial state decayed by every gate up to i
         out = out + torch.exp(log_gate.cumsum(-1))[..., None] * (q @ initial_state.to(q.dtype))
     out = out.to(out_dtype)

@@ -136,3 +136,50 @@ def causal_grad_keys(q_ptr, k_ptr, v_ptr, do_ptr, dsn_ptr, dk_ptr, dv_ptr, ds0_p
     if FEATURE_ROWS and STORE_DS0:
         inside = (feats[:, None] < F) & (cols[None, :] < DV)
         tl.store(ds0_ptr + g * F * DV + feats[:, None] * DV + cols[None, :], grad_state, mask=inside)
+
+
+@triton.jit
+def decayed_product(x_ptr, y_ptr, z_ptr, gate_ptr, out_ptr, H, n,
+                    sx_b, sx_h, sx_n, sy_b, sy_h, sy_n, sz_b, sz_h, sz_n, so_b, so_h, so_n,
+                    F: tl.constexpr, DV: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
+                    BLOCK_DV: tl.constexpr, REVERSE: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (g, c): value columns c * BLOCK_DV ... of head g of the product with one decay per position
+    (``triton_decayed.py``), out_t = sum_s decay (x_t . y_s) z_s over s <= t, or s >= t when REVERSE, decay being
+    exp of the gates after the earlier of s, t up to the later. The gate is (G, n) contiguous. Inside a chunk every
+    exponent is a difference of the chunk's own running gate sums (c_t = the gates from the chunk's start up to
+    t), <= 0 but in the masked half, which tl.where drops; between chunks the state, decayed across each."""
+    g, c = tl.program_id(0), tl.program_id(1)
+    b, h = g // H, g % H
+    x_base, y_base = x_ptr + b * sx_b + h * sx_h, y_ptr + b * sy_b + h * sy_h
+    z_base, o_base = z_ptr + b * sz_b + h * sz_h, out_ptr + b * so_b + h * so_h
+    feats, cols, steps = tl.arange(0, BLOCK_F), c * BLOCK_DV + tl.arange(0, BLOCK_DV), tl.arange(0, BLOCK_T)
+    if REVERSE:
+        seen = steps[:, None] <= steps[None, :]  # [t, s]: s >= t inside a chunk
+    else:
+        seen = steps[:, None] >= steps[None, :]  # [t, s]: s <= t
+    # Forward: sum_{s before the chunk} exp(b_{start-1} - b_s) y_s z_sᵀ. Reversed: sum_{s after the chunk}
+    # exp(b_s - b_end) y_s z_sᵀ.
+    state = tl.zeros((BLOCK_F, BLOCK_DV), dtype=tl.float32)
+    chunks = tl.cdiv(n, BLOCK_T)
+    for walked in range(0, chunks):
+        if REVERSE:
+            rows = (chunks - 1 - walked) * BLOCK_T + steps
+        else:
+            rows = walked * BLOCK_T + steps
+        x = _load(x_base, sx_n, rows, n, feats, F)
+        y = _load(y_base, sy_n, rows, n, feats, F)
+        z = _load(z_base, sz_n, rows, n, cols, DV)
+        gates = tl.load(gate_ptr + g * n + rows, mask=rows < n, other=0.0)  # 0 past the end: no decay there
+        running, whole = tl.cumsum(gates, 0), tl.sum(gates, 0)  # c_t, and the chunk's whole decay
+        if REVERSE:
+            apart = running[None, :] - running[:, None]  # [t, s]: c_s - c_t, the gates after t up to s
+            from_state, to_state = tl.exp(whole - running), tl.exp(running)
+        else:
+            apart = running[:, None] - running[None, :]  # [t, s]: c_t - c_s
+            from_state, to_state = tl.exp(running), tl.exp(whole - running)
+        ratios = tl.exp(tl.where(seen, apart, 0.0))  # the masked half's exponents may be large and positive
+        weights = tl.where(seen, tl.dot(x, tl.trans(y), input_precision=PRECISION) * ratios, 0.0)
+        out = tl.dot(x * from_state[:, None], state, input_precision=PRECISION) \
+            + tl.dot(weights, z, input_precision=PRECISION)
+        _store_rows(o_base, so_n, rows, n, cols, DV, out)
+        state = state * tl.exp(whole) + tl.dot(tl.trans(y * to_state[:, None]), z, input_precision=PRECISION)
