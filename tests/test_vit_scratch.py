@@ -34,3 +34,25 @@ def test_runs_write_records_that_a_later_call_reuses(tmp_path):
     changed = dict(json.loads(record.read_text()), top1=0.123)
     record.write_text(json.dumps(changed))  # a finished run is read back, not trained again
     assert vit_scratch.main(argv)[0]["top1"] == 0.123
+
+
+def test_a_record_of_another_budget_is_refused_not_reused(tmp_path):
+    """A 600-step run's record under the same --out is no 1,800-step result."""
+    argv = ["--variants", "softmax", "--seeds", "0", "--out", str(tmp_path / "runs")]
+    vit_scratch.main(argv + ["--steps", "2"])
+    with pytest.raises(ValueError, match="--steps 2.*--steps 3"):
+        vit_scratch.main(argv + ["--steps", "3"])
+
+
+def test_runs_add_up_in_a_records_file_across_output_folders(tmp_path, monkeypatch):
+    records = tmp_path / "vit.json"
+    common = ["--seeds", "0", "--steps", "2", "--records", str(records)]
+    vit_scratch.main(["--variants", "softmax", "--out", str(tmp_path / "a")] + common)
+    vit_scratch.main(["--variants", "kernel", "--out", str(tmp_path / "b")] + common)
+    table = json.loads(records.read_text())
+    assert [(r["variant"], r["steps"]) for r in table["records"]] == [("softmax", 2), ("kernel", 2)]
+    assert [s["variant"] for s in table["summary"]] == ["softmax", "kernel"] and len(table["commands"]) == 2
+    assert records.with_suffix(".png").stat().st_size > 0
+    monkeypatch.setattr(vit_scratch, "train_vit", lambda *a, **k: pytest.fail("a run the file holds was trained"))
+    summary = vit_scratch.main(["--variants", "softmax", "kernel", "--out", str(tmp_path / "c")] + common)
+    assert [s["top1"] for s in summary] == [s["top1"] for s in table["summary"]]

@@ -61,7 +61,7 @@ from linear_mha.registry import method_class
 
 from .measure import cpu_name
 from .mqar_data import IGNORE, POWER_A, check_task, mqar_examples
-from .mqar_records import add_record, find_record, read_results
+from .records_file import add_record, find_record, read_results
 from .variant_names import split_variant
 
 LOCAL_CONV_TAPS = 3  # SelfAttention's local_conv: a fixed 3-tap causal depthwise convolution
@@ -69,6 +69,7 @@ TEST_DATA_SEED = 1   # odd: never the seed of a training set (2 x the run's seed
 # Settings that change a run's result: a record written with others is refused, not reused
 RUN_SETTINGS = ("method", "vocab", "dim", "depth", "heads", "steps", "batch_size", "lr", "weight_decay",
                 "train_examples", "test_examples", "power_a", "shift_tokens")
+RUN_KEY = ("method", "seq_len", "num_kv_pairs", "lr", "seed")  # one run of the grid
 
 
 class Method(NamedTuple):
@@ -246,8 +247,8 @@ def run_grid(args, methods, tasks, device, command):
         kept = in_file = None
         if records_path:  # read again for every run: another process may have added it meanwhile
             wanted = {**settings, "seq_len": seq_len, "num_kv_pairs": pairs, "seed": seed}
-            kept = in_file = find_record(read_results(records_path, setup).get("records", []), wanted, settings,
-                                         RUN_SETTINGS, records_path)
+            kept = in_file = find_record(read_results(records_path, setup).get("records", []), wanted, RUN_KEY,
+                                         settings, RUN_SETTINGS, records_path)
         if kept is None and record_path.exists():
             kept = json.loads(record_path.read_text())
             check_same_args(kept, settings, RUN_SETTINGS, "--out", record_path)
@@ -261,7 +262,7 @@ def run_grid(args, methods, tasks, device, command):
             write_text_atomic(record_path, json.dumps(record, indent=1))
             print(f"{label}: accuracy {record['acc']:.4f} in {duration(record['seconds'])}", file=sys.stderr)
         if records_path and in_file is None:  # a run of --out that the file lacks joins it too
-            add_record(records_path, record, setup, command, summarize,
+            add_record(records_path, record, RUN_KEY, setup, command, summarize,
                        draw=lambda results: plot(results["summary"], records_path.with_suffix(".png")))
         records.append(record)
     return records

@@ -9,9 +9,10 @@ learning rate and seeds for every variant; top-1 on the held-out fifth.
 
 A variant is 'softmax' (timm's own attention) or '<method>[-dwc<K>][:<option>=<value>,...]' as in
 ``tools.detr_compare`` (e.g. 'taylor-dwc3:output_gate=True'). Every run writes <out>/<variant>/seed<S>.json when it
-finishes, and a later call reuses it (an interrupted run starts again: one takes about a minute). The table gives
-mean ± std over the seeds and the ratio to softmax's mean top-1 on the same seeds; --json writes every record with
-the command, machine and torch version; --plot a bar chart.
+finishes, and a later call reuses it (one of other --steps or --lr is refused; an interrupted run starts again).
+With --records FILE the runs add up in one committed file across machines' sessions (as ``tools.mqar``'s). The table
+gives mean ± std over the seeds and the ratio to softmax's mean top-1 on the same seeds; --json writes every record
+with the command, machine and torch version; --plot a bar chart.
 """
 import argparse
 import json
@@ -23,13 +24,14 @@ from pathlib import Path
 
 import torch
 
-from linear_mha.integrations.checkpoint_io import write_text_atomic
+from linear_mha.integrations.checkpoint_io import check_same_args, write_text_atomic
 from linear_mha.integrations.console import HelpFormatter
 from linear_mha.integrations.detr.attention import parse_attention_options
 from linear_mha import method_class, patch
 
 from . import measure
 from .calibrate_bench import build_vit, digits, top1, train_vit
+from .records_file import add_record, find_record, read_results
 
 
 def parse_variant(name: str):
@@ -47,23 +49,38 @@ def parse_variant(name: str):
     return mode, found
 
 
-def run(variant: str, seed: int, steps: int, lr: float, out: Path) -> dict:
-    """Train one ViT with ``variant``'s attention for ``steps`` and test it, or read the record a finished run left."""
+RUN_KEY = ("variant", "seed", "steps", "lr")  # one run; steps and lr are also settings a record must match
+
+
+def run(variant: str, seed: int, steps: int, lr: float, out: Path, records=None) -> dict:
+    """Train one ViT with ``variant``'s attention for ``steps`` and test it, or read the record a finished run left
+    in ``out`` or in the --records file (``records``: its path, setup and command, or None)."""
+    wanted = {"variant": variant, "seed": seed, "steps": steps, "lr": lr}
     done = out / variant / f"seed{seed}.json"
+    if records is not None:
+        path, setup, command = records
+        kept = find_record(read_results(path, setup).get("records", []), wanted, RUN_KEY, wanted, ("steps", "lr"),
+                           path)
+        if kept is not None:
+            return kept
     if done.is_file():
-        return json.loads(done.read_text())
-    mode, options = parse_variant(variant)
-    x_train, y_train, x_test, y_test = digits(seed)
-    model = build_vit(seed)
-    if mode is not None:
-        patch(model, mode, **options)
-    start = time.perf_counter()
-    train_vit(model, x_train, y_train, steps, lr, seed, label=variant)
-    seconds = time.perf_counter() - start
-    record = {"variant": variant, "seed": seed, "top1": top1(model, x_test, y_test), "steps": steps,
-              "sec_per_step": seconds / steps}
-    done.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(done, json.dumps(record))
+        record = json.loads(done.read_text())
+        check_same_args(record, wanted, ("steps", "lr"), "--out", done)  # a 600-step run is no 1,800-step run
+    else:
+        mode, options = parse_variant(variant)
+        x_train, y_train, x_test, y_test = digits(seed)
+        model = build_vit(seed)
+        if mode is not None:
+            patch(model, mode, **options)
+        start = time.perf_counter()
+        train_vit(model, x_train, y_train, steps, lr, seed, label=variant)
+        seconds = time.perf_counter() - start
+        record = {**wanted, "top1": top1(model, x_test, y_test), "sec_per_step": seconds / steps}
+        done.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(done, json.dumps(record))
+    if records is not None:
+        add_record(path, record, RUN_KEY, setup, command, summarize,
+                   draw=lambda results: plot(results["summary"], path.with_suffix(".png")))
     return record
 
 
@@ -108,6 +125,10 @@ def parse(argv=None):
     p.add_argument("--out", default="runs/vit_scratch", help="one record per finished run, reused by a later call")
     p.add_argument("--json", help="write every record, the summary, command, machine and torch version here")
     p.add_argument("--plot", help="write a bar chart (PNG) here")
+    p.add_argument("--records", metavar="FILE",
+                   help="a results file that runs add up in across calls, processes and machines' sessions: a run "
+                        "it holds (same steps and lr) is not trained again, a finished run is added at once, with "
+                        "the summary and FILE's .png redrawn; a file of another machine or torch is refused")
     a = p.parse_args(argv)
     for name in a.variants:
         try:
@@ -122,9 +143,14 @@ def main(argv=None):
     if a.threads:
         torch.set_num_threads(a.threads)
     out = Path(a.out)
+    command = "python -m linear_mha.tools.vit_scratch " + " ".join(sys.argv[1:] if argv is None else argv)
+    machine = f"{measure.cpu_name()}, {torch.get_num_threads()} threads"
+    records_file = None
+    if a.records:
+        records_file = (Path(a.records), {"machine": machine, "torch": torch.__version__}, command)
     print(f"ViT from scratch on digits: {len(a.variants)} variant(s) x {len(a.seeds)} seed(s), {a.steps} steps each; "
           f"runs in {out}/")
-    records = [run(name, seed, a.steps, a.lr, out) for seed in a.seeds for name in a.variants]
+    records = [run(name, seed, a.steps, a.lr, out, records_file) for seed in a.seeds for name in a.variants]
     summary = summarize(records)
     print("variant | seeds | top-1 | std | vs softmax | s / step")
     print("---|---|---|---|---|---")
@@ -134,10 +160,8 @@ def main(argv=None):
               f"{s['sec_per_step']:.4f}")
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(a.json, json.dumps({
-            "machine": f"{measure.cpu_name()}, {torch.get_num_threads()} threads", "torch": torch.__version__,
-            "command": "python -m linear_mha.tools.vit_scratch " + " ".join(sys.argv[1:] if argv is None else argv),
-            "records": records, "summary": summary}, indent=1))
+        write_text_atomic(a.json, json.dumps({"machine": machine, "torch": torch.__version__, "command": command,
+                                              "records": records, "summary": summary}, indent=1))
         print(f"records: {a.json}")
     if a.plot:
         plot(summary, a.plot)

@@ -1,12 +1,13 @@
-"""MQAR's --records file (tools/mqar_records.py): runs of several calls, output folders and processes add up in one
-table, a run the file holds is never trained again, and a file of another machine or other settings is refused."""
+"""The --records file (tools/records_file.py) of MQAR and the ViT from scratch: runs of several calls, output folders
+and processes add up in one table, a run the file holds is never trained again, and a file of another machine or
+other settings is refused."""
 import json
 import multiprocessing
 
 import pytest
 
 from linear_mha.tools import mqar
-from linear_mha.tools.mqar_records import add_record
+from linear_mha.tools.records_file import add_record
 
 from test_mqar import TINY
 
@@ -48,8 +49,8 @@ def test_a_records_file_of_another_machine_is_refused(tmp_path):
         mqar.main(TINY + ["--methods", "softmax", "--out", str(tmp_path / "b"), "--records", str(records)])
     setup = {key: table[key] for key in ("machine", "torch", "device")}
     with pytest.raises(ValueError, match="one machine"):
-        add_record(records, {**table["records"][0], "torch": "0.1"}, {**setup, "machine": "another CPU, 1 threads"},
-                   "cmd", lambda records: [])
+        add_record(records, {**table["records"][0], "torch": "0.1"}, mqar.RUN_KEY,
+                   {**setup, "machine": "another CPU, 1 threads"}, "cmd", lambda records: [])
 
 
 SETUP = {"machine": "cpu, 1 threads", "torch": "x", "device": "cpu"}
@@ -58,7 +59,7 @@ SETUP = {"machine": "cpu, 1 threads", "torch": "x", "device": "cpu"}
 def _add_runs(path, seeds):
     for seed in seeds:
         record = {"method": "kernel", "seq_len": 8, "num_kv_pairs": 2, "lr": 1e-3, "seed": seed, "acc": 0.5}
-        add_record(path, record, SETUP, f"lane {seeds[0]}", lambda records: {"runs": len(records)})
+        add_record(path, record, mqar.RUN_KEY, SETUP, f"lane {seeds[0]}", lambda records: {"runs": len(records)})
 
 
 def test_processes_adding_to_one_file_at_once_lose_no_run(tmp_path):

@@ -1,10 +1,11 @@
-"""One results file that MQAR runs add up in, run by run, across processes and across machines' sessions.
+"""One results file that runs add up in, run by run, across processes and across machines' sessions.
 
-A grid of MQAR runs (methods x tasks x rates x seeds) takes longer than one session of a machine whose disk does not
-outlive it, so ``mqar --records FILE`` keeps the table in a file that is committed with the code: a run whose record
-the file holds (with the same settings) is not trained again, and each run that finishes is added to the file at
-once, the summary and the figure beside it redrawn. Several processes (one per core, each with its own --methods)
-may add to one file: the read-add-write is done under a lock on the file's folder."""
+A grid of training runs (MQAR's methods x tasks x rates x seeds, the ViT's variants x seeds) takes longer than one
+session of a machine whose disk does not outlive it, so ``--records FILE`` keeps the table in a file that is
+committed with the code: a run whose record the file holds (with the same settings) is not trained again, and each
+run that finishes is added to the file at once, the summary and the figure beside it redrawn. Several processes (one
+per core, each with its own variants) may add to one file: the read-add-write is done under a lock on the file's
+folder. A run is named by the values of its ``key`` fields (e.g. method, task, rate and seed)."""
 import fcntl
 import json
 import os
@@ -12,9 +13,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from linear_mha.integrations.checkpoint_io import check_same_args, write_text_atomic
-
-RUN_KEY = ("method", "seq_len", "num_kv_pairs", "lr", "seed")  # one run of the grid
-
 
 @contextmanager
 def folder_lock(path: Path):
@@ -42,27 +40,27 @@ def read_results(path: Path, setup: dict) -> dict:
     return results
 
 
-def find_record(records: list, wanted: dict, settings: dict, setting_names, path):
-    """The record of the run ``wanted`` (its RUN_KEY values) in ``records``, or None. One of that run written with
+def find_record(records: list, wanted: dict, key, settings: dict, setting_names, path):
+    """The record of the run ``wanted`` (its ``key`` values) in ``records``, or None. One of that run written with
     other settings (steps, width, ...) is refused, naming the option: one file is one table."""
     for record in records:
-        if all(record.get(key) == wanted[key] for key in RUN_KEY):
+        if all(record.get(name) == wanted[name] for name in key):
             check_same_args(record, settings, setting_names, "--records", path)
             return record
     return None
 
 
-def add_record(path: Path, record: dict, setup: dict, command: str, summary_of, draw=None) -> dict:
+def add_record(path: Path, record: dict, key, setup: dict, command: str, summary_of, draw=None) -> dict:
     """Add ``record`` to the file at ``path`` (replacing one of the same run), with ``command`` among the file's
     commands and ``summary_of(records)`` as its summary, then ``draw(results)`` (the figure) while the file is still
     locked; returns the file's new contents. Runs that other processes added meanwhile stay."""
     other = {key: record[key] for key in setup if key in record and record[key] != setup[key]}
     if other:
-        raise ValueError(f"--records {path}: the run {[record.get(k) for k in RUN_KEY]} was made with {other}, this "
+        raise ValueError(f"--records {path}: the run {[record.get(k) for k in key]} was made with {other}, this "
                          f"file's table is of {setup}; a table comes from one machine and torch version")
     with folder_lock(path):
         earlier = read_results(path, setup)
-        records = [r for r in earlier.get("records", []) if any(r.get(k) != record[k] for k in RUN_KEY)] + [record]
+        records = [r for r in earlier.get("records", []) if any(r.get(k) != record[k] for k in key)] + [record]
         commands = [c for c in earlier.get("commands", []) if c != command] + [command]
         results = {**setup, "commands": commands, "records": records, "summary": summary_of(records)}
         write_text_atomic(path, json.dumps(results, indent=1))
