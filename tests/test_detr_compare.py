@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 from linear_mha.tools import detr_compare
 
@@ -164,3 +165,25 @@ def test_a_row_whose_model_did_not_get_its_options_is_refused(tmp_path, monkeypa
     with pytest.raises(RuntimeError, match="dwc_kernel"):
         detr_compare.check_options_reached("kernel-dwc3", [
             {"target": "encoder", "options": {"feature_map": "elu"}, "patch_report": object()}])
+
+
+def test_timing_rounds_go_over_every_variant_in_turn_and_take_each_ones_median(monkeypatch):
+    """One slow spell of the machine (9.0 s) lands in one round of one variant and is outvoted by its others."""
+    a = detr_compare.parse(["--variants", "softmax", "--timing-iters", "2", "--timing-repeats", "3",
+                            "--time-also", "kernel"])
+    monkeypatch.setattr(detr_compare, "pretrained_backbone", lambda a: [])
+    monkeypatch.setattr(detr_compare, "train_run", lambda a, name, seed, device, weights: {"variant": name})
+    timed_in_turn, times = [], iter([1.0, 2.0, 9.0, 2.5, 3.0, 2.2])
+
+    def timed_iterations(a, device, extra):
+        timed_in_turn.append(extra[extra.index("--attention") + 1])
+        return next(times)
+    monkeypatch.setattr(detr_compare, "_timed_iterations", timed_iterations)
+    rows, timed = detr_compare.training_table(a, torch.device("cpu"))
+    assert timed_in_turn == ["softmax", "kernel"] * 3 and rows[0]["sec_per_iter"] == 3.0
+    table = detr_compare.timing_table(timed, "kernel")
+    assert table[0] == {"variant": "softmax", "sec_per_iter": 3.0, "sec_per_iter_rounds": [1.0, 9.0, 3.0],
+                        "x_kernel": pytest.approx(3.0 / 2.2)}
+    assert table[1]["sec_per_iter"] == 2.2 and table[1]["x_kernel"] == 1.0
+    with pytest.raises(SystemExit):
+        detr_compare.parse(["--timing-iters", "2", "--timing-repeats", "0"])

@@ -222,18 +222,24 @@ def training_table(a, device):
     rows = [row for row in rows if row is not None]
     timed = {}
     if a.timing_iters:
-        timed = {name: _timed_iterations(a, device, variant_args(name) + weights)
-                 for name in dict.fromkeys([*(row["variant"] for row in rows), *a.time_also])}
+        names = list(dict.fromkeys([*(row["variant"] for row in rows), *a.time_also]))
+        runs = {name: [] for name in names}
+        for _ in range(a.timing_repeats):  # rounds over every variant: a slow spell of the machine hits them all
+            for name in names:
+                runs[name].append(_timed_iterations(a, device, variant_args(name) + weights))
+        timed = {name: (statistics.median(times), times) for name, times in runs.items()}
         for row in rows:
-            row["sec_per_iter"] = timed[row["variant"]]
+            row["sec_per_iter"] = timed[row["variant"]][0]
     return rows, timed
 
 
 def timing_table(timed, reference):
-    """Seconds per iteration of every variant timed, and its ratio to the reference variant's (the first of
-    --time-also, e.g. the elu kernel a Linear-DETR's cost is held against)."""
-    return [{"variant": name, "sec_per_iter": sec, **({f"x_{reference}": sec / timed[reference]} if reference else {})}
-            for name, sec in timed.items()]
+    """Seconds per iteration of every variant timed (the median of its --timing-repeats rounds, each round kept),
+    and its ratio to the reference variant's (the first of --time-also, e.g. the elu kernel a Linear-DETR's cost is
+    held against)."""
+    return [{"variant": name, "sec_per_iter": sec, "sec_per_iter_rounds": rounds,
+             **({f"x_{reference}": sec / timed[reference][0]} if reference else {})}
+            for name, (sec, rounds) in timed.items()]
 
 
 def summarize(rows):
@@ -366,6 +372,9 @@ def parse(argv):
     p.add_argument("--seeds", type=int, nargs="+", default=[42], help="one training run per variant and seed")
     p.add_argument("--timing-iters", type=int, default=0,
                    help="after training, time this many iterations of each variant alone (clean s/iter)")
+    p.add_argument("--timing-repeats", type=int, default=1,
+                   help="rounds of --timing-iters over every timed variant, in turn; the table takes each one's "
+                        "median (on a shared or virtual machine single timings move by a third)")
     p.add_argument("--time-also", nargs="+", default=[], metavar="VARIANT",
                    help="variants timed with --timing-iters but not trained, the first the reference of the timing "
                         "table's ratios (e.g. kernel: the elu kernel a Linear-DETR's cost is held against)")
@@ -397,6 +406,8 @@ def parse(argv):
     check_variants(p, a.variants + a.time_also)
     if a.time_also and not a.timing_iters:
         p.error("--time-also times variants: give --timing-iters N as well")
+    if a.timing_repeats < 1:
+        p.error(f"--timing-repeats must be >= 1, got {a.timing_repeats}")
     return a
 
 
