@@ -56,3 +56,6 @@ def test_runs_add_up_in_a_records_file_across_output_folders(tmp_path, monkeypat
     monkeypatch.setattr(vit_scratch, "train_vit", lambda *a, **k: pytest.fail("a run the file holds was trained"))
     summary = vit_scratch.main(["--variants", "softmax", "kernel", "--out", str(tmp_path / "c")] + common)
     assert [s["top1"] for s in summary] == [s["top1"] for s in table["summary"]]
+    with pytest.raises(ValueError, match="--records .*--steps 2.*--steps 3"):  # one file, one budget
+        vit_scratch.main(["--variants", "softmax", "--out", str(tmp_path / "d"), "--seeds", "0", "--steps", "3",
+                          "--records", str(records)])

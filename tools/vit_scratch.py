@@ -49,7 +49,7 @@ def parse_variant(name: str):
     return mode, found
 
 
-RUN_KEY = ("variant", "seed", "steps", "lr")  # one run; steps and lr are also settings a record must match
+RUN_KEY = ("variant", "seed")  # one run of a table; its steps and lr must be the table's (one budget per file)
 
 
 def run(variant: str, seed: int, steps: int, lr: float, out: Path, records=None) -> dict:
