@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from linear_mha.functional import backend, triton_causal, triton_decayed
+from linear_mha.functional import backend, triton_causal, triton_kernel
 from linear_mha.functional.delta_rule import delta_rule_attention, delta_rule_recurrent
 from linear_mha.functional.gated_linear import gated_linear_attention, gated_linear_recurrent
 from triton_checks import inside, relative_error
@@ -98,7 +98,7 @@ def test_the_chooser_sends_calls_there_only_when_it_can():
         assert choice.backend == backend.COMPOSED and "LINEAR_MHA_TRITON_CAUSAL" in choice.reason
         previous = triton_causal.set_enabled(True)
         try:
-            if not triton_decayed.interpreted():
+            if not triton_kernel.interpreted():
                 assert "CUDA" in backend.decay_backend(q, k, v, log_gate).reason
             gla = backend.decay_backend(q, k, v, log_gate.expand(-1, -1, -1, 8))
             assert gla.backend == backend.COMPOSED and "per key dimension" in gla.reason

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from linear_mha.integrations.checkpoint_io import check_same_args, write_text_atomic
 
+
 @contextmanager
 def folder_lock(path: Path):
     """An exclusive lock on the folder holding ``path``: the file itself is replaced by a rename, so a lock on it
@@ -54,7 +55,7 @@ def add_record(path: Path, record: dict, key, setup: dict, command: str, summary
     """Add ``record`` to the file at ``path`` (replacing one of the same run), with ``command`` among the file's
     commands and ``summary_of(records)`` as its summary, then ``draw(results)`` (the figure) while the file is still
     locked; returns the file's new contents. Runs that other processes added meanwhile stay."""
-    other = {key: record[key] for key in setup if key in record and record[key] != setup[key]}
+    other = {name: record[name] for name in setup if name in record and record[name] != setup[name]}
     if other:
         raise ValueError(f"--records {path}: the run {[record.get(k) for k in key]} was made with {other}, this "
                          f"file's table is of {setup}; a table comes from one machine and torch version")

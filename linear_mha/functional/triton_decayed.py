@@ -14,37 +14,29 @@ import torch
 from torch import Tensor
 
 from . import triton_causal
-from ._common import compiling, functorch_active, has_tangent
+from ._common import has_tangent
 from .decayed_product import decayed_causal_product
-from .triton_kernel import HAS_TRITON, _block, _precision, cdiv, interpreted
+from .triton_kernel import _block, _precision, cdiv
 
 
 def why_not(q: Tensor, k: Tensor, v: Tensor, log_gate: Tensor) -> Optional[str]:
-    """Why this call (heads in their compute dtype, a (B, H, L, 1) log gate) cannot run in the kernel, or None."""
-    if not triton_causal.enabled():
-        return "the Triton causal path is off (the default until timed on a GPU; LINEAR_MHA_TRITON_CAUSAL=1)"
+    """Why this call (heads in their compute dtype, a (B, H, L, 1) log gate) cannot run in the kernel, or None:
+    the causal kernels' own conditions (``triton_causal.why_not``), and the gate's."""
     if log_gate.shape[-1] != 1:
         return "a gate per key dimension (GLA): the kernel takes one gate per position"
-    if not HAS_TRITON:
-        return "triton is not installed"
-    if not (q.is_cuda or interpreted()):
-        return "the tensors are not on a CUDA device"
-    if {q.dtype, k.dtype, v.dtype, log_gate.dtype} != {torch.float32}:
-        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype}, {log_gate.dtype}: the kernel takes float32 (gated linear " \
-               f"attention computes half inputs in float32)"
-    if max(q.shape[-1], v.shape[-1]) > 256:
-        return "key or value dimensions above 256"
-    if q.numel() == 0 or v.numel() == 0:
-        return "an empty tensor"
-    if compiling() or functorch_active():
-        return "inside torch.compile, torch.export, torch.jit.trace or a torch.func transform"
-    if has_tangent(q, k, v, log_gate):
-        return "a tensor carries a forward-mode AD tangent, for which the kernel has no formula"
+    why = triton_causal.why_not(q, k, v)
+    if why is not None:
+        return why
+    if {q.dtype, log_gate.dtype} != {torch.float32}:
+        return f"dtypes {q.dtype} and {log_gate.dtype} (gate): the kernel takes float32 (gated linear attention " \
+               f"computes half inputs in float32)"
+    if has_tangent(log_gate):
+        return "the gate carries a forward-mode AD tangent, for which the kernel has no formula"
     return None
 
 
 def _last_dim_contiguous(x: Tensor) -> Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
+    return triton_causal._heads(x)[0]
 
 
 def _product(x: Tensor, y: Tensor, z: Tensor, gate: Tensor, reverse: bool) -> Tensor:
