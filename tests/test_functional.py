@@ -49,13 +49,17 @@ def test_softmax_fully_masked_rows_are_zero_without_nan_gradients(qkv):
     q, k, v, kpm = qkv
     kpm = torch.ones(B, S, dtype=torch.bool)
     kpm[0, 0] = False
-    q.requires_grad_(True)
+    for t in (q, k, v):
+        t.requires_grad_(True)
     for need_weights in (True, False):
-        out, _ = LF.softmax(q, k, v, key_padding_mask=kpm, need_weights=need_weights)
+        out, weights = LF.softmax(q, k, v, key_padding_mask=kpm, need_weights=need_weights)
         assert torch.all(out[1] == 0) and torch.isfinite(out).all()
+        if need_weights:  # zeroed in the weights handed back too, not only in the output
+            assert torch.all(weights[1] == 0) and torch.allclose(weights[0].sum(-1), torch.ones_like(weights[0, ..., 0]))
         out.sum().backward()
-        assert torch.isfinite(q.grad).all()
-        q.grad = None
+        for t in (q, k, v):  # the sample whose queries see nothing sends no gradient anywhere
+            assert torch.isfinite(t.grad).all() and torch.all(t.grad[1] == 0)
+            t.grad = None
 
 
 @pytest.mark.parametrize("how", ["forward_ad", "func.jvp"])

@@ -67,12 +67,28 @@ def softmax(
         except NotImplementedError:
             pass
 
-    scores = torch.matmul(q * scale, k.transpose(-2, -1))
-    if bias is not None:
-        scores = scores + bias
+    scores = _scores(q * scale, k, bias)
     weights = torch.softmax(scores, dim=-1)
-    if dead is not None:
-        weights = weights.masked_fill(dead, 0.0)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p)
-    return torch.matmul(weights, v), (weights if need_weights else None)
+    out = torch.matmul(weights, v)
+    # A query that sees no key is zeroed in its output row (small) rather than in its weights (L x S, and again in
+    # the backward pass); its weights are zeroed only in the copy handed back, when they are asked for.
+    if dead is None:
+        return out, (weights if need_weights else None)
+    return out.masked_fill(dead, 0.0), (weights.masked_fill(dead, 0.0) if need_weights else None)
+
+
+def _scores(q: Tensor, k: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """q (B, H, L, D) times k (B, H, S, D) transposed, plus bias broadcastable to (B, H, L, S): the bias enters the
+    product as its initial value (baddbmm, as nn.MultiheadAttention forms its scores), not as a pass of its own.
+    A bias that varies only along some dimensions is expanded, not copied, over the others."""
+    if bias is None or q.dim() != 4 or k.dim() != 4:
+        scores = torch.matmul(q, k.transpose(-2, -1))
+        return scores if bias is None else scores + bias
+    B, H, L, D = q.shape
+    S = k.shape[-2]
+    rows = bias.shape[-2] if bias.dim() >= 2 else 1  # 1 (a bias per key, as a padding mask) or L
+    bias = bias.expand(B, H, rows, S).reshape(B * H, rows, S)
+    scores = torch.baddbmm(bias, q.reshape(B * H, L, D), k.reshape(B * H, S, D).transpose(1, 2))
+    return scores.view(B, H, L, S)
