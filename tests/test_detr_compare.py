@@ -100,6 +100,12 @@ def test_records_of_two_budgets_merge_into_one_file_from_one_machine(tmp_path):
     assert by_budget[(16, "softmax")]["AP"] == pytest.approx(0.315) and by_budget[(48, "softmax")]["AP"] == pytest.approx(0.615)
     assert path.with_suffix(".png").stat().st_size > 0  # a panel per budget
     assert saved["timing"] == [{"variant": "kernel", "sec_per_iter": 1}]  # calls that timed nothing keep it
+    # a timing pass of its own times the records that earlier calls left, not only its own runs'
+    detr_compare.write_records(merge, [], path, ["--finished-only"], [{"variant": "softmax", "sec_per_iter": 2}])
+    saved = json.loads(path.read_text())
+    assert {r["sec_per_iter"] for r in saved["records"] if r["variant"] == "softmax"} == {2}
+    assert {r["sec_per_iter"] for r in saved["records"] if r["variant"] != "softmax"} == {None}
+    assert {e["variant"]: e.get("sec_per_iter") for e in saved["summary"]}["softmax"] == 2
     # without the flag the file is this call's alone; from another machine it is refused
     detr_compare.write_records(argparse.Namespace(records_merge=False, device="cpu"), rows(48, 0.6), path, [], [])
     assert {r["epochs"] for r in json.loads(path.read_text())["records"]} == {48}

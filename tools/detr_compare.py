@@ -351,6 +351,9 @@ def write_records(a, rows, path, argv, timing):
         ours = {(r["variant"], r["seed"], r["epochs"]) for r in records}
         records = [r for r in earlier["records"] if (r["variant"], r["seed"], r["epochs"]) not in ours] + records
         commands = [c for c in earlier.get("commands", [earlier.get("command")]) if c and c != command] + commands
+    seconds = {t["variant"]: t["sec_per_iter"] for t in timing}
+    # A pass that timed a variant times every record of it, also those its runs from an earlier call left in the file
+    records = [{**r, "sec_per_iter": seconds.get(r["variant"], r.get("sec_per_iter"))} for r in records]
     budgets = sorted({r["epochs"] for r in records})
     summary = [{"epochs": epochs, **entry} for epochs in budgets
                for entry in summarize([r for r in records if r["epochs"] == epochs])]
