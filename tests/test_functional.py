@@ -416,3 +416,18 @@ def test_the_elu_map_is_elu_plus_one_at_every_input_with_its_gradient():
     ref = finite.detach().clone().requires_grad_()
     expected, = torch.autograd.grad((torch.nn.functional.elu(ref) + 1).sum(), ref)
     close(got, expected, 1e-15)
+
+
+@pytest.mark.parametrize("bias_shape", [(S,), (B, 1, 1, S), (L, S), (H, L, S), (B, H, L, S)],
+                         ids=["per-key", "per-sample-key", "2-D", "per-head", "full"])
+def test_softmax_with_weights_takes_every_bias_shape_with_its_gradient(qkv, bias_shape):
+    """A bias per key enters the scores through baddbmm, any other is added in place: both must give softmax's
+    weights and pass the gradient to q, k, v and the bias (a learnt additive mask)."""
+    q, k, v, _ = qkv
+    bias = torch.randn(*bias_shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    out, w = LF.softmax(q, k, v, attn_bias=bias, need_weights=True)
+    ref = torch.softmax(q @ k.transpose(-1, -2) / D ** 0.5 + bias, -1)
+    close(w, ref)
+    close(out, ref @ v)
+    inputs = tuple(t.clone().requires_grad_(True) for t in (q, k, v, bias))
+    assert torch.autograd.gradcheck(lambda q, k, v, b: LF.softmax(q, k, v, attn_bias=b, need_weights=True)[0], inputs)

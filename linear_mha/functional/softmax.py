@@ -80,15 +80,15 @@ def softmax(
 
 
 def _scores(q: Tensor, k: Tensor, bias: Optional[Tensor]) -> Tensor:
-    """q (B, H, L, D) times k (B, H, S, D) transposed, plus bias broadcastable to (B, H, L, S): the bias enters the
-    product as its initial value (baddbmm, as nn.MultiheadAttention forms its scores), not as a pass of its own.
-    A bias that varies only along some dimensions is expanded, not copied, over the others."""
-    if bias is None or q.dim() != 4 or k.dim() != 4:
-        scores = torch.matmul(q, k.transpose(-2, -1))
-        return scores if bias is None else scores + bias
-    B, H, L, D = q.shape
-    S = k.shape[-2]
-    rows = bias.shape[-2] if bias.dim() >= 2 else 1  # 1 (a bias per key, as a padding mask) or L
-    bias = bias.expand(B, H, rows, S).reshape(B * H, rows, S)
-    scores = torch.baddbmm(bias, q.reshape(B * H, L, D), k.reshape(B * H, S, D).transpose(1, 2))
-    return scores.view(B, H, L, S)
+    """q (B, H, L, D) times k (B, H, S, D) transposed, plus bias broadcastable to (B, H, L, S), with no pass over the
+    L x S scores of its own where the bias allows: a bias per key (a padding mask, (..., 1, S)) is the product's
+    initial value (baddbmm broadcasts it over the queries, as nn.MultiheadAttention forms its scores); any other is
+    added in place, never copied out to the scores' shape first."""
+    if bias is not None and q.dim() == 4 and k.dim() == 4 and (bias.dim() < 2 or bias.shape[-2] == 1):
+        B, H, L, D = q.shape
+        S = k.shape[-2]
+        per_key = bias.expand(B, H, 1, S).reshape(B * H, 1, S)
+        scores = torch.baddbmm(per_key, q.reshape(B * H, L, D), k.reshape(B * H, S, D).transpose(1, 2))
+        return scores.view(B, H, L, S)
+    scores = torch.matmul(q, k.transpose(-2, -1))
+    return scores if bias is None else scores.add_(bias)
