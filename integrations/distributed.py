@@ -2,6 +2,7 @@
 the LM's tools/train_lm.py): initialisation (nccl on CUDA, gloo on CPU), reductions, and a gather of plain Python
 values that goes through JSON, never pickle: what one process sends another cannot make it run code (torch's
 all_gather_object unpickles)."""
+import gc
 import json
 import os
 
@@ -74,6 +75,7 @@ def leave_process_group():
     stops the rest when one exits with an error status), then the group is destroyed. No-op when not distributed."""
     if is_dist_avail_and_initialized():
         dist.barrier()
+        gc.collect()  # a DDP wrapper the caller dropped may sit in a reference cycle, holding the group
         dist.destroy_process_group()
 
 

@@ -353,6 +353,7 @@ def main(argv=None):
                 save_state(args, ckpt_path, model, opt, gen, step, log, train_losses, time.time() - start, world)
             if stopping:
                 bar.close()
+                del train_wrapper  # DDP holds the process group; see the end of main
                 leave_process_group()  # after process 0 has written the checkpoint
                 if main_process:
                     print(f"stopped at step {step} of {args.steps}; {ckpt_path} holds it, and --resume continues "
@@ -373,6 +374,9 @@ def main(argv=None):
         print(f"{run_label(args)}: val {results['val_bpc']:.4f} / test {results['test_bpc']:.4f} bits per character "
               f"after {step} steps ({duration(time.time() - start)} training); files in {args.out}/", file=sys.stderr)
         print(json.dumps({k: results[k] for k in ("variant", "seed", "params", "val_bpc", "test_bpc")}))
+    # DDP holds the process group: left alive past destroy_process_group, gloo's threads would be stopped only at
+    # interpreter exit, which aborts a process now and then ("terminate called without an active exception").
+    del train_wrapper
     leave_process_group()
     return results
 
