@@ -1,29 +1,58 @@
 #!/usr/bin/env python
-"""Attention ablation for the LM: Baseline (plain linear attention) vs Conv_Only vs Gate_Only vs Full_Improved
-(gate + conv) vs a softmax transformer with the same parameters; same corpus, same token budget, several seeds.
+"""LM variants over seeds at one budget: train_lm's attention variants (baseline / conv / gate / full linear heads,
+and a softmax Transformer with the same parameters), each optionally with the global heads on another registry
+method, on the same corpus, token budget and seeds.
 
-Each run is ``python -m linear_mha.tools.train_lm`` with --variant baseline/conv/gate/full/softmax; this script prints a table of
-mean +- sample standard deviation of test BPC over seeds and the parameter counts, and writes
-OUT/ablation.json and OUT/ablation.png. Every extra argument is passed to train_lm.py (model size, steps, data).
+A variant is ``VARIANT`` or ``VARIANT:METHOD``: train_lm's --variant, and --global-mode METHOD for its global
+heads (e.g. ``softmax``, ``baseline:gated_deltanet``, ``conv:deltanet``). Every argument after ``--`` goes to every
+run (model size, steps, data, --shift-tokens), so the variants differ in their attention only.
+
+Each run is ``python -m linear_mha.tools.train_lm`` in OUT/<variant>_seed<S>; re-running reuses finished runs and
+resumes an interrupted one from its checkpoint. Prints mean +- sample standard deviation of test bits per byte over
+seeds with the parameter counts, and writes OUT/ablation.json and OUT/ablation.png. ``--records FILE`` also adds
+each finished run to FILE at once (and skips runs FILE holds), so a comparison too long for one session adds up in
+a file committed with the code; FILE's .png is redrawn beside it.
 
 Example:  python -m linear_mha.tools.lm_ablation --seeds 0 1 2 --out runs/ablation -- --steps 2000 --dim 256 --depth 4
+          python -m linear_mha.tools.lm_ablation --variants softmax baseline:gated_deltanet --records lm.json \\
+              -- --shift-tokens --steps 2500 --dim 128
 """
 import argparse
 import json
 import os
 import statistics
+import sys
+from pathlib import Path
+
+import torch
 
 from linear_mha.integrations.console import HelpFormatter
 from . import train_lm
+from .measure import cpu_name
+from .records_file import add_record, find_record, read_results
 
 LABELS = {"baseline": "Baseline", "conv": "Conv_Only", "gate": "Gate_Only", "full": "Full_Improved",
           "softmax": "Softmax"}
+RUN_KEY = ("variant", "seed")
 
 
-def run_once(trainer, extra, variant, seed, out):
-    """One training run; re-running the ablation after an interruption reuses finished runs and resumes the
-    interrupted one from its checkpoint, as long as the training arguments are the same."""
-    argv = extra + ["--variant", variant, "--seed", str(seed), "--no-progress", "--out", out]
+def variant_argv(spec: str) -> list:
+    """train_lm's arguments for a variant ``VARIANT[:METHOD]``."""
+    variant, _, method = spec.partition(":")
+    if variant not in LABELS:
+        raise ValueError(f"--variants {spec!r}: the part before ':' must be one of {', '.join(LABELS)}")
+    return ["--variant", variant] + (["--global-mode", method] if method else [])
+
+
+def label(spec: str) -> str:
+    variant, _, method = spec.partition(":")
+    return LABELS[variant] + (f" ({method})" if method else "")
+
+
+def run_once(trainer, extra, spec, seed, out):
+    """One training run; re-running after an interruption reuses a finished run and resumes the interrupted one
+    from its checkpoint, as long as the training arguments are the same."""
+    argv = extra + variant_argv(spec) + ["--seed", str(seed), "--no-progress", "--out", out]
     done, marker = os.path.join(out, "results.json"), os.path.join(out, "ablation_argv.json")
     if os.path.exists(done) and os.path.exists(marker):
         with open(marker) as f:
@@ -36,39 +65,92 @@ def run_once(trainer, extra, variant, seed, out):
     return results
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m linear_mha.tools.lm_ablation", description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--variants", nargs="+", default=list(LABELS), choices=list(LABELS))
-    p.add_argument("--out", default="runs/ablation")
-    p.add_argument("train_args", nargs=argparse.REMAINDER, help="arguments for train_lm.py (after --)")
-    args = p.parse_args(argv)
-    extra = [a for a in args.train_args if a != "--"]
-    trainer = train_lm
+def record_of(spec, seed, results, extra) -> dict:
+    return {"variant": spec, "seed": seed, "train_args": extra, "params": results["params"],
+            "tokens_seen": results["tokens_seen"], "val_bpc": results["val_bpc"], "test_bpc": results["test_bpc"],
+            "seconds": results.get("seconds")}
+
+
+def summarize(records) -> list:
+    """Per variant, in first-seen order: mean and sample std of test BPC over its seeds, and its mean against the
+    softmax variant's on the seeds both have (None without a softmax row)."""
     rows = []
-    for variant in args.variants:
-        runs = [run_once(trainer, extra, variant, seed, os.path.join(args.out, f"{variant}_seed{seed}"))
-                for seed in args.seeds]
-        bpc = [r["test_bpc"] for r in runs]
-        rows.append({"variant": LABELS[variant], "params": runs[0]["params"], "test_bpc": bpc,
-                     "mean": statistics.mean(bpc), "std": statistics.stdev(bpc) if len(bpc) > 1 else 0.0,
-                     "tokens_seen": runs[0]["tokens_seen"]})
-    print(f"{'variant':<14} {'params':>9} {'test BPC (mean +- std over ' + str(len(args.seeds)) + ' seeds)':>40}")
-    for r in rows:
-        print(f"{r['variant']:<14} {r['params']:>9} {r['mean']:>30.4f} +- {r['std']:.4f}")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "ablation.json"), "w") as f:
-        json.dump({"train_args": extra, "seeds": args.seeds, "rows": rows}, f, indent=2)
+    for spec in dict.fromkeys(r["variant"] for r in records):
+        of = sorted((r for r in records if r["variant"] == spec), key=lambda r: r["seed"])
+        bpc = [r["test_bpc"] for r in of]
+        rows.append({"variant": spec, "label": label(spec), "seeds": [r["seed"] for r in of], "params": of[0]["params"],
+                     "tokens_seen": of[0]["tokens_seen"], "test_bpc": bpc, "mean": statistics.mean(bpc),
+                     "std": statistics.stdev(bpc) if len(bpc) > 1 else 0.0})
+    softmax = {r["seed"]: r["test_bpc"] for r in records if r["variant"] == "softmax"}
+    for row in rows:
+        pairs = [(b, softmax[s]) for s, b in zip(row["seeds"], row["test_bpc"]) if s in softmax]
+        row["vs_softmax"] = (statistics.mean(b for b, _ in pairs) / statistics.mean(s for _, s in pairs) - 1
+                             if pairs and row["variant"] != "softmax" else None)
+    return rows
+
+
+def plot(rows, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar([r["variant"] for r in rows], [r["mean"] for r in rows], yerr=[r["std"] for r in rows], capsize=4)
-    lo = min(r["mean"] - r["std"] for r in rows)
-    ax.set_ylim(lo - 0.1, max(r["mean"] + r["std"] for r in rows) + 0.05)
-    ax.set_ylabel("test BPC")
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(rows)), 3.5))
+    ax.bar([r["label"] for r in rows], [r["mean"] for r in rows], yerr=[r["std"] for r in rows], capsize=4)
+    ax.set_ylim(min(r["mean"] - r["std"] for r in rows) - 0.1, max(r["mean"] + r["std"] for r in rows) + 0.05)
+    ax.set_ylabel("test bits per byte")
+    ax.tick_params(axis="x", labelsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "ablation.png"), dpi=100)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m linear_mha.tools.lm_ablation", description=__doc__,
+                                formatter_class=HelpFormatter)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--variants", nargs="+", default=list(LABELS), metavar="VARIANT[:METHOD]",
+                   help=f"train_lm variants ({', '.join(LABELS)}), each optionally ':' a global-heads method")
+    p.add_argument("--out", default="runs/ablation")
+    p.add_argument("--records", metavar="FILE", help="add each finished run to this JSON file, skip the runs it holds")
+    p.add_argument("train_args", nargs=argparse.REMAINDER, help="arguments for train_lm.py (after --)")
+    args = p.parse_args(argv)
+    for spec in args.variants:
+        try:
+            variant_argv(spec)
+        except ValueError as err:
+            p.error(str(err))
+    extra = [a for a in args.train_args if a != "--"]
+    threads = train_lm.parse_args(extra).threads or torch.get_num_threads()
+    setup = {"machine": f"{cpu_name()}, {threads} threads", "torch": torch.__version__}
+    path = Path(args.records) if args.records else None
+    command = "python -m linear_mha.tools.lm_ablation " + " ".join(sys.argv[1:] if argv is None else argv)
+    records = []
+    for spec in args.variants:
+        for seed in args.seeds:
+            wanted = {"variant": spec, "seed": seed, "train_args": extra}
+            kept = None if path is None else find_record(read_results(path, setup).get("records", []), wanted,
+                                                         RUN_KEY, wanted, (), path)
+            if kept is not None and kept["train_args"] != extra:
+                raise ValueError(f"--records {path} holds {spec} seed {seed} trained with "
+                                 f"`-- {' '.join(kept['train_args'])}`; this call passes `-- {' '.join(extra)}`. One "
+                                 "file is one budget: pass the same training arguments, or give another --records")
+            if kept is None:
+                results = run_once(train_lm, extra, spec, seed, os.path.join(args.out, f"{spec.replace(':', '_')}"
+                                                                                      f"_seed{seed}"))
+                kept = record_of(spec, seed, results, extra)
+                if path is not None:
+                    add_record(path, kept, RUN_KEY, setup, command, summarize,
+                               draw=lambda file: plot(file["summary"], path.with_suffix(".png")))
+            records.append(kept)
+    rows = summarize(records)
+    print(f"{'variant':<28} {'params':>9} {'tokens':>11}  test BPC (mean +- std over seeds)  vs softmax")
+    for r in rows:
+        ratio = "" if r["vs_softmax"] is None else f"{r['vs_softmax']:+.2%}"
+        print(f"{r['label']:<28} {r['params']:>9,} {r['tokens_seen']:>11,}  {r['mean']:>10.4f} +- {r['std']:.4f}"
+              f" ({len(r['seeds'])})   {ratio}")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "ablation.json"), "w") as f:
+        json.dump({**setup, "train_args": extra, "seeds": args.seeds, "rows": rows}, f, indent=2)
+    plot(rows, os.path.join(args.out, "ablation.png"))
     return rows
 
 

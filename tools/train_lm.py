@@ -360,19 +360,20 @@ def main(argv=None):
                           "from there", file=sys.stderr)
                 raise SystemExit(130)
     bar.close()
+    seconds = time.time() - start  # training only, across resumes
     results = {"variant": run_label(args), "seed": args.seed, "params": n_params, "steps": step,
                "tokens_seen": step * args.batch_size * args.seq_len,
                "val_bpc": evaluate(wrapper, splits["val"], args, args.test_bytes, rank, world),
                "test_bpc": evaluate(wrapper, splits["test"], args, args.test_bytes, rank, world),
-               "data": args.enwik8 or f"stdlib corpus, {args.corpus_bytes} bytes", "processes": world,
-               "config": vars(args)}
+               "seconds": seconds, "data": args.enwik8 or f"stdlib corpus, {args.corpus_bytes} bytes",
+               "processes": world, "config": vars(args)}
     if main_process:
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump(results, f, indent=2)
         if log:
             plot(log, os.path.join(args.out, "curves.png"))
         print(f"{run_label(args)}: val {results['val_bpc']:.4f} / test {results['test_bpc']:.4f} bits per character "
-              f"after {step} steps ({duration(time.time() - start)} training); files in {args.out}/", file=sys.stderr)
+              f"after {step} steps ({duration(seconds)} training); files in {args.out}/", file=sys.stderr)
         print(json.dumps({k: results[k] for k in ("variant", "seed", "params", "val_bpc", "test_bpc")}))
     # DDP holds the process group: left alive past destroy_process_group, gloo's threads would be stopped only at
     # interpreter exit, which aborts a process now and then ("terminate called without an active exception").
