@@ -366,7 +366,6 @@ def _finish_epoch(run, epoch, meter, train_time, iterations, stop):
 
 if __name__ == "__main__":
     result = main()
-    if dist_utils.is_dist_avail_and_initialized():
-        dist_utils.torch.distributed.destroy_process_group()
+    dist_utils.leave_process_group()  # after main's DDP model is gone, so that gloo's threads stop before exit
     if result.get("stopped_at"):
         sys.exit(130)  # stopped by a signal, checkpoint written: the conventional status of an interrupted program
