@@ -73,7 +73,7 @@ def record_of(spec, seed, results, extra) -> dict:
 
 def summarize(records) -> list:
     """Per variant, in first-seen order: mean and sample std of test BPC over its seeds, and its mean against the
-    softmax variant's on the seeds both have (None without a softmax row)."""
+    softmax variant's on the seeds both have, as a relative difference (None without a softmax row)."""
     rows = []
     for spec in dict.fromkeys(r["variant"] for r in records):
         of = sorted((r for r in records if r["variant"] == spec), key=lambda r: r["seed"])
@@ -85,7 +85,7 @@ def summarize(records) -> list:
     for row in rows:
         pairs = [(b, softmax[s]) for s, b in zip(row["seeds"], row["test_bpc"]) if s in softmax]
         row["vs_softmax"] = (statistics.mean(b for b, _ in pairs) / statistics.mean(s for _, s in pairs) - 1
-                             if pairs and row["variant"] != "softmax" else None)
+                             if pairs else None)
     return rows
 
 
