@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from linear_mha.tools import detr_compare
+from linear_mha.tools import detr_compare, detr_records, detr_variants
 
 TRAIN = ["--synthetic-train", "8", "--synthetic-val", "4", "--batch-size", "4", "--hidden-dim", "32",
          "--backbone", "tiny", "--pretrain-backbone", "0",
@@ -69,14 +69,14 @@ def test_ratios_are_taken_against_the_first_and_the_best_softmax_variant():
     rows = [{"variant": name, "seed": seed, "AP": ap} for name, by_seed in (
         ("softmax", (0.50, 0.54)), ("taylor-dwc3:rope=True", (0.64, 0.68)), ("softmax-dwc3:rope=True", (0.58, 0.62)),
         ("kernel", (0.70, 0.74))) for seed, ap in zip((1, 2), by_seed)]
-    summary = {entry["variant"]: entry for entry in detr_compare.summarize(rows)}
+    summary = {entry["variant"]: entry for entry in detr_records.summarize(rows)}
     # the best softmax-family row is the baseline, whatever its place in the list; kernel is not softmax
     assert summary["taylor-dwc3:rope=True"]["best_softmax"] == "softmax-dwc3:rope=True"
     assert summary["taylor-dwc3:rope=True"]["AP_vs_best_softmax"] == pytest.approx(0.66 / 0.60)
     assert summary["taylor-dwc3:rope=True"]["AP_vs_softmax"] == pytest.approx(0.66 / 0.52)
     assert summary["softmax-dwc3:rope=True"]["AP_vs_best_softmax"] == pytest.approx(1.0)
     # an untrained plain softmax (AP 0) gives no ratio to it, rather than one to another row
-    untrained = detr_compare.summarize([{**r, "AP": 0.0} for r in rows[:2]] + rows[2:])  # plain softmax's two seeds
+    untrained = detr_records.summarize([{**r, "AP": 0.0} for r in rows[:2]] + rows[2:])  # plain softmax's two seeds
     assert all("AP_vs_softmax" not in entry for entry in untrained)
     assert {e["variant"]: e for e in untrained}["kernel"]["best_softmax"] == "softmax-dwc3:rope=True"
 
@@ -90,32 +90,66 @@ def test_records_of_two_budgets_merge_into_one_file_from_one_machine(tmp_path):
         return [{"variant": name, "seed": seed, "epochs": epochs, "AP": ap + seed / 100, "log": [ap]}
                 for name in ("softmax", "taylor-dwc3:rope=True") for seed in (1, 2)]
 
-    detr_compare.write_records(merge, rows(16, 0.3), path, ["--epochs", "16"], [{"variant": "kernel", "sec_per_iter": 1}])
-    detr_compare.write_records(merge, rows(48, 0.5), path, ["--epochs", "48"], [])
-    detr_compare.write_records(merge, rows(48, 0.6), path, ["--epochs", "48"], [])  # a rerun replaces its rows
+    detr_records.write_records(merge, rows(16, 0.3), path, ["--epochs", "16"],
+                               [{"variant": "kernel", "sec_per_iter": 1}])
+    detr_records.write_records(merge, rows(48, 0.5), path, ["--epochs", "48"], [])
+    detr_records.write_records(merge, rows(48, 0.6), path, ["--epochs", "48"], [])  # a rerun replaces its rows
     saved = json.loads(path.read_text())
-    assert sorted({(r["epochs"], r["AP"]) for r in saved["records"]}) == [(16, 0.31), (16, 0.32), (48, 0.61), (48, 0.62)]
+    assert sorted({(r["epochs"], r["AP"]) for r in saved["records"]}) == [
+        (16, 0.31), (16, 0.32), (48, 0.61), (48, 0.62)]
     assert len(saved["records"]) == 8 and len(saved["commands"]) == 2
     by_budget = {(e["epochs"], e["variant"]): e for e in saved["summary"]}
-    assert by_budget[(16, "softmax")]["AP"] == pytest.approx(0.315) and by_budget[(48, "softmax")]["AP"] == pytest.approx(0.615)
+    assert by_budget[(16, "softmax")]["AP"] == pytest.approx(0.315)
+    assert by_budget[(48, "softmax")]["AP"] == pytest.approx(0.615)
     assert path.with_suffix(".png").stat().st_size > 0  # a panel per budget
     assert saved["timing"] == [{"variant": "kernel", "sec_per_iter": 1}]  # calls that timed nothing keep it
     # a timing pass of its own times the records that earlier calls left, not only its own runs'
-    detr_compare.write_records(merge, [], path, ["--finished-only"], [{"variant": "softmax", "sec_per_iter": 2}])
+    detr_records.write_records(merge, [], path, ["--finished-only"], [{"variant": "softmax", "sec_per_iter": 2}])
     saved = json.loads(path.read_text())
     assert {r["sec_per_iter"] for r in saved["records"] if r["variant"] == "softmax"} == {2}
     assert {r["sec_per_iter"] for r in saved["records"] if r["variant"] != "softmax"} == {None}
     assert {e["variant"]: e.get("sec_per_iter") for e in saved["summary"]}["softmax"] == 2
     # without the flag the file is this call's alone; from another machine it is refused
-    detr_compare.write_records(argparse.Namespace(records_merge=False, device="cpu"), rows(48, 0.6), path, [], [])
+    detr_records.write_records(argparse.Namespace(records_merge=False, device="cpu"), rows(48, 0.6), path, [], [])
     assert {r["epochs"] for r in json.loads(path.read_text())["records"]} == {48}
     for key, other in (("machine", "another machine"), ("torch", "0.1"), ("device", "cuda")):
         path.write_text(json.dumps({**json.loads(path.read_text()), key: other}))
         with pytest.raises(SystemExit, match="--records-merge"):
-            detr_compare.write_records(merge, rows(16, 0.3), path, [], [])
-        detr_compare.write_records(argparse.Namespace(records_merge=False, device="cpu"), rows(48, 0.6), path, [], [])
-    detr_compare.plot_curves([], tmp_path / "none.png")  # nothing finished: no figure, no error
+            detr_records.write_records(merge, rows(16, 0.3), path, [], [])
+        detr_records.write_records(argparse.Namespace(records_merge=False, device="cpu"), rows(48, 0.6), path, [], [])
+    detr_records.plot_curves([], tmp_path / "none.png")  # nothing finished: no figure, no error
 
+
+
+def test_records_files_of_one_setup_join_into_one_table(tmp_path):
+    """The per-budget files (filled run by run in separate lanes) become the one table of both budgets."""
+    import argparse
+    merge = argparse.Namespace(records_merge=True, device="cpu")
+
+    def rows(epochs, ap, seeds=(1, 2)):
+        return [{"variant": name, "seed": seed, "epochs": epochs, "AP": ap + seed / 100, "log": [ap]}
+                for name in ("softmax", "taylor-dwc3:rope=True") for seed in seeds]
+
+    short, long = tmp_path / "e16.json", tmp_path / "e48.json"
+    detr_records.write_records(merge, rows(16, 0.3), short, ["--epochs", "16"], [])
+    detr_records.write_records(merge, rows(48, 0.5), long, ["--epochs", "48"],
+                               [{"variant": "softmax", "sec_per_iter": 2}])
+    stale = tmp_path / "stale.json"  # an older file holding a run the long file has again: the last file given wins
+    detr_records.write_records(merge, rows(48, 0.1, seeds=(1,)), stale, ["--stale"], [])
+    joined = detr_records.join_records([stale, short, long], tmp_path / "both.json")
+    assert sorted((r["epochs"], r["variant"], r["AP"]) for r in joined["records"]) == sorted(
+        (r["epochs"], r["variant"], r["AP"]) for r in rows(16, 0.3) + rows(48, 0.5))
+    # the long budget's timing pass times the same model's runs at 16 epochs too
+    timed = {(r["epochs"], r["sec_per_iter"]) for r in joined["records"] if r["variant"] == "softmax"}
+    assert timed == {(16, 2), (48, 2)}
+    assert {(e["epochs"], e["variant"]): e["AP"] for e in joined["summary"]}[(16, "softmax")] == pytest.approx(0.315)
+    assert len(joined["commands"]) == 3 and (tmp_path / "both.png").stat().st_size > 0
+    long.write_text(json.dumps({**json.loads(long.read_text()), "machine": "another machine"}))
+    with pytest.raises(SystemExit, match="one setup"):
+        detr_records.join_records([short, long], tmp_path / "mixed.json")
+    assert not (tmp_path / "mixed.json").exists()
+    detr_records.main([str(short), "--out", str(tmp_path / "cli.json")])
+    assert len(json.loads((tmp_path / "cli.json").read_text())["records"]) == 4
 
 def test_time_also_needs_timing_iters_and_a_known_variant():
     with pytest.raises(SystemExit):
@@ -125,14 +159,14 @@ def test_time_also_needs_timing_iters_and_a_known_variant():
 
 
 def test_variant_names_become_trainer_options():
-    assert detr_compare.variant_args("focused-dwc5:focusing_factor=2,learnable_scale=False") == [
+    assert detr_variants.variant_args("focused-dwc5:focusing_factor=2,learnable_scale=False") == [
         "--attention", "focused", "--dwc-kernel", "5", "--attention-option", "focusing_factor=2",
         "--attention-option", "learnable_scale=False"]
-    assert detr_compare.variant_args("linformer-shared")[:2] == ["--attention", "linformer"]
-    assert detr_compare.variant_args("softmax-dwc3:rope=True") == [  # the strongest softmax baseline
+    assert detr_variants.variant_args("linformer-shared")[:2] == ["--attention", "linformer"]
+    assert detr_variants.variant_args("softmax-dwc3:rope=True") == [  # the strongest softmax baseline
         "--attention", "softmax", "--dwc-kernel", "3", "--attention-option", "rope=True"]
     with pytest.raises(ValueError, match="mode must be one of"):
-        detr_compare.variant_args("kernal")
+        detr_variants.variant_args("kernal")
 
 
 @pytest.mark.slow
@@ -165,11 +199,11 @@ def test_a_row_whose_model_did_not_get_its_options_is_refused(tmp_path, monkeypa
     with pytest.raises(RuntimeError, match=r"'softmax:rope=True'.*did not get \{'rope': True\}"):
         detr_compare.main(["--out", str(tmp_path), "--epochs", "1", "--pretrain-iters", "0", "--num-workers", "0",
                            "--variants", "softmax:rope=True", "--"] + TRAIN)
-    detr_compare.check_options_reached("softmax", [{"target": "encoder", "options": {}, "patch_report": None}])
-    detr_compare.check_options_reached("kernel-dwc3:feature_map='relu'", [
+    detr_variants.check_options_reached("softmax", [{"target": "encoder", "options": {}, "patch_report": None}])
+    detr_variants.check_options_reached("kernel-dwc3:feature_map='relu'", [
         {"target": "encoder", "options": {"feature_map": "relu", "dwc_kernel": 3}, "patch_report": object()}])
     with pytest.raises(RuntimeError, match="dwc_kernel"):
-        detr_compare.check_options_reached("kernel-dwc3", [
+        detr_variants.check_options_reached("kernel-dwc3", [
             {"target": "encoder", "options": {"feature_map": "elu"}, "patch_report": object()}])
 
 

@@ -7,6 +7,8 @@ as a module, e.g. ``python -m linear_mha.tools.benchmark --quick``; every one pr
     cpu_allocator    which malloc a process runs under, and glibc's keep-freed-memory setting
     ab_builds        another checkout's compiled CPU code against this one's, interleaved in one process
     detr_compare     DETR against Linear-DETRs on the synthetic set, over seeds; the encoder at growing sizes
+    detr_variants    the variant names detr_compare takes, as trainer options; which are exact softmax
+    detr_records     detr_compare's records files: summary, AP curves, files of one machine joined
     detr_diagnose    each method's attention on a trained DETR's encoder inputs, against its softmax
     patch_model      patch a torchvision / timm model and report the deviation and the speed
     train_lm         train a byte-level LM; lm_ablation compares its variants over seeds

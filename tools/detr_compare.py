@@ -3,7 +3,7 @@ variant, and (--encoder) an encoder time / memory table at growing image sizes t
 
     python -m linear_mha.tools.detr_compare          # DETR and the recommended Linear-DETR on the trainer's default run
     python -m linear_mha.tools.detr_compare --out runs/detr_cmp --epochs 16 --pretrain-iters 2000 --seeds 42 43 44 \\
-        --variants softmax kernel focused focused-dwc3 --records docs/results/linear_detr.json --timing-iters 40 \\
+        --variants softmax kernel focused focused-dwc3 --records runs/detr_cmp/records.json --timing-iters 40 \\
         -- --backbone small --synthetic-train 2000 --synthetic-val 200 --no-crop --lr 3e-4 --lr-backbone 3e-5 \\
         --lr-drop 12
     python -m linear_mha.tools.detr_compare --out runs/detr_enc --encoder-only --sizes 256,512,800 --dc5 --variants softmax focused-dwc3
@@ -26,7 +26,6 @@ fresh process (tools/measure.py).
 """
 import argparse
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -35,61 +34,19 @@ from pathlib import Path
 import torch
 
 from linear_mha.integrations.console import HelpFormatter
-from linear_mha.integrations.detr.attention import apply_attention, parse_attention_options
+from linear_mha.integrations.detr.attention import apply_attention
 from linear_mha.integrations.detr.backbone import backbone_stride
 from linear_mha.integrations.detr.detr import build_model
-from linear_mha.integrations.detr.config import RECOMMENDED, RECOMMENDED_DWC_KERNEL, RECOMMENDED_OPTIONS, parse_args
+from linear_mha.integrations.detr.config import parse_args
 from linear_mha.integrations.detr.plots import read_log
 from linear_mha.integrations.detr.pretrain import main as pretrain_main
 from linear_mha.integrations.detr.train import main as train_main
 from linear_mha.integrations.detr.transforms import feature_tokens, resized_hw
-from linear_mha import TokenGrid, method_class
+from linear_mha import TokenGrid
 
 from . import measure
-from .variant_names import split_variant
-
-VARIANTS = {"linformer-shared": ["--attention", "linformer", "--param-sharing", "layerwise", "--proj-k", "64"]}
-# DETR and the trainer's default Linear-DETR, spelled as variant names
-DEFAULT_VARIANTS = ["softmax", f"{RECOMMENDED}-dwc{RECOMMENDED_DWC_KERNEL}:{','.join(RECOMMENDED_OPTIONS)}"]
-
-
-def variant_args(name: str) -> list:
-    """Trainer options of a variant: '<method or named variant>[-dwc<K>][:<option>=<value>,...]'."""
-    base, dwc_kernel, options = split_variant(name)
-    if base in VARIANTS:
-        args = list(VARIANTS[base])
-    else:
-        method_class(base)  # an unknown method raises, listing the registered ones
-        args = ["--attention", base]
-    if dwc_kernel is not None:
-        args += ["--dwc-kernel", str(dwc_kernel)]
-    for option in options:
-        args += ["--attention-option", option]
-    return args
-
-
-def check_options_reached(name: str, report) -> None:
-    """Refuse a row whose model did not get what its variant name asks for (``apply_attention``'s report): an option
-    dropped on the way would make the row another variant under this one's name (it happened: softmax's rope)."""
-    _, dwc_kernel, items = split_variant(name)
-    wanted = parse_attention_options(items, flag=f"--variants {name!r}:")
-    for entry in report:
-        asked = {**wanted, **({"dwc_kernel": dwc_kernel} if dwc_kernel and entry["target"] == "encoder" else {})}
-        lost = {key: value for key, value in asked.items() if entry["options"].get(key) != value}
-        if lost or (asked and entry["patch_report"] is None):
-            raise RuntimeError(f"--variants {name!r}: the trainer's {entry['target']} attention did not get "
-                               f"{lost or asked} (its options: {entry['options']}); the row would not be this "
-                               f"variant")
-
-
-def check_variants(parser, names) -> None:
-    """Exit through ``parser`` naming the first variant name that does not resolve (an unknown method, say)."""
-    for name in names:
-        try:
-            variant_args(name)
-        except ValueError as err:
-            parser.error(f"--variants {name!r}: {err}")
-
+from .detr_records import plot_curves, summarize, write_records
+from .detr_variants import DEFAULT_VARIANTS, VARIANTS, check_options_reached, check_variants, variant_args
 
 def _cpu_peak_mib(builder, **kwargs):
     """Peak extra RSS (MiB) of one call of a case of this file, in a fresh process (tools/measure.py)."""
@@ -242,38 +199,6 @@ def timing_table(timed, reference):
             for name, (sec, rounds) in timed.items()]
 
 
-def summarize(rows):
-    """Mean and std over seeds of each variant's numbers."""
-    summary = []
-    for name in dict.fromkeys(r["variant"] for r in rows):
-        of = [r for r in rows if r["variant"] == name]
-        entry = {"variant": name, "seeds": [r["seed"] for r in of]}
-        for key in ("AP", "AP50", "AP75", "APs", "APm", "APl", "sec_per_iter", "peak_mib"):
-            values = [r[key] for r in of if r.get(key) is not None]
-            if values:
-                entry[key] = statistics.mean(values)
-                entry[f"{key}_std"] = statistics.stdev(values) if len(values) > 1 else 0.0
-        summary.append(entry)
-    # The ratios: against the first exact-softmax variant of the table (plain DETR, as listed first) and against the
-    # best of them (the strongest baseline a user could build from the same options)
-    exact = [entry for entry in summary if computes_softmax(entry["variant"])]
-    if exact:
-        best = max(exact, key=lambda entry: entry["AP"])
-        for entry in summary:
-            if exact[0]["AP"] > 0:  # at AP 0 (an untrained model) there is no ratio, rather than one to another row
-                entry["AP_vs_softmax"] = entry["AP"] / exact[0]["AP"]
-            if best["AP"] > 0:
-                entry["AP_vs_best_softmax"] = entry["AP"] / best["AP"]
-                entry["best_softmax"] = best["variant"]
-    return summary
-
-
-def computes_softmax(name: str) -> bool:
-    """Whether a variant's encoder attention is exact softmax (with or without options), as the registry says."""
-    args = variant_args(name)
-    return method_class(args[args.index("--attention") + 1]).exact
-
-
 @torch.no_grad()
 def encoder_table(a, device):
     """Encoder forward (DETR-R50 width: 6 layers, d = 256) on feature maps of real image sizes."""
@@ -294,74 +219,6 @@ def _print(rows, keys):
     print(" | ".join("---" for _ in keys))
     for r in rows:
         print(" | ".join(f"{r[k]:.4g}" if isinstance(r.get(k), float) else str(r.get(k, "-")) for k in keys))
-
-
-def plot_curves(rows, path):
-    """Mean val AP per epoch of every variant (band: +-1 std over seeds), a panel per budget where the rows
-    ("log": AP per epoch) come from several --epochs."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    budgets = sorted({len(r["log"]) if r.get("epochs") is None else r["epochs"] for r in rows})
-    if not budgets:  # nothing finished yet: no figure
-        return
-    fig, axes = plt.subplots(1, len(budgets), figsize=(7 * len(budgets), 4.5), squeeze=False)
-    colours = {name: f"C{i % 10}" for i, name in enumerate(dict.fromkeys(r["variant"] for r in rows))}  # across panels
-    for ax, budget in zip(axes[0], budgets):
-        of = [r for r in rows if (len(r["log"]) if r.get("epochs") is None else r["epochs"]) == budget]
-        for name in dict.fromkeys(r["variant"] for r in of):
-            logs = [r["log"] for r in of if r["variant"] == name]
-            epochs = min(len(log) for log in logs)
-            mean = [statistics.mean(log[e] for log in logs) for e in range(epochs)]
-            std = [statistics.stdev(log[e] for log in logs) if len(logs) > 1 else 0.0 for e in range(epochs)]
-            ax.plot(range(epochs), mean, marker="o", markersize=3, color=colours[name], label=f"{name} (n={len(logs)})")
-            ax.fill_between(range(epochs), [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
-                            color=colours[name], alpha=0.15)
-        ax.set(xlabel="epoch", ylabel="val AP (mean, band: ±1 std over seeds)",
-               title=f"{budget} epochs: same data, backbone and seeds for every row")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def write_records(a, rows, path, argv, timing):
-    """The records of this call's runs, with the machine, torch version and command, and their AP curves beside them
-    (the same name, .png). With --records-merge the file's records of other runs (another budget, say) stay, this
-    call's replace those of the same variant, seed and epochs, the summary and the figure are per budget, a call
-    that timed nothing keeps the file's timing, and the file must come from this machine, torch and device."""
-    machine = f"{platform.processor() or platform.machine()} ({measure.cpu_name()}), {torch.get_num_threads()} threads"
-    records = [{**{key: r.get(key) for key in ("variant", "seed", "epochs", "AP", "AP50", "AP75", "APs", "APm", "APl",
-                                               "sec_per_iter", "peak_mib")},
-                "machine": machine, "AP_per_epoch": r.get("log")}
-               for r in rows]
-    command = "python -m linear_mha.tools.detr_compare " + " ".join(argv)
-    path = Path(path)
-    commands = [command]
-    if a.records_merge and path.exists():
-        earlier = json.loads(path.read_text())
-        here = (machine, torch.__version__, a.device)
-        there = tuple(earlier.get(key) for key in ("machine", "torch", "device"))
-        if there != here:
-            raise SystemExit(f"detr_compare: --records-merge: {path} holds records from {there} (machine, torch, "
-                             f"device), this is {here}; a table comes from one setup (give another --records file)")
-        timing = timing or earlier.get("timing", [])  # one timing pass per file: a call that timed nothing keeps it
-        ours = {(r["variant"], r["seed"], r["epochs"]) for r in records}
-        records = [r for r in earlier["records"] if (r["variant"], r["seed"], r["epochs"]) not in ours] + records
-        commands = [c for c in earlier.get("commands", [earlier.get("command")]) if c and c != command] + commands
-    seconds = {t["variant"]: t["sec_per_iter"] for t in timing}
-    # A pass that timed a variant times every record of it, also those its runs from an earlier call left in the file
-    records = [{**r, "sec_per_iter": seconds.get(r["variant"], r.get("sec_per_iter"))} for r in records]
-    budgets = sorted({r["epochs"] for r in records})
-    summary = [{"epochs": epochs, **entry} for epochs in budgets
-               for entry in summarize([r for r in records if r["epochs"] == epochs])]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"machine": machine, "torch": torch.__version__, "device": a.device,
-                                "command": command, "commands": commands, "records": records, "summary": summary,
-                                "timing": timing}, indent=1))
-    plot_curves([{**r, "log": r["AP_per_epoch"]} for r in records if r.get("AP_per_epoch")], path.with_suffix(".png"))
 
 
 def parse(argv):

@@ -31,7 +31,7 @@ from linear_mha.integrations.detr.train import param_groups
 from linear_mha.integrations.detr.transforms import feature_tokens
 
 from . import measure
-from .detr_compare import check_variants, variant_args
+from .detr_variants import check_variants, variant_args
 
 
 def make_batch(batch, hw, objects, num_classes, seed, device):
