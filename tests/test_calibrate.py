@@ -270,6 +270,39 @@ def test_the_bench_resumes_with_the_earlier_seeds_records_and_refuses_other_opti
         calibrate_bench.main(common[:-1] + [str(tmp_path / "new"), "--seeds", "2", "--resume"])
 
 
+def test_the_bench_combines_seeds_run_apart_into_one_table_of_one_recipe(tmp_path):
+    """Seeds of a slow model (a 48-epoch DETR each) run as separate commands into their own --out; --combine makes
+    the recipe's table of them, and refuses files of another recipe, machine or model, or a seed twice."""
+    from linear_mha.tools import calibrate_bench
+
+    def results(seed, lr="3e-2", out=None, model="detr", machine="cpu A"):
+        argv = ["detr", "--checkpoints", f"s{seed}.pth", "--checkpoint-seeds", str(seed), "--lr", lr,
+                "--out", out or f"runs/seed{seed}", "--", "--no-crop"]
+        records = [{"seed": seed, "stage": stage, "calibration_steps": steps, "finetune_steps": 0, "AP": ap,
+                    "kept": ap / 0.5, "fraction_of_training_steps": steps / 100}
+                   for stage, steps, ap in (("softmax (original)", 0, 0.5), ("calibrated", 5, 0.4 + seed / 100))]
+        path = tmp_path / f"{seed}_{lr}_{model}_{machine}_{out}.json"
+        path.write_text(json.dumps({"model": model, "mode": "hedgehog", "machine": machine, "torch": "2.x",
+                                    "command": " ".join(argv), "argv": argv, "records": records}))
+        return str(path)
+
+    joined = tmp_path / "joined.json"
+    result = calibrate_bench.main(["detr", "--combine", results(1), results(2), "--json", str(joined),
+                                   "--out", str(tmp_path / "out")])
+    assert json.loads(joined.read_text()) == result and len(result["commands"]) == 2
+    calibrated = {r["stage"]: r for r in result["summary"]}["calibrated"]
+    assert calibrated["n"] == 2 and calibrated["mean"] == pytest.approx(0.415)
+    assert calibrated["kept"] == pytest.approx(0.83)
+    assert (tmp_path / "out" / "calibrate_detr.png").stat().st_size > 0
+    for files, match in (([results(1), results(2, lr="1e-2")], "differ in options"),
+                         ([results(1), results(2, machine="cpu B")], "machine"),
+                         ([results(1), results(1, out="elsewhere")], "more than one"),
+                         ([results(1), results(2, model="vit")], "hold")):
+        with pytest.raises(SystemExit, match=match):
+            calibrate_bench.main(["detr", "--combine", *files, "--json", str(tmp_path / "refused.json")])
+    assert not (tmp_path / "refused.json").exists()
+
+
 @pytest.mark.parametrize("lm", ["torch", "stack"])
 def test_the_bench_calibrates_a_causal_lm(lm, tmp_path):
     """--lm torch: built on nn.TransformerEncoder; --lm stack: linear_mha.lm's exact-softmax LM."""

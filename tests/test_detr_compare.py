@@ -102,6 +102,13 @@ def test_records_of_two_budgets_merge_into_one_file_from_one_machine(tmp_path):
     assert by_budget[(16, "softmax")]["AP"] == pytest.approx(0.315)
     assert by_budget[(48, "softmax")]["AP"] == pytest.approx(0.615)
     assert path.with_suffix(".png").stat().st_size > 0  # a panel per budget
+    # a rerun of plain softmax keeps its place: the first softmax row is what AP_vs_softmax divides by
+    reruns = [r for r in rows(48, 0.7) if r["variant"] == "softmax"]
+    detr_records.write_records(merge, reruns, path, ["--rerun"], [])
+    saved = json.loads(path.read_text())
+    assert [e["variant"] for e in saved["summary"] if e["epochs"] == 48] == ["softmax", "taylor-dwc3:rope=True"]
+    assert {e["variant"]: e for e in saved["summary"] if e["epochs"] == 48}["taylor-dwc3:rope=True"][
+        "AP_vs_softmax"] == pytest.approx(0.615 / 0.715)
     assert saved["timing"] == [{"variant": "kernel", "sec_per_iter": 1}]  # calls that timed nothing keep it
     # a timing pass of its own times the records that earlier calls left, not only its own runs'
     detr_records.write_records(merge, [], path, ["--finished-only"], [{"variant": "softmax", "sec_per_iter": 2}])

@@ -158,15 +158,17 @@ def detr_records(a, seed, checkpoint):
 
 # ----------------------------------------------------------------------------------------------------- resume
 RECORD_KEYS = {"seed", "stage", "calibration_steps", "finetune_steps", "kept", "fraction_of_training_steps"}
+METRICS = {"vit": "top1", "lm": "bpb", "detr": "AP"}  # what each model's table measures
 PER_SEED_FLAGS = {"--seeds", "--checkpoints", "--checkpoint-seeds", "--resume", "--json", "--threads"}
 
 
-def _options(argv):
-    """The tokens of a command that must match for records to be combined: all but the per-seed flags."""
+def _options(argv, also=()):
+    """The tokens of a command that must match for records to be combined: all but the per-seed flags (and
+    ``also``)."""
     kept, skipping = [], False
     for token in argv:
         if token.startswith("--") and token != "--":
-            skipping = token in PER_SEED_FLAGS
+            skipping = token in PER_SEED_FLAGS or token in also
         if not skipping:
             kept.append(token)
     return kept
@@ -190,6 +192,26 @@ def previous_records(path: Path, argv):
         raise SystemExit(f"--resume: {path} was made with other options:\n  {' '.join(before)}\nthis run has\n  "
                          f"{' '.join(_options(list(argv)))}\nrun with the same options or another --out")
     return records
+
+
+def combine(paths, model):
+    """One table of the results files ``paths`` (seeds run as separate commands, each into its own --out): their
+    options but the per-seed ones and --out must agree, as must machine and torch, and each seed appear once."""
+    files = [json.loads(Path(path).read_text()) for path in paths]
+    setups = {(tuple(_options(f["argv"], also={"--out"})), f["machine"], f["torch"]) for f in files}
+    if {f["model"] for f in files} != {model}:
+        raise SystemExit(f"--combine: {[str(p) for p in paths]} hold {sorted({f['model'] for f in files})} "
+                         f"results; this is {model}")
+    if len(setups) != 1:
+        raise SystemExit(f"--combine: {[str(p) for p in paths]} differ in options (but seeds, checkpoints, --out), "
+                         f"machine or torch; a table comes from one recipe on one machine")
+    records = [r for f in files for r in f["records"]]
+    seeds = [seed for f in files for seed in dict.fromkeys(r["seed"] for r in f["records"])]
+    if len(seeds) != len(set(seeds)):
+        raise SystemExit(f"--combine: a seed is in more than one of {[str(p) for p in paths]} (seeds {seeds})")
+    first = {key: value for key, value in files[0].items() if key not in ("command", "argv", "records", "summary")}
+    return {**first, "commands": [f["command"] for f in files], "records": records,
+            "summary": summarize(records, METRICS[model])}
 
 
 # ----------------------------------------------------------------------------------------------------- report
@@ -290,6 +312,9 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, default=Path("runs/calibrate"), help="results.json and the PNG go here")
     p.add_argument("--json", type=Path, help="also write the records here")
+    p.add_argument("--combine", type=Path, nargs="+", metavar="RESULTS",
+                   help="run nothing: the table of these results.json files (the same recipe, other seeds) goes "
+                        "to --json and --out")
     p.add_argument("--resume", action="store_true",
                    help="keep the records of --out's results.json for seeds not given now and run only the given "
                         "ones (refused when the earlier run's other options differ)")
@@ -304,6 +329,8 @@ def main(argv=None):
         if a.model != "detr" and steps and after not in a.calibration_steps:  # detr calibrates each row afresh
             p.error(f"{flag} {after} must be one of --calibration-steps {a.calibration_steps}: the fine-tune starts "
                     f"from that calibrated model")
+    if a.combine:
+        return _write_combined(a, combine(a.combine, a.model))
     a.options = parse_attention_options(a.option)
     method_class(a.mode).validate(a.options)  # a misspelt option fails now, not after the softmax model trained
     M.pin_threads(a.threads)
@@ -313,15 +340,15 @@ def main(argv=None):
                 "earlier run's records of those seeds")
     earlier = previous_records(a.out / "results.json", argv) if a.resume else []  # refused before hours of work
     if a.model == "vit":
-        metric, runs = "top1", [(seed, lambda seed=seed: vit_records(a, seed)) for seed in a.seeds]
+        metric, runs = METRICS[a.model], [(seed, lambda seed=seed: vit_records(a, seed)) for seed in a.seeds]
     elif a.model == "lm":
         from .calibrate_lm import lm_records
-        metric, runs = "bpb", [(seed, lambda seed=seed: lm_records(a, seed)) for seed in a.seeds]
+        metric, runs = METRICS[a.model], [(seed, lambda seed=seed: lm_records(a, seed)) for seed in a.seeds]
     else:
         if not a.checkpoints:
             p.error("detr needs --checkpoints (softmax DETRs trained by linear-mha-detr-train)")
         seeds = a.checkpoint_seeds or list(range(42, 42 + len(a.checkpoints)))
-        metric = "AP"
+        metric = METRICS[a.model]
         runs = [(seed, lambda seed=seed, ckpt=ckpt: detr_records(a, seed, ckpt))
                 for seed, ckpt in zip(seeds, a.checkpoints)]
     print(f"calibrate_bench: {len(runs)} seed(s); {a.out / 'results.json'} is rewritten after each one, so an "
@@ -337,6 +364,19 @@ def main(argv=None):
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _write_combined(a, result):
+    if not a.json:
+        raise SystemExit("--combine writes the joined table to --json FILE: give it")
+    metric = METRICS[a.model]
+    print_table(result["summary"], metric)
+    a.out.mkdir(parents=True, exist_ok=True)
+    plot(result["records"], metric, a.out / f"calibrate_{a.model}.png",
+         f"{a.model}: accuracy against calibration steps")
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    a.json.write_text(json.dumps(result, indent=1))
     return result
 
 

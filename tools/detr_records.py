@@ -82,9 +82,10 @@ RUN = ("variant", "seed", "epochs")  # names a record: a later one of the same r
 
 
 def _replace(earlier, later, key):
-    """``earlier`` without the entries that ``later`` has a newer one of (by ``key``), then ``later``."""
-    newer = {tuple(entry[k] for k in key) for entry in later}
-    return [entry for entry in earlier if tuple(entry[k] for k in key) not in newer] + list(later)
+    """``earlier`` with each entry that ``later`` has a newer one of (by ``key``) replaced in its place, then the
+    rest of ``later``: a rerun keeps its row's place, and the first softmax row stays plain DETR (``summarize``)."""
+    newer = {tuple(entry[k] for k in key): entry for entry in later}
+    return [newer.pop(tuple(entry[k] for k in key), entry) for entry in earlier] + list(newer.values())
 
 
 def save(path, setup, commands, records, timing):
