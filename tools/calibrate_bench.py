@@ -330,7 +330,9 @@ def main(argv=None):
             p.error(f"{flag} {after} must be one of --calibration-steps {a.calibration_steps}: the fine-tune starts "
                     f"from that calibrated model")
     if a.combine:
-        return _write_combined(a, combine(a.combine, a.model))
+        if not a.json:
+            p.error("--combine writes the joined table to --json FILE: give it")
+        return report(a, combine(a.combine, a.model))
     a.options = parse_attention_options(a.option)
     method_class(a.mode).validate(a.options)  # a misspelt option fails now, not after the softmax model trained
     M.pin_threads(a.threads)
@@ -359,24 +361,19 @@ def main(argv=None):
         result = write_results(a, argv, metric, records)
         print(f"calibrate_bench: seed {seed} done, {len(records)} records in {a.out / 'results.json'}",
               file=sys.stderr)
-    print_table(result["summary"], metric)
-    plot(records, metric, a.out / f"calibrate_{a.model}.png", f"{a.model}: accuracy against calibration steps")
-    if a.json:
-        a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(result, indent=1))
-    return result
+    return report(a, result)
 
 
-def _write_combined(a, result):
-    if not a.json:
-        raise SystemExit("--combine writes the joined table to --json FILE: give it")
+def report(a, result):
+    """Print ``result``'s table, draw its figure into --out and write it to --json (if given); return it."""
     metric = METRICS[a.model]
     print_table(result["summary"], metric)
     a.out.mkdir(parents=True, exist_ok=True)
     plot(result["records"], metric, a.out / f"calibrate_{a.model}.png",
          f"{a.model}: accuracy against calibration steps")
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps(result, indent=1))
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(result, indent=1))
     return result
 
 
