@@ -77,8 +77,10 @@ def other_runnable_tasks(samples: int = 5, interval: float = 0.02, path: str = "
 
 def refuse_overwrite(out_dir, files, *, resume_hint: str, out_flag: str) -> None:
     """A new run into a directory that holds an earlier run's ``files`` would replace its checkpoint and log: raise,
-    naming the ways on (resume it, another directory, or --overwrite)."""
-    found = [name for name in files if (Path(out_dir) / name).exists()]
+    naming the ways on (resume it, another directory, or --overwrite). Empty files do not count: a run stopped
+    before its first checkpoint leaves an empty log and nothing to resume, and the same command must start it
+    again rather than point at a checkpoint that does not exist."""
+    found = [name for name in files if (Path(out_dir) / name).is_file() and (Path(out_dir) / name).stat().st_size]
     if found:
         raise FileExistsError(f"{out_dir} already holds a run ({', '.join(found)}): continue it with {resume_hint}, "
                               f"start a new one with another {out_flag}, or pass --overwrite to replace it")

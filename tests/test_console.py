@@ -1,10 +1,11 @@
-"""The trainers' console helpers: the busy-cores warning reads what runs now, --help shows defaults."""
+"""The trainers' console helpers: the busy-cores warning reads what runs now, --help shows defaults, a rerun never
+clobbers a run."""
 import argparse
 
 import pytest
 import torch
 
-from linear_mha.integrations.console import HelpFormatter, choose_threads, eta, other_runnable_tasks
+from linear_mha.integrations.console import HelpFormatter, choose_threads, eta, other_runnable_tasks, refuse_overwrite
 
 
 def test_other_tasks_are_the_runnable_count_now_less_this_process(tmp_path):
@@ -41,3 +42,14 @@ def test_help_shows_every_default_once():
 
 def test_eta_is_the_mean_pace_times_what_is_left():
     assert eta(2, 6, 120.0) == "4m00s" and eta(0, 6, 1.0) == "?" and eta(6, 6, 100.0) == "0s"
+
+
+def test_a_run_stopped_before_its_first_checkpoint_is_started_again_and_a_run_with_records_is_refused(tmp_path):
+    """A trainer killed during its first epoch leaves an empty log.jsonl and no checkpoint: the same command must
+    start it again (it used to refuse and point at a checkpoint.pth that did not exist); one log record is a run."""
+    (tmp_path / "log.jsonl").write_text("")
+    (tmp_path / "args.json").write_text("{}")
+    refuse_overwrite(tmp_path, ("checkpoint.pth", "log.jsonl"), resume_hint="--resume", out_flag="--output-dir")
+    (tmp_path / "log.jsonl").write_text('{"epoch": 0}\n')
+    with pytest.raises(FileExistsError, match=r"already holds a run \(log.jsonl\)"):
+        refuse_overwrite(tmp_path, ("checkpoint.pth", "log.jsonl"), resume_hint="--resume", out_flag="--output-dir")
