@@ -134,3 +134,12 @@ def write_text_atomic(path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def save_atomic(obj, path) -> None:
+    """``torch.save`` through a temporary file in the same folder and a rename: a crash never leaves a torn
+    checkpoint."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)

@@ -59,3 +59,49 @@ def test_runs_add_up_in_a_records_file_across_output_folders(tmp_path, monkeypat
     with pytest.raises(ValueError, match="--records .*--steps 2.*--steps 3"):  # one file, one budget
         vit_scratch.main(["--variants", "softmax", "--out", str(tmp_path / "d"), "--seeds", "0", "--steps", "3",
                           "--records", str(records)])
+
+
+class _Killed(Exception):
+    pass
+
+
+def test_a_killed_run_continues_from_its_checkpoint_to_the_weights_of_an_uninterrupted_one(tmp_path):
+    """A 1,800-step ViT run takes half an hour: killed at step 15 of 20 with a checkpoint every 4 steps, the same
+    call continues from step 12 and ends bit for bit where an uninterrupted run ends (same batches, optimiser
+    moments, schedule and dropout stream); a checkpoint of another budget is refused, not continued."""
+    import torch
+    from linear_mha.tools.calibrate_stages import train_resumable
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 1))
+
+    data = [torch.randn(5, 4, generator=torch.Generator().manual_seed(i)) for i in range(20)]
+
+    def loss(kill_at=None):
+        calls = []
+
+        def fn(m, batch):
+            calls.append(1)
+            if len(calls) == kill_at:
+                raise _Killed
+            return m(batch).pow(2).mean()
+        return fn
+
+    straight = model()
+    torch.manual_seed(1)
+    train_resumable(straight, iter(data), loss(), 20, 0.1, 0.05, "straight")
+    ckpt = tmp_path / "run.checkpoint.pt"
+    killed = model()
+    torch.manual_seed(1)
+    with pytest.raises(_Killed):
+        train_resumable(killed, iter(data), loss(kill_at=16), 20, 0.1, 0.05, "killed", checkpoint=ckpt, every=4)
+    assert torch.load(ckpt, weights_only=True)["step"] == 12
+    resumed = model()
+    torch.manual_seed(123)  # the RNG comes from the checkpoint, not from the caller
+    seconds = train_resumable(resumed, iter(data), loss(), 20, 0.1, 0.05, "resumed", checkpoint=ckpt, every=4)
+    assert seconds > 0
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="--steps 20.*--steps 24"):
+        train_resumable(model(), iter(data), loss(), 24, 0.1, 0.05, "other budget", checkpoint=ckpt)

@@ -35,7 +35,7 @@ from linear_mha.integrations.detr.attention import parse_attention_options
 from linear_mha import calibrate, method_class
 
 from . import measure as M
-from .calibrate_stages import calibration_stages, train_one_cycle
+from .calibrate_stages import calibration_stages, train_resumable
 from .hf_models import vit_classifier
 
 
@@ -72,17 +72,20 @@ def top1(model, x, y):
     return float((model(x).argmax(-1) == y).float().mean())
 
 
-def train_vit(model, x, y, steps, lr, seed, label="softmax"):
+def train_vit(model, x, y, steps, lr, seed, label="softmax", checkpoint=None):
+    """Train ``model`` on (x, y) in place; with ``checkpoint`` a killed run continues where it was saved (every 100
+    steps). Returns the seconds spent training, over every call."""
     def epochs():  # a fresh shuffle per epoch, the last batch of each first
         for epoch in itertools.count():
             yield from reversed(batches(x, y, 64, seed * 1000 + epoch))
-    return train_one_cycle(model, epochs(), lambda m, b: F.cross_entropy(m(b[0]), b[1]), steps, lr, 0.05,
-                           desc=f"{label} ViT, seed {seed}")
+    return train_resumable(model, epochs(), lambda m, b: F.cross_entropy(m(b[0]), b[1]), steps, lr, 0.05,
+                           desc=f"{label} ViT, seed {seed}", checkpoint=checkpoint)
 
 
 def vit_records(a, seed):
     x_train, y_train, x_test, y_test = digits(seed)
-    original = train_vit(build_vit(seed, a.vit), x_train, y_train, a.train_steps, 2e-3, seed)
+    original = build_vit(seed, a.vit)
+    train_vit(original, x_train, y_train, a.train_steps, 2e-3, seed)
     base = top1(original, x_test, y_test)
     records = [dict(seed=seed, stage="softmax (original)", calibration_steps=0, finetune_steps=0, top1=base)]
     train_batches = [images for images, _ in batches(x_train, y_train, 64, seed + 7)]

@@ -2,21 +2,44 @@
 after its original (plain patch, calibrated, fine-tuned, distilled)."""
 import copy
 import itertools
+import time
+from pathlib import Path
 
 import torch
 
 from linear_mha import calibrate, patch
+from linear_mha.integrations.checkpoint_io import check_same_args, safe_load, save_atomic
 from linear_mha.progress import progress_bar
 
 
 def train_one_cycle(model, batches_, loss_fn, steps, lr, weight_decay, desc="training the softmax model"):
     """Train ``model`` for ``steps`` batches of the iterable ``batches_`` with AdamW under a one-cycle schedule
     (10% warm-up) at peak ``lr``; ``loss_fn(model, batch)`` is the loss. Returns the model."""
+    train_resumable(model, batches_, loss_fn, steps, lr, weight_decay, desc)
+    return model
+
+
+def train_resumable(model, batches_, loss_fn, steps, lr, weight_decay, desc, checkpoint=None, every=100):
+    """``train_one_cycle``, and with ``checkpoint`` (a path) its state (weights, optimiser, schedule, torch's RNG,
+    the step and the seconds spent) is saved there every ``every`` steps; a call that finds the file continues from
+    it and ends with the weights an uninterrupted run has, provided ``batches_`` yields the same batches on every
+    call. The file is left for the caller to remove. Returns the seconds spent training, over every call."""
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.1)
-    bar = progress_bar(itertools.islice(batches_, steps), total=steps, desc=desc)
-    for i, batch in enumerate(bar):
+    settings = {"steps": steps, "lr": lr, "weight_decay": weight_decay}
+    start, seconds = 0, 0.0
+    if checkpoint is not None and Path(checkpoint).is_file():
+        state = safe_load(checkpoint, "the run's checkpoint")
+        check_same_args(state["settings"], settings, settings, "the run's checkpoint", checkpoint)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        torch.set_rng_state(state["rng"])
+        start, seconds = state["step"], state["seconds"]
+    bar = progress_bar(itertools.islice(batches_, start, steps), total=steps, initial=start, desc=desc)
+    began = time.perf_counter()
+    for i, batch in enumerate(bar, start):
         loss = loss_fn(model, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -24,7 +47,11 @@ def train_one_cycle(model, batches_, loss_fn, steps, lr, weight_decay, desc="tra
         schedule.step()
         if i % 20 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
-    return model
+        if checkpoint is not None and (i + 1) % every == 0 and i + 1 < steps:
+            save_atomic({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                         "schedule": schedule.state_dict(), "rng": torch.get_rng_state(), "step": i + 1,
+                         "seconds": seconds + time.perf_counter() - began, "settings": settings}, checkpoint)
+    return seconds + time.perf_counter() - began
 
 
 def calibration_stages(a, seed, original, inputs, finetune, metric, score):

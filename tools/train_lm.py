@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from linear_mha.integrations.checkpoint_io import check_same_args, safe_load, write_text_atomic
+from linear_mha.integrations.checkpoint_io import check_same_args, safe_load, save_atomic, write_text_atomic
 from linear_mha.integrations.detr.attention import parse_attention_options
 from linear_mha.integrations.console import HelpFormatter, banner, choose_threads, duration, refuse_overwrite
 from linear_mha.integrations.distributed import (all_reduce_mean_, init_distributed_mode, launched_world_size,
@@ -218,10 +218,9 @@ def parse_args(argv=None):
 def save_state(args, path, model, opt, gen, step, log, train_losses, seconds, processes=1):
     # Written to a temporary file and renamed, so an interruption never leaves a torn checkpoint. The model is the
     # one inside DDP (no "module." prefix): a checkpoint resumes on any number of processes.
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
-                "step": step, "log": log, "train_losses": train_losses, "seconds": seconds, "args": vars(args),
-                "processes": processes}, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    save_atomic({"model": model.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
+                 "step": step, "log": log, "train_losses": train_losses, "seconds": seconds, "args": vars(args),
+                 "processes": processes}, path)
     # The log is rewritten from the checkpoint's own records: a fresh run into an old --out, or a resume after
     # a crash, never leaves records that the checkpoint does not have.
     log_path = os.path.join(os.path.dirname(path), "log.jsonl")

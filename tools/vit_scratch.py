@@ -19,7 +19,6 @@ import json
 import re
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -72,12 +71,12 @@ def run(variant: str, seed: int, steps: int, lr: float, out: Path, records=None)
         model = build_vit(seed)
         if mode is not None:
             patch(model, mode, **options)
-        start = time.perf_counter()
-        train_vit(model, x_train, y_train, steps, lr, seed, label=variant)
-        seconds = time.perf_counter() - start
-        record = {**wanted, "top1": top1(model, x_test, y_test), "sec_per_step": seconds / steps}
         done.parent.mkdir(parents=True, exist_ok=True)
+        checkpoint = done.with_suffix(".checkpoint.pt")  # a killed run continues from its last 100 steps
+        seconds = train_vit(model, x_train, y_train, steps, lr, seed, label=variant, checkpoint=checkpoint)
+        record = {**wanted, "top1": top1(model, x_test, y_test), "sec_per_step": seconds / steps}
         write_text_atomic(done, json.dumps(record))
+        checkpoint.unlink(missing_ok=True)
     if records is not None:
         add_record(path, record, RUN_KEY, setup, command, summarize,
                    draw=lambda results: plot(results["summary"], path.with_suffix(".png")))

@@ -1,8 +1,6 @@
 """Atomic checkpoints holding everything `--resume` needs to continue a run bit-for-bit, and --pretrained DETRs."""
 import argparse
-import os
 import random
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -24,14 +22,6 @@ def set_rng_state(state):
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def save_atomic(obj, path):
-    """Writes to a temporary file in the same directory, then renames: a crash never leaves a torn file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 def load_checkpoint(path, flag="--resume"):

@@ -26,9 +26,10 @@ from torch import nn
 from linear_mha.progress import progress_bar
 
 from ..console import HelpFormatter
+from ..checkpoint_io import save_atomic
 from ..stop import StopRequest
 from .backbone import SMALL_BODIES, TinyBody, backbone_stride
-from .checkpoint import load_checkpoint, rng_state, save_atomic, set_rng_state
+from .checkpoint import load_checkpoint, rng_state, set_rng_state
 from .config import parse_args
 from .datasets import build_dataset
 from .misc import collate_fn

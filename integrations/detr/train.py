@@ -37,9 +37,8 @@ from .attention import apply_attention
 from .backbone import backbone_stride
 from .backbone_cache import pretrained_backbone, wants_pretraining
 from .backbone_weights import resolve_backbone_weights
-from ..checkpoint_io import check_same_args
-from .checkpoint import (check_pretrained_attention, load_checkpoint, load_pretrained, rng_state, save_atomic,
-                         set_rng_state)
+from ..checkpoint_io import check_same_args, save_atomic
+from .checkpoint import check_pretrained_attention, load_checkpoint, load_pretrained, rng_state, set_rng_state
 from .distill import DistillationCriterion, build_teacher
 from .config import parse_args
 from .datasets import build_dataset
