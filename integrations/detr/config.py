@@ -16,8 +16,9 @@ from .backbone_weights import IMAGENET, RANDOM
 
 # Both presets' linear attention, its local term and its options: the most accurate Linear-DETR within the elu
 # kernel's cost in docs/detr.md (taylor + DWC 3x3 + 2-D RoPE: 105% of the AP of softmax given the same RoPE and local
-# term, 3 seeds at 48 epochs, 1.04x the elu kernel's time per iteration). They go together: an explicit --attention without --dwc-kernel gets no local term and none of these
-# options, so `--attention efficient` stays plain; --attention-option without --attention adds to them.
+# term, 3 seeds at 48 epochs, 1.04x the elu kernel's time per iteration). They go together: an explicit --attention
+# without --dwc-kernel gets no local term and none of these options, so `--attention efficient` stays plain;
+# --attention-option without --attention adds to them.
 RECOMMENDED = "taylor"
 RECOMMENDED_DWC_KERNEL = 3
 RECOMMENDED_OPTIONS = ("rope=True",)

@@ -25,8 +25,8 @@ from torch import nn
 
 from linear_mha.progress import progress_bar
 
-from ..console import HelpFormatter
 from ..checkpoint_io import save_atomic
+from ..console import HelpFormatter
 from ..stop import StopRequest
 from .backbone import SMALL_BODIES, TinyBody, backbone_stride
 from .checkpoint import load_checkpoint, rng_state, set_rng_state
