@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from linear_mha.tools import mqar
+from linear_mha.tools import mqar, mqar_train
 from linear_mha.tools.mqar_data import IGNORE, mqar_examples
 
 VOCAB, SEQ, PAIRS = 64, 32, 4
@@ -81,7 +81,7 @@ def test_settings_that_cannot_make_the_task_name_the_argument():
 def test_method_names_take_options_and_the_local_convolution():
     method = mqar.parse_method("kernel-dwc3:feature_map=relu", dim=16, heads=2)
     assert (method.mode, method.options, method.local_conv) == ("kernel", {"feature_map": "relu"}, True)
-    model = mqar.RecallModel(method, VOCAB, SEQ, dim=16, depth=1, heads=2)
+    model = mqar_train.RecallModel(method, VOCAB, SEQ, dim=16, depth=1, heads=2)
     layers = [m for m in model.modules() if isinstance(m, mqar.SelfAttention)]
     assert layers and all(layer.conv is not None and layer.global_method.feature_map == "relu" for layer in layers)
 
@@ -117,10 +117,49 @@ def test_a_run_writes_its_record_and_log_and_a_rerun_skips_it(tmp_path, monkeypa
         mqar.main(TINY + ["--out", str(out), "--shift-tokens"])
 
 
+def test_a_killed_run_continues_from_its_checkpoint_to_the_log_and_record_of_an_uninterrupted_one(
+        tmp_path, monkeypatch):
+    """A run at sequence 256 takes half an hour on one core. Killed during step 5 of 10, with a checkpoint every 3
+    steps and a log entry every 2, the same call continues from step 3 and ends, loss for loss, with the log and the
+    record of a run never stopped. Fails if the resume skips no batches, drops the optimiser's state or step 3's
+    loss (not yet logged), or keeps the killed run's log lines written after its checkpoint; a checkpoint of other
+    settings is refused, naming the option."""
+    argv = TINY + ["--steps", "10", "--checkpoint-every", "3", "--log-every", "2"]  # the last of an option counts
+    straight = mqar.main(argv + ["--out", str(tmp_path / "straight")])
+    real_forward, calls = mqar_train.RecallModel.forward, []
+
+    def dies_in_step_5(self, tokens, targets):
+        calls.append(self.training)
+        if calls.count(True) == 5:
+            raise KeyboardInterrupt
+        return real_forward(self, tokens, targets)
+    monkeypatch.setattr(mqar_train.RecallModel, "forward", dies_in_step_5)
+    killed_out = tmp_path / "killed"
+    with pytest.raises(KeyboardInterrupt):
+        mqar.main(argv + ["--out", str(killed_out)])
+    run_dir = killed_out / "kernel" / f"seq{SEQ}_kv{PAIRS}" / "lr0.001" / "seed0"
+    assert (run_dir / "checkpoint.pt").is_file() and not (run_dir / "record.json").exists()
+    assert [json.loads(line)["step"] for line in (run_dir / "log.jsonl").read_text().splitlines()] == \
+        [2, 4]
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="--weight-decay 0.1.*--weight-decay 0.2"):
+        mqar.main(argv + ["--out", str(killed_out), "--weight-decay", "0.2"])
+    resumed = mqar.main(argv + ["--out", str(killed_out)])
+
+    def without_seconds(rows):
+        return [{k: v for k, v in row.items() if k != "seconds"} for row in rows]
+    logs = [[json.loads(line) for line in (out / run_dir.relative_to(killed_out) / "log.jsonl").read_text()
+             .splitlines()] for out in (tmp_path / "straight", killed_out)]
+    assert [entry["step"] for entry in logs[1]] == [2, 4, 6, 8, 10]
+    assert without_seconds(logs[1]) == without_seconds(logs[0])
+    assert without_seconds(resumed["records"]) == without_seconds(straight["records"])
+    assert not (run_dir / "checkpoint.pt").exists()  # the record holds the run now
+
+
 def test_token_shift_reaches_every_model_when_asked():
     method = mqar.parse_method("kernel", 16, 1)
-    shifted = [getattr(m, "shifts", None) for m in mqar.RecallModel(method, 32, 16, 16, 1, 1, True).modules()]
-    plain = [getattr(m, "shifts", None) for m in mqar.RecallModel(method, 32, 16, 16, 1, 1).modules()]
+    shifted = [getattr(m, "shifts", None) for m in mqar_train.RecallModel(method, 32, 16, 16, 1, 1, True).modules()]
+    plain = [getattr(m, "shifts", None) for m in mqar_train.RecallModel(method, 32, 16, 16, 1, 1).modules()]
     assert any(shifted) and not any(plain)
 
 

@@ -24,12 +24,13 @@ sweeps them), and the table takes, per method and task, the rate whose final tra
 stays in the records and the summary.
 
 Every (method, seq_len, pairs, lr, seed) run lives in OUT/<method>/seq<L>_kv<P>/lr<lr>/seed<S>/: log.jsonl (step,
-training loss, learning rate, seconds; the test accuracy every --eval-every steps) as it trains, and record.json when
-it is done. A later call skips every run that has its record (refusing one written with other settings), so an
-interrupted grid continues where it stopped (a run cut short starts over). At the end: a table of accuracy (mean
-± std over seeds, at the chosen rate) per method and task, OUT/mqar.png (accuracy against sequence length per
-method), and OUT/results.json (with --json, also there): the records, each with steps, lr, final loss, seconds,
-machine and torch version, and the summary.
+training loss, learning rate, seconds; the test accuracy every --eval-every steps) and checkpoint.pt (every
+--checkpoint-every steps) as it trains, and record.json when it is done. A later call skips every run that has its
+record and continues a run cut short from its checkpoint (refusing either if written with other settings), so an
+interrupted grid continues where it stopped, losing at most --checkpoint-every steps. At the end: a table of
+accuracy (mean ± std over seeds, at the chosen rate) per method and task, OUT/mqar.png (accuracy against sequence
+length per method), and OUT/results.json (with --json, also there): the records, each with steps, lr, final loss,
+seconds, machine and torch version, and the summary.
 
 --records FILE (e.g. docs/results/mqar.json) keeps a table that takes longer than one machine's session: the runs
 it holds count as done, and every run that finishes is added to it at once, with the summary of all its records and
@@ -38,45 +39,26 @@ torch version is refused, and so is a run it holds with other settings.
 """
 import argparse
 import json
-import math
-import platform
 import re
 import statistics
 import sys
-import time
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from linear_mha.integrations.checkpoint_io import check_same_args, write_text_atomic
 from linear_mha.integrations.console import HelpFormatter, banner, choose_threads, duration
 from linear_mha.integrations.detr.attention import parse_attention_options
-from linear_mha.lm import LinearAttentionTransformerLM
 from linear_mha.lm.self_attention import SelfAttention
-from linear_mha.progress import progress_bar
 from linear_mha.registry import method_class
 
-from .measure import cpu_name
-from .mqar_data import IGNORE, POWER_A, check_task, mqar_examples
+from .mqar_data import check_task
+from .mqar_train import CHECKPOINT, RUN_SETTINGS, Method, machine, run_settings, train_run
 from .records_file import add_record, find_record, read_results
 from .variant_names import split_variant
 
 LOCAL_CONV_TAPS = 3  # SelfAttention's local_conv: a fixed 3-tap causal depthwise convolution
-TEST_DATA_SEED = 1   # odd: never the seed of a training set (2 x the run's seed)
-# Settings that change a run's result: a record written with others is refused, not reused
-RUN_SETTINGS = ("method", "vocab", "dim", "depth", "heads", "steps", "batch_size", "lr", "weight_decay",
-                "train_examples", "test_examples", "power_a", "shift_tokens")
 RUN_KEY = ("method", "seq_len", "num_kv_pairs", "lr", "seed")  # one run of the grid
-
-
-class Method(NamedTuple):
-    name: str        # as written in --methods: the runs' label
-    mode: str        # the registry method of the global heads
-    options: dict    # its options
-    local_conv: bool
 
 
 def parse_method(name: str, dim: int, heads: int) -> Method:
@@ -116,115 +98,6 @@ def task_grid(seq_lens, kv_pairs, vocab):
     return list(dict.fromkeys(tasks))
 
 
-class RecallModel(nn.Module):
-    """``linear_mha.lm``'s causal LM up to its normalised hidden states, then the next-token head (the LM's own:
-    LayerNorm, then Linear) applied only where a target is scored: at width 64 projecting every position onto the
-    vocabulary costs about as much as the layers, and 7 positions in 8 have no target."""
-
-    def __init__(self, method: Method, vocab: int, seq_len: int, dim: int, depth: int, heads: int,
-                 shift_tokens: bool = False):
-        super().__init__()
-        self.lm = LinearAttentionTransformerLM(vocab, dim, depth, seq_len, heads=heads, dim_head=dim // heads,
-                                               causal=True, return_embeddings=True, global_mode=method.mode,
-                                               global_options=method.options, local_conv=method.local_conv,
-                                               shift_tokens=shift_tokens)
-        self.head = nn.Linear(dim, vocab)
-
-    def forward(self, tokens, targets):
-        """tokens, targets (B, N) -> logits (Q, vocab) at the Q query positions, and their targets (Q,)."""
-        hidden = self.lm(tokens)  # (B, N, dim), normalised
-        scored = targets != IGNORE
-        return self.head(hidden[scored]), targets[scored]
-
-
-def shuffled_batches(count: int, batch_size: int, gen: torch.Generator):
-    """Index batches (batch_size,) over a fresh permutation of the training set each epoch; endless."""
-    while True:
-        order = torch.randperm(count, generator=gen)
-        for start in range(0, count - batch_size + 1, batch_size):
-            yield order[start:start + batch_size]
-
-
-def learning_rate(step: int, steps: int, peak: float) -> float:
-    """Linear warm-up over the first 2% of the steps, then a cosine decay to 0 (step counts from 0)."""
-    warmup = max(1, steps // 50)
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-
-
-@torch.no_grad()
-def recall_accuracy(model, inputs, targets, batch_size: int, device) -> float:
-    """Fraction of the query positions of (inputs, targets) (M, N) whose most likely next token is the target."""
-    model.eval()
-    right = total = 0
-    for start in range(0, len(inputs), batch_size):
-        logits, wanted = model(inputs[start:start + batch_size].to(device, torch.long),
-                               targets[start:start + batch_size].to(device, torch.long))
-        right += int((logits.argmax(-1) == wanted).sum())
-        total += wanted.numel()
-    model.train()
-    return right / total
-
-
-def run_settings(args, method: Method, lr: float) -> dict:
-    return {"method": method.name, "vocab": args.vocab, "dim": args.dim, "depth": args.depth, "heads": args.heads,
-            "steps": args.steps, "batch_size": args.batch_size, "lr": lr, "weight_decay": args.weight_decay,
-            "train_examples": args.train_examples, "test_examples": args.test_examples, "power_a": POWER_A,
-            "shift_tokens": args.shift_tokens}
-
-
-def train_run(args, method: Method, seq_len: int, pairs: int, lr: float, seed: int, run_dir: Path, device) -> dict:
-    """Train one model on one task from scratch; the log goes to run_dir/log.jsonl. Returns the run's record."""
-    start = time.time()
-    train_x, train_y = mqar_examples(args.vocab, seq_len, pairs, args.train_examples, 2 * seed)
-    test_x, test_y = mqar_examples(args.vocab, seq_len, pairs, args.test_examples, TEST_DATA_SEED)
-    torch.manual_seed(seed)
-    model = RecallModel(method, args.vocab, seq_len, args.dim, args.depth, args.heads, args.shift_tokens).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=args.weight_decay)
-    batches = shuffled_batches(args.train_examples, args.batch_size, torch.Generator().manual_seed(seed))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    bar = progress_bar(total=args.steps, disable=args.no_progress, desc=f"{method.name} L{seq_len} kv{pairs} s{seed}")
-    losses, acc, final = [], None, []
-    final_steps = max(1, args.steps // 20)  # the last 5% of the steps: the final training loss
-    with open(run_dir / "log.jsonl", "w") as log:  # a run cut short starts over, and so does its log
-        for step in range(1, args.steps + 1):
-            rate = learning_rate(step - 1, args.steps, lr)
-            for group in opt.param_groups:
-                group["lr"] = rate
-            index = next(batches)
-            logits, wanted = model(train_x[index].to(device, torch.long), train_y[index].to(device, torch.long))
-            loss = F.cross_entropy(logits, wanted)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            losses.append(loss.item())
-            if step > args.steps - final_steps:
-                final.append(losses[-1])
-            bar.update(1)
-            evaluate = step % args.eval_every == 0 or step == args.steps
-            if evaluate or step % args.log_every == 0:
-                entry = {"step": step, "loss": statistics.mean(losses), "lr": rate, "seconds": time.time() - start}
-                losses = []
-                if evaluate:
-                    acc = entry["acc"] = recall_accuracy(model, test_x, test_y, 4 * args.batch_size, device)
-                    bar.set_postfix(loss=f"{entry['loss']:.3f}", acc=f"{acc:.3f}")
-                log.write(json.dumps(entry) + "\n")
-                log.flush()
-    bar.close()
-    return {**run_settings(args, method, lr), "seed": seed, "seq_len": seq_len, "num_kv_pairs": pairs, "acc": acc,
-            "final_loss": statistics.mean(final),
-            "params": sum(p.numel() for p in model.parameters()), "seconds": time.time() - start,
-            "machine": machine(device), "torch": torch.__version__, "device": str(device)}
-
-
-def machine(device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{platform.processor() or platform.machine()} ({cpu_name()}), {torch.get_num_threads()} threads"
-
-
 def run_dir_of(out, method: Method, seq_len: int, pairs: int, lr: float, seed: int) -> Path:
     # the method name as a folder name: ':' and ',' (options) become '_'
     return (Path(out) / re.sub(r"[^\w.=+-]", "_", method.name) / f"seq{seq_len}_kv{pairs}" / f"lr{lr:g}"
@@ -260,6 +133,7 @@ def run_grid(args, methods, tasks, device, command):
             record = train_run(args, method, seq_len, pairs, lr, seed, run_dir, device)
             run_dir.mkdir(parents=True, exist_ok=True)
             write_text_atomic(record_path, json.dumps(record, indent=1))
+            (run_dir / CHECKPOINT).unlink(missing_ok=True)  # only now: a run killed before its record resumes
             print(f"{label}: accuracy {record['acc']:.4f} in {duration(record['seconds'])}", file=sys.stderr)
         if records_path and in_file is None:  # a run of --out that the file lacks joins it too
             add_record(records_path, record, RUN_KEY, setup, command, summarize,
@@ -355,6 +229,8 @@ def parse_args(argv=None):
     p.add_argument("--test-examples", type=int, default=3_000, help="held-out sequences scored (Zoology's)")
     p.add_argument("--eval-every", type=int, default=500, help="steps between test accuracies in the log")
     p.add_argument("--log-every", type=int, default=50, help="steps between training-loss entries in the log")
+    p.add_argument("--checkpoint-every", type=int, default=100,
+                   help="steps between a run's checkpoints: a run killed meanwhile continues from the last one")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; the free cores on a shared "
                                                "machine)")
@@ -372,7 +248,7 @@ def parse_args(argv=None):
 def check_args(args):
     """Clear errors, naming the option, for settings that would fail deep inside or train on nothing."""
     for name in ("vocab", "dim", "depth", "heads", "steps", "batch_size", "train_examples", "test_examples",
-                 "eval_every", "log_every"):
+                 "eval_every", "log_every", "checkpoint_every"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not all(lr > 0 for lr in args.lr) or args.weight_decay < 0:
