@@ -122,8 +122,8 @@ def test_a_killed_run_continues_from_its_checkpoint_to_the_log_and_record_of_an_
     """A run at sequence 256 takes half an hour on one core. Killed during step 5 of 10, with a checkpoint every 3
     steps and a log entry every 2, the same call continues from step 3 and ends, loss for loss, with the log and the
     record of a run never stopped. Fails if the resume skips no batches, drops the optimiser's state or step 3's
-    loss (not yet logged), or keeps the killed run's log lines written after its checkpoint; a checkpoint of other
-    settings is refused, naming the option."""
+    loss (not yet logged), or keeps the killed run's log lines written after its checkpoint (a torn one among
+    them); a checkpoint of other settings is refused, naming the option."""
     argv = TINY + ["--steps", "10", "--checkpoint-every", "3", "--log-every", "2"]  # the last of an option counts
     straight = mqar.main(argv + ["--out", str(tmp_path / "straight")])
     real_forward, calls = mqar_train.RecallModel.forward, []
@@ -141,10 +141,13 @@ def test_a_killed_run_continues_from_its_checkpoint_to_the_log_and_record_of_an_
     assert (run_dir / "checkpoint.pt").is_file() and not (run_dir / "record.json").exists()
     assert [json.loads(line)["step"] for line in (run_dir / "log.jsonl").read_text().splitlines()] == \
         [2, 4]
+    with open(run_dir / "log.jsonl", "a") as log:
+        log.write('{"step": 6, "lo')  # killed while writing a line
     monkeypatch.undo()
     with pytest.raises(ValueError, match="--weight-decay 0.1.*--weight-decay 0.2"):
         mqar.main(argv + ["--out", str(killed_out), "--weight-decay", "0.2"])
-    resumed = mqar.main(argv + ["--out", str(killed_out)])
+    with pytest.warns(UserWarning, match="cut short"):
+        resumed = mqar.main(argv + ["--out", str(killed_out)])
 
     def without_seconds(rows):
         return [{k: v for k, v in row.items() if k != "seconds"} for row in rows]

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from linear_mha.integrations.checkpoint_io import check_same_args, safe_load, save_atomic, write_text_atomic
+from linear_mha.integrations.detr.plots import read_log
 from linear_mha.lm import LinearAttentionTransformerLM
 from linear_mha.progress import progress_bar
 
@@ -112,9 +113,8 @@ def resume(run_dir: Path, settings: dict, model, opt) -> dict:
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"])
-    kept = [line for line in log_path.read_text().splitlines() if json.loads(line)["step"] <= state["step"]] \
-        if log_path.exists() else []
-    write_text_atomic(log_path, "".join(line + "\n" for line in kept))
+    kept = [entry for entry in read_log(log_path) if entry["step"] <= state["step"]]  # a torn last line goes too
+    write_text_atomic(log_path, "".join(json.dumps(entry) + "\n" for entry in kept))
     return state
 
 
