@@ -7,6 +7,7 @@ import signal
 import pytest
 import torch
 
+from linear_mha.lm.self_attention import SelfAttention
 from linear_mha.tools import train_lm as train_lm_tool
 from modes import CAUSAL_ONLY, LINEAR_NON_CAUSAL as NOT_CAUSAL
 
@@ -79,6 +80,9 @@ def test_a_fresh_run_into_an_old_directory_is_refused_and_with_overwrite_logs_on
     (["--val-bytes", "20", "--seq-len", "32"], r"the val split has 20 bytes .* or --val-bytes"),
     (["--variant", "softmax", "--global-mode", CAUSAL_ONLY[0]], "--variant softmax .* no global heads"),
     (["--global-option", "chunk_size=8"], "--global-option sets an option of --global-mode"),
+    (["--local-window", "8"], "--local-window sets the local heads of --variant hybrid; --variant baseline"),
+    (["--variant", "hybrid", "--heads", "1"], "--variant hybrid .* needs --heads >= 2 \\(got 1\\)"),
+    (["--variant", "hybrid", "--local-window", "0"], "--local-window must be >= 1, got 0"),
     (["--global-mode", NOT_CAUSAL[0]], f"--global-mode {NOT_CAUSAL[0]}: .* no causal form"),
     (["--global-mode", CAUSAL_ONLY[0], "--global-option", "spam=1"], f"--global-mode {CAUSAL_ONLY[0]} --global-option spam=1: "),
 ])
@@ -95,6 +99,16 @@ def test_global_heads_of_a_chosen_method_train_and_resume_only_with_the_same_met
     assert result["variant"] == f"full {CAUSAL_ONLY[0]}" and 4.0 < result["test_bpc"] < 12.0
     with pytest.raises(ValueError, match=f"--global-mode {CAUSAL_ONLY[0]!r}.*; this run has --global-mode None"):
         train_lm.main(ARGS + ["--steps", "4", "--out", str(tmp_path), "--resume"])
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_the_hybrid_variant_makes_half_the_heads_local_over_its_window_and_the_rest_run_the_method(train_lm, window):
+    argv = ["--variant", "hybrid", "--heads", "4", "--dim", "32", "--global-mode", CAUSAL_ONLY[0]]
+    model = train_lm.build_model(train_lm.parse_args(argv + ([] if window is None else ["--local-window", str(window)])))
+    layers = [m for m in model.modules() if isinstance(m, SelfAttention)]
+    assert layers and all(layer.n_local == 2 and layer.window == (window or train_lm.HYBRID_WINDOW) for layer in layers)
+    assert all(layer.local_method.name == "block_local" and layer.global_method.name == CAUSAL_ONLY[0]
+               for layer in layers)
 
 
 def test_the_cosine_schedule_warms_up_then_decays_to_zero_and_constant_holds(train_lm):

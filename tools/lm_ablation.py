@@ -32,7 +32,7 @@ from .measure import cpu_name
 from .records_file import add_record, find_record, read_results
 
 LABELS = {"baseline": "Baseline", "conv": "Conv_Only", "gate": "Gate_Only", "full": "Full_Improved",
-          "softmax": "Softmax"}
+          "softmax": "Softmax", "hybrid": "Hybrid"}
 RUN_KEY = ("variant", "seed")
 
 

@@ -19,8 +19,11 @@ any number of processes that divides --batch-size. Process 0 alone prints and wr
 
 Variants (--variant) for the attention ablation: baseline (plain global linear heads), conv (local_conv), gate
 (attn_gate), full (gate + conv), softmax (every head local with window = seq_len, i.e. exact causal softmax
-attention with the same parameters). The global heads run --global-mode, any registry method with a causal form
-(default: the LM's, `kernel`; e.g. deltanet, gated_deltanet, gla, retention), with --global-option NAME=VALUE.
+attention with the same parameters), hybrid (half the heads local softmax within blocks of --local-window positions,
+each seeing the W to 2W - 1 positions before it, the others global: a sliding window beside the linear heads, as
+Based pairs them; linear in the sequence length). The global heads run --global-mode, any registry method with a
+causal form (default: the LM's, `kernel`; e.g. deltanet, gated_deltanet, gla, retention), with --global-option
+NAME=VALUE.
 
 Example:  python -m linear_mha.tools.train_lm --steps 2000 --out runs/lm_baseline
 """
@@ -52,7 +55,9 @@ VARIANTS = {
     "gate": {"attn_gate": True},
     "full": {"attn_gate": True, "local_conv": True},
     "softmax": {"softmax": True},
+    "hybrid": {"hybrid": True},
 }
+HYBRID_WINDOW = 32  # --local-window's default: at --seq-len 256 a local head sees an eighth to a quarter of it
 
 
 def stdlib_corpus(n_bytes: int) -> bytes:
@@ -89,7 +94,7 @@ def load_splits(args):
 
 # --resume keeps these: they change what the checkpoint holds or how it goes on training
 MODEL_ARGS = ("variant", "dim", "depth", "heads", "seq_len", "enwik8", "corpus_bytes", "global_mode", "global_option",
-              "shift_tokens", "lr_schedule")
+              "shift_tokens", "lr_schedule", "local_window")
 
 
 def run_label(args) -> str:
@@ -102,6 +107,9 @@ def build_model(args):
     kw = dict(VARIANTS[args.variant])
     if kw.pop("softmax", False):
         kw.update(n_local_attn_heads=args.heads, local_attn_window_size=args.seq_len)
+    if kw.pop("hybrid", False):
+        kw.update(n_local_attn_heads=args.heads // 2,
+                  local_attn_window_size=HYBRID_WINDOW if args.local_window is None else args.local_window)
     if args.global_mode is not None:
         kw.update(global_mode=args.global_mode,
                   global_options=parse_attention_options(args.global_option, flag="--global-option"))
@@ -186,6 +194,9 @@ def parse_args(argv=None):
                    help="registry method of the global heads, one with a causal form (default: the LM's, kernel)")
     p.add_argument("--global-option", action="append", metavar="NAME=VALUE",
                    help="an option of --global-mode (repeat the flag for several)")
+    p.add_argument("--local-window", type=int, metavar="W",
+                   help=f"--variant hybrid: the local heads' block (default {HYBRID_WINDOW}); each sees W to 2W - 1 "
+                        "positions back")
     p.add_argument("--shift-tokens", action="store_true",
                    help="token shift: half of each position's features come from the previous position")
     p.add_argument("--dim", type=int, default=256, help="model width")
@@ -246,6 +257,13 @@ def check_args(args, world=1):
                          f"--global-mode {args.global_mode}: leave one of the two out")
     if args.dim % args.heads:
         raise ValueError(f"--dim ({args.dim}) must be divisible by --heads ({args.heads})")
+    if args.local_window is not None and not VARIANTS[args.variant].get("hybrid"):
+        raise ValueError(f"--local-window sets the local heads of --variant hybrid; --variant {args.variant} has "
+                         "none of that kind: pass --variant hybrid or leave --local-window out")
+    if VARIANTS[args.variant].get("hybrid") and args.heads < 2:
+        raise ValueError(f"--variant hybrid makes half the heads local: it needs --heads >= 2 (got {args.heads})")
+    if args.local_window is not None and args.local_window < 1:
+        raise ValueError(f"--local-window must be >= 1, got {args.local_window}")
     if args.batch_size % world:
         raise ValueError(f"--batch-size {args.batch_size} is the global batch (sequences per step over all "
                          f"processes) and must divide by the {world} processes torchrun started: pass a multiple of "
