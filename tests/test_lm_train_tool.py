@@ -104,7 +104,8 @@ def test_global_heads_of_a_chosen_method_train_and_resume_only_with_the_same_met
 @pytest.mark.parametrize("window", [None, 8])
 def test_the_hybrid_variant_makes_half_the_heads_local_over_its_window_and_the_rest_run_the_method(train_lm, window):
     argv = ["--variant", "hybrid", "--heads", "4", "--dim", "32", "--global-mode", CAUSAL_ONLY[0]]
-    model = train_lm.build_model(train_lm.parse_args(argv + ([] if window is None else ["--local-window", str(window)])))
+    argv += [] if window is None else ["--local-window", str(window)]
+    model = train_lm.build_model(train_lm.parse_args(argv))
     layers = [m for m in model.modules() if isinstance(m, SelfAttention)]
     assert layers and all(layer.n_local == 2 and layer.window == (window or train_lm.HYBRID_WINDOW) for layer in layers)
     assert all(layer.local_method.name == "block_local" and layer.global_method.name == CAUSAL_ONLY[0]
