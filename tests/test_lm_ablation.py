@@ -56,7 +56,21 @@ def test_the_softmax_comparison_uses_only_the_seeds_both_variants_have():
     assert rows["softmax"]["std"] == pytest.approx(2 ** 0.5)
 
 
+def test_the_best_softmax_is_the_all_softmax_variant_of_lowest_mean_and_every_row_is_also_set_against_it():
+    """softmax+conv (every head softmax, with the convolution) is a softmax the linear rows must also be set against;
+    hybrid (half the heads softmax) is not one."""
+    records = [{"variant": v, "seed": s, "test_bpc": b, "params": 1, "tokens_seen": 1}
+               for v, s, b in [("softmax", 0, 2.0), ("softmax+conv", 0, 1.6), ("hybrid+conv:deltanet", 0, 1.5),
+                               ("baseline:deltanet", 0, 2.4)]]
+    rows = {r["variant"]: r for r in lm_ablation.summarize(records)}
+    assert {r["best_softmax"] for r in rows.values()} == {"softmax+conv"}
+    assert rows["baseline:deltanet"]["vs_softmax"] == pytest.approx(0.2)
+    assert rows["baseline:deltanet"]["vs_best_softmax"] == pytest.approx(0.5)
+    assert rows["hybrid+conv:deltanet"]["vs_best_softmax"] == pytest.approx(1.5 / 1.6 - 1)
+    assert rows["hybrid+conv:deltanet"]["label"] == "Hybrid + Conv_Only (deltanet)"
+
+
 def test_a_variant_outside_train_lms_is_refused_naming_them(capsys):
     with pytest.raises(SystemExit):
         lm_ablation.main(["--variants", "linear:deltanet"] + TRAIN)
-    assert "baseline, conv, gate, full, softmax" in capsys.readouterr().err
+    assert "baseline, conv, gate, full, softmax, hybrid, or several joined by '+'" in capsys.readouterr().err

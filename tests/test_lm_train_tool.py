@@ -83,6 +83,10 @@ def test_a_fresh_run_into_an_old_directory_is_refused_and_with_overwrite_logs_on
     (["--local-window", "8"], "--local-window sets the local heads of --variant hybrid; --variant baseline"),
     (["--variant", "hybrid", "--heads", "1"], "--variant hybrid .* needs --heads >= 2 \\(got 1\\)"),
     (["--variant", "hybrid", "--local-window", "0"], "--local-window must be >= 1, got 0"),
+    (["--variant", "softmax+hybrid"], "softmax makes every head local and hybrid half of them"),
+    (["--variant", "conv+conv"], "--variant conv\\+conv: expected names from baseline, conv, .* each once"),
+    (["--variant", "linear"], "--variant linear: expected names from"),
+    (["--variant", "softmax+conv", "--global-mode", CAUSAL_ONLY[0]], "--variant softmax\\+conv .* no global heads"),
     (["--global-mode", NOT_CAUSAL[0]], f"--global-mode {NOT_CAUSAL[0]}: .* no causal form"),
     (["--global-mode", CAUSAL_ONLY[0], "--global-option", "spam=1"], f"--global-mode {CAUSAL_ONLY[0]} --global-option spam=1: "),
 ])
@@ -110,6 +114,13 @@ def test_the_hybrid_variant_makes_half_the_heads_local_over_its_window_and_the_r
     assert layers and all(layer.n_local == 2 and layer.window == (window or train_lm.HYBRID_WINDOW) for layer in layers)
     assert all(layer.local_method.name == "block_local" and layer.global_method.name == CAUSAL_ONLY[0]
                for layer in layers)
+
+
+@pytest.mark.parametrize("variant, local_heads", [("softmax+conv", 4), ("hybrid+conv", 2), ("conv", 0)])
+def test_variants_joined_by_plus_take_every_part(train_lm, variant, local_heads):
+    model = train_lm.build_model(train_lm.parse_args(["--variant", variant, "--heads", "4", "--dim", "32"]))
+    layers = [m for m in model.modules() if isinstance(m, SelfAttention)]
+    assert layers and all(layer.n_local == local_heads and layer.conv is not None for layer in layers)
 
 
 def test_the_cosine_schedule_warms_up_then_decays_to_zero_and_constant_holds(train_lm):

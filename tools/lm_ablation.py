@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """LM variants over seeds at one budget: train_lm's attention variants (baseline / conv / gate / full linear heads,
-and a softmax Transformer with the same parameters), each optionally with the global heads on another registry
+hybrid local + linear heads, and a softmax Transformer with the same parameters), each optionally with the global heads on another registry
 method, on the same corpus, token budget and seeds.
 
-A variant is ``VARIANT`` or ``VARIANT:METHOD``: train_lm's --variant, and --global-mode METHOD for its global
-heads (e.g. ``softmax``, ``baseline:gated_deltanet``, ``conv:deltanet``). Every argument after ``--`` goes to every
+A variant is ``VARIANT`` or ``VARIANT:METHOD``: train_lm's --variant (several joined by '+'), and --global-mode
+METHOD for its global heads (e.g. ``softmax``, ``softmax+conv``, ``baseline:gated_deltanet``,
+``hybrid+conv:gated_deltanet``). Every argument after ``--`` goes to every
 run (model size, steps, data, --shift-tokens), so the variants differ in their attention only.
 
 Each run is ``python -m linear_mha.tools.train_lm`` in OUT/<variant>_seed<S>; re-running reuses finished runs and
@@ -37,16 +38,17 @@ RUN_KEY = ("variant", "seed")
 
 
 def variant_argv(spec: str) -> list:
-    """train_lm's arguments for a variant ``VARIANT[:METHOD]``."""
+    """train_lm's arguments for a variant ``VARIANT[+VARIANT...][:METHOD]``."""
     variant, _, method = spec.partition(":")
-    if variant not in LABELS:
-        raise ValueError(f"--variants {spec!r}: the part before ':' must be one of {', '.join(LABELS)}")
+    if not all(name in LABELS for name in variant.split("+")):
+        raise ValueError(f"--variants {spec!r}: the part before ':' must be one of {', '.join(LABELS)}, or several "
+                         "joined by '+'")
     return ["--variant", variant] + (["--global-mode", method] if method else [])
 
 
 def label(spec: str) -> str:
     variant, _, method = spec.partition(":")
-    return LABELS[variant] + (f" ({method})" if method else "")
+    return " + ".join(LABELS[name] for name in variant.split("+")) + (f" ({method})" if method else "")
 
 
 def run_once(trainer, extra, spec, seed, out):
@@ -73,7 +75,9 @@ def record_of(spec, seed, results, extra) -> dict:
 
 def summarize(records) -> list:
     """Per variant, in first-seen order: mean and sample std of test BPC over its seeds, and its mean against the
-    softmax variant's on the seeds both have, as a relative difference (None without a softmax row)."""
+    plain softmax variant's (``vs_softmax``) and against the best softmax variant's, the one of lowest mean among
+    those whose heads are all softmax (``vs_best_softmax``, e.g. softmax+conv), each on the seeds both have, as a
+    relative difference (None without such a row)."""
     rows = []
     for spec in dict.fromkeys(r["variant"] for r in records):
         of = sorted((r for r in records if r["variant"] == spec), key=lambda r: r["seed"])
@@ -81,12 +85,20 @@ def summarize(records) -> list:
         rows.append({"variant": spec, "label": label(spec), "seeds": [r["seed"] for r in of], "params": of[0]["params"],
                      "tokens_seen": of[0]["tokens_seen"], "test_bpc": bpc, "mean": statistics.mean(bpc),
                      "std": statistics.stdev(bpc) if len(bpc) > 1 else 0.0})
-    softmax = {r["seed"]: r["test_bpc"] for r in records if r["variant"] == "softmax"}
+    all_softmax = [row for row in rows if train_lm.variant_options(row["variant"].partition(":")[0]).get("softmax")]
+    best = min(all_softmax, key=lambda row: row["mean"], default=None)
     for row in rows:
-        pairs = [(b, softmax[s]) for s, b in zip(row["seeds"], row["test_bpc"]) if s in softmax]
-        row["vs_softmax"] = (statistics.mean(b for b, _ in pairs) / statistics.mean(s for _, s in pairs) - 1
-                             if pairs else None)
+        row["vs_softmax"] = relative(row, records, "softmax")
+        row["best_softmax"] = best and best["variant"]
+        row["vs_best_softmax"] = best and relative(row, records, best["variant"])
     return rows
+
+
+def relative(row, records, reference: str):
+    """row's mean test BPC over the seeds ``reference`` also has, against reference's over them, minus 1."""
+    theirs = {r["seed"]: r["test_bpc"] for r in records if r["variant"] == reference}
+    pairs = [(b, theirs[s]) for s, b in zip(row["seeds"], row["test_bpc"]) if s in theirs]
+    return statistics.mean(b for b, _ in pairs) / statistics.mean(s for _, s in pairs) - 1 if pairs else None
 
 
 def plot(rows, path):
@@ -142,11 +154,12 @@ def main(argv=None):
                                draw=lambda file: plot(file["summary"], path.with_suffix(".png")))
             records.append(kept)
     rows = summarize(records)
-    print(f"{'variant':<28} {'params':>9} {'tokens':>11}  test BPC (mean +- std over seeds)  vs softmax")
+    best = rows[0]["best_softmax"] and label(rows[0]["best_softmax"])
+    print(f"{'variant':<36} {'params':>9} {'tokens':>11}  test BPC (mean +- std, seeds)  vs softmax  vs {best}")
     for r in rows:
-        ratio = "" if r["vs_softmax"] is None else f"{r['vs_softmax']:+.2%}"
-        print(f"{r['label']:<28} {r['params']:>9,} {r['tokens_seen']:>11,}  {r['mean']:>10.4f} +- {r['std']:.4f}"
-              f" ({len(r['seeds'])})   {ratio}")
+        ratios = ["" if r[key] is None else f"{r[key]:+.2%}" for key in ("vs_softmax", "vs_best_softmax")]
+        print(f"{r['label']:<36} {r['params']:>9,} {r['tokens_seen']:>11,}  {r['mean']:>10.4f} +- {r['std']:.4f}"
+              f" ({len(r['seeds'])})   {ratios[0]:>9}  {ratios[1]:>9}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "ablation.json"), "w") as f:
         json.dump({**setup, "train_args": extra, "seeds": args.seeds, "rows": rows}, f, indent=2)

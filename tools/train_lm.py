@@ -17,8 +17,8 @@ on CUDA with one GPU per process). --batch-size stays the global batch, split ev
 process draws the same global batches from --seed: N processes train as one does, and --resume continues a run on
 any number of processes that divides --batch-size. Process 0 alone prints and writes the files.
 
-Variants (--variant) for the attention ablation: baseline (plain global linear heads), conv (local_conv), gate
-(attn_gate), full (gate + conv), softmax (every head local with window = seq_len, i.e. exact causal softmax
+Variants (--variant, several joined by '+', e.g. hybrid+conv) for the attention ablation: baseline (plain global
+linear heads), conv (local_conv), gate (attn_gate), full (gate + conv), softmax (every head local with window = seq_len, i.e. exact causal softmax
 attention with the same parameters), hybrid (half the heads local softmax within blocks of --local-window positions,
 each seeing the W to 2W - 1 positions before it, the others global: a sliding window beside the linear heads, as
 Based pairs them; linear in the sequence length). The global heads run --global-mode, any registry method with a
@@ -58,6 +58,21 @@ VARIANTS = {
     "hybrid": {"hybrid": True},
 }
 HYBRID_WINDOW = 32  # --local-window's default: at --seq-len 256 a local head sees an eighth to a quarter of it
+
+
+def variant_options(variant: str) -> dict:
+    """The LM options of a --variant, 'NAME' or 'NAME+NAME...' (the names' options together)."""
+    names = variant.split("+")
+    unknown = [name for name in names if name not in VARIANTS]
+    if unknown or len(set(names)) < len(names):
+        raise ValueError(f"--variant {variant}: expected names from {', '.join(VARIANTS)}, each once, joined by '+' "
+                         f"(e.g. hybrid+conv)")
+    options = {}
+    for name in names:
+        options.update(VARIANTS[name])
+    if options.get("softmax") and options.get("hybrid"):
+        raise ValueError(f"--variant {variant}: softmax makes every head local and hybrid half of them; pick one")
+    return options
 
 
 def stdlib_corpus(n_bytes: int) -> bytes:
@@ -104,7 +119,7 @@ def run_label(args) -> str:
 
 
 def build_model(args):
-    kw = dict(VARIANTS[args.variant])
+    kw = variant_options(args.variant)
     if kw.pop("softmax", False):
         kw.update(n_local_attn_heads=args.heads, local_attn_window_size=args.seq_len)
     if kw.pop("hybrid", False):
@@ -189,7 +204,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m linear_mha.tools.train_lm", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--enwik8", help="path to enwik8 (else the standard-library corpus)")
     p.add_argument("--corpus-bytes", type=int, default=12_000_000, help="size of the standard-library corpus")
-    p.add_argument("--variant", choices=sorted(VARIANTS), default="baseline", help="attention variant (see above)")
+    p.add_argument("--variant", default="baseline",
+                   help=f"attention variant: one of {', '.join(VARIANTS)}, or several joined by '+' (see above)")
     p.add_argument("--global-mode", metavar="METHOD",
                    help="registry method of the global heads, one with a causal form (default: the LM's, kernel)")
     p.add_argument("--global-option", action="append", metavar="NAME=VALUE",
@@ -252,15 +268,16 @@ def check_args(args, world=1):
     if args.global_option and args.global_mode is None:
         raise ValueError("--global-option sets an option of --global-mode: name the method too, e.g. "
                          "--global-mode gla --global-option chunk_size=32")
-    if VARIANTS[args.variant].get("softmax") and args.global_mode is not None:  # every head local: none global
-        raise ValueError("--variant softmax makes every head a local softmax head, so there are no global heads for "
-                         f"--global-mode {args.global_mode}: leave one of the two out")
+    variant = variant_options(args.variant)
+    if variant.get("softmax") and args.global_mode is not None:  # every head local: none global
+        raise ValueError(f"--variant {args.variant} makes every head a local softmax head, so there are no global "
+                         f"heads for --global-mode {args.global_mode}: leave one of the two out")
     if args.dim % args.heads:
         raise ValueError(f"--dim ({args.dim}) must be divisible by --heads ({args.heads})")
-    if args.local_window is not None and not VARIANTS[args.variant].get("hybrid"):
+    if args.local_window is not None and not variant.get("hybrid"):
         raise ValueError(f"--local-window sets the local heads of --variant hybrid; --variant {args.variant} has "
                          "none of that kind: pass --variant hybrid or leave --local-window out")
-    if VARIANTS[args.variant].get("hybrid") and args.heads < 2:
+    if variant.get("hybrid") and args.heads < 2:
         raise ValueError(f"--variant hybrid makes half the heads local: it needs --heads >= 2 (got {args.heads})")
     if args.local_window is not None and args.local_window < 1:
         raise ValueError(f"--local-window must be >= 1, got {args.local_window}")
