@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """LM variants over seeds at one budget: train_lm's attention variants (baseline / conv / gate / full linear heads,
-hybrid local + linear heads, and a softmax Transformer with the same parameters), each optionally with the global heads on another registry
-method, on the same corpus, token budget and seeds.
+hybrid local + linear heads, and a softmax Transformer with the same parameters), each optionally with the global
+heads on another registry method, on the same corpus, token budget and seeds.
 
 A variant is ``VARIANT`` or ``VARIANT:METHOD``: train_lm's --variant (several joined by '+'), and --global-mode
 METHOD for its global heads (e.g. ``softmax``, ``softmax+conv``, ``baseline:gated_deltanet``,
-``hybrid+conv:gated_deltanet``). Every argument after ``--`` goes to every
-run (model size, steps, data, --shift-tokens), so the variants differ in their attention only.
+``hybrid+conv:gated_deltanet``). Every argument after ``--`` goes to every run (model size, steps, data,
+--shift-tokens), so the variants differ in their attention only.
 
 Each run is ``python -m linear_mha.tools.train_lm`` in OUT/<variant>_seed<S>; re-running reuses finished runs and
 resumes an interrupted one from its checkpoint. Prints mean +- sample standard deviation of test bits per byte over
@@ -154,7 +154,7 @@ def main(argv=None):
                                draw=lambda file: plot(file["summary"], path.with_suffix(".png")))
             records.append(kept)
     rows = summarize(records)
-    best = rows[0]["best_softmax"] and label(rows[0]["best_softmax"])
+    best = label(rows[0]["best_softmax"]) if rows[0]["best_softmax"] else "best softmax"
     print(f"{'variant':<36} {'params':>9} {'tokens':>11}  test BPC (mean +- std, seeds)  vs softmax  vs {best}")
     for r in rows:
         ratios = ["" if r[key] is None else f"{r[key]:+.2%}" for key in ("vs_softmax", "vs_best_softmax")]

@@ -18,12 +18,12 @@ process draws the same global batches from --seed: N processes train as one does
 any number of processes that divides --batch-size. Process 0 alone prints and writes the files.
 
 Variants (--variant, several joined by '+', e.g. hybrid+conv) for the attention ablation: baseline (plain global
-linear heads), conv (local_conv), gate (attn_gate), full (gate + conv), softmax (every head local with window = seq_len, i.e. exact causal softmax
-attention with the same parameters), hybrid (half the heads local softmax within blocks of --local-window positions,
-each seeing the W to 2W - 1 positions before it, the others global: a sliding window beside the linear heads, as
-Based pairs them; linear in the sequence length). The global heads run --global-mode, any registry method with a
-causal form (default: the LM's, `kernel`; e.g. deltanet, gated_deltanet, gla, retention), with --global-option
-NAME=VALUE.
+linear heads), conv (local_conv), gate (attn_gate), full (gate + conv), softmax (every head local with window =
+seq_len, i.e. exact causal softmax attention with the same parameters), hybrid (half the heads local softmax within
+blocks of --local-window positions, each seeing the W to 2W - 1 positions before it, the others global: a sliding
+window beside the linear heads, as Based pairs them; linear in the sequence length). The global heads run
+--global-mode, any registry method with a causal form (default: the LM's, `kernel`; e.g. deltanet, gated_deltanet,
+gla, retention), with --global-option NAME=VALUE.
 
 Example:  python -m linear_mha.tools.train_lm --steps 2000 --out runs/lm_baseline
 """
