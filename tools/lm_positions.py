@@ -46,10 +46,9 @@ def load_run(folder: Path):
 def bits_by_position(model, split, seq_len: int, max_bytes=None, batch_size: int = 32) -> np.ndarray:
     """(seq_len,) mean bits per byte of the prediction at each position of the windows train_lm's evaluate
     scores: consecutive windows of seq_len + 1 bytes, every seq_len bytes, over the first max_bytes of split."""
-    n = len(split) if max_bytes is None else min(len(split), max_bytes)
-    starts = np.arange((n - 1) // seq_len) * seq_len
+    starts = train_lm.window_starts(split, seq_len, max_bytes)
     if not len(starts):
-        raise ValueError(f"the split has {n} bytes, fewer than one window of --seq-len {seq_len} + 1")
+        raise ValueError(f"the split's scored bytes hold no window of --seq-len {seq_len} + 1")
     total = torch.zeros(seq_len, dtype=torch.float64)
     for i in range(0, len(starts), batch_size):
         batch = torch.from_numpy(np.stack([split[s:s + seq_len + 1] for s in starts[i:i + batch_size]])
@@ -112,15 +111,14 @@ def main(argv=None):
         runs.append({"run": str(folder), "label": train_lm.run_label(args), "seed": args.seed,
                      "bpc": float(bits.mean()), "bpc_by_position": bits.tolist()})
         print(f"{folder}: {a.split} {runs[-1]['bpc']:.4f} bits per byte", file=sys.stderr)
-    ranges = position_ranges(first.seq_len)
+    ranges = [{"positions": [lo, hi], "bpc": [float(np.mean(r["bpc_by_position"][lo:hi])) for r in runs]}
+              for lo, hi in position_ranges(first.seq_len)]
     print(f"{'positions':<12}" + "".join(f"{r['label'][:22]:>24}" for r in runs))
-    for lo, hi in ranges:
-        means = [float(np.mean(r["bpc_by_position"][lo:hi])) for r in runs]
-        print(f"{f'{lo}-{hi}':<12}" + f"{means[0]:>24.4f}"
+    for row in ranges:
+        means = row["bpc"]
+        print(f"{'-'.join(map(str, row['positions'])):<12}" + f"{means[0]:>24.4f}"
               + "".join(f"{m:>15.4f} ({m / means[0] - 1:+6.1%})" for m in means[1:]))
-    results = {"split": a.split, "seq_len": first.seq_len, "max_bytes": a.max_bytes, "runs": runs,
-               "ranges": [{"positions": [lo, hi], "bpc": [float(np.mean(r["bpc_by_position"][lo:hi])) for r in runs]}
-                          for lo, hi in ranges]}
+    results = {"split": a.split, "seq_len": first.seq_len, "max_bytes": a.max_bytes, "runs": runs, "ranges": ranges}
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(a.json, json.dumps(results, indent=1))

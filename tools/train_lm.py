@@ -161,16 +161,21 @@ def random_batch(split, args, gen, rank=0, world=1):
 
 
 @torch.no_grad()
+def window_starts(split, seq_len: int, max_bytes=None) -> np.ndarray:
+    """Where the scored windows start: consecutive, non-overlapping windows of seq_len + 1 bytes, every seq_len
+    bytes, over the first max_bytes of split (all of it if None)."""
+    n = len(split) if max_bytes is None else min(len(split), max_bytes)
+    return np.arange((n - 1) // seq_len) * seq_len
+
+
 def evaluate(wrapper, split, args, max_bytes, rank=0, world=1):
     """BPC over consecutive non-overlapping windows covering the first max_bytes of the split (all if None).
     Several processes share the batches round-robin and sum their totals: each batch is the one a single process
     scores, so every process gets the single-process BPC up to the order of the sum."""
     wrapper.eval()
-    n = len(split) if max_bytes is None else min(len(split), max_bytes)
-    windows = (n - 1) // args.seq_len
-    starts = np.arange(windows) * args.seq_len
+    starts = window_starts(split, args.seq_len, max_bytes)
     total, count = 0.0, 0
-    for i in range(rank * args.batch_size, windows, world * args.batch_size):
+    for i in range(rank * args.batch_size, len(starts), world * args.batch_size):
         batch = np.stack([split[s:s + args.seq_len + 1] for s in starts[i:i + args.batch_size]])
         x = torch.from_numpy(batch.astype(np.int64)).to(args.device)
         loss = wrapper(x, return_loss=True)
