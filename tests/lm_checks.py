@@ -1,5 +1,5 @@
-"""Checks shared by the LM tests: causality by perturbation, incremental decoding against the full forward, and the
-tiny models and option sets the decoding tests run."""
+"""Checks shared by the LM tests: causality by perturbation, masked tokens hidden, incremental decoding against the
+full forward, and the tiny models and option sets the decoding tests run."""
 import torch
 
 from linear_mha.lm import LinearAttentionTransformerLM
@@ -14,6 +14,18 @@ def assert_causal(model, x, vocab, positions, name="", **forward_kwargs):
         out = model(y, **forward_kwargs)
         assert torch.allclose(out[:, :t], base[:, :t], rtol=0, atol=1e-12), f"{name}: future token {t} leaked"
         assert (out[:, t:] - base[:, t:]).abs().max() > 1e-6, f"{name}: perturbation at {t} had no effect"
+
+
+def assert_masked_tokens_reach_nothing(model, x, vocab, hidden=(3, 4, 11, 17)):
+    """Changing the tokens an input_mask hides leaves every kept position's logits as they were (float64); without
+    the mask the change is seen, so the check is not vacuous."""
+    keep = torch.ones(x.shape, dtype=torch.bool)
+    keep[:, list(hidden)] = False
+    y = x.clone()
+    y[:, list(hidden)] = (y[:, list(hidden)] + 5) % vocab
+    a, b = model(x, input_mask=keep), model(y, input_mask=keep)
+    torch.testing.assert_close(a[:, keep[0]], b[:, keep[0]], rtol=0, atol=1e-12)
+    assert (model(x) - model(y)).abs().max() > 1e-6, "the changed tokens are not seen even without the mask"
 
 
 def assert_steps_equal_full(model, x, input_mask=None):
@@ -32,7 +44,9 @@ DECODING_CONFIGS = {
     "blindspot": dict(blindspot_size=3),
     "everything": dict(n_local_attn_heads=2, local_attn_window_size=4, attn_gate=True, local_conv=True,
                        shift_tokens=True, attend_axially=True, reversible=True, use_rotary_emb=True, ff_glu=True,
-                       one_kv_head=True),
+                       one_kv_head=True, short_conv=3),
+    "short_conv": dict(short_conv=4, n_local_attn_heads=(1, 2), local_attn_window_size=4, local_conv=True,
+                       use_rotary_emb=True, global_mode="gated_deltanet"),
 }
 
 

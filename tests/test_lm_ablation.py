@@ -73,4 +73,8 @@ def test_the_best_softmax_is_the_all_softmax_variant_of_lowest_mean_and_every_ro
 def test_a_variant_outside_train_lms_is_refused_naming_them(capsys):
     with pytest.raises(SystemExit):
         lm_ablation.main(["--variants", "linear:deltanet"] + TRAIN)
-    assert "baseline, conv, gate, full, softmax, hybrid, or several joined by '+'" in capsys.readouterr().err
+    assert f"{', '.join(train_lm.VARIANTS)}, or several joined by '+'" in capsys.readouterr().err
+
+
+def test_every_variant_of_train_lm_has_a_label():
+    assert list(lm_ablation.LABELS) == list(train_lm.VARIANTS)

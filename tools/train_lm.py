@@ -21,7 +21,9 @@ Variants (--variant, several joined by '+', e.g. hybrid+conv) for the attention 
 linear heads), conv (local_conv), gate (attn_gate), full (gate + conv), softmax (every head local with window =
 seq_len, i.e. exact causal softmax attention with the same parameters), hybrid (half the heads local softmax within
 blocks of --local-window positions, each seeing the W to 2W - 1 positions before it, the others global: a sliding
-window beside the linear heads, as Based pairs them; linear in the sequence length). The global heads run
+window beside the linear heads, as Based pairs them; linear in the sequence length), shortconv (a causal 4-tap
+depthwise convolution of the queries, keys and values before every head, as DeltaNet and Mamba-2 have; softmax heads
+take it too: softmax+shortconv). The global heads run
 --global-mode, any registry method with a causal form (default: the LM's, `kernel`; e.g. deltanet, gated_deltanet,
 gla, retention), with --global-option NAME=VALUE.
 
@@ -49,6 +51,7 @@ from linear_mha.integrations.stop import StopRequest
 from linear_mha.lm import AutoregressiveWrapper, LinearAttentionTransformerLM
 from linear_mha.progress import progress_bar
 
+SHORT_CONV_TAPS = 4  # --variant shortconv: flash-linear-attention's conv_size for DeltaNet and Gated DeltaNet
 VARIANTS = {
     "baseline": {},
     "conv": {"local_conv": True},
@@ -56,6 +59,7 @@ VARIANTS = {
     "full": {"attn_gate": True, "local_conv": True},
     "softmax": {"softmax": True},
     "hybrid": {"hybrid": True},
+    "shortconv": {"short_conv": SHORT_CONV_TAPS},
 }
 HYBRID_WINDOW = 32  # --local-window's default: at --seq-len 256 a local head sees an eighth to a quarter of it
 

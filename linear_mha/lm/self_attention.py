@@ -14,6 +14,13 @@ Two optional improvements on the output, both before ``to_out``:
   context layer queries and values belong to different sequences.
 - ``attn_gate``: the output is multiplied feature-wise by sigmoid(W_g x).
 
+And one on the input: ``short_conv`` = K > 0 convolves the query, key and value projections along the positions, a
+causal depthwise convolution of K taps per channel (no bias), before the heads' method (and rotary) sees them: the
+"short convolution" that DeltaNet, Gated DeltaNet and Mamba-2 put before their recurrence (K = 4 in
+flash-linear-attention), which lets a key be formed from the few tokens before it. Each method then prepares its
+queries and keys as it always does (the delta rule's SiLU and unit norm follow the convolution, as in those layers).
+Causal self-attention only; padded positions enter it as zeros, so they reach no later position through it.
+
 ``attn_dropout`` drops attention weights in local heads and whole keys (numerator only) in global heads;
 ``dropout`` (the transformer's ``attn_layer_dropout``) acts on the layer output. ``blindspot_size`` > 1 (causal
 global heads with a feature-map method) hides a query's own bucket of positions (blindspot.py).
@@ -54,6 +61,7 @@ class SelfAttention(nn.Module):
         rotary: bool = False,
         attn_gate: bool = False,
         local_conv: bool = False,
+        short_conv: int = 0,
         global_mode: Optional[str] = None,
         global_options: Optional[dict] = None,
     ):
@@ -72,6 +80,12 @@ class SelfAttention(nn.Module):
             raise ValueError(f"local_attn_window_size must be >= 1, got {local_attn_window_size}")
         if receives_context and (n_local_attn_heads or local_conv or causal):
             raise ValueError("a context-attention layer is non-causal, global only and has no local_conv")
+        if isinstance(short_conv, bool) or not isinstance(short_conv, int) or short_conv < 0:
+            raise ValueError(f"short_conv is the causal convolution's number of taps, an int >= 0 (0: none; 4 is "
+                             f"DeltaNet's); got {short_conv!r}")
+        if short_conv and not causal:
+            raise ValueError("short_conv convolves queries, keys and values over the positions before each one: it "
+                             "belongs to causal self-attention; build the layer with causal=True or leave it out")
         if rotary and dim_head % 2:
             raise ValueError(f"rotary embeddings need an even dim_head, got {dim_head}")
         self.heads, self.dim_head, self.causal = heads, dim_head, causal
@@ -87,6 +101,8 @@ class SelfAttention(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.gate = nn.Linear(dim, inner) if attn_gate else None
         self.conv = nn.Conv1d(inner, inner, 3, groups=inner, bias=False) if local_conv else None
+        qkv = inner + 2 * dim_head * self.kv_heads
+        self.short_conv = nn.Conv1d(qkv, qkv, short_conv, groups=qkv, bias=False) if short_conv else None
         self.local_method = (create_method("block_local", {"window": local_attn_window_size})
                              if n_local_attn_heads else None)
         self.global_method = None
@@ -121,18 +137,36 @@ class SelfAttention(nn.Module):
         t = t.reshape(*t.shape[:-1], n_heads, self.dim_head).transpose(-2, -3)
         return t.expand(t.shape[0], self.heads, *t.shape[2:]) if n_heads == 1 else t
 
-    def _project(self, x, context=None, positions=None):
-        """-> q, k, v (B, H, ., D), rotary applied (self-attention only)."""
+    def _project(self, x, context=None, positions=None, padding=None, cache=None):
+        """-> q, k, v (B, H, ., D): the projections, through the short convolution (which continues from and
+        updates ``cache`` when decoding), then rotary (self-attention only)."""
         if self.receives_context and context is None:
             raise ValueError("this layer attends to a context: pass context=(B, S, dim) encoder output")
-        q = self._heads(self.to_q(x), self.heads)
         src = context if self.receives_context else x
-        k, v = self._heads(self.to_k(src), self.kv_heads), self._heads(self.to_v(src), self.kv_heads)
+        q, k, v = self.to_q(x), self.to_k(src), self.to_v(src)
+        if self.short_conv is not None:
+            q, k, v = self._short_conv(torch.cat([q, k, v], dim=-1), padding, cache).split(
+                [q.shape[-1], k.shape[-1], v.shape[-1]], dim=-1)
+        q, k, v = self._heads(q, self.heads), self._heads(k, self.kv_heads), self._heads(v, self.kv_heads)
         if self.rotary and not self.receives_context:
             positions = torch.arange(x.shape[1], device=x.device) if positions is None else positions
             cos, sin = rotary_cos_sin(positions, self.dim_head, q.dtype)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return q, k, v
+
+    def _short_conv(self, qkv: Tensor, padding: Optional[Tensor], cache: Optional[dict]) -> Tensor:
+        """qkv (B, N, C) -> (B, N, C), each position mixing itself and the K - 1 before it; a padded position enters
+        as zeros. With a cache it continues from the K - 1 inputs a previous call kept there (zeros at the start)
+        and keeps its own last K - 1: a prompt and then single positions give the full sequence's outputs."""
+        if padding is not None:
+            qkv = qkv.masked_fill(padding[..., None], 0.0)
+        held = self.short_conv.kernel_size[0] - 1
+        flat = qkv.transpose(1, 2)  # (B, C, N)
+        before = None if cache is None else cache.get("short_conv")
+        window = torch.cat([flat.new_zeros(*flat.shape[:2], held) if before is None else before, flat], dim=-1)
+        if cache is not None:
+            cache["short_conv"] = window[..., window.shape[-1] - held:]
+        return self.short_conv(window).transpose(1, 2)
 
     def forward(self, x, input_mask=None, context=None, context_mask=None, positions=None, *, padding=None,
                 context_padding=None):
@@ -145,7 +179,7 @@ class SelfAttention(nn.Module):
                                                (b, context.shape[1]))
         elif context_mask is not None:
             raise ValueError("context_mask was given without context")
-        q, k, v = self._project(x, context, positions)
+        q, k, v = self._project(x, context, positions, padding)
         return self._attend(x, q, k, v, padding, context_padding)
 
     def _attend(self, x, q, k, v, padding, context_padding):
@@ -189,7 +223,7 @@ class SelfAttention(nn.Module):
         """``forward`` over positions 0..N-1 that also leaves in ``cache`` what ``step`` would have after them."""
         if not (self.causal or self.receives_context):
             raise ValueError("prefill() decodes causal models; build the model with causal=True")
-        q, k, v = self._project(x, context)
+        q, k, v = self._project(x, context, padding=padding, cache=cache)
         if self.receives_context:
             cache["ctx_k"], cache["ctx_v"] = k, v
             return self._attend(x, q, k, v, padding, context_padding)
@@ -233,21 +267,18 @@ class SelfAttention(nn.Module):
         if not (self.causal or self.receives_context):
             raise ValueError("step() decodes causal models; build the model with causal=True")
         b = x.shape[0]
-        q = self._heads(self.to_q(x)[:, None], self.heads)
         if self.receives_context:
             if context is None:
                 raise ValueError("this layer attends to a context: pass context=(B, S, dim) to step()/generate()")
             if "ctx_k" not in cache:  # the context is fixed while decoding: project it once
                 cache["ctx_k"] = self._heads(self.to_k(context), self.kv_heads)
                 cache["ctx_v"] = self._heads(self.to_v(context), self.kv_heads)
-            method = self.global_method
+            q, method = self._heads(self.to_q(x)[:, None], self.heads), self.global_method
             attn, _ = attend_heads(method, method.state(self), q, cache["ctx_k"], cache["ctx_v"],
                                    key_padding_mask=context_padding)
         else:
-            k, v = self._heads(self.to_k(x)[:, None], self.kv_heads), self._heads(self.to_v(x)[:, None], self.kv_heads)
-            if self.rotary:
-                cos, sin = rotary_cos_sin(torch.tensor([t], device=x.device), self.dim_head, q.dtype)
-                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k, v = self._project(x[:, None], positions=torch.tensor([t], device=x.device),
+                                    padding=None if padding_t is None else padding_t[:, None], cache=cache)
             outs = self._decode(q[:, :, 0], k[:, :, 0], v[:, :, 0], cache, padding_t, t)
             attn = torch.cat(outs, dim=1)[:, :, None]
             if self.conv is not None:
