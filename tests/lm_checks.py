@@ -44,9 +44,9 @@ DECODING_CONFIGS = {
     "blindspot": dict(blindspot_size=3),
     "everything": dict(n_local_attn_heads=2, local_attn_window_size=4, attn_gate=True, local_conv=True,
                        shift_tokens=True, attend_axially=True, reversible=True, use_rotary_emb=True, ff_glu=True,
-                       one_kv_head=True, short_conv=3),
-    "short_conv": dict(short_conv=4, n_local_attn_heads=(1, 2), local_attn_window_size=4, local_conv=True,
-                       use_rotary_emb=True, global_mode="gated_deltanet"),
+                       one_kv_head=True, short_conv=3, head_norm=True),
+    "delta_block": dict(short_conv=4, head_norm=True, attn_gate=True, n_local_attn_heads=(1, 2),
+                        local_attn_window_size=4, local_conv=True, use_rotary_emb=True, global_mode="gated_deltanet"),
 }
 
 

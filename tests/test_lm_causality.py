@@ -16,14 +16,15 @@ CONFIGS = {
     "gate": dict(attn_gate=True),
     "conv": dict(local_conv=True),
     "short_conv": dict(short_conv=4),
+    "head_norm": dict(head_norm=True),
     "shift": dict(shift_tokens=True),
     "axial": dict(attend_axially=True, local_attn_window_size=8),
     "reversible": dict(reversible=True),
     "rotary": dict(use_rotary_emb=True),
     "one_kv_head": dict(one_kv_head=True, n_local_attn_heads=1, local_attn_window_size=8),
     "all": dict(n_local_attn_heads=2, local_attn_window_size=8, blindspot_size=2, attn_gate=True, local_conv=True,
-                short_conv=2, shift_tokens=True, attend_axially=True, reversible=True, use_rotary_emb=True, ff_glu=True,
-                ff_chunks=3, emb_dim=16),
+                short_conv=2, head_norm=True, shift_tokens=True, attend_axially=True, reversible=True,
+                use_rotary_emb=True, ff_glu=True, ff_chunks=3, emb_dim=16),
 }
 
 

@@ -68,14 +68,31 @@ def test_rotary_replaces_absolute_positions_and_is_used():
     assert differs(out, m(x))
 
 
-@pytest.mark.parametrize("option,param", [("attn_gate", "gate"), ("local_conv", "conv")])
-def test_gate_and_conv_parameters_reach_the_output(option, param):
+@pytest.mark.parametrize("option,param", [("attn_gate", "gate"), ("local_conv", "conv"),
+                                          ("head_norm", "head_norm")])
+def test_gate_conv_and_norm_parameters_reach_the_output(option, param):
     m = lm(causal=True, **{option: True})
     x = tokens()
     out = m(x)
     with torch.no_grad():
         getattr(m.transformer.layers.layers[0][0].fn, param).weight.mul_(3.0)
     assert differs(out, m(x))
+
+
+@pytest.mark.parametrize("n_local", [0, 1])
+def test_head_norm_gives_each_heads_output_unit_rms_times_its_scale(n_local):
+    """Normalising over all heads together, or over positions, would leave single heads off unit RMS."""
+    torch.manual_seed(0)
+    layer = SelfAttention(16, heads=2, causal=True, head_norm=True, n_local_attn_heads=n_local,
+                          local_attn_window_size=4).double()
+    with torch.no_grad():
+        layer.head_norm.weight.uniform_(0.5, 2.0)
+    layer.head_norm.eps = 1e-12  # its 1e-5 shifts a small head's RMS by up to eps / mean square
+    seen = []
+    layer.to_out.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    layer(torch.randn(2, 7, 16, dtype=torch.float64))
+    heads = seen[0].reshape(2, 7, 2, 8) / layer.head_norm.weight  # (B, N, H, D) over the scale
+    torch.testing.assert_close(heads.pow(2).mean(-1), torch.ones(2, 7, 2, dtype=torch.float64), rtol=1e-8, atol=1e-8)
 
 
 def test_glu_and_ff_dropout_reach_every_feed_forward():

@@ -123,12 +123,13 @@ def test_variants_joined_by_plus_take_every_part(train_lm, variant, local_heads)
     assert layers and all(layer.n_local == local_heads and layer.conv is not None for layer in layers)
 
 
-@pytest.mark.parametrize("variant, local_heads", [("shortconv", 0), ("softmax+shortconv", 4),
-                                                  ("hybrid+conv+shortconv", 2)])
-def test_the_short_convolution_variant_reaches_every_layer_beside_the_others(train_lm, variant, local_heads):
+@pytest.mark.parametrize("variant, local_heads", [("shortconv+norm", 0), ("softmax+shortconv+norm", 4),
+                                                  ("hybrid+conv+shortconv+norm", 2)])
+def test_the_short_convolution_and_the_head_norm_reach_every_layer_beside_the_others(train_lm, variant,
+                                                                                    local_heads):
     model = train_lm.build_model(train_lm.parse_args(["--variant", variant, "--heads", "4", "--dim", "32"]))
     layers = [m for m in model.modules() if isinstance(m, SelfAttention)]
-    assert layers and all(layer.n_local == local_heads and layer.short_conv is not None
+    assert layers and all(layer.n_local == local_heads and layer.head_norm is not None and layer.short_conv is not None
                           and layer.short_conv.kernel_size == (train_lm.SHORT_CONV_TAPS,) for layer in layers)
 
 

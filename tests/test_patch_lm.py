@@ -1,5 +1,5 @@
 """patch()/calibrate() on the LM stack: SelfAttention's softmax (local) heads swapped for a registry method, the
-projections, rotary embeddings, global heads, gate, conv and short convolution kept as they were."""
+projections, rotary embeddings, global heads, gate, conv, short convolution and head norm kept as they were."""
 import copy
 
 import pytest
@@ -16,7 +16,8 @@ SEQ = 24
 CONFIGS = {
     "softmax_lm": dict(n_local_attn_heads=4, local_attn_window_size=SEQ),
     "hybrid_everything": dict(n_local_attn_heads=2, local_attn_window_size=SEQ, attn_gate=True, local_conv=True,
-                              use_rotary_emb=True, one_kv_head=True, reversible=True, ff_glu=True, short_conv=3),
+                              use_rotary_emb=True, one_kv_head=True, reversible=True, ff_glu=True, short_conv=3,
+                              head_norm=True),
 }
 
 

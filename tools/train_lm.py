@@ -23,7 +23,8 @@ seq_len, i.e. exact causal softmax attention with the same parameters), hybrid (
 blocks of --local-window positions, each seeing the W to 2W - 1 positions before it, the others global: a sliding
 window beside the linear heads, as Based pairs them; linear in the sequence length), shortconv (a causal 4-tap
 depthwise convolution of the queries, keys and values before every head, as DeltaNet and Mamba-2 have; softmax heads
-take it too: softmax+shortconv). The global heads run
+take it too: softmax+shortconv), norm (each head's output RMS-normalised, head_norm, as Gated DeltaNet does before
+its output gate; with gate, the gated norm of those layers). The global heads run
 --global-mode, any registry method with a causal form (default: the LM's, `kernel`; e.g. deltanet, gated_deltanet,
 gla, retention), with --global-option NAME=VALUE.
 
@@ -60,6 +61,7 @@ VARIANTS = {
     "softmax": {"softmax": True},
     "hybrid": {"hybrid": True},
     "shortconv": {"short_conv": SHORT_CONV_TAPS},
+    "norm": {"head_norm": True},
 }
 HYBRID_WINDOW = 32  # --local-window's default: at --seq-len 256 a local head sees an eighth to a quarter of it
 

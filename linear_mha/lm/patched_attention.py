@@ -3,11 +3,11 @@
 The stack's softmax heads are its ``n_local_attn_heads``; with a window as long as the sequence they are exact
 causal softmax (tools.train_lm's ``--variant softmax``, the model users train with this stack and then want to
 convert). ``patch`` swaps each such SelfAttention for a PatchedSelfAttention that holds the very same submodules
-(to_q, to_k, to_v, to_out, gate, conv, short_conv), keeps rotary embeddings and the global linear heads as they
-were, and runs the local heads through the method over every key the query may see (every earlier one when causal):
-the method's
-cost is linear, so it needs no window. A window shorter than the sequence is therefore not kept; ``calibrate``
-fits the method to the windowed softmax all the same. Layers without softmax heads are already linear and skipped.
+(to_q, to_k, to_v, to_out, gate, conv, short_conv, head_norm), keeps rotary embeddings and the global linear heads
+as they were, and runs the local heads through the method over every key the query may see (every earlier one when
+causal): the method's cost is linear, so it needs no window. A window shorter than the sequence is therefore not
+kept; ``calibrate`` fits the method to the windowed softmax all the same. Layers without softmax heads are already
+linear and skipped.
 
 Decoding (``prefill`` / ``step``) runs the method's own decoding through ``attend.prefill_heads`` / ``step_heads``:
 a recurrent method (every feature-map method, hedgehog with a window included) keeps a state of fixed size, so each
@@ -20,7 +20,7 @@ from ..registry import DEFAULT_MODE, causal_methods, create_method
 from .padding import padding_of_layer
 from .self_attention import SelfAttention
 
-_REUSED = ("to_q", "to_k", "to_v", "to_out", "dropout", "gate", "conv", "short_conv")
+_REUSED = ("to_q", "to_k", "to_v", "to_out", "dropout", "gate", "conv", "short_conv", "head_norm")
 _SETTINGS = ("heads", "dim_head", "causal", "kv_heads", "n_local", "window", "blindspot_size", "receives_context",
              "rotary", "attn_dropout", "global_method")
 

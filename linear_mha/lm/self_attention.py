@@ -13,6 +13,9 @@ Two optional improvements on the output, both before ``to_out``:
   lacks. Causal models pad it on the left only, so it never reads a later token. Self-attention only: in a
   context layer queries and values belong to different sequences.
 - ``attn_gate``: the output is multiplied feature-wise by sigmoid(W_g x).
+- ``head_norm``: each head's attention output is RMS-normalised (one learned scale per channel, shared by the
+  heads), as Gated DeltaNet, GLA and RetNet normalise theirs before the output gate: a state read by a query is not
+  a weighted mean of values, and its size drifts with the keys written. Applied before the local term is added.
 
 And one on the input: ``short_conv`` = K > 0 convolves the query, key and value projections along the positions, a
 causal depthwise convolution of K taps per channel (no bias), before the heads' method (and rotary) sees them: the
@@ -62,6 +65,7 @@ class SelfAttention(nn.Module):
         attn_gate: bool = False,
         local_conv: bool = False,
         short_conv: int = 0,
+        head_norm: bool = False,
         global_mode: Optional[str] = None,
         global_options: Optional[dict] = None,
     ):
@@ -100,6 +104,7 @@ class SelfAttention(nn.Module):
         self.to_out = nn.Linear(inner, dim)
         self.dropout = nn.Dropout(dropout)
         self.gate = nn.Linear(dim, inner) if attn_gate else None
+        self.head_norm = nn.RMSNorm(dim_head, eps=1e-5) if head_norm else None
         self.conv = nn.Conv1d(inner, inner, 3, groups=inner, bias=False) if local_conv else None
         qkv = inner + 2 * dim_head * self.kv_heads
         self.short_conv = nn.Conv1d(qkv, qkv, short_conv, groups=qkv, bias=False) if short_conv else None
@@ -195,15 +200,21 @@ class SelfAttention(nn.Module):
         return self._output(x, outs, v, padding)
 
     def _output(self, x, outs, v, padding):
-        """The head groups' outputs (B, H_group, N, Dv) joined, the local term and the gate applied, projected."""
+        """The head groups' outputs (B, H_group, N, Dv) joined (and normalised), the local term and the gate applied,
+        projected."""
         b, n, _ = x.shape
-        attn = torch.cat(outs, dim=1)
+        attn = self._joined(outs)
         if self.conv is not None:
             attn = attn + self._conv(v, padding)
         attn = attn.transpose(1, 2).reshape(b, n, -1)
         if self.gate is not None:
             attn = attn * torch.sigmoid(self.gate(x))
         return self.dropout(self.to_out(attn))
+
+    def _joined(self, outs):
+        """The head groups' outputs (B, H_group, ..., Dv) -> (B, H, ..., Dv), each head normalised with head_norm."""
+        attn = torch.cat(outs, dim=1)
+        return attn if self.head_norm is None else self.head_norm(attn)
 
     # The local heads, apart so linear_mha.patch can swap their method (patched_attention.py).
     def _local_heads(self, q, k, v, padding, dropout_p):  # (B, n_local, N, D) each -> (B, n_local, N, Dv)
@@ -280,7 +291,7 @@ class SelfAttention(nn.Module):
             q, k, v = self._project(x[:, None], positions=torch.tensor([t], device=x.device),
                                     padding=None if padding_t is None else padding_t[:, None], cache=cache)
             outs = self._decode(q[:, :, 0], k[:, :, 0], v[:, :, 0], cache, padding_t, t)
-            attn = torch.cat(outs, dim=1)[:, :, None]
+            attn = self._joined(outs)[:, :, None]
             if self.conv is not None:
                 attn = attn + self._conv_step(v, padding_t, cache)
         attn = attn.transpose(1, 2).reshape(b, -1)

@@ -65,6 +65,7 @@ class LinearAttentionTransformer(nn.Module):
         attn_gate: bool = False,
         local_conv: bool = False,
         short_conv: int = 0,
+        head_norm: bool = False,
         one_kv_head: bool = False,
         pkm_layers: Union[int, Sequence[int]] = (),
         pkm_num_keys: int = 128,
@@ -81,10 +82,10 @@ class LinearAttentionTransformer(nn.Module):
         if linformer_settings is not None:
             if causal:
                 raise ValueError("Linformer self-attention mixes all positions; use linformer_settings only with causal=False")
-            if any(local_heads) or attn_gate or local_conv or short_conv or use_rotary_emb:
+            if any(local_heads) or attn_gate or local_conv or short_conv or head_norm or use_rotary_emb:
                 raise ValueError("linformer_settings replaces SelfAttention: n_local_attn_heads, attn_gate, "
-                                 "local_conv, short_conv and use_rotary_emb do not apply to it; drop them or "
-                                 "linformer_settings")
+                                 "local_conv, short_conv, head_norm and use_rotary_emb do not apply to it; drop them "
+                                 "or linformer_settings")
         self.max_seq_len, self.causal, self.receives_context = max_seq_len, causal, receives_context
         shifts = ((0, 1) if causal else (-1, 0, 1)) if shift_tokens else None
 
@@ -99,7 +100,8 @@ class LinearAttentionTransformer(nn.Module):
             if linformer_settings is None:
                 attn = SelfAttention(dim, causal=causal, blindspot_size=blindspot_size, n_local_attn_heads=n_local,
                                      local_attn_window_size=local_attn_window_size, rotary=use_rotary_emb,
-                                     attn_gate=attn_gate, local_conv=local_conv, short_conv=short_conv, **common)
+                                     attn_gate=attn_gate, local_conv=local_conv, short_conv=short_conv,
+                                     head_norm=head_norm, **common)
             else:
                 attn = LinformerSelfAttention(dim, max_seq_len, linformer_settings.k, heads=heads, dim_head=dim_head,
                                               one_kv_head=one_kv_head, dropout=attn_dropout)
