@@ -76,6 +76,8 @@ def test_settings_that_cannot_make_the_task_name_the_argument():
         mqar.main(["--methods", "efficient"])
     with pytest.raises(ValueError, match="--methods 'kernel-dwc5'.*-dwc3"):
         mqar.main(["--methods", "kernel-dwc5"])
+    with pytest.raises(ValueError, match="--methods 'kernel-sc0'.*K >= 1 taps"):
+        mqar.main(["--methods", "kernel-sc0"])
 
 
 def test_method_names_take_options_and_the_local_convolution():
@@ -84,6 +86,19 @@ def test_method_names_take_options_and_the_local_convolution():
     model = mqar_train.RecallModel(method, VOCAB, SEQ, dim=16, depth=1, heads=2)
     layers = [m for m in model.modules() if isinstance(m, mqar.SelfAttention)]
     assert layers and all(layer.conv is not None and layer.global_method.feature_map == "relu" for layer in layers)
+
+
+@pytest.mark.parametrize("name, mode, local_conv, taps", [("gated_deltanet-dwc3-sc4:chunk_size=8", "gated_deltanet",
+                                                             True, 4), ("softmax-sc2", "softmax", False, 2)])
+def test_method_names_take_the_short_convolution(name, mode, local_conv, taps):
+    method = mqar.parse_method(name, dim=16, heads=2)
+    assert (method.mode, method.local_conv, method.short_conv) == (mode, local_conv, taps)
+    model = mqar_train.RecallModel(method, VOCAB, SEQ, dim=16, depth=1, heads=2)
+    layers = [m for m in model.modules() if isinstance(m, mqar.SelfAttention)]
+    assert layers and all(layer.short_conv.kernel_size == (taps,) for layer in layers)
+    records = [{"method": name, "seq_len": SEQ, "num_kv_pairs": PAIRS, "lr": 1e-3, "seed": 0, "acc": 1.0,
+                "final_loss": 0.1}]
+    assert mqar.summarize(records)[0]["exact"] == (mode == "softmax")
 
 
 TINY = ["--methods", "kernel", "--seq-lens", str(SEQ), "--kv-pairs", str(PAIRS), "--vocab", str(VOCAB), "--dim", "16",

@@ -10,9 +10,11 @@ run a given method recall, at each query, the value bound to a key earlier in th
 Data (tools/mqar_data.py): --train-examples sequences for training (drawn from the run's seed) and a held-out set of
 --test-examples (its own seed, the same for every run of a task). Model: ``linear_mha.lm``'s causal
 LinearAttentionTransformerLM of --vocab tokens, width --dim, --depth layers of --heads heads, learned positions, every
-head global and running the method. Methods are named as in detr_compare, '<method>[-dwc3][:option=value,...]':
-a registry method (any with a causal form), '-dwc3' adding the LM's local term (``local_conv``: a causal 3-tap
-depthwise convolution of the values beside attention), options going to the method. Training: AdamW (--lr,
+head global and running the method. Methods are named as in detr_compare, '<method>[-dwc3][-sc<K>][:option=value,
+...]': a registry method (any with a causal form), '-dwc3' adding the LM's local term (``local_conv``: a causal 3-tap
+depthwise convolution of the values beside attention), '-sc<K>' the short convolution of queries, keys and values
+before the heads (``short_conv``, K taps; DeltaNet's and Gated DeltaNet's is -sc4), options going to the method.
+Training: AdamW (--lr,
 --weight-decay), a linear warm-up over the first 2% of --steps then a cosine decay to 0, gradients clipped at 1, the
 cross-entropy of the query positions only. Score: recall accuracy, the fraction of the test set's query positions
 whose most likely next token is the bound value.
@@ -61,20 +63,32 @@ LOCAL_CONV_TAPS = 3  # SelfAttention's local_conv: a fixed 3-tap causal depthwis
 RUN_KEY = ("method", "seq_len", "num_kv_pairs", "lr", "seed")  # one run of the grid
 
 
+def split_short_conv(name: str):
+    """'gated_deltanet-dwc3-sc4:chunk_size=32' -> ('gated_deltanet-dwc3:chunk_size=32', 4): the name without its
+    short convolution, as split_variant reads it, and the convolution's taps (0 without '-sc<K>')."""
+    base, colon, options = name.partition(":")
+    short = re.fullmatch(r"(.+)-sc(\d+)", base)
+    return (short.group(1) + colon + options, int(short.group(2))) if short else (name, 0)
+
+
 def parse_method(name: str, dim: int, heads: int) -> Method:
     """A --methods entry checked by building the attention layer it names: an unknown method or option, or a method
     without a causal form, raises ValueError naming the entry (and the layer's reason, from the registry)."""
-    mode, dwc_kernel, items = split_variant(name)
+    variant, short_conv = split_short_conv(name)
+    if variant != name and short_conv < 1:
+        raise ValueError(f"--methods {name!r}: -sc<K> adds a short convolution of K >= 1 taps; write e.g. -sc4 or "
+                         f"leave it out")
+    mode, dwc_kernel, items = split_variant(variant)
     if dwc_kernel not in (None, LOCAL_CONV_TAPS):
         raise ValueError(f"--methods {name!r}: the LM's local term (local_conv) is a causal convolution of "
                          f"{LOCAL_CONV_TAPS} taps; write -dwc{LOCAL_CONV_TAPS} or leave it out")
     options = parse_attention_options(items, flag=f"--methods {name!r}:")
     try:
-        SelfAttention(dim, heads=heads, causal=True, local_conv=dwc_kernel is not None, global_mode=mode,
-                      global_options=options)
+        SelfAttention(dim, heads=heads, causal=True, local_conv=dwc_kernel is not None, short_conv=short_conv,
+                      global_mode=mode, global_options=options)
     except (ValueError, TypeError) as err:
         raise ValueError(f"--methods {name!r}: {err}") from None
-    return Method(name, mode, options, dwc_kernel is not None)
+    return Method(name, mode, options, dwc_kernel is not None, short_conv)
 
 
 def task_grid(seq_lens, kv_pairs, vocab):
@@ -149,7 +163,8 @@ def _mean_std(values):
 def summarize(records):
     """Per (method, seq_len, pairs), in the order of the runs: every learning rate's accuracy (mean and sample std
     over seeds) and mean final training loss, and the rate chosen by that loss, whose accuracy is the row's."""
-    exact = {name: method_class(split_variant(name)[0]).exact for name in dict.fromkeys(r["method"] for r in records)}
+    exact = {name: method_class(split_variant(split_short_conv(name)[0]).base).exact
+             for name in dict.fromkeys(r["method"] for r in records)}
     summary = []
     for method, seq_len, pairs in dict.fromkeys((r["method"], r["seq_len"], r["num_kv_pairs"]) for r in records):
         task = [r for r in records if (r["method"], r["seq_len"], r["num_kv_pairs"]) == (method, seq_len, pairs)]
@@ -207,7 +222,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m linear_mha.tools.mqar", description=__doc__,
                                 formatter_class=HelpFormatter)
     p.add_argument("--methods", nargs="+", default=["softmax", "kernel"],
-                   help="registry methods of the global heads: '<method>[-dwc3][:option=value,...]'")
+                   help="registry methods of the global heads: '<method>[-dwc3][-sc<K>][:option=value,...]'")
     p.add_argument("--seq-lens", type=int, nargs="+", help="sequence lengths, crossed with --kv-pairs (default: 64)")
     p.add_argument("--kv-pairs", nargs="+", default=["8"],
                    help="key-value pairs per sequence, or seq_len:pairs items (e.g. 64:8 128:16 256:32)")

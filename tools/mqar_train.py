@@ -35,6 +35,7 @@ class Method(NamedTuple):
     mode: str        # the registry method of the global heads
     options: dict    # its options
     local_conv: bool
+    short_conv: int = 0  # taps of the short convolution of queries, keys and values (0: none)
 
 
 class RecallModel(nn.Module):
@@ -48,7 +49,7 @@ class RecallModel(nn.Module):
         self.lm = LinearAttentionTransformerLM(vocab, dim, depth, seq_len, heads=heads, dim_head=dim // heads,
                                                causal=True, return_embeddings=True, global_mode=method.mode,
                                                global_options=method.options, local_conv=method.local_conv,
-                                               shift_tokens=shift_tokens)
+                                               short_conv=method.short_conv, shift_tokens=shift_tokens)
         self.head = nn.Linear(dim, vocab)
 
     def forward(self, tokens, targets):
