@@ -42,6 +42,7 @@ DECODING_CONFIGS = {
     "global": dict(),
     "local": dict(n_local_attn_heads=(4, 2), local_attn_window_size=4),
     "blindspot": dict(blindspot_size=3),
+    "blindspot_short_conv": dict(blindspot_size=3, short_conv=4, head_norm=True),
     "everything": dict(n_local_attn_heads=2, local_attn_window_size=4, attn_gate=True, local_conv=True,
                        shift_tokens=True, attend_axially=True, reversible=True, use_rotary_emb=True, ff_glu=True,
                        one_kv_head=True, short_conv=3, head_norm=True),

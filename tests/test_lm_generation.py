@@ -24,10 +24,11 @@ def test_step_logits_equal_full_forward(name):
         assert_steps_equal_full(model, x, m)
 
 
-def test_decoder_with_context_steps_equal_full_forward():
+@pytest.mark.parametrize("options", [dict(), dict(head_norm=True, short_conv=3)])
+def test_decoder_with_context_steps_equal_full_forward(options):
     torch.manual_seed(0)
     dec = LinearAttentionTransformerLM(V, 32, 2, 64, heads=4, dim_head=8, causal=True, receives_context=True,
-                                       n_local_attn_heads=1, local_attn_window_size=4).double().eval()
+                                       n_local_attn_heads=1, local_attn_window_size=4, **options).double().eval()
     x, ctx = tokens(), torch.randn(2, 7, 32, dtype=torch.float64)
     cmask = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])
     full = dec(x, context=ctx, context_mask=cmask)
@@ -55,6 +56,30 @@ def test_decoding_state_does_not_grow_with_context():
         sizes[t] = _cache_numel(cache)
     # Every piece of state exists after a few windows; from then on the cache holds a constant number of values.
     assert sizes[10] == sizes[29] > 0
+
+
+def _cache_bytes(obj, seen=None):
+    """Bytes of the distinct storages the cache keeps alive: a slice kept as a view holds all of its base."""
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        storage = obj.untyped_storage()
+        if storage.data_ptr() in seen:
+            return 0
+        seen.add(storage.data_ptr())
+        return storage.nbytes()
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return sum(_cache_bytes(v, seen) for v in values)
+
+
+@pytest.mark.parametrize("name", ["everything", "delta_block"])
+def test_a_long_prompt_leaves_a_decoding_state_of_the_same_size_as_a_short_one(name):
+    model = tiny_lm(**CONFIGS[name])
+    sizes = []
+    for prompt_len in (12, 48):
+        cache = {}
+        model.prefill(tokens(n=prompt_len), cache)
+        sizes.append(_cache_bytes(cache))
+    assert sizes[0] == sizes[1] > 0
 
 
 def test_greedy_generate_matches_rerunning_the_full_model():

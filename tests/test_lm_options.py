@@ -79,19 +79,24 @@ def test_gate_conv_and_norm_parameters_reach_the_output(option, param):
     assert differs(out, m(x))
 
 
-@pytest.mark.parametrize("n_local", [0, 1])
-def test_head_norm_gives_each_heads_output_unit_rms_times_its_scale(n_local):
-    """Normalising over all heads together, or over positions, would leave single heads off unit RMS."""
+@pytest.mark.parametrize("n_local, local_conv", [(0, False), (1, False), (1, True)])
+def test_head_norm_gives_each_heads_output_unit_rms_times_its_scale(n_local, local_conv):
+    """Normalising over all heads together, or over positions, would leave single heads off unit RMS; so would
+    normalising after the local term is added."""
     torch.manual_seed(0)
     layer = SelfAttention(16, heads=2, causal=True, head_norm=True, n_local_attn_heads=n_local,
-                          local_attn_window_size=4).double()
+                          local_attn_window_size=4, local_conv=local_conv).double()
     with torch.no_grad():
         layer.head_norm.weight.uniform_(0.5, 2.0)
     layer.head_norm.eps = 1e-12  # its 1e-5 shifts a small head's RMS by up to eps / mean square
     seen = []
     layer.to_out.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
-    layer(torch.randn(2, 7, 16, dtype=torch.float64))
-    heads = seen[0].reshape(2, 7, 2, 8) / layer.head_norm.weight  # (B, N, H, D) over the scale
+    x = torch.randn(2, 7, 16, dtype=torch.float64)
+    layer(x)
+    heads = seen[0].reshape(2, 7, 2, 8)  # (B, N, H, D)
+    if local_conv:
+        heads = heads - layer._conv(layer._project(x)[2], None).transpose(1, 2)
+    heads = heads / layer.head_norm.weight
     torch.testing.assert_close(heads.pow(2).mean(-1), torch.ones(2, 7, 2, dtype=torch.float64), rtol=1e-8, atol=1e-8)
 
 

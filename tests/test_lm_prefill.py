@@ -37,10 +37,11 @@ def test_prefill_then_steps_equal_steps_only(name, prompt_len):
         torch.testing.assert_close(torch.cat([head, torch.stack(tail, dim=1)], dim=1), ref, rtol=1e-10, atol=1e-10)
 
 
-def test_prefill_with_context_decoder():
+@pytest.mark.parametrize("options", [dict(), dict(head_norm=True, short_conv=3)])
+def test_prefill_with_context_decoder(options):
     torch.manual_seed(0)
     dec = LinearAttentionTransformerLM(V, 32, 2, 64, heads=4, dim_head=8, causal=True, receives_context=True,
-                                       n_local_attn_heads=1, local_attn_window_size=4).double().eval()
+                                       n_local_attn_heads=1, local_attn_window_size=4, **options).double().eval()
     x, ctx = tokens(12), torch.randn(2, 7, 32, dtype=torch.float64)
     cmask = torch.tensor([[True] * 7, [True] * 4 + [False] * 3])
     full = dec(x, context=ctx, context_mask=cmask)

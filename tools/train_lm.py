@@ -24,9 +24,9 @@ blocks of --local-window positions, each seeing the W to 2W - 1 positions before
 window beside the linear heads, as Based pairs them; linear in the sequence length), shortconv (a causal 4-tap
 depthwise convolution of the queries, keys and values before every head, as DeltaNet and Mamba-2 have; softmax heads
 take it too: softmax+shortconv), norm (each head's output RMS-normalised, head_norm, as Gated DeltaNet does before
-its output gate; with gate, the gated norm of those layers). The global heads run
---global-mode, any registry method with a causal form (default: the LM's, `kernel`; e.g. deltanet, gated_deltanet,
-gla, retention), with --global-option NAME=VALUE.
+its output gate; with gate, the gated norm of those layers). The global heads run --global-mode, any registry method
+with a causal form (default: the LM's, `kernel`; e.g. deltanet, gated_deltanet, gla, retention), with
+--global-option NAME=VALUE.
 
 Example:  python -m linear_mha.tools.train_lm --steps 2000 --out runs/lm_baseline
 """

@@ -6,7 +6,7 @@ of ``local_attn_window_size`` positions and the block before, and after when not
 linear method: ``global_mode`` (default ``efficient``, Efficient Attention, when not causal or attending to a
 context; ``feature_softmax`` when causal) and its ``global_options``. Every registered method with the needed form
 can run the global heads; ``linear_mha.patch`` swaps the local heads' method (patched_attention.py).
-Two optional improvements on the output, both before ``to_out``:
+Optional improvements on the output, all before ``to_out``:
 
 - ``local_conv``: a depthwise 3-tap convolution over the values added to the attention output (as in the
   "local enhancement" of linear-attention vision models), restoring the sharp local mixing linear attention
@@ -16,13 +16,15 @@ Two optional improvements on the output, both before ``to_out``:
 - ``head_norm``: each head's attention output is RMS-normalised (one learned scale per channel, shared by the
   heads), as Gated DeltaNet, GLA and RetNet normalise theirs before the output gate: a state read by a query is not
   a weighted mean of values, and its size drifts with the keys written. Applied before the local term is added.
+  With ``attn_gate`` it makes a gated norm as theirs, with a sigmoid gate where Gated DeltaNet's gate is SiLU.
 
 And one on the input: ``short_conv`` = K > 0 convolves the query, key and value projections along the positions, a
 causal depthwise convolution of K taps per channel (no bias), before the heads' method (and rotary) sees them: the
 "short convolution" that DeltaNet, Gated DeltaNet and Mamba-2 put before their recurrence (K = 4 in
 flash-linear-attention), which lets a key be formed from the few tokens before it. Each method then prepares its
-queries and keys as it always does (the delta rule's SiLU and unit norm follow the convolution, as in those layers).
-Causal self-attention only; padded positions enter it as zeros, so they reach no later position through it.
+queries and keys as it always does (the delta rule's SiLU and unit norm follow the convolution, as in those layers;
+the values get no SiLU here, where flash-linear-attention's layers apply one). Causal self-attention only; padded
+positions enter it as zeros, so they reach no later position through it.
 
 ``attn_dropout`` drops attention weights in local heads and whole keys (numerator only) in global heads;
 ``dropout`` (the transformer's ``attn_layer_dropout``) acts on the layer output. ``blindspot_size`` > 1 (causal
@@ -82,8 +84,9 @@ class SelfAttention(nn.Module):
             raise ValueError("blindspot_size only applies to causal global heads; set causal=True or blindspot_size=1")
         if n_local_attn_heads and local_attn_window_size < 1:
             raise ValueError(f"local_attn_window_size must be >= 1, got {local_attn_window_size}")
-        if receives_context and (n_local_attn_heads or local_conv or causal):
-            raise ValueError("a context-attention layer is non-causal, global only and has no local_conv")
+        if receives_context and (n_local_attn_heads or local_conv or short_conv or causal):
+            raise ValueError("a context-attention layer is non-causal, global only and has no local_conv or "
+                             "short_conv")
         if isinstance(short_conv, bool) or not isinstance(short_conv, int) or short_conv < 0:
             raise ValueError(f"short_conv is the causal convolution's number of taps, an int >= 0 (0: none; 4 is "
                              f"DeltaNet's); got {short_conv!r}")
@@ -170,7 +173,7 @@ class SelfAttention(nn.Module):
         before = None if cache is None else cache.get("short_conv")
         window = torch.cat([flat.new_zeros(*flat.shape[:2], held) if before is None else before, flat], dim=-1)
         if cache is not None:
-            cache["short_conv"] = window[..., window.shape[-1] - held:]
+            cache["short_conv"] = window[..., window.shape[-1] - held:].clone()  # a view would keep the prompt
         return self.short_conv(window).transpose(1, 2)
 
     def forward(self, x, input_mask=None, context=None, context_mask=None, positions=None, *, padding=None,
@@ -287,6 +290,7 @@ class SelfAttention(nn.Module):
             q, method = self._heads(self.to_q(x)[:, None], self.heads), self.global_method
             attn, _ = attend_heads(method, method.state(self), q, cache["ctx_k"], cache["ctx_v"],
                                    key_padding_mask=context_padding)
+            attn = self._joined([attn])
         else:
             q, k, v = self._project(x[:, None], positions=torch.tensor([t], device=x.device),
                                     padding=None if padding_t is None else padding_t[:, None], cache=cache)

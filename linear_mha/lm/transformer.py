@@ -109,12 +109,13 @@ class LinearAttentionTransformer(nn.Module):
             kinds.append("self")
             if attend_axially:
                 axial = SelfAttention(dim, causal=causal, rotary=use_rotary_emb, attn_gate=attn_gate,
-                                      local_conv=local_conv, **common)
+                                      local_conv=local_conv, short_conv=short_conv, head_norm=head_norm, **common)
                 layers.append([PreNorm(dim, FoldAxially(local_attn_window_size, axial)), PreNorm(dim, ff())])
                 kinds.append("self")
             if receives_context:
                 if context_linformer_settings is None:
-                    ctx_attn = SelfAttention(dim, receives_context=True, attn_gate=attn_gate, **common)
+                    ctx_attn = SelfAttention(dim, receives_context=True, attn_gate=attn_gate, head_norm=head_norm,
+                                             **common)
                 else:
                     s = context_linformer_settings
                     ctx_attn = LinformerSelfAttention(dim, s.seq_len, s.k, heads=heads, dim_head=dim_head,
