@@ -70,6 +70,8 @@ def test_a_bad_number_of_taps_is_refused(value):
 def test_a_non_causal_layer_refuses_it():
     with pytest.raises(ValueError, match="short_conv .* causal self-attention; build the layer with causal=True"):
         SelfAttention(16, heads=2, short_conv=4)
+    with pytest.raises(ValueError, match="a context-attention layer .* has no local_conv or short_conv"):
+        SelfAttention(16, heads=2, receives_context=True, short_conv=4)
     with pytest.raises(ValueError, match="short_conv.* do not apply"):
         LinearAttentionTransformerLM(V, 32, 1, 64, heads=4, short_conv=4, linformer_settings=LinformerSettings(k=8))
 
