@@ -39,6 +39,8 @@ def test_queries_keys_and_values_are_the_causal_convolution_of_their_projections
             if t - back >= 0:
                 expected[:, t] += weight[:, taps - 1 - back] * projections[:, t - back]
     q, k, v = layer._project(x)
+    # rows of contiguous channels, as the compiled maps and the delta rule take them (Conv1d's transpose is not)
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
     widths = [layer.to_q.out_features, layer.to_k.out_features, layer.to_v.out_features]
     want = expected.split(widths, dim=-1)
     torch.testing.assert_close(q, layer._heads(want[0], layer.heads), rtol=1e-12, atol=1e-12)

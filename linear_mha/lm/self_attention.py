@@ -165,16 +165,24 @@ class SelfAttention(nn.Module):
     def _short_conv(self, qkv: Tensor, padding: Optional[Tensor], cache: Optional[dict]) -> Tensor:
         """qkv (B, N, C) -> (B, N, C), each position mixing itself and the K - 1 before it; a padded position enters
         as zeros. With a cache it continues from the K - 1 inputs a previous call kept there (zeros at the start)
-        and keeps its own last K - 1: a prompt and then single positions give the full sequence's outputs."""
+        and keeps its own last K - 1: a prompt and then single positions give the full sequence's outputs.
+
+        The weights are a depthwise Conv1d's (as flash-linear-attention keeps them), applied as K shifted products
+        in the (B, N, C) layout: Conv1d would hand back channels-first rows, whose transpose the compiled delta rule
+        and feature maps do not take, and its CPU backward costs more than the products."""
         if padding is not None:
             qkv = qkv.masked_fill(padding[..., None], 0.0)
-        held = self.short_conv.kernel_size[0] - 1
-        flat = qkv.transpose(1, 2)  # (B, C, N)
+        weight = self.short_conv.weight[:, 0].to(qkv.dtype)  # (C, K): tap K - 1 weighs the position itself
+        taps, n = weight.shape[1], qkv.shape[1]
         before = None if cache is None else cache.get("short_conv")
-        window = torch.cat([flat.new_zeros(*flat.shape[:2], held) if before is None else before, flat], dim=-1)
+        window = torch.cat([qkv.new_zeros(qkv.shape[0], taps - 1, qkv.shape[2]) if before is None else before, qkv],
+                           dim=1)  # (B, K - 1 + N, C)
         if cache is not None:
-            cache["short_conv"] = window[..., window.shape[-1] - held:].clone()  # a view would keep the prompt
-        return self.short_conv(window).transpose(1, 2)
+            cache["short_conv"] = window[:, window.shape[1] - (taps - 1):].clone()  # a view would keep the prompt
+        out = window[:, :n] * weight[:, 0]
+        for tap in range(1, taps):
+            out = out + window[:, tap:tap + n] * weight[:, tap]
+        return out
 
     def forward(self, x, input_mask=None, context=None, context_mask=None, positions=None, *, padding=None,
                 context_padding=None):
