@@ -37,14 +37,17 @@ def test_decoder_with_context_steps_equal_full_forward(options):
     torch.testing.assert_close(steps, full, rtol=1e-10, atol=1e-10)
 
 
-def _cache_numel(obj):
+def _cache_tensors(obj):
+    """Every tensor the decoding cache holds, however nested in dicts, lists and tuples."""
     if isinstance(obj, torch.Tensor):
-        return obj.numel()
-    if isinstance(obj, dict):
-        return sum(_cache_numel(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_cache_numel(v) for v in obj)
-    return 0
+        yield obj
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    for value in values:
+        yield from _cache_tensors(value)
+
+
+def _cache_numel(cache):
+    return sum(t.numel() for t in _cache_tensors(cache))
 
 
 def test_decoding_state_does_not_grow_with_context():
@@ -58,17 +61,10 @@ def test_decoding_state_does_not_grow_with_context():
     assert sizes[10] == sizes[29] > 0
 
 
-def _cache_bytes(obj, seen=None):
+def _cache_bytes(cache):
     """Bytes of the distinct storages the cache keeps alive: a slice kept as a view holds all of its base."""
-    seen = set() if seen is None else seen
-    if isinstance(obj, torch.Tensor):
-        storage = obj.untyped_storage()
-        if storage.data_ptr() in seen:
-            return 0
-        seen.add(storage.data_ptr())
-        return storage.nbytes()
-    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
-    return sum(_cache_bytes(v, seen) for v in values)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in _cache_tensors(cache)}
+    return sum(storages.values())
 
 
 @pytest.mark.parametrize("name", ["everything", "delta_block"])

@@ -14,9 +14,8 @@ head global and running the method. Methods are named as in detr_compare, '<meth
 ...]': a registry method (any with a causal form), '-dwc3' adding the LM's local term (``local_conv``: a causal 3-tap
 depthwise convolution of the values beside attention), '-sc<K>' the short convolution of queries, keys and values
 before the heads (``short_conv``, K taps; DeltaNet's and Gated DeltaNet's is -sc4), options going to the method.
-Training: AdamW (--lr,
---weight-decay), a linear warm-up over the first 2% of --steps then a cosine decay to 0, gradients clipped at 1, the
-cross-entropy of the query positions only. Score: recall accuracy, the fraction of the test set's query positions
+Training: AdamW (--lr, --weight-decay), a linear warm-up over the first 2% of --steps then a cosine decay to 0,
+gradients clipped at 1, the cross-entropy of the query positions only. Score: recall accuracy, the fraction of the test set's query positions
 whose most likely next token is the bound value.
 
 Learning rates: MQAR is learnt in a sudden drop of the loss after a plateau, and at too low a rate a seed may not
