@@ -25,6 +25,10 @@ def test_each_variant_trains_its_own_attention_and_the_file_holds_every_run(tmp_
         ("baseline:deltanet", 0), ("baseline:deltanet", 1), ("softmax", 0), ("softmax", 1)]
     assert all(r["seconds"] > 0 and r["tokens_seen"] == 2 * 2 * 16 for r in held["records"])
     assert records.with_suffix(".png").is_file()
+    for r in held["records"]:  # the curve kept beside the numbers is the run's own log, not another run's
+        run = tmp_path / "runs" / f"{r['variant'].replace(':', '_')}_seed{r['seed']}"
+        logged = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+        assert r["curve"] == [{k: e[k] for k in ("step", "train_bpc", "val_bpc")} for e in logged] and logged
     by_name = {r["variant"]: r for r in rows}
     assert by_name["softmax"]["vs_softmax"] == 0.0
     deltanet = [r["test_bpc"] for r in held["records"] if r["variant"] == "baseline:deltanet"]

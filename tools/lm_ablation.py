@@ -70,7 +70,7 @@ def run_once(trainer, extra, spec, seed, out):
 def record_of(spec, seed, results, extra) -> dict:
     return {"variant": spec, "seed": seed, "train_args": extra, "params": results["params"],
             "tokens_seen": results["tokens_seen"], "val_bpc": results["val_bpc"], "test_bpc": results["test_bpc"],
-            "seconds": results.get("seconds")}
+            "seconds": results.get("seconds"), "curve": results.get("curve", [])}
 
 
 def summarize(records) -> list:

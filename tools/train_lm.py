@@ -10,7 +10,7 @@ Data:
 
 Outputs in --out: log.jsonl (one JSON object per eval, the checkpoint's own records), checkpoint.pt (resumed
 with --resume; written every --checkpoint-every steps and when Ctrl-C or SIGTERM stops the run), curves.png,
-results.json (final val/test BPC, parameter count, config).
+results.json (final val/test BPC, parameter count, config, and the curve: step, train and validation BPC at each eval).
 
 Several processes (DDP): ``torchrun --nproc_per_node=N -m linear_mha.tools.train_lm ...`` (gloo on the CPU, nccl
 on CUDA with one GPU per process). --batch-size stays the global batch, split evenly over the processes, and every
@@ -141,7 +141,8 @@ def build_model(args):
     except (ValueError, TypeError) as err:
         if args.global_mode is None:
             raise
-        given = " ".join([f"--global-mode {args.global_mode}"] + [f"--global-option {o}" for o in args.global_option or []])
+        options = [f"--global-option {o}" for o in args.global_option or []]
+        given = " ".join([f"--global-mode {args.global_mode}"] + options)
         raise ValueError(f"{given}: {err}") from None
 
 
@@ -212,7 +213,8 @@ def plot(log, path):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m linear_mha.tools.train_lm", description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m linear_mha.tools.train_lm", description=__doc__,
+                                formatter_class=HelpFormatter)
     p.add_argument("--enwik8", help="path to enwik8 (else the standard-library corpus)")
     p.add_argument("--corpus-bytes", type=int, default=12_000_000, help="size of the standard-library corpus")
     p.add_argument("--variant", default="baseline",
@@ -306,10 +308,10 @@ def check_splits(splits, args):
               "test": len(splits["test"]) if args.test_bytes is None else min(len(splits["test"]), args.test_bytes)}
     for name, size in scored.items():
         if size < need:
-            flag = {"val": "--val-bytes", "test": "--test-bytes"}.get(name, "--corpus-bytes")
+            flag = {"val": " or --val-bytes", "test": " or --test-bytes"}.get(name, "")
             raise ValueError(f"the {name} split has {size} bytes to score, fewer than one window of --seq-len "
                              f"{args.seq_len} + 1 = {need}; raise --corpus-bytes (the {name} split is "
-                             f"{'90' if name == 'train' else '5'}% of it){' or ' + flag if flag != '--corpus-bytes' else ''}, "
+                             f"{'90' if name == 'train' else '5'}% of it){flag}, "
                              f"or lower --seq-len")
 
 
@@ -362,7 +364,8 @@ def main(argv=None):
         banner("byte-level linear-attention LM training", {
             "data": args.enwik8 or f"standard-library corpus, {len(splits['train']):,} / {len(splits['val']):,} / "
                                    f"{len(splits['test']):,} bytes (train / val / test)",
-            "model": f"{run_label(args)}: dim {args.dim}, depth {args.depth}, {args.heads} heads, {n_params:,} parameters",
+            "model": f"{run_label(args)}: dim {args.dim}, depth {args.depth}, {args.heads} heads, "
+                     f"{n_params:,} parameters",
             "schedule": f"{args.steps} steps of {args.batch_size} x {args.seq_len} bytes"
                         + (f", from step {step}" if step else "") + f"; validation every {args.eval_every}",
             "device": f"{args.device}, threads {threads}{shares}",
@@ -411,7 +414,8 @@ def main(argv=None):
                "val_bpc": evaluate(wrapper, splits["val"], args, args.test_bytes, rank, world),
                "test_bpc": evaluate(wrapper, splits["test"], args, args.test_bytes, rank, world),
                "seconds": seconds, "data": args.enwik8 or f"stdlib corpus, {args.corpus_bytes} bytes",
-               "processes": world, "config": vars(args)}
+               "processes": world, "config": vars(args),
+               "curve": [{key: entry[key] for key in ("step", "train_bpc", "val_bpc")} for entry in log]}
     if main_process:
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump(results, f, indent=2)
