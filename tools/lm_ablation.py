@@ -105,11 +105,15 @@ def plot(rows, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(rows)), 3.5))
-    ax.bar([r["label"] for r in rows], [r["mean"] for r in rows], yerr=[r["std"] for r in rows], capsize=4)
-    ax.set_ylim(min(r["mean"] - r["std"] for r in rows) - 0.1, max(r["mean"] + r["std"] for r in rows) + 0.05)
-    ax.set_ylabel("test bits per byte")
-    ax.tick_params(axis="x", labelsize=8)
+    # Horizontal bars, best at the top: labels such as "Hybrid + Conv_Only (gated_deltanet)" stay readable however
+    # many variants the file holds
+    rows = sorted(rows, key=lambda r: -r["mean"])
+    fig, ax = plt.subplots(figsize=(8, 1.2 + 0.4 * len(rows)))
+    ax.barh([f"{r['label']} ({len(r['seeds'])} seed{'s' if len(r['seeds']) > 1 else ''})" for r in rows], [r["mean"] for r in rows],
+            xerr=[r["std"] for r in rows], capsize=3)
+    ax.set_xlim(min(r["mean"] - r["std"] for r in rows) - 0.05, max(r["mean"] + r["std"] for r in rows) + 0.02)
+    ax.set_xlabel("test bits per byte (mean ± std over seeds)")
+    ax.tick_params(axis="y", labelsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
