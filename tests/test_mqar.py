@@ -203,3 +203,17 @@ def test_several_learning_rates_are_each_trained_and_the_lowest_final_loss_is_ch
                                                                                      (3e-3, 0.905, 1.05)]
     with pytest.raises(ValueError, match="--lr must be > 0"):
         mqar.main(TINY + ["--out", str(tmp_path), "--lr", "1e-3", "0"])
+
+
+def test_the_rates_are_compared_on_the_seeds_they_share():
+    """A rate that has so far run only seed 0 (an easy seed here) is set against the other rate's seed 0, not against
+    its mean over seeds 0 and 1, which a hard seed 1 raises."""
+    def record(lr, seed, loss):
+        return {"method": "deltanet", "seq_len": SEQ, "num_kv_pairs": PAIRS, "lr": lr, "seed": seed, "acc": 0.5,
+                "final_loss": loss}
+    records = [record(1e-3, 0, 0.2), record(1e-3, 1, 2.0), record(3e-3, 0, 0.9)]
+    (row,) = mqar.summarize(records)
+    assert row["lr"] == 1e-3 and row["chosen_on"] == [0]
+    assert {r["lr"]: r["final_loss"] for r in row["by_lr"]} == {1e-3: pytest.approx(1.1), 3e-3: 0.9}
+    (row,) = mqar.summarize([record(1e-3, 1, 2.0), record(3e-3, 0, 0.9)])  # no seed in common: each rate's own
+    assert row["lr"] == 3e-3 and row["chosen_on"] == [0, 1]

@@ -21,8 +21,8 @@ whose most likely next token is the bound value.
 Learning rates: MQAR is learnt in a sudden drop of the loss after a plateau, and at too low a rate a seed may not
 leave the plateau within the budget. With several --lr values every method and task trains at each (as Zoology
 sweeps them), and the table takes, per method and task, the rate whose final training loss (the mean over the last
-5% of the steps), averaged over the seeds, is lowest: the choice never looks at the test set. Every rate's accuracy
-stays in the records and the summary.
+5% of the steps), averaged over the seeds that every rate has run, is lowest: the choice never looks at the test set.
+Every rate's accuracy stays in the records and the summary.
 
 Every (method, seq_len, pairs, lr, seed) run lives in OUT/<method>/seq<L>_kv<P>/lr<lr>/seed<S>/: log.jsonl (step,
 training loss, learning rate, seconds; the test accuracy every --eval-every steps) and checkpoint.pt (every
@@ -161,7 +161,9 @@ def _mean_std(values):
 
 def summarize(records):
     """Per (method, seq_len, pairs), in the order of the runs: every learning rate's accuracy (mean and sample std
-    over seeds) and mean final training loss, and the rate chosen by that loss, whose accuracy is the row's."""
+    over seeds) and mean final training loss, and the rate chosen by that loss, whose accuracy is the row's. The
+    rates are compared on the seeds every one of them has run (``chosen_on``; all of each rate's seeds where they
+    share none): a rate that so far ran only an easy seed must not win over one that also ran a hard one."""
     exact = {name: method_class(split_variant(split_short_conv(name)[0]).base).exact
              for name in dict.fromkeys(r["method"] for r in records)}
     summary = []
@@ -173,9 +175,12 @@ def summarize(records):
             acc, acc_std = _mean_std([r["acc"] for r in runs])
             by_lr[lr] = {"acc": acc, "acc_std": acc_std, "final_loss": statistics.mean(r["final_loss"] for r in runs),
                          "seeds": len(runs)}
-        chosen = min(by_lr, key=lambda lr: by_lr[lr]["final_loss"])
+        shared = set.intersection(*({r["seed"] for r in task if r["lr"] == lr} for lr in by_lr))
+        compared = [r for r in task if r["seed"] in shared] if shared else task
+        chosen = min(by_lr, key=lambda lr: statistics.mean(r["final_loss"] for r in compared if r["lr"] == lr))
         summary.append({"method": method, "exact": exact[method], "seq_len": seq_len, "num_kv_pairs": pairs,
-                        "lr": chosen, **by_lr[chosen], "by_lr": [{"lr": lr, **row} for lr, row in by_lr.items()]})
+                        "lr": chosen, **by_lr[chosen], "chosen_on": sorted({r["seed"] for r in compared}),
+                        "by_lr": [{"lr": lr, **row} for lr, row in by_lr.items()]})
     return summary
 
 
