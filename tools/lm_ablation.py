@@ -109,8 +109,8 @@ def plot(rows, path):
     # many variants the file holds
     rows = sorted(rows, key=lambda r: -r["mean"])
     fig, ax = plt.subplots(figsize=(8, 1.2 + 0.4 * len(rows)))
-    ax.barh([f"{r['label']} ({len(r['seeds'])} seed{'s' if len(r['seeds']) > 1 else ''})" for r in rows], [r["mean"] for r in rows],
-            xerr=[r["std"] for r in rows], capsize=3)
+    labels = [f"{r['label']} ({len(r['seeds'])} seed{'s' if len(r['seeds']) > 1 else ''})" for r in rows]
+    ax.barh(labels, [r["mean"] for r in rows], xerr=[r["std"] for r in rows], capsize=3)
     ax.set_xlim(min(r["mean"] - r["std"] for r in rows) - 0.05, max(r["mean"] + r["std"] for r in rows) + 0.02)
     ax.set_xlabel("test bits per byte (mean ± std over seeds)")
     ax.tick_params(axis="y", labelsize=8)

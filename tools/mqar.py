@@ -15,8 +15,8 @@ head global and running the method. Methods are named as in detr_compare, '<meth
 depthwise convolution of the values beside attention), '-sc<K>' the short convolution of queries, keys and values
 before the heads (``short_conv``, K taps; DeltaNet's and Gated DeltaNet's is -sc4), options going to the method.
 Training: AdamW (--lr, --weight-decay), a linear warm-up over the first 2% of --steps then a cosine decay to 0,
-gradients clipped at 1, the cross-entropy of the query positions only. Score: recall accuracy, the fraction of the test set's query positions
-whose most likely next token is the bound value.
+gradients clipped at 1, the cross-entropy of the query positions only. Score: recall accuracy, the fraction of the
+test set's query positions whose most likely next token is the bound value.
 
 Learning rates: MQAR is learnt in a sudden drop of the loss after a plateau, and at too low a rate a seed may not
 leave the plateau within the budget. With several --lr values every method and task trains at each (as Zoology
