@@ -133,6 +133,14 @@ def test_the_short_convolution_and_the_head_norm_reach_every_layer_beside_the_ot
                           and layer.short_conv.kernel_size == (train_lm.SHORT_CONV_TAPS,) for layer in layers)
 
 
+@pytest.mark.parametrize("variant, local_heads", [("softmax+conv+rotary", 4), ("hybrid+conv+rotary", 2)])
+def test_the_rotary_variant_rotates_every_head_and_drops_the_absolute_positions(train_lm, variant, local_heads):
+    model = train_lm.build_model(train_lm.parse_args(["--variant", variant, "--heads", "4", "--dim", "32"]))
+    layers = [m for m in model.modules() if isinstance(m, SelfAttention)]
+    assert layers and all(layer.rotary and layer.n_local == local_heads and layer.conv is not None for layer in layers)
+    assert model.pos_emb is None
+
+
 def test_the_cosine_schedule_warms_up_then_decays_to_zero_and_constant_holds(train_lm):
     args = train_lm.parse_args(["--steps", "1100", "--lr", "1e-3", "--lr-schedule", "cosine"])
     rates = [train_lm.learning_rate(step, args) for step in range(1100)]

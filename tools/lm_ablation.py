@@ -33,7 +33,8 @@ from .measure import cpu_name
 from .records_file import add_record, find_record, read_results
 
 LABELS = {"baseline": "Baseline", "conv": "Conv_Only", "gate": "Gate_Only", "full": "Full_Improved",
-          "softmax": "Softmax", "hybrid": "Hybrid", "shortconv": "Short_Conv", "norm": "Head_Norm"}
+          "softmax": "Softmax", "hybrid": "Hybrid", "shortconv": "Short_Conv", "norm": "Head_Norm",
+          "rotary": "Rotary"}
 RUN_KEY = ("variant", "seed")
 
 

@@ -24,9 +24,10 @@ blocks of --local-window positions, each seeing the W to 2W - 1 positions before
 window beside the linear heads, as Based pairs them; linear in the sequence length), shortconv (a causal 4-tap
 depthwise convolution of the queries, keys and values before every head, as DeltaNet and Mamba-2 have; softmax heads
 take it too: softmax+shortconv), norm (each head's output RMS-normalised, head_norm, as Gated DeltaNet does before
-its output gate; with gate, the gated norm of those layers). The global heads run --global-mode, any registry method
-with a causal form (default: the LM's, `kernel`; e.g. deltanet, gated_deltanet, gla, retention), with
---global-option NAME=VALUE.
+its output gate; with gate, the gated norm of those layers), rotary (rotary position embeddings on every head's
+queries and keys in place of the learned absolute positions, as softmax Transformers now have; the global heads
+take it too). The global heads run --global-mode, any registry method with a causal form (default: the LM's,
+`kernel`; e.g. deltanet, gated_deltanet, gla, retention), with --global-option NAME=VALUE.
 
 Example:  python -m linear_mha.tools.train_lm --steps 2000 --out runs/lm_baseline
 """
@@ -62,6 +63,7 @@ VARIANTS = {
     "hybrid": {"hybrid": True},
     "shortconv": {"short_conv": SHORT_CONV_TAPS},
     "norm": {"head_norm": True},
+    "rotary": {"use_rotary_emb": True},
 }
 HYBRID_WINDOW = 32  # --local-window's default: at --seq-len 256 a local head sees an eighth to a quarter of it
 
