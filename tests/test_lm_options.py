@@ -182,10 +182,10 @@ def test_causal_global_matches_quadratic_reference():
         torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("n, w", [(11, 4), (8, 8), (5, 8)])  # several blocks; one block (the softmax LM's heads)
 @pytest.mark.parametrize("causal", [False, True])
-def test_local_attention_matches_banded_softmax_reference(causal):
+def test_local_attention_matches_banded_softmax_reference(causal, n, w):
     g = torch.Generator().manual_seed(0)
-    n, w = 11, 4
     q, k, v = (torch.randn(2, 2, n, 4, generator=g, dtype=torch.float64) for _ in range(3))
     keep = torch.rand(2, n, generator=g) > 0.3
     out = block_local_attention(q, k, v, w, causal=causal, key_padding_mask=~keep)

@@ -49,6 +49,10 @@ def block_local_attention(
                          "in torch.export's dynamic_shapes (batch may stay dynamic), or export one graph per length")
     if b * h * n == 0:  # nothing to attend: the empty product, still on the autograd graph
         return q @ k.transpose(-1, -2) @ v
+    if n <= window:
+        # One block, whose neighbours are empty: softmax over the whole sequence. The blocked form would score the
+        # empty block before it too, twice the keys (an LM whose every head is local with window = seq_len).
+        return softmax_attention(q, k, v, key_padding_mask=key_padding_mask, causal=causal, dropout_p=dropout_p)[0]
     w, padding = window, key_padding_mask
     n_win = -(-n // w)
     pad = n_win * w - n
