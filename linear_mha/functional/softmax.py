@@ -41,6 +41,14 @@ def softmax(
         except RuntimeError:
             raise ValueError(f"attn_bias of shape {tuple(attn_bias.shape)} does not broadcast to (B, H, L, S) = "
                              f"{target}") from None
+    if causal and attn_bias is None and key_padding_mask is None and S > 0 and not need_weights \
+            and not functorch_active():
+        # The causal mask alone: SDPA's own is_causal (top-left aligned too, and no query is left without a key)
+        # lets its kernel skip the future's blocks instead of scoring them and masking them out.
+        try:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale), None
+        except NotImplementedError:
+            pass
     bias = attn_bias.to(q.dtype) if attn_bias is not None else None
     forbidden = None  # bool, True = the pair may not attend; broadcastable to (B, H, L, S)
     if key_padding_mask is not None:
