@@ -45,6 +45,14 @@ def test_softmax_causal_and_bias(qkv):
     close(w, torch.softmax(q @ k.transpose(-1, -2) / D ** 0.5 + bias, -1))
 
 
+@pytest.mark.parametrize("queries", [S - 3, S, S + 3])
+def test_softmax_with_only_a_causal_mask_is_top_left_aligned(qkv, queries):
+    _, k, v, _ = qkv  # no padding: SDPA's own causal mask does the masking
+    q = torch.randn(B, H, queries, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    scores = (q @ k.transpose(-1, -2) / D ** 0.5).masked_fill(torch.ones(queries, S).triu(1).bool(), float("-inf"))
+    close(LF.softmax(q, k, v, causal=True)[0], torch.softmax(scores, -1) @ v)
+
+
 def test_softmax_fully_masked_rows_are_zero_without_nan_gradients(qkv):
     q, k, v, kpm = qkv
     kpm = torch.ones(B, S, dtype=torch.bool)
