@@ -48,6 +48,9 @@ class BlockLocal(AttentionMethod):
         return naive.softmax_weights(naive.scaled_scores(q, k), seen & blocks)
 
     def flops(self, batch_heads, tokens, head_dim, causal):
-        # every query against the key slots of its 2 (causal) or 3 blocks, masked or not: scores and weights x v
+        # every query against the key slots of its 2 (causal) or 3 blocks, masked or not: scores and weights x v; a
+        # sequence within one block is attended as plain softmax, over its N x N square
+        if tokens <= self.window:
+            return 4.0 * batch_heads * tokens * tokens * head_dim
         padded = -(-tokens // self.window) * self.window
         return 4.0 * batch_heads * padded * (2 if causal else 3) * self.window * head_dim
